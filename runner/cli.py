@@ -1,0 +1,138 @@
+"""The `runner` command line: thin commands, each calling one library function and mapping errors to exit codes.
+
+Exit codes: 0 ok; 1 training failed; 2 bad spec, flag or data; 3 infrastructure (accelerator, storage);
+75 preempted after saving a checkpoint (run the same job again to continue).
+TensorFlow is imported only by the commands that need it, so `validate` and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from runner.errors import EXIT_USAGE, RunnerError
+from runner.spec import JobSpec, load_spec
+
+app = typer.Typer(
+    help=(
+        "Run TensorFlow/Keras training jobs on Cloud TPU, GPU or CPU from a YAML job spec, "
+        "with checkpoints that resume and a JSON timing summary.\n\n"
+        "Typical use: `runner prepare mnist --out data/mnist`, then `runner run jobs/mnist_cnn.yaml`."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+SpecPath = Annotated[
+    Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.", exists=True, dir_okay=False, readable=True)
+]
+Overrides = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a spec key, e.g. `--set train.epochs=3` (repeatable; YAML values)."),
+]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own log lines.")]
+
+
+def _setup_logging(debug: bool) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    for noisy in ("absl", "tensorflow", "h5py", "urllib3", "google"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def _fail(error: RunnerError, debug: bool = False) -> typer.Exit:
+    if debug and error.__cause__ is not None:
+        logging.getLogger("runner").exception("cause", exc_info=error.__cause__)
+    typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
+    return typer.Exit(error.exit_code)
+
+
+def _load(spec: Path, overrides: list[str] | None) -> JobSpec:
+    try:
+        return load_spec(spec, overrides or [])
+    except RunnerError as error:
+        raise _fail(error) from None
+
+
+@app.command()
+def validate(spec: SpecPath, overrides: Overrides = None) -> None:
+    """Check a job spec (and `--set` overrides) without importing TensorFlow; print the resolved spec.
+
+    Exit 0 when valid, 2 with every problem (file:line, dotted key, what to change) when not.
+    """
+    job = _load(spec, overrides)
+    typer.echo(json.dumps(job.to_dict(), indent=2))
+
+
+@app.command()
+def prepare(
+    dataset: Annotated[str, typer.Argument(help="Dataset name, e.g. mnist.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder or gs://bucket/prefix for shards + manifest.json.")],
+    source: Annotated[str, typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online).")] = "offline",
+    shards: Annotated[Optional[int], typer.Option(min=1, help="Shards per split (default: about 8 MB each).")] = None,
+    debug: Debug = False,
+) -> None:
+    """Turn a real dataset into sharded TFRecords plus a manifest (record counts, schema, sha256 per shard)."""
+    _setup_logging(debug)
+    from runner import prepare as prepare_mod
+
+    try:
+        manifest_path = prepare_mod.prepare(dataset, out, source=source, shards=shards)
+    except RunnerError as error:
+        raise _fail(error, debug) from None
+    typer.echo(manifest_path)
+
+
+@app.command()
+def verify(
+    folder: Annotated[str, typer.Argument(help="A prepared dataset folder or gs:// prefix (holds manifest.json).")],
+    debug: Debug = False,
+) -> None:
+    """Check every shard of a prepared dataset against its manifest (presence and sha256). Exit 2 on a mismatch."""
+    _setup_logging(debug)
+    from runner import data
+
+    try:
+        problems = data.verify_shards(folder.rstrip("/"))
+    except RunnerError as error:
+        raise _fail(error, debug) from None
+    for problem in problems:
+        typer.secho(problem, err=True, fg=typer.colors.RED)
+    if problems:
+        raise typer.Exit(EXIT_USAGE)
+    typer.echo(f"{folder}: every shard matches manifest.json")
+
+
+@app.command()
+def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
+
+    Re-running a finished job prints its summary and trains nothing. Exit codes: 0, 1 training failed,
+    2 spec/data, 3 accelerator/storage, 75 preempted (checkpoint saved: run again to continue).
+    """
+    job = _load(spec, overrides)
+    loaded_at = time.monotonic()
+    _setup_logging(debug)
+    from runner.job import run_job
+
+    result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0)
+    typer.echo(json.dumps(result.summary, separators=(",", ":")))
+    if result.error is not None:
+        raise _fail(result.error, debug)
+
+
+def main() -> None:
+    app()

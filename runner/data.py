@@ -1,0 +1,257 @@
+"""TFRecord shards: writing them (`prepare`), checking them (`verify`) and reading them (`make_dataset`).
+
+A prepared dataset is a folder (local or gs://) of `<split>-NNNNN-of-MMMMM.tfrecord` shards of
+tf.train.Example plus `manifest.json`: the feature schema, and per shard its record count and sha256.
+Every read and write goes through tf.io.gfile, so the same code serves a folder and a bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import math
+import posixpath
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import tensorflow as tf
+
+from runner.datasets import Dataset, Feature
+from runner.errors import DataError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_TARGET_SHARD_BYTES = 8 << 20
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def _example(features: dict[str, Feature], row: dict[str, np.ndarray]) -> bytes:
+    fields = {}
+    for name, feature in features.items():
+        value = row[name]
+        if feature.dtype == "uint8":
+            fields[name] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[value.tobytes()]))
+        elif feature.dtype == "int64":
+            fields[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=np.ravel(value)))
+        else:
+            fields[name] = tf.train.Feature(float_list=tf.train.FloatList(value=np.ravel(value)))
+    return tf.train.Example(features=tf.train.Features(feature=fields)).SerializeToString()
+
+
+def shard_count(dataset: Dataset, split: str) -> int:
+    arrays = dataset.splits[split]
+    size = sum(array.nbytes for array in arrays.values())
+    return max(1, min(1024, math.ceil(size / _TARGET_SHARD_BYTES)))
+
+
+def write_split(
+    dataset: Dataset, split: str, out_dir: str, shards: int, progress: Callable[[int], None] = lambda n: None
+) -> list[dict[str, Any]]:
+    """Writes one split as `shards` TFRecord files; returns the manifest entries (file, records, sha256)."""
+    arrays = dataset.splits[split]
+    count = len(next(iter(arrays.values())))
+    entries = []
+    for index, rows in enumerate(np.array_split(np.arange(count), shards)):
+        name = f"{split}-{index:05d}-of-{shards:05d}.tfrecord"
+        path = posixpath.join(out_dir, name)
+        with tf.io.TFRecordWriter(path) as writer:
+            for row in rows:
+                writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
+                progress(1)
+        entries.append({"file": name, "records": int(len(rows)), "sha256": sha256_of(path)})
+    return entries
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with tf.io.gfile.GFile(path, "rb") as handle:
+        while chunk := handle.read(4 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "dataset": dataset.name,
+        "source": dataset.source,
+        "license": dataset.license,
+        "features": {name: feature.to_dict() for name, feature in dataset.features.items()},
+        "inputs": list(dataset.inputs),
+        "label": dataset.label,
+        "splits": {
+            split: {"records": sum(e["records"] for e in entries), "shards": entries} for split, entries in splits.items()
+        },
+    }
+
+
+def write_manifest(out_dir: str, manifest: dict[str, Any]) -> str:
+    path = posixpath.join(out_dir, MANIFEST)
+    with tf.io.gfile.GFile(path, "w") as handle:
+        handle.write(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+# --- reading the manifest ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """The shard files a glob matched, with their manifest schema and record count."""
+
+    pattern: str
+    files: tuple[str, ...]
+    records: int
+    features: dict[str, Feature]
+    manifest: dict[str, Any]
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    path = posixpath.join(folder, MANIFEST)
+    try:
+        with tf.io.gfile.GFile(path, "r") as handle:
+            manifest = json.loads(handle.read())
+    except tf.errors.NotFoundError:
+        raise DataError(f"{path} not found: prepare the data with `runner prepare DATASET --out {folder}`") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise DataError(f"{path}: manifest_version {manifest.get('manifest_version')!r} is not {MANIFEST_VERSION}")
+    return manifest
+
+
+def find_shards(pattern: str) -> Shards:
+    """Globs `pattern` and matches every file against the manifest beside it."""
+    folder = posixpath.dirname(pattern)
+    files = tuple(sorted(tf.io.gfile.glob(pattern)))
+    if not files:
+        raise DataError(f"no files match {pattern!r}; check data.train / data.eval or run `runner prepare`")
+    manifest = read_manifest(folder)
+    known = {e["file"]: e for split in manifest["splits"].values() for e in split["shards"]}
+    unknown = [f for f in files if posixpath.basename(f) not in known]
+    if unknown:
+        raise DataError(f"{unknown[0]} matches {pattern!r} but is not listed in {folder}/{MANIFEST}")
+    features = {name: Feature(f["dtype"], tuple(f["shape"])) for name, f in manifest["features"].items()}
+    records = sum(known[posixpath.basename(f)]["records"] for f in files)
+    return Shards(pattern, files, records, features, manifest)
+
+
+def verify_shards(folder: str, splits: Iterable[str] | None = None) -> list[str]:
+    """Checks every shard listed in the manifest: present, same sha256. Returns the problems found."""
+    manifest = read_manifest(folder)
+    problems = []
+    for split, info in manifest["splits"].items():
+        if splits is not None and split not in splits:
+            continue
+        for entry in info["shards"]:
+            path = posixpath.join(folder, entry["file"])
+            if not tf.io.gfile.exists(path):
+                problems.append(f"{path}: missing")
+            elif (digest := sha256_of(path)) != entry["sha256"]:
+                problems.append(f"{path}: sha256 {digest[:12]}... does not match the manifest's {entry['sha256'][:12]}...")
+    return problems
+
+
+def corrupt_shards(pattern: str) -> list[str]:
+    """The shards matching `pattern` whose bytes differ from the manifest: names the file a read failed on."""
+    shards = find_shards(pattern)
+    folder = posixpath.dirname(pattern)
+    names = {posixpath.basename(f) for f in shards.files}
+    return [p for p in verify_shards(folder) if posixpath.basename(p.split(":")[0]) in names]
+
+
+# --- reading examples --------------------------------------------------------------------------
+
+
+def _parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature]:
+    spec = {}
+    for name, feature in features.items():
+        if feature.dtype == "uint8":
+            spec[name] = tf.io.FixedLenFeature([], tf.string)
+        elif feature.dtype == "int64":
+            spec[name] = tf.io.FixedLenFeature(feature.shape, tf.int64)
+        else:
+            spec[name] = tf.io.FixedLenFeature(feature.shape, tf.float32)
+    return spec
+
+
+def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str):
+    spec = _parse_spec({n: features[n] for n in (*inputs, label)})
+
+    def decode(serialized: tf.Tensor):
+        parsed = tf.io.parse_example(serialized, spec)
+        for name in parsed:
+            if features[name].dtype == "uint8":
+                pixels = tf.io.decode_raw(parsed[name], tf.uint8)
+                # Cast on the host: TPU infeed prefers float32/bfloat16 to uint8, and models rescale themselves.
+                parsed[name] = tf.cast(tf.reshape(pixels, (-1, *features[name].shape)), tf.float32)
+        x = parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}
+        return x, parsed[label]
+
+    return decode
+
+
+def check_columns(shards: Shards, inputs: tuple[str, ...], label: str) -> None:
+    for key, name in [*(("data.inputs", n) for n in inputs), ("data.label", label)]:
+        if name not in shards.features:
+            raise DataError(
+                f"{key} names feature {name!r}, but the manifest for {shards.pattern!r} has: "
+                f"{', '.join(sorted(shards.features))}"
+            )
+
+
+def make_dataset(
+    shards: Shards,
+    batch_size: int,
+    inputs: tuple[str, ...],
+    label: str,
+    training: bool,
+    shuffle_buffer: int = 0,
+    seed: int | None = None,
+) -> tf.data.Dataset:
+    """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled."""
+    check_columns(shards, inputs, label)
+    files = tf.data.Dataset.from_tensor_slices(list(shards.files))
+    if training:
+        files = files.shuffle(len(shards.files), seed=seed, reshuffle_each_iteration=True)
+    records = files.interleave(
+        tf.data.TFRecordDataset,
+        cycle_length=min(len(shards.files), 16),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=not training,
+    )
+    if training:
+        if shuffle_buffer > 1:
+            records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        records = records.repeat()
+    # TPUs need static shapes: every batch is full, the remainder of an epoch is dropped.
+    batches = records.batch(batch_size, drop_remainder=True)
+    batches = batches.map(_decoder(shards.features, inputs, label), num_parallel_calls=tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    if training:
+        options.deterministic = False
+    return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def steps_in(shards: Shards, batch_size: int, key: str) -> int:
+    steps = shards.records // batch_size
+    if steps == 0:
+        raise DataError(
+            f"{key}: {shards.records} records in {shards.pattern!r} make no full batch of "
+            f"data.global_batch_size ({batch_size}); lower the batch size or add data"
+        )
+    return steps
+
+
+def split_of(pattern: str, manifest: dict[str, Any]) -> str | None:
+    """The manifest split whose shards the pattern names, if one does."""
+    base = posixpath.basename(pattern)
+    for split, info in manifest["splits"].items():
+        if any(fnmatch.fnmatch(e["file"], base) for e in info["shards"]):
+            return split
+    return None

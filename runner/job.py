@@ -1,0 +1,172 @@
+"""run_job(spec): the one top-to-bottom story of a job, from a validated spec to a summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import tensorflow as tf
+
+from runner import PROCESS_START, data, models, train
+from runner.errors import DataError, Preempted, RunnerError, SpecError
+from runner.outputs import RunFolder
+from runner.spec import JobSpec
+from runner.strategy import Accelerator, resolve_accelerator
+from runner.timing import EpochRecord, Phases, build_summary
+
+log = logging.getLogger(__name__)
+keras = tf.keras
+
+
+@dataclasses.dataclass
+class JobResult:
+    summary: dict
+    error: RunnerError | None = None
+    already_complete: bool = False
+
+
+def _per_replica_batch(spec: JobSpec, accelerator: Accelerator) -> int:
+    batch, replicas = spec.data.global_batch_size, accelerator.replicas
+    if batch % replicas:
+        raise SpecError(
+            f"data.global_batch_size ({batch}) must be divisible by the number of replicas ({replicas}); "
+            f"try {max(replicas, batch // replicas * replicas)}"
+        )
+    per_replica = batch // replicas
+    if accelerator.kind == "tpu" and per_replica % 8:
+        log.warning("per-replica batch %d is not a multiple of 8: TPU cores pad it (128 per core is best)", per_replica)
+    return per_replica
+
+
+def _epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
+    def report(record: EpochRecord) -> None:
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
+        loss = "" if record.loss is None else f" loss {record.loss:.4f}"
+        log.info(
+            "epoch %d/%d: %.2f s, %d steps, %.0f examples/s,%s %s",
+            record.epoch, total_epochs, record.seconds, record.steps, record.examples_per_sec, loss, metrics,
+        )
+
+    return report
+
+
+def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0) -> JobResult:
+    """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any."""
+    phases = Phases(start=PROCESS_START)
+    phases.add("startup", (spec_loaded_at or time.monotonic()) - PROCESS_START)
+    run = RunFolder(spec.run_dir)
+    done = run.completed_summary()
+    if done is not None:
+        log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, run.path)
+        return JobResult(done, already_complete=True)
+    run.claim(spec)
+    attempt = run.next_attempt()
+
+    accelerator: Accelerator | None = None
+    recorder = train.Recorder(spec.data.global_batch_size, _epoch_line(spec.train.epochs))
+    metrics: dict[str, float] = {}
+    status, error = "failed", None
+    extra: dict = {"attempt": attempt, "run_dir": run.path}
+    try:
+        with phases.phase("strategy"):
+            accelerator = resolve_accelerator(spec.accelerator)
+        _per_replica_batch(spec, accelerator)
+        if spec.train.mixed_precision != "float32":
+            keras.mixed_precision.set_global_policy(f"mixed_{spec.train.mixed_precision}")
+        keras.utils.set_random_seed(spec.train.seed)
+
+        with phases.phase("data_init"):
+            train_shards = data.find_shards(spec.data.train)
+            steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(
+                train_shards, spec.data.global_batch_size, "data.train"
+            )
+            train_ds = data.make_dataset(
+                train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
+                training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed,
+            )
+            eval_shards = data.find_shards(spec.data.eval) if spec.data.eval else None
+            if eval_shards is not None:
+                eval_steps = data.steps_in(eval_shards, spec.data.global_batch_size, "data.eval")
+                eval_ds = data.make_dataset(
+                    eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False
+                )
+        plan = train.Plan(steps_per_epoch, spec.train.epochs)
+        extra["steps_per_epoch"] = steps_per_epoch
+
+        with phases.phase("build"), accelerator.strategy.scope():
+            model = models.build_model(spec, train_shards.features)
+            models.compile_model(model, spec)
+            manager = run.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=model.optimizer), spec.checkpoint.keep)
+
+        with phases.phase("restore"):
+            if manager.latest_checkpoint:
+                manager.checkpoint.restore(manager.latest_checkpoint).expect_partial()
+                plan.start_step = int(model.optimizer.iterations.numpy())
+                log.info("resuming %r from %s (step %d of %d)", spec.name, manager.latest_checkpoint, plan.start_step, plan.total_steps)
+        extra["resumed_from_step"] = plan.start_step
+
+        def save(step: int) -> None:
+            began = time.monotonic()
+            manager.save(checkpoint_number=step)
+            phases.add("checkpoint", time.monotonic() - began)
+
+        with train.PreemptionNotice() as notice:
+            checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
+            began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
+            try:
+                train.fit(model, train_ds, plan, recorder, checkpointer, verbose=verbose)
+            except tf.errors.DataLossError as exc:
+                raise _name_corrupt_shard(spec, exc) from None
+            finally:
+                phases.add("train", time.monotonic() - began - (phases.seconds.get("checkpoint", 0.0) - saved_before))
+        if checkpointer.preempted:
+            raise Preempted(
+                f"preemption notice received: saved step {int(model.optimizer.iterations.numpy())} to "
+                f"{run.checkpoints}; run the same job again to continue"
+            )
+        extra["final_step"] = int(model.optimizer.iterations.numpy())
+
+        if eval_shards is not None:
+            with phases.phase("eval"):
+                try:
+                    results = model.evaluate(eval_ds, steps=eval_steps, return_dict=True, verbose=verbose)
+                except tf.errors.DataLossError as exc:
+                    raise _name_corrupt_shard(spec, exc, pattern=spec.data.eval) from None
+            metrics = {k: float(v) for k, v in results.items()}
+            metrics["examples"] = eval_steps * spec.data.global_batch_size
+            log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if accelerator.is_chief:
+            with phases.phase("export"):
+                extra["model"] = run.save_model(model)
+        status = "succeeded"
+    except Preempted as exc:
+        status, error = "preempted", exc
+    except RunnerError as exc:
+        error = exc
+    except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
+        log.debug("job failed", exc_info=True)
+        error = RunnerError(f"training failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+    summary = build_summary(
+        status=status,
+        job=spec.name,
+        accelerator=None if accelerator is None else accelerator.to_dict(),
+        phases=phases,
+        epochs=recorder.epochs,
+        global_batch=spec.data.global_batch_size,
+        metrics=metrics,
+        error=None if error is None else str(error),
+        extra=extra,
+    )
+    if accelerator is None or accelerator.is_chief:
+        run.write_summary(summary, attempt)
+    return JobResult(summary, error)
+
+
+def _name_corrupt_shard(spec: JobSpec, exc: tf.errors.DataLossError, pattern: str | None = None) -> DataError:
+    pattern = pattern or spec.data.train
+    bad = data.corrupt_shards(pattern)
+    where = "; ".join(bad) if bad else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
+    return DataError(f"corrupt training data in {where}: {exc.message.splitlines()[0]}; the run stopped, checkpoints kept")

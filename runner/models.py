@@ -1,0 +1,72 @@
+"""The built-in models: MODELS maps a spec's `model.name` to a function that builds an uncompiled Keras model.
+
+A build function takes the spec's `model.params` (a dict) and the input features (name -> Feature) and
+returns a `keras.Model`. The table is explicit: no import-time registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from runner.datasets import Feature
+from runner.errors import SpecError
+from runner.spec import JobSpec
+
+keras = tf.keras
+
+
+def _image_input(features: dict[str, Feature], inputs: tuple[str, ...]) -> tuple[Any, Any]:
+    (name,) = inputs
+    inp = keras.Input(shape=features[name].shape, name=name)
+    # Pixels arrive as float32 in 0..255; rescaling inside the model keeps predict() on raw images honest.
+    return inp, keras.layers.Rescaling(1.0 / 255)(inp)
+
+
+def mnist_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+    """The Basic CNN of the classic Colab TPU MNIST example."""
+    layers = keras.layers
+    inp, x = _image_input(features, inputs)
+    x = layers.Conv2D(64, 2, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D(2)(x)
+    x = layers.Dropout(0.3)(x)
+    x = layers.Conv2D(32, 2, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D(2)(x)
+    x = layers.Dropout(0.3)(x)
+    x = layers.Flatten()(x)
+    x = layers.Dense(256, activation="relu")(x)
+    x = layers.Dropout(0.5)(x)
+    # The output stays float32 under mixed precision: softmax in bfloat16 loses the small probabilities.
+    out = layers.Dense(params.get("classes", 10), activation="softmax", dtype="float32")(x)
+    return keras.Model(inp, out, name="mnist_cnn")
+
+
+BuildFn = Callable[[dict[str, Any], dict[str, Feature], tuple[str, ...]], "keras.Model"]
+
+MODELS: dict[str, BuildFn] = {
+    "mnist_cnn": mnist_cnn,
+}
+
+_OPTIMIZERS = {
+    "adam": lambda lr: keras.optimizers.Adam(learning_rate=lr),
+    "adamw": lambda lr: keras.optimizers.AdamW(learning_rate=lr),
+    "sgd": lambda lr: keras.optimizers.SGD(learning_rate=lr, momentum=0.9),
+    "rmsprop": lambda lr: keras.optimizers.RMSprop(learning_rate=lr),
+}
+
+
+def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
+    """Builds the spec's model; call inside the strategy's scope so variables are placed on its devices."""
+    if spec.model.name not in MODELS:
+        raise SpecError(f"model.name: unknown model {spec.model.name!r}; built in: {', '.join(sorted(MODELS))}")
+    return MODELS[spec.model.name](dict(spec.model.params), features, spec.data.inputs)
+
+
+def compile_model(model: keras.Model, spec: JobSpec) -> None:
+    model.compile(
+        optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
+        loss=spec.train.loss,
+        metrics=list(spec.train.metrics),
+        steps_per_execution=spec.train.steps_per_execution,
+    )

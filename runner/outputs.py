@@ -1,0 +1,106 @@
+"""The run folder `<output.dir>/<job name>/` (local or gs://): every write a job makes goes through here.
+
+    spec.json            the resolved spec, written before training starts
+    checkpoints/         tf.train.CheckpointManager files (`ckpt-<step>`), the newest `keep` kept
+    summary.json         the latest attempt's summary; attempts/<n>.json keeps each attempt's own
+    model.keras          the trained model, written once the job succeeds
+
+Resume precedence, when a job name is run again:
+  1. summary.json says `succeeded`: the job is complete; nothing trains and nothing is written.
+  2. spec.json differs from the new spec in `data`, `model` or `train`: refused (exit 2), because the
+     checkpoints belong to the other spec; choose a new job name. Accelerator, checkpoint cadence and
+     output settings may change between attempts (a TPU job may resume on a CPU).
+  3. The newest complete checkpoint (the one the CheckpointManager index names: the index is written
+     after the checkpoint's data, so a checkpoint cut short by a kill is never chosen) restores weights,
+     optimizer state and the step count; training continues from that step.
+  4. Otherwise training starts from step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+import tensorflow as tf
+
+from runner.errors import SpecError, StorageError
+from runner.spec import JobSpec
+
+# Spec sections that decide what the checkpoints mean; a resumed run must not change them.
+_PINNED_SECTIONS = ("data", "model", "train")
+
+
+class RunFolder:
+    def __init__(self, path: str):
+        self.path = path.rstrip("/")
+        self.checkpoints = f"{self.path}/checkpoints"
+
+    def file(self, name: str) -> str:
+        return posixpath.join(self.path, name)
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        path = self.file(name)
+        if not tf.io.gfile.exists(path):
+            return None
+        with tf.io.gfile.GFile(path, "r") as handle:
+            return json.loads(handle.read())
+
+    def write_json(self, name: str, doc: dict[str, Any]) -> None:
+        """Writes whole-or-nothing: a temporary name, then a rename (a single-object copy on GCS)."""
+        path, partial = self.file(name), self.file(name + ".partial")
+        tf.io.gfile.makedirs(posixpath.dirname(path))
+        with tf.io.gfile.GFile(partial, "w") as handle:
+            handle.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+        tf.io.gfile.rename(partial, path, overwrite=True)
+
+    def completed_summary(self) -> dict[str, Any] | None:
+        summary = self.read_json("summary.json")
+        return summary if summary and summary.get("status") == "succeeded" else None
+
+    def claim(self, spec: JobSpec) -> None:
+        """Checks a resumed spec against the one the checkpoints were made with, then records it."""
+        try:
+            tf.io.gfile.makedirs(self.path)
+            previous = self.read_json("spec.json")
+        except tf.errors.OpError as exc:
+            raise StorageError(f"cannot use the run folder {self.path}: {exc.message}") from None
+        current = spec.to_dict()
+        if previous is not None:
+            changed = [
+                f"{section}.{key}: {previous.get(section, {}).get(key)!r} -> {current[section].get(key)!r}"
+                for section in _PINNED_SECTIONS
+                for key in sorted(set(previous.get(section, {})) | set(current[section]))
+                if previous.get(section, {}).get(key) != current[section].get(key)
+            ]
+            if changed:
+                raise SpecError(
+                    f"{self.path} holds checkpoints of job {spec.name!r} made with another spec ("
+                    + "; ".join(changed)
+                    + "); run it with the earlier settings or choose a new job name"
+                )
+        self.write_json("spec.json", current)
+
+    def next_attempt(self) -> int:
+        folder = self.file("attempts")
+        if not tf.io.gfile.isdir(folder):
+            return 1
+        numbers = [int(n.split(".")[0]) for n in tf.io.gfile.listdir(folder) if n.split(".")[0].isdigit()]
+        return max(numbers, default=0) + 1
+
+    def write_summary(self, summary: dict[str, Any], attempt: int) -> None:
+        self.write_json(f"attempts/{attempt:03d}.json", summary)
+        previous = self.read_json("summary.json")
+        if previous and previous.get("status") == "succeeded":
+            return  # a finished job's summary is never replaced
+        self.write_json("summary.json", summary)
+
+    def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, keep: int) -> tf.train.CheckpointManager:
+        return tf.train.CheckpointManager(checkpoint, self.checkpoints, max_to_keep=keep, checkpoint_name="ckpt")
+
+    def save_model(self, model: Any) -> str:
+        path = self.file("model.keras")
+        partial = self.file("model.partial.keras")
+        model.save(partial)
+        tf.io.gfile.rename(partial, path, overwrite=True)
+        return path

@@ -1,0 +1,200 @@
+"""The one place that chooses a device and builds the tf.distribute strategy; everything else is handed it.
+
+Order for `accelerator.kind: auto`:
+  1. a TPU, if one is indicated: `accelerator.tpu`, else $TPU_NAME, else $COLAB_TPU_ADDR (grpc://),
+     else `local` when TPU device files exist (/dev/accel*, /dev/vfio). No indication: no TPU attempt,
+     so a CPU-only run does not wait for a TPU that is not there;
+  2. GPUs: MirroredStrategy over every visible GPU (MultiWorkerMirroredStrategy when TF_CONFIG names
+     several workers);
+  3. the CPU (MirroredStrategy over `accelerator.cpu_devices` logical devices when more than one).
+`kind: tpu|gpu|cpu` asks for exactly that and fails (exit 3) when it is not there.
+Every TPU step runs under `accelerator.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import glob
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import tensorflow as tf
+
+from runner.errors import AcceleratorError
+from runner.spec import AcceleratorSpec
+
+log = logging.getLogger(__name__)
+
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """What the job runs on: handed to data, training and the summary."""
+
+    strategy: tf.distribute.Strategy
+    kind: str  # tpu | gpu | cpu
+    replicas: int
+    workers: int = 1
+    worker_index: int = 0
+    detail: str = ""
+
+    @property
+    def is_chief(self) -> bool:
+        return self.worker_index == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "replicas": self.replicas, "workers": self.workers, "detail": self.detail}
+
+
+def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:
+    """The TPU to try, from the spec or the environment; None when nothing points at a TPU."""
+    environ = os.environ if environ is None else environ
+    if spec.tpu:
+        return spec.tpu
+    if environ.get("TPU_NAME"):
+        return environ["TPU_NAME"]
+    if environ.get("COLAB_TPU_ADDR"):
+        return f"grpc://{environ['COLAB_TPU_ADDR']}"
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return "local"
+    return None
+
+
+def _bounded(what: str, seconds: float, fn: Callable[[], Any]) -> Any:
+    # A daemon thread, not a process: the TPU system must be initialised in this process. On a timeout
+    # the thread is abandoned (it cannot be killed) and the job fails; the process exits soon after.
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu-init")
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    try:
+        return future.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)") from None
+
+
+def _probe_grpc(target: str, seconds: float) -> None:
+    """A remote TPU that does not answer makes experimental_connect_to_cluster hang forever: knock first."""
+    address = urlparse(target)
+    try:
+        with socket.create_connection((address.hostname, address.port or 8470), timeout=min(seconds, 5.0)):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address.hostname}:{address.port or 8470} ({exc})") from None
+
+
+def _tpu_hints(target: str) -> str:
+    hints = [
+        "the TPU runtime version matches the TensorFlow in the image (tensorflow-tpu and its pinned libtpu)",
+        "the container runs with --privileged --net=host so /dev/accel* and the TPU driver are visible",
+    ]
+    if target == "local" and os.path.exists(LIBTPU_LOCKFILE):
+        hints.append(f"a stale {LIBTPU_LOCKFILE} left by a killed run (`runner doctor` tells whether a process holds it)")
+    if target.startswith("grpc://"):
+        hints.append("the address and port of the TPU node, and that this machine can reach it")
+    return "; ".join(hints)
+
+
+def connect_tpu(target: str, timeout_s: float) -> Accelerator:
+    steps = []
+    try:
+        if target.startswith("grpc://"):
+            steps.append(f"probe {target}")
+            _probe_grpc(target, timeout_s)
+        steps.append("TPUClusterResolver")
+        resolver = _bounded(
+            "TPUClusterResolver", timeout_s, lambda: tf.distribute.cluster_resolver.TPUClusterResolver(tpu=target)
+        )
+        if target != "local":
+            steps.append("experimental_connect_to_cluster")
+            _bounded("connect_to_cluster", timeout_s, lambda: tf.config.experimental_connect_to_cluster(resolver))
+        steps.append("initialize_tpu_system")
+        topology = _bounded("initialize_tpu_system", timeout_s, lambda: tf.tpu.experimental.initialize_tpu_system(resolver))
+        strategy = tf.distribute.TPUStrategy(resolver)
+    except Exception as exc:  # each TF version raises its own types here; all mean "no usable TPU"
+        raise AcceleratorError(
+            f"could not start the TPU {target!r} at step {steps[-1] if steps else '?'} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"tried: {' -> '.join(steps)}. Check: {_tpu_hints(target)}"
+        ) from exc
+    workers = getattr(topology, "num_tasks", 1)
+    cores = strategy.num_replicas_in_sync
+    detail = f"{target}: {cores} cores, {workers} worker(s), mesh {list(getattr(topology, 'mesh_shape', []))}"
+    return Accelerator(strategy, "tpu", cores, workers=workers, detail=detail)
+
+
+def _split_cpu(devices: int) -> None:
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    if current is None or len(current) != devices:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(devices)]
+        )
+
+
+def _cluster(environ: dict[str, str]) -> tuple[int, int]:
+    """(workers, this worker's index) from TF_CONFIG; (1, 0) when it is absent."""
+    config = json.loads(environ.get("TF_CONFIG", "") or "{}")
+    workers = len(config.get("cluster", {}).get("worker", [])) + len(config.get("cluster", {}).get("chief", []))
+    task = config.get("task", {})
+    index = task.get("index", 0) + (1 if task.get("type") == "worker" and "chief" in config.get("cluster", {}) else 0)
+    return max(workers, 1), index
+
+
+def _mirrored(kind: str, devices: int, environ: dict[str, str]) -> Accelerator:
+    workers, index = _cluster(environ)
+    if workers > 1:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        detail = f"MultiWorkerMirroredStrategy over {workers} workers ({devices} {kind} device(s) each), worker {index}"
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, workers=workers, worker_index=index, detail=detail)
+    if devices > 1:
+        strategy = tf.distribute.MirroredStrategy()
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, detail=f"MirroredStrategy over {devices} {kind} devices")
+    return Accelerator(tf.distribute.get_strategy(), kind, 1, detail=f"one {kind} device")
+
+
+def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> Accelerator:
+    """Builds the strategy for the spec (the order is in the module docstring); logs the choice once."""
+    environ = dict(os.environ if environ is None else environ)
+    started = time.monotonic()
+    accelerator = _resolve(spec, environ)
+    log.info(
+        "accelerator: %s x%d (%s) in %.2f s", accelerator.kind, accelerator.replicas, accelerator.detail,
+        time.monotonic() - started,
+    )
+    return accelerator
+
+
+def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
+    if spec.kind in ("auto", "tpu"):
+        target = tpu_target(spec, environ)
+        if target is not None:
+            try:
+                return connect_tpu(target, spec.timeout_s)
+            except AcceleratorError as exc:
+                if spec.kind == "tpu":
+                    raise
+                log.warning("no TPU, falling back: %s", exc)
+        elif spec.kind == "tpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'tpu' but nothing names a TPU: set accelerator.tpu (local, a TPU name or "
+                "grpc://host:8470), or TPU_NAME / COLAB_TPU_ADDR, or run on a TPU VM"
+            )
+    if spec.kind in ("auto", "gpu"):
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            return _mirrored("gpu", len(gpus), environ)
+        if spec.kind == "gpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'gpu' but TensorFlow sees no GPU: check the image has a CUDA build of "
+                "TensorFlow and the container runs with --gpus all"
+            )
+    if spec.cpu_devices > 1:
+        _split_cpu(spec.cpu_devices)
+    return _mirrored("cpu", spec.cpu_devices, environ)

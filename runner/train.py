@@ -1,0 +1,162 @@
+"""The training core: Keras `fit` with the runner's callbacks. It is handed built objects and does no I/O
+of its own; checkpoint saves go through the `save` function it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from runner.timing import EpochRecord
+
+keras = tf.keras
+
+
+class PreemptionNotice:
+    """Turns SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) into a flag read between steps."""
+
+    def __init__(self):
+        self.received = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> "PreemptionNotice":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.received.set())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where training starts and ends, in steps; an epoch is `steps_per_epoch` steps."""
+
+    steps_per_epoch: int
+    epochs: int
+    start_step: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    def legs(self) -> list[tuple[int, int, int]]:
+        """(initial_epoch, epochs, steps_per_epoch) for each `fit` call: a resumed partial epoch runs alone first."""
+        epoch, into = divmod(self.start_step, self.steps_per_epoch)
+        legs = []
+        if into:
+            legs.append((epoch, epoch + 1, self.steps_per_epoch - into))
+            epoch += 1
+        if epoch < self.epochs:
+            legs.append((epoch, self.epochs, self.steps_per_epoch))
+        return legs
+
+
+class Recorder(keras.callbacks.Callback):
+    """Times epochs and the first device execution; records loss and metrics per epoch."""
+
+    def __init__(self, global_batch: int, on_epoch: Callable[[EpochRecord], None] = lambda r: None):
+        super().__init__()
+        self.global_batch = global_batch
+        self.epochs: list[EpochRecord] = []
+        self.train_s = 0.0
+        self._on_epoch = on_epoch
+        self._first_step_s: float | None = None
+        self._epoch_start = self._batch_start = 0.0
+        self._step_at_begin = 0
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._step_at_begin = self._step()
+        self._first_in_epoch: float | None = None
+        self._epoch_start = time.monotonic()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._first_step_s is None:
+            self._batch_start = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._first_step_s is None:
+            self._first_step_s = self._first_in_epoch = time.monotonic() - self._batch_start
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        seconds = time.monotonic() - self._epoch_start
+        self.train_s += seconds
+        logs = dict(logs or {})
+        loss = logs.pop("loss", None)
+        steps = self._step() - self._step_at_begin
+        record = EpochRecord(
+            epoch=epoch + 1,
+            seconds=round(seconds, 4),
+            steps=steps,
+            examples_per_sec=round(steps * self.global_batch / seconds, 1) if seconds > 0 else 0.0,
+            loss=None if loss is None else float(loss),
+            metrics={k: float(v) for k, v in logs.items()},
+            first_step_s=None if self._first_in_epoch is None else round(self._first_in_epoch, 4),
+        )
+        self.epochs.append(record)
+        self._on_epoch(record)
+
+
+class Checkpointer(keras.callbacks.Callback):
+    """Saves every `every_steps` steps and at each epoch end; on a preemption notice, saves and stops."""
+
+    def __init__(self, save: Callable[[int], None], every_steps: int | None, notice: PreemptionNotice):
+        super().__init__()
+        self._save, self._every, self._notice = save, every_steps, notice
+        self.preempted = False
+        self._last_saved = -1
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _save_once(self) -> None:
+        step = self._step()
+        if step != self._last_saved:
+            self._save(step)
+            self._last_saved = step
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._notice.received.is_set():
+            self._save_once()
+            self.preempted = True
+            self.model.stop_training = True
+        elif self._every and self._step() % self._every == 0:
+            self._save_once()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.preempted:
+            self._save_once()
+
+
+def fit(
+    model: keras.Model,
+    dataset: tf.data.Dataset,
+    plan: Plan,
+    recorder: Recorder,
+    checkpointer: Checkpointer,
+    extra_callbacks: list[keras.callbacks.Callback] = (),
+    verbose: int = 0,
+) -> None:
+    """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice."""
+    for initial_epoch, epochs, steps in plan.legs():
+        model.fit(
+            dataset,
+            initial_epoch=initial_epoch,
+            epochs=epochs,
+            steps_per_epoch=steps,
+            callbacks=[recorder, checkpointer, *extra_callbacks],
+            verbose=verbose,
+            shuffle=False,  # the dataset shuffles itself; Keras would only warn
+        )
+        # A leg stopped by a notice ends the job; the next leg would need a fresh epoch.
+        if checkpointer.preempted:
+            return
