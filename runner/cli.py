@@ -134,5 +134,20 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
         raise _fail(result.error, debug)
 
 
+# Commands of other areas live in their own modules (each a `typer.Typer()` named `app`, importing
+# TensorFlow lazily) and are added here, so `runner --help` lists them all.
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _register_commands() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        app.registered_commands.extend(importlib.import_module(name).app.registered_commands)
+
+
+_register_commands()
+
+
 def main() -> None:
     app()

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny real datasets as TFRecords, job specs on disk, and the CLI run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time."""
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or REPO,
+    )
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    """The summary: the last line of stdout, parsed."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert lines, "no output on stdout"
+    return json.loads(lines[-1])
+
+
+def write_spec(folder: Path, doc: dict[str, Any], name: str = "job.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory) -> Path:
+    """Real MNIST, cut to 2,048 training and 512 test images, as 4 + 1 TFRecord shards with a manifest."""
+    import numpy as np
+
+    from runner import data
+    from runner.datasets import Dataset, load_dataset
+
+    full = load_dataset("mnist")
+    splits = {
+        "train": {k: v[:2048] for k, v in full.splits["train"].items()},
+        "test": {k: v[:512] for k, v in full.splits["test"].items()},
+    }
+    small = Dataset(full.name, splits, full.features, full.inputs, full.label, full.source, full.license)
+    out = tmp_path_factory.mktemp("mnist")
+    entries = {
+        "train": data.write_split(small, "train", str(out), 4),
+        "test": data.write_split(small, "test", str(out), 1),
+    }
+    data.write_manifest(str(out), data.manifest_for(small, entries))
+    assert np.sum(splits["train"]["label"] == 0) > 0
+    return out
+
+
+@pytest.fixture
+def mnist_job(tiny_mnist: Path, tmp_path: Path):
+    """Writes a small MNIST job spec into tmp_path; keyword sections override the defaults."""
+
+    def make(name: str = "tiny", **sections: dict[str, Any]) -> Path:
+        doc: dict[str, Any] = {
+            "name": name,
+            "accelerator": {"kind": "cpu"},
+            "data": {
+                "train": f"{tiny_mnist}/train-*.tfrecord",
+                "eval": f"{tiny_mnist}/test-*.tfrecord",
+                "global_batch_size": 128,
+                "shuffle_buffer": 512,
+            },
+            "train": {"epochs": 2},
+            "output": {"dir": str(tmp_path / "runs")},
+        }
+        for section, values in sections.items():
+            if isinstance(values, dict):
+                doc.setdefault(section, {}).update(values)
+            else:
+                doc[section] = values
+        return write_spec(tmp_path, doc, f"{name}.yaml")
+
+    return make
