@@ -57,18 +57,23 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     phases = Phases(start=PROCESS_START)
     phases.add("startup", (spec_loaded_at or time.monotonic()) - PROCESS_START)
     run = RunFolder(spec.run_dir)
-    done = run.completed_summary()
+    try:
+        run.check_spec(spec)
+    except RunnerError as exc:
+        return JobResult(build_summary(status="failed", job=spec.name, accelerator=None, phases=phases, epochs=[],
+                                       global_batch=spec.data.global_batch_size, metrics={}, error=str(exc)), exc)
+    done = run.completed_summary(spec.train.epochs)
     if done is not None:
         log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, run.path)
         return JobResult(done, already_complete=True)
-    run.claim(spec)
+    run.record_spec(spec)
     attempt = run.next_attempt()
 
     accelerator: Accelerator | None = None
     recorder = train.Recorder(spec.data.global_batch_size, _epoch_line(spec.train.epochs))
     metrics: dict[str, float] = {}
     status, error = "failed", None
-    extra: dict = {"attempt": attempt, "run_dir": run.path}
+    extra: dict = {"attempt": attempt, "run_dir": run.path, "train_epochs": spec.train.epochs}
     try:
         with phases.phase("strategy"):
             accelerator = resolve_accelerator(spec.accelerator)

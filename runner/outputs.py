@@ -6,10 +6,12 @@
     model.keras          the trained model, written once the job succeeds
 
 Resume precedence, when a job name is run again:
-  1. summary.json says `succeeded`: the job is complete; nothing trains and nothing is written.
-  2. spec.json differs from the new spec in `data`, `model` or `train`: refused (exit 2), because the
-     checkpoints belong to the other spec; choose a new job name. Accelerator, checkpoint cadence and
-     output settings may change between attempts (a TPU job may resume on a CPU).
+  1. spec.json differs from the new spec in `data`, `model` or `train` (other than `train.epochs`):
+     refused (exit 2), because the checkpoints belong to the other spec; choose a new job name.
+     Accelerator, checkpoint cadence and output settings may change between attempts (a TPU job may
+     resume on a CPU).
+  2. summary.json says `succeeded` for at least `train.epochs` epochs: the job is complete; nothing
+     trains and nothing is written. (Raising `train.epochs` continues a finished job.)
   3. The newest complete checkpoint (the one the CheckpointManager index names: the index is written
      after the checkpoint's data, so a checkpoint cut short by a kill is never chosen) restores weights,
      optimizer state and the step count; training continues from that step.
@@ -29,6 +31,7 @@ from runner.spec import JobSpec
 
 # Spec sections that decide what the checkpoints mean; a resumed run must not change them.
 _PINNED_SECTIONS = ("data", "model", "train")
+_FREE_KEYS = {("train", "epochs")}
 
 
 class RunFolder:
@@ -54,12 +57,15 @@ class RunFolder:
             handle.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
         tf.io.gfile.rename(partial, path, overwrite=True)
 
-    def completed_summary(self) -> dict[str, Any] | None:
+    def completed_summary(self, epochs: int) -> dict[str, Any] | None:
+        """The summary of a finished run that trained at least `epochs` epochs, if there is one."""
         summary = self.read_json("summary.json")
-        return summary if summary and summary.get("status") == "succeeded" else None
+        if summary and summary.get("status") == "succeeded" and summary.get("train_epochs", 0) >= epochs:
+            return summary
+        return None
 
-    def claim(self, spec: JobSpec) -> None:
-        """Checks a resumed spec against the one the checkpoints were made with, then records it."""
+    def check_spec(self, spec: JobSpec) -> None:
+        """Refuses a spec that differs from the one this folder's checkpoints were made with (precedence 1)."""
         try:
             tf.io.gfile.makedirs(self.path)
             previous = self.read_json("spec.json")
@@ -71,7 +77,7 @@ class RunFolder:
                 f"{section}.{key}: {previous.get(section, {}).get(key)!r} -> {current[section].get(key)!r}"
                 for section in _PINNED_SECTIONS
                 for key in sorted(set(previous.get(section, {})) | set(current[section]))
-                if previous.get(section, {}).get(key) != current[section].get(key)
+                if previous.get(section, {}).get(key) != current[section].get(key) and (section, key) not in _FREE_KEYS
             ]
             if changed:
                 raise SpecError(
@@ -79,7 +85,9 @@ class RunFolder:
                     + "; ".join(changed)
                     + "); run it with the earlier settings or choose a new job name"
                 )
-        self.write_json("spec.json", current)
+
+    def record_spec(self, spec: JobSpec) -> None:
+        self.write_json("spec.json", spec.to_dict())
 
     def next_attempt(self) -> int:
         folder = self.file("attempts")
@@ -91,8 +99,8 @@ class RunFolder:
     def write_summary(self, summary: dict[str, Any], attempt: int) -> None:
         self.write_json(f"attempts/{attempt:03d}.json", summary)
         previous = self.read_json("summary.json")
-        if previous and previous.get("status") == "succeeded":
-            return  # a finished job's summary is never replaced
+        if previous and previous.get("status") == "succeeded" and summary.get("status") != "succeeded":
+            return  # a failing attempt never replaces a finished job's summary
         self.write_json("summary.json", summary)
 
     def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, keep: int) -> tf.train.CheckpointManager:

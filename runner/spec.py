@@ -214,8 +214,10 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     except SpecError as exc:
         raise exc.at(path) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+        mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
+        if context is not None and getattr(exc, "context", None):
+            problem += f" ({exc.context} that starts at line {context.line + 1})"
         raise SpecError(f"not valid YAML: {problem}", file=path, line=mark.line + 1 if mark else None) from None
     if doc is None:
         raise SpecError("the file is empty; a job spec is a mapping such as `name: my_job`", file=path)
