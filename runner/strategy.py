@@ -13,13 +13,13 @@ Every TPU step runs under `accelerator.timeout_s`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import glob
 import json
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -68,15 +68,27 @@ def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> 
 
 
 def _bounded(what: str, seconds: float, fn: Callable[[], Any]) -> Any:
-    # A daemon thread, not a process: the TPU system must be initialised in this process. On a timeout
-    # the thread is abandoned (it cannot be killed) and the job fails; the process exits soon after.
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu-init")
-    future = pool.submit(fn)
-    pool.shutdown(wait=False)
-    try:
-        return future.result(timeout=seconds)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)") from None
+    """Runs fn in a daemon thread and waits at most `seconds`.
+
+    A thread, not a process: the TPU system must be initialised in this process. On a timeout the thread
+    is abandoned (a thread cannot be killed); being a daemon, it does not keep the process from exiting.
+    """
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call, name=f"bounded-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def _probe_grpc(target: str, seconds: float) -> None:
