@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import tensorflow as tf
 
+from runner import schema
 from runner.datasets import Dataset, Feature
 from runner.errors import DataError
 
@@ -135,7 +136,7 @@ def find_shards(pattern: str) -> Shards:
     unknown = [f for f in files if posixpath.basename(f) not in known]
     if unknown:
         raise DataError(f"{unknown[0]} matches {pattern!r} but is not listed in {folder}/{MANIFEST}")
-    features = {name: Feature(f["dtype"], tuple(f["shape"])) for name, f in manifest["features"].items()}
+    features = schema.features_from_manifest(manifest, posixpath.join(folder, MANIFEST))
     records = sum(known[posixpath.basename(f)]["records"] for f in files)
     return Shards(pattern, files, records, features, manifest)
 
@@ -167,28 +168,18 @@ def corrupt_shards(pattern: str) -> list[str]:
 # --- reading examples --------------------------------------------------------------------------
 
 
-def _parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature]:
-    spec = {}
-    for name, feature in features.items():
-        if feature.dtype == "uint8":
-            spec[name] = tf.io.FixedLenFeature([], tf.string)
-        elif feature.dtype == "int64":
-            spec[name] = tf.io.FixedLenFeature(feature.shape, tf.int64)
-        else:
-            spec[name] = tf.io.FixedLenFeature(feature.shape, tf.float32)
-    return spec
+def _parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature | tf.io.VarLenFeature]:
+    return schema.parse_spec(features)
 
 
-def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str):
+def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, preprocess: Callable | None = None):
     spec = _parse_spec({n: features[n] for n in (*inputs, label)})
 
     def decode(serialized: tf.Tensor):
-        parsed = tf.io.parse_example(serialized, spec)
-        for name in parsed:
-            if features[name].dtype == "uint8":
-                pixels = tf.io.decode_raw(parsed[name], tf.uint8)
-                # Cast on the host: TPU infeed prefers float32/bfloat16 to uint8, and models rescale themselves.
-                parsed[name] = tf.cast(tf.reshape(pixels, (-1, *features[name].shape)), tf.float32)
+        # Uint8 features arrive as float32 (see runner/schema.py); var-len ones padded to a static shape.
+        parsed = schema.decode_batch(tf.io.parse_example(serialized, spec), features)
+        if preprocess is not None:
+            parsed = preprocess(parsed)
         x = parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}
         return x, parsed[label]
 
@@ -212,9 +203,15 @@ def make_dataset(
     training: bool,
     shuffle_buffer: int = 0,
     seed: int | None = None,
+    preprocess: Callable[[dict[str, tf.Tensor]], dict[str, tf.Tensor]] | None = None,
 ) -> tf.data.Dataset:
-    """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled."""
+    """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
+
+    `preprocess` (data.preprocess) gets each decoded batch as a dict of tensors and returns the dict.
+    """
     check_columns(shards, inputs, label)
+    if preprocess is not None:
+        schema.check_preprocess(preprocess, shards.features, (*inputs, label))
     files = tf.data.Dataset.from_tensor_slices(list(shards.files))
     if training:
         files = files.shuffle(len(shards.files), seed=seed, reshuffle_each_iteration=True)
@@ -230,7 +227,7 @@ def make_dataset(
         records = records.repeat()
     # TPUs need static shapes: every batch is full, the remainder of an epoch is dropped.
     batches = records.batch(batch_size, drop_remainder=True)
-    batches = batches.map(_decoder(shards.features, inputs, label), num_parallel_calls=tf.data.AUTOTUNE)
+    batches = batches.map(_decoder(shards.features, inputs, label, preprocess), num_parallel_calls=tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
     if training:

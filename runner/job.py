@@ -9,7 +9,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from runner import PROCESS_START, data, models, train
+from runner import PROCESS_START, data, models, schema, train, userimport
 from runner.errors import DataError, Preempted, RunnerError, SpecError
 from runner.outputs import RunFolder
 from runner.spec import JobSpec
@@ -84,18 +84,25 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
 
         with phases.phase("data_init"):
             train_shards = data.find_shards(spec.data.train)
+            schema.check_declared(spec.data.features, train_shards)
+            preprocess = (
+                userimport.load_callable(spec.data.preprocess, "data.preprocess", ("features",))
+                if spec.data.preprocess else None
+            )
             steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(
                 train_shards, spec.data.global_batch_size, "data.train"
             )
             train_ds = data.make_dataset(
                 train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
-                training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed,
+                training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed, preprocess=preprocess,
             )
             eval_shards = data.find_shards(spec.data.eval) if spec.data.eval else None
             if eval_shards is not None:
+                schema.check_declared(spec.data.features, eval_shards)
                 eval_steps = data.steps_in(eval_shards, spec.data.global_batch_size, "data.eval")
                 eval_ds = data.make_dataset(
-                    eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False
+                    eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False,
+                    preprocess=preprocess,
                 )
         plan = train.Plan(steps_per_epoch, spec.train.epochs)
         extra["steps_per_epoch"] = steps_per_epoch

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from runner import userimport
 from runner.datasets import Feature
 from runner.errors import SpecError
 from runner.spec import JobSpec
@@ -57,16 +58,45 @@ _OPTIMIZERS = {
 
 
 def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
-    """Builds the spec's model; call inside the strategy's scope so variables are placed on its devices."""
+    """Builds the spec's model; call inside the strategy's scope so variables are placed on its devices.
+
+    A `package.module:function` name is imported here, inside the scope, so a module that creates
+    variables when imported places them on the strategy's devices too.
+    """
+    if userimport.is_import_path(spec.model.name):
+        return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs)
     if spec.model.name not in MODELS:
         raise SpecError(f"model.name: unknown model {spec.model.name!r}; built in: {', '.join(sorted(MODELS))}")
     return MODELS[spec.model.name](dict(spec.model.params), features, spec.data.inputs)
 
 
+def _build_user_model(
+    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]
+) -> keras.Model:
+    build = userimport.load_callable(path, "model.name", ("params", "features", "inputs"))
+    try:
+        model = build(params, features, inputs)
+    except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
+        raise SpecError(
+            f"model.name: {path!r} raised {type(exc).__name__} while building: {exc} "
+            f"(model.params: {params}, data.inputs: {list(inputs)})"
+        ) from exc
+    if not isinstance(model, keras.Model):
+        raise SpecError(f"model.name: {path!r} returned a {type(model).__name__}; return an uncompiled keras.Model")
+    return model
+
+
+def _loss_or_metric(value: str, key: str) -> Any:
+    """A Keras name stays a name; `package.module:function` becomes the imported (y_true, y_pred) function."""
+    if userimport.is_import_path(value):
+        return userimport.load_callable(value, key, ("y_true", "y_pred"))
+    return value
+
+
 def compile_model(model: keras.Model, spec: JobSpec) -> None:
     model.compile(
         optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
-        loss=spec.train.loss,
-        metrics=list(spec.train.metrics),
+        loss=_loss_or_metric(spec.train.loss, "train.loss"),
+        metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
         steps_per_execution=spec.train.steps_per_execution,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from runner.errors import SpecError
+from runner.userimport import check_import_path, is_import_path
 
 
 class _Strict(BaseModel):
@@ -35,6 +37,46 @@ class AcceleratorSpec(_Strict):
     cpu_devices: int = Field(1, ge=1, le=64)
 
 
+class FeatureSpec(_Strict):
+    """One feature of the tf.train.Example records, as the model receives it (see README "Your own model")."""
+
+    # uint8 pixels arrive as float32 0..255 (models rescale themselves); string stays tf.string.
+    dtype: Literal["uint8", "int64", "float32", "string"]
+    shape: tuple[int, ...] = ()
+    # A list of any length, padded with zeros (or "") or cut to shape[0]: TPUs need static shapes.
+    var_len: bool = False
+    # How stored bytes become the uint8 tensor: raw bytes, or a PNG/JPEG image of shape [height, width, channels].
+    # Unset: raw for uint8, none for the others.
+    decode: Literal["none", "raw", "png", "jpeg"] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_decode(cls, doc: Any) -> Any:
+        if isinstance(doc, dict) and doc.get("decode") is None:
+            doc = {**doc, "decode": "raw" if doc.get("dtype") == "uint8" else "none"}
+        return doc
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FeatureSpec":
+        if any(size < 1 for size in self.shape):
+            raise ValueError(f"shape {list(self.shape)}: every dimension must be at least 1")
+        if (self.dtype == "uint8") != (self.decode != "none"):
+            raise ValueError(
+                f"dtype {self.dtype} with decode {self.decode}: uint8 features are decoded from bytes "
+                "(decode raw, png or jpeg); int64, float32 and string features use decode none"
+            )
+        if self.decode in ("png", "jpeg") and (len(self.shape) != 3 or self.shape[2] not in (1, 3, 4)):
+            raise ValueError(f"decode {self.decode} needs shape [height, width, channels] with 1, 3 or 4 channels")
+        if self.var_len and (self.decode != "none" or len(self.shape) != 1):
+            raise ValueError(
+                "var_len needs a one-dimensional int64, float32 or string feature with shape [max_length]"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "var_len": self.var_len, "decode": self.decode}
+
+
 class DataSpec(_Strict):
     # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`.
     train: str = "data/mnist/train-*.tfrecord"
@@ -44,11 +86,46 @@ class DataSpec(_Strict):
     # Features fed to the model, in order; the label feature.
     inputs: tuple[str, ...] = ("image",)
     label: str = "label"
+    # Your own TFRecords: the schema of each feature. `runner manifest` writes it into manifest.json and
+    # `runner run` refuses to train when the manifest says otherwise. Unset: the manifest's schema is used.
+    features: dict[str, FeatureSpec] | None = None
+    # `package.module:function` called on every decoded batch (a dict of tensors) before the model sees it.
+    preprocess: str | None = None
+
+    @field_validator("preprocess")
+    @classmethod
+    def _preprocess_is_import_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_import_path(value)
+
+    @model_validator(mode="after")
+    def _columns_are_declared(self) -> "DataSpec":
+        if self.features is not None:
+            for key, name in [*(("data.inputs", n) for n in self.inputs), ("data.label", self.label)]:
+                if name not in self.features:
+                    raise ValueError(
+                        f"{key} names {name!r}, which data.features does not declare "
+                        f"(declared: {', '.join(self.features) or 'nothing'})"
+                    )
+        return self
 
 
 class ModelSpec(_Strict):
+    # A built-in model (runner/models.py) or your own build function as `package.module:function`.
     name: str = "mnist_cnn"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_import_path(cls, value: str) -> str:
+        if is_import_path(value):
+            return check_import_path(value)
+        if "." in value:
+            module, _, function = value.rpartition(".")
+            raise ValueError(
+                f"{value!r} looks like an import path: separate module and function with a colon, "
+                f"e.g. {module + ':' + function!r}"
+            )
+        return value
 
 
 class TrainSpec(_Strict):
@@ -61,9 +138,20 @@ class TrainSpec(_Strict):
     learning_rate: float = Field(1e-3, gt=0)
     # bfloat16 is the TPU's native type; the output layer stays float32 either way.
     mixed_precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Keras names, or your own `package.module:function` taking (y_true, y_pred).
     loss: str = "sparse_categorical_crossentropy"
     metrics: tuple[str, ...] = ("accuracy",)
     seed: int = 0
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_form(cls, value: str) -> str:
+        return check_import_path(value) if is_import_path(value) else value
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_import_path(m) if is_import_path(m) else m for m in value)
 
 
 class CheckpointSpec(_Strict):
@@ -155,11 +243,25 @@ def _key_lines(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
 
 def _allowed_keys(path: tuple) -> list[str]:
     model: type[BaseModel] | None = JobSpec
-    for part in path:
+    parts = iter(path)
+    for part in parts:
         field = model.model_fields.get(part) if model else None
         annotation = field.annotation if field else None
         model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if model is None and (values := _mapping_of_models(annotation)) is not None:
+            model = values
+            next(parts, None)  # the mapping's own key (e.g. a feature name under data.features)
     return sorted(model.model_fields) if model else []
+
+
+def _mapping_of_models(annotation: Any) -> type[BaseModel] | None:
+    """The model of `dict[str, Model]` (or `dict[str, Model] | None`), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(candidate) is dict:
+            value = typing.get_args(candidate)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                return value
+    return None
 
 
 def _describe(error: dict) -> tuple[tuple, str]:

@@ -1,0 +1,97 @@
+"""`runner manifest`: a manifest.json for TFRecords written outside the runner (your own data).
+
+The job spec says where the shards are (`data.train`, `data.eval`) and what each record holds
+(`data.features`). Every shard is read once: its records are counted, its sha256 is recorded (so
+`runner verify` works), and its first record is checked against the schema, so a schema that does not
+fit the records fails here, naming the shard and the feature, rather than in the middle of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from runner import data, schema
+from runner.errors import DataError, SpecError
+from runner.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> list[str]:
+    """Writes one manifest per folder that data.train / data.eval point into; returns their paths."""
+    if spec.data.features is None:
+        raise SpecError(
+            f"{spec_path}: data.features is not set; `runner manifest` needs the schema of your records, "
+            "e.g. `features: {image: {dtype: uint8, shape: [28, 28, 1], decode: png}, label: {dtype: int64}}`"
+        )
+    features = {n: schema.from_dict(f.to_dict(), f"data.features.{n}") for n, f in spec.data.features.items()}
+    folders = _shards_by_folder(spec)
+    written = []
+    for folder, splits in folders.items():
+        path = posixpath.join(folder, data.MANIFEST)
+        if tf.io.gfile.exists(path) and not force:
+            raise DataError(f"{path} exists; pass --force to replace it with one made from {spec_path}")
+        entries = {split: [_index_shard(f, features) for f in files] for split, files in splits.items()}
+        manifest: dict[str, Any] = {
+            "manifest_version": data.MANIFEST_VERSION,
+            "dataset": spec.name,
+            "source": f"TFRecords described by data.features of {spec_path} (runner manifest)",
+            "license": None,
+            "features": {name: feature.to_dict() for name, feature in features.items()},
+            "inputs": list(spec.data.inputs),
+            "label": spec.data.label,
+            "splits": {
+                split: {"records": sum(e["records"] for e in shards), "shards": shards} for split, shards in entries.items()
+            },
+        }
+        written.append(data.write_manifest(folder, manifest))
+        for split, shards in entries.items():
+            log.info("%s: %s: %d records in %d shards", path, split, sum(e["records"] for e in shards), len(shards))
+    return written
+
+
+def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
+    """folder -> split -> shard paths; every shard lies in its pattern's folder, in one split only."""
+    patterns = {"train": spec.data.train, **({"eval": spec.data.eval} if spec.data.eval else {})}
+    folders: dict[str, dict[str, list[str]]] = {}
+    owner: dict[str, str] = {}
+    for split, pattern in patterns.items():
+        folder = posixpath.dirname(pattern)
+        files = sorted(tf.io.gfile.glob(pattern))
+        if not files:
+            raise DataError(f"data.{split}: no files match {pattern!r}")
+        for path in files:
+            if posixpath.dirname(path) != folder:
+                raise DataError(
+                    f"data.{split}: {path} is not directly in {folder!r}; the shards of a split must share "
+                    "the folder that holds their manifest (no wildcards in folder names)"
+                )
+            if path in owner:
+                raise DataError(f"{path} matches both data.{owner[path]} and data.{split}; give their shards distinct names")
+            owner[path] = split
+        folders.setdefault(folder, {})[split] = files
+    return folders
+
+
+def _index_shard(path: str, features: dict[str, schema.StoredFeature]) -> dict[str, Any]:
+    records = tf.data.TFRecordDataset(path)
+    try:
+        first = next(iter(records.take(1)), None)
+        count = int(records.reduce(np.int64(0), lambda n, _: n + 1))
+    except tf.errors.DataLossError as exc:
+        raise DataError(
+            f"{path} is not a readable TFRecord file ({exc.message.splitlines()[0]}); "
+            "write uncompressed TFRecords of tf.train.Example"
+        ) from None
+    if first is not None:
+        problems = schema.record_problems(first.numpy(), features)
+        if problems:
+            raise DataError(
+                f"{path}: the first record does not fit data.features:\n  " + "\n  ".join(problems)
+            )
+    return {"file": posixpath.basename(path), "records": count, "sha256": data.sha256_of(path)}
