@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import tempfile
 from typing import Any
 
 import tensorflow as tf
@@ -103,12 +104,31 @@ class RunFolder:
             return  # a failing attempt never replaces a finished job's summary
         self.write_json("summary.json", summary)
 
-    def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, keep: int) -> tf.train.CheckpointManager:
-        return tf.train.CheckpointManager(checkpoint, self.checkpoints, max_to_keep=keep, checkpoint_name="ckpt")
+    def checkpoint_manager(
+        self, checkpoint: tf.train.Checkpoint, keep: int, worker_index: int = 0
+    ) -> tf.train.CheckpointManager:
+        """Multi-worker saves are collective: every worker saves, only the chief (worker 0) into the run folder."""
+        directory = self.checkpoints if worker_index == 0 else self._worker_scratch(worker_index, "checkpoints")
+        return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=keep, checkpoint_name="ckpt")
 
-    def save_model(self, model: Any) -> str:
+    def latest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint in the run folder (every worker restores from the chief's)."""
+        return tf.train.latest_checkpoint(self.checkpoints)
+
+    def save_model(self, model: Any, worker_index: int = 0) -> str | None:
+        """Writes model.keras whole-or-nothing; other workers take part in the save into scratch space."""
+        if worker_index:
+            scratch = self._worker_scratch(worker_index, "model.keras")
+            model.save(scratch)
+            tf.io.gfile.remove(scratch)
+            return None
         path = self.file("model.keras")
         partial = self.file("model.partial.keras")
         model.save(partial)
         tf.io.gfile.rename(partial, path, overwrite=True)
         return path
+
+    def _worker_scratch(self, worker_index: int, name: str) -> str:
+        folder = posixpath.join(tempfile.gettempdir(), f"runner-{posixpath.basename(self.path)}-worker{worker_index}")
+        tf.io.gfile.makedirs(folder)
+        return posixpath.join(folder, name)

@@ -50,7 +50,15 @@ class Accelerator:
         return self.worker_index == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "replicas": self.replicas, "workers": self.workers, "detail": self.detail}
+        legacy = os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
+        return {
+            "kind": self.kind,
+            "replicas": self.replicas,
+            "workers": self.workers,
+            "detail": self.detail,
+            "tensorflow": tf.__version__,
+            "keras": f"{'tf-keras' if legacy else 'keras'} {getattr(tf.keras, '__version__', '?')}",
+        }
 
 
 def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:
@@ -150,7 +158,7 @@ def _split_cpu(devices: int) -> None:
         )
 
 
-def _cluster(environ: dict[str, str]) -> tuple[int, int]:
+def cluster_from_env(environ: dict[str, str]) -> tuple[int, int]:
     """(workers, this worker's index) from TF_CONFIG; (1, 0) when it is absent."""
     config = json.loads(environ.get("TF_CONFIG", "") or "{}")
     workers = len(config.get("cluster", {}).get("worker", [])) + len(config.get("cluster", {}).get("chief", []))
@@ -160,7 +168,7 @@ def _cluster(environ: dict[str, str]) -> tuple[int, int]:
 
 
 def _mirrored(kind: str, devices: int, environ: dict[str, str]) -> Accelerator:
-    workers, index = _cluster(environ)
+    workers, index = cluster_from_env(environ)
     if workers > 1:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         detail = f"MultiWorkerMirroredStrategy over {workers} workers ({devices} {kind} device(s) each), worker {index}"
