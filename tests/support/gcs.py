@@ -1,0 +1,222 @@
+"""A real GCS rig on 127.0.0.1 for tests and benchmarks: an emulator, the TLS proxy TensorFlow needs, faults.
+
+    google-cloud-storage --------------------------------------------> emulator (gcp-storage-emulator)
+    TensorFlow gs:// --CONNECT--> tls-proxy (test CA) ---------------> emulator
+    (fault chain)            ...> tls-proxy --> fault-proxy ---------> the same emulator
+
+Every server is its own process (tests/support/gcs_servers.py), on a port it picked itself, health-checked
+through its own answer, and stopped by PID by whoever started it. TensorFlow's gs:// client has no endpoint
+setting: it is sent to the TLS proxy with `https_proxy` and trusts the test CA through `CURL_CA_BUNDLE`.
+
+Fixtures (import them: `from tests.support.gcs import gcs, gcs_faults`):
+
+    gcs         session: a `Gcs`. `gcs.env` holds the variables a child process needs (pass them with
+                `run_cli(..., env=cli_env(**gcs.env))`); `gcs.bucket()` creates a fresh bucket and returns
+                its name; `gcs.client()` is a google-cloud-storage client on the emulator; `gcs.objects(b)`
+                lists a bucket. Never put `gcs.env` into the test process's own os.environ.
+    gcs_faults  function: a `Gcs` whose TensorFlow and google-cloud-storage traffic passes the fault proxy;
+                `gcs_faults.faults.set([...rules])`, `.stats()`, `.clear()` (rules in gcs_servers.FaultProxy).
+                The rules are cleared after each test.
+
+Outside pytest (benchmarks): `with start_gcs(folder) as gcs: ...`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import select
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+_SERVERS = Path(__file__).with_name("gcs_servers.py")
+_START_TIMEOUT_S = 30.0
+# The names TensorFlow's client connects to (kGcsUriBase, kGcsUploadUriBase, kStorageHost).
+_GOOGLE_HOSTS = ("www.googleapis.com", "storage.googleapis.com")
+
+
+class Server:
+    """One child process from gcs_servers.py; `port` is what it reported once it served."""
+
+    def __init__(self, folder: Path, name: str, *args: str):
+        self.name = name
+        self.log = folder / f"{name}.log"
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(_SERVERS), *args], stdout=subprocess.PIPE, stderr=log, start_new_session=True
+            )
+        self.port = self._await_ready()
+
+    def _await_ready(self) -> int:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            ready, _, _ = select.select([self.process.stdout], [], [], 0.2)
+            if ready:
+                line = self.process.stdout.readline().decode().split()
+                if line[:1] == ["READY"]:
+                    return int(line[1])
+        self.stop()
+        raise RuntimeError(f"{self.name} did not start within {_START_TIMEOUT_S:.0f} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self.process.stdout.close()
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=timeout) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+class Faults:
+    """Controls a fault proxy: rules apply from the next request on."""
+
+    def __init__(self, port: int):
+        self.url = f"http://127.0.0.1:{port}/__rig__"
+
+    def _call(self, method: str, path: str, doc: dict | None = None) -> dict[str, Any]:
+        body = None if doc is None else json.dumps(doc).encode()
+        request = urllib.request.Request(f"{self.url}/{path}", data=body, method=method)
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    def set(self, rules: list[dict[str, Any]], seed: int = 0) -> None:
+        self._call("PUT", "faults", {"rules": rules, "seed": seed})
+
+    def clear(self) -> None:
+        self.set([])
+        self._call("POST", "reset", {})
+
+    def stats(self) -> dict[str, Any]:
+        """Counts: requests, status, drop, cut, delay, holding (delayed right now), hits per rule, recent lines."""
+        return self._call("GET", "stats")
+
+
+class Gcs:
+    """What a test needs from the rig; see the module docstring."""
+
+    def __init__(self, emulator_port: int, api_port: int, proxy_port: int, ca: Path, faults: Faults | None = None):
+        self.emulator = f"http://127.0.0.1:{emulator_port}"
+        self.api = f"http://127.0.0.1:{api_port}"  # the emulator, or the fault proxy in front of it
+        self.faults = faults
+        self.env = {
+            "https_proxy": f"http://127.0.0.1:{proxy_port}",
+            "HTTPS_PROXY": f"http://127.0.0.1:{proxy_port}",
+            "no_proxy": "127.0.0.1,localhost",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "CURL_CA_BUNDLE": str(ca),
+            # TensorFlow sends this instead of asking the metadata server; not a credential of anything real.
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator-token",
+            "NO_GCE_CHECK": "true",
+            "GCS_STAT_CACHE_MAX_AGE": "0",
+            "STORAGE_EMULATOR_HOST": self.api,
+        }
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(
+            project="test", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.emulator}
+        )
+
+    def bucket(self, name: str | None = None) -> str:
+        """Creates a bucket (a fresh unique name by default) directly on the emulator; returns its name."""
+        name = name or f"b-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(name)
+        return name
+
+    def objects(self, bucket: str, prefix: str = "") -> list[str]:
+        return sorted(blob.name for blob in self.client().list_blobs(bucket, prefix=prefix))
+
+    def read(self, bucket: str, name: str) -> bytes:
+        return self.client().bucket(bucket).blob(name).download_as_bytes()
+
+
+def _check_tls_proxy(port: int, ca: Path, bucket: str) -> None:
+    """A GET through CONNECT + TLS, as TensorFlow's curl does, must reach this rig's own emulator."""
+    context = ssl.create_default_context(cafile=str(ca))
+    for host in _GOOGLE_HOSTS:
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+        connection.set_tunnel(host, 443)
+        path = f"/storage/v1/b/{bucket}" if host.startswith("www") else f"/{bucket}/health"
+        connection.request("GET", path)
+        status = connection.getresponse().status
+        connection.close()
+        if status not in (200, 404):  # the health bucket exists; its object `health` need not
+            raise RuntimeError(f"the TLS proxy on port {port} answered {status} for https://{host}{path}")
+
+
+@contextlib.contextmanager
+def start_gcs(folder: Path, faults: bool = False) -> Iterator[Gcs]:
+    """Starts emulator + TLS proxy (+ fault proxy) in `folder`; stops them by PID on exit."""
+    import trustme
+
+    folder.mkdir(parents=True, exist_ok=True)
+    authority = trustme.CA()
+    ca, cert = folder / "ca.pem", folder / "proxy.pem"
+    ca.write_bytes(authority.cert_pem.bytes())
+    issued = authority.issue_cert(*_GOOGLE_HOSTS, "*.googleapis.com")
+    cert.write_bytes(b"".join(blob.bytes() for blob in (issued.private_key_pem, *issued.cert_chain_pems)))
+    health = f"health-{uuid.uuid4().hex[:12]}"
+    servers: list[Server] = []
+    try:
+        emulator = Server(folder, "emulator", "emulator", "--health-bucket", health)
+        servers.append(emulator)
+        # Another server may answer on a reused port: only ours holds the health bucket.
+        status, _ = _get(f"http://127.0.0.1:{emulator.port}/storage/v1/b/{health}")
+        if status != 200:
+            raise RuntimeError(f"port {emulator.port} is not this rig's emulator (GET bucket {health}: {status})")
+        api_port, control = emulator.port, None
+        if faults:
+            fault_proxy = Server(folder, "fault-proxy", "fault-proxy", "--upstream", f"127.0.0.1:{emulator.port}")
+            servers.append(fault_proxy)
+            api_port, control = fault_proxy.port, Faults(fault_proxy.port)
+            control.clear()
+        proxy = Server(folder, "tls-proxy", "tls-proxy", "--upstream", f"127.0.0.1:{api_port}", "--cert", str(cert))
+        servers.append(proxy)
+        _check_tls_proxy(proxy.port, ca, health)
+        yield Gcs(emulator.port, api_port, proxy.port, ca, control)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory) -> Iterator[Gcs]:
+    with start_gcs(tmp_path_factory.mktemp("gcs")) as rig:
+        yield rig
+
+
+@pytest.fixture(scope="session")
+def _gcs_fault_chain(tmp_path_factory) -> Iterator[Gcs]:
+    with start_gcs(tmp_path_factory.mktemp("gcs-faults"), faults=True) as rig:
+        yield rig
+
+
+@pytest.fixture
+def gcs_faults(_gcs_fault_chain: Gcs) -> Iterator[Gcs]:
+    _gcs_fault_chain.faults.clear()
+    yield _gcs_fault_chain
+    _gcs_fault_chain.faults.clear()
