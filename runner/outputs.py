@@ -20,6 +20,7 @@ Resume precedence, when a job name is run again:
 
 from __future__ import annotations
 
+import inspect
 import json
 import posixpath
 import tempfile
@@ -33,6 +34,12 @@ from runner.spec import JobSpec
 # Spec sections that decide what the checkpoints mean; a resumed run must not change them.
 _PINNED_SECTIONS = ("data", "model", "train")
 _FREE_KEYS = {("train", "epochs")}
+
+
+def _export_saved_model(model: Any, path: str) -> None:
+    # Keras 3 prints the exported endpoints unless told not to; tf-keras has no such argument.
+    kwargs = {"verbose": False} if "verbose" in inspect.signature(model.export).parameters else {}
+    model.export(path, **kwargs)
 
 
 class RunFolder:
@@ -126,6 +133,9 @@ class RunFolder:
         partial = self.file("model.partial.keras")
         model.save(partial)
         tf.io.gfile.rename(partial, path, overwrite=True)
+        # A SavedModel too, for TF Serving and TensorFlow without Keras (written after model.keras, so an
+        # interrupted export never leaves a run without its .keras file).
+        _export_saved_model(model, self.file("saved_model"))
         return path
 
     def _worker_scratch(self, worker_index: int, name: str) -> str:

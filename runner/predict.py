@@ -1,0 +1,115 @@
+"""Using a trained job anywhere: evaluate or predict from its newest checkpoint on whatever device is present.
+
+A model trained on 8 TPU cores predicts on 1 CPU: the weights are restored into a freshly built model
+under this machine's strategy (tf.train.Checkpoint is independent of the replica count), and inputs are
+padded to whole batches and the padding dropped from the outputs, so any number of rows works on any
+number of replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from runner import data, models
+from runner.errors import DataError, SpecError
+from runner.outputs import RunFolder
+from runner.spec import JobSpec
+from runner.strategy import Accelerator, resolve_accelerator
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Trained:
+    model: tf.keras.Model
+    accelerator: Accelerator
+    checkpoint: str
+    step: int
+    features: dict
+
+
+def load_trained(spec: JobSpec) -> Trained:
+    """Builds the spec's model on the present device and restores the run's newest checkpoint into it."""
+    run = RunFolder(spec.run_dir)
+    latest = run.latest_checkpoint()
+    if latest is None:
+        raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
+    accelerator = resolve_accelerator(spec.accelerator)
+    shards = data.find_shards(spec.data.train)
+    with accelerator.strategy.scope():
+        model = models.build_model(spec, shards.features)
+        models.compile_model(model, spec)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        checkpoint.restore(latest).expect_partial()
+    step = int(model.optimizer.iterations.numpy())
+    log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
+    return Trained(model, accelerator, latest, step, shards.features)
+
+
+def evaluate(spec: JobSpec) -> dict:
+    trained = load_trained(spec)
+    if not spec.data.eval:
+        raise SpecError("data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)")
+    shards = data.find_shards(spec.data.eval)
+    batch = _batch_for(spec, trained.accelerator)
+    dataset = data.make_dataset(shards, batch, spec.data.inputs, spec.data.label, training=False)
+    steps = data.steps_in(shards, batch, "data.eval")
+    results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
+    metrics = {k: float(v) for k, v in results.items()}
+    return {
+        "job": spec.name, "checkpoint": trained.checkpoint, "step": trained.step,
+        "accelerator": trained.accelerator.to_dict(), "examples": steps * batch, "metrics": metrics,
+    }
+
+
+def _batch_for(spec: JobSpec, accelerator: Accelerator) -> int:
+    """The spec's global batch, rounded up to a multiple of this machine's replicas."""
+    replicas = accelerator.replicas
+    return -(-spec.data.global_batch_size // replicas) * replicas
+
+
+def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarray]:
+    """Rows to predict on: .npy (one input), .npz (arrays named by input feature) or TFRecord shards (a glob)."""
+    inputs = spec.data.inputs
+    suffix = Path(path).suffix
+    if suffix == ".npy":
+        if len(inputs) != 1:
+            raise DataError(f"{path}: a .npy file holds one array, but the model takes {len(inputs)} inputs; use .npz")
+        arrays = {inputs[0]: np.load(path, allow_pickle=False)}
+    elif suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            missing = [n for n in inputs if n not in archive]
+            if missing:
+                raise DataError(f"{path} lacks arrays {missing}; it has {sorted(archive.files)}")
+            arrays = {n: archive[n] for n in inputs}
+    elif suffix == ".tfrecord" or "*" in path:
+        shards = data.find_shards(path)
+        batches = data.make_dataset(shards, 1, inputs, spec.data.label, training=False)
+        rows = [x for x, _ in batches.unbatch().batch(4096)]
+        stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in rows]
+        arrays = {n: np.concatenate([b[n].numpy() for b in stacked]) for n in inputs}
+    else:
+        raise DataError(f"{path}: predict reads .npy, .npz or TFRecord shards (*.tfrecord), not {suffix or 'this file'}")
+    for name, array in arrays.items():
+        expected = tuple(features[name].shape)
+        if array.shape[1:] != expected:
+            raise DataError(f"{path}: input {name!r} has rows of shape {array.shape[1:]}, the model expects {expected}")
+    return arrays
+
+
+def predict(spec: JobSpec, input_path: str) -> tuple[np.ndarray, Trained]:
+    trained = load_trained(spec)
+    arrays = read_inputs(input_path, spec, trained.features)
+    rows = len(next(iter(arrays.values())))
+    batch = _batch_for(spec, trained.accelerator)
+    # Pad to whole batches: every replica gets an equal, static-shaped share (TPUs need both).
+    padded = -(-rows // batch) * batch
+    x = {n: np.concatenate([a.astype(np.float32), np.zeros((padded - rows, *a.shape[1:]), np.float32)]) for n, a in arrays.items()}
+    dataset = tf.data.Dataset.from_tensor_slices(x[spec.data.inputs[0]] if len(x) == 1 else x).batch(batch, drop_remainder=True)
+    outputs = trained.model.predict(dataset, verbose=0)
+    return np.asarray(outputs)[:rows], trained

@@ -1,0 +1,67 @@
+"""A model trained on two replicas evaluates and predicts on one CPU, any batch size; exports load back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from runner.datasets import load_dataset
+from tests.conftest import last_json, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(mnist_job, tmp_path: Path) -> None:
+    trained_on_two = mnist_job("two", accelerator={"kind": "cpu", "cpu_devices": 2}, train={"epochs": 2})
+    result = run_cli("run", trained_on_two)
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["accelerator"]["replicas"] == 2
+    run_dir = tmp_path / "runs" / "two"
+    assert (run_dir / "saved_model" / "saved_model.pb").exists()
+
+    one_cpu = ["--set", "accelerator.cpu_devices=1"]
+    evaluated = run_cli("evaluate", trained_on_two, *one_cpu)
+    assert evaluated.returncode == 0, evaluated.stderr
+    report = last_json(evaluated.stdout)
+    assert report["accelerator"]["replicas"] == 1 and report["step"] == 32
+    # The same weights on the same 512 test images: the metric the training run reported.
+    assert report["metrics"]["accuracy"] == pytest.approx(summary["metrics"]["accuracy"], abs=1e-6)
+
+    # 7 rows: not a multiple of any batch or replica count.
+    images = load_dataset("mnist").splits["test"]["image"][:7]
+    np.save(tmp_path / "seven.npy", images)
+    predicted = run_cli("predict", trained_on_two, "--input", tmp_path / "seven.npy", *one_cpu)
+    assert predicted.returncode == 0, predicted.stderr
+    rows = [json.loads(line) for line in predicted.stdout.splitlines() if line.startswith("{")]
+    assert [r["index"] for r in rows] == list(range(7))
+    assert all(len(r["output"]) == 10 and abs(sum(r["output"]) - 1) < 1e-3 for r in rows)
+
+    # The exported .keras model gives the same classes as the checkpoint.
+    model = tf.keras.models.load_model(run_dir / "model.keras")
+    expected = np.argmax(model.predict(images.astype("float32"), verbose=0), axis=1)
+    assert [r["class"] for r in rows] == expected.tolist()
+
+    # Predicting on two replicas works with the odd count too (padding, not a divisibility error).
+    on_two = run_cli("predict", trained_on_two, "--input", tmp_path / "seven.npy", "--output", tmp_path / "p.npy")
+    assert on_two.returncode == 0, on_two.stderr
+    assert np.load(tmp_path / "p.npy").argmax(axis=1).tolist() == expected.tolist()
+
+
+def test_predict_refuses_inputs_of_the_wrong_shape(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("shape", train={"epochs": 1, "steps_per_epoch": 2}, data={"eval": None})
+    assert run_cli("run", spec).returncode == 0
+    np.save(tmp_path / "bad.npy", np.zeros((3, 32, 32, 3), np.uint8))
+    result = run_cli("predict", spec, "--input", tmp_path / "bad.npy")
+    assert result.returncode == 2
+    assert "input 'image' has rows of shape (32, 32, 3), the model expects (28, 28, 1)" in result.stderr
+
+
+def test_predict_before_training_says_to_run_first(mnist_job) -> None:
+    result = run_cli("predict", mnist_job("untrained"), "--input", "x.npy")
+    assert result.returncode == 2
+    assert "holds no checkpoint of job 'untrained': run `runner run` first" in result.stderr
