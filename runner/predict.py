@@ -43,7 +43,7 @@ def load_trained(spec: JobSpec) -> Trained:
     shards = data.find_shards(spec.data.train)
     with accelerator.strategy.scope():
         model = models.build_model(spec, shards.features)
-        models.compile_model(model, spec)
+        models.compile_model(model, spec, accelerator.kind)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         checkpoint.restore(latest).expect_partial()
     step = int(model.optimizer.iterations.numpy())

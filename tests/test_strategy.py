@@ -117,3 +117,15 @@ def test_tpu_requested_with_nothing_naming_one(mnist_job) -> None:
     result = run_cli("run", quick_job(mnist_job, "notpu", kind="tpu"), env=cli_env(TPU_NAME="", COLAB_TPU_ADDR=""))
     assert result.returncode == 3
     assert "nothing names a TPU" in result.stderr
+
+
+def test_steps_per_execution_auto_is_32_on_tpu_and_1_elsewhere() -> None:
+    from runner.models import steps_per_execution
+    from runner.spec import JobSpec
+
+    auto = JobSpec()
+    assert steps_per_execution(auto, "tpu") == 32
+    assert steps_per_execution(auto, "cpu") == steps_per_execution(auto, "gpu") == 1
+    # With a step cadence, executions must end on checkpoint steps: the largest divisor up to 32.
+    assert steps_per_execution(JobSpec(checkpoint={"every_steps": 100}), "tpu") == 25
+    assert steps_per_execution(JobSpec(train={"steps_per_execution": 8}), "cpu") == 8
