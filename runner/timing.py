@@ -1,7 +1,10 @@
 """Named phases on a monotonic clock, and the JSON summary every run writes (even a failed one).
 
 The first epoch includes tracing and XLA compilation, so it is reported on its own and kept out of
-step time and throughput; those come from the later ("steady") epochs. Field by field: README, "The summary".
+step time and throughput; those come from the later ("steady") epochs. The phases are measured one by
+one and add up to `total_s`; what falls between them is reported as `unaccounted_s`, never hidden.
+Field by field: runner/summary.schema.json and the README section "The summary".
+This module imports no TensorFlow: `runner report` uses it to read summaries.
 """
 
 from __future__ import annotations
@@ -12,10 +15,16 @@ import statistics
 import time
 from typing import Any, Iterator
 
-SCHEMA_VERSION = 1
+# 2: adds import_s, run_folder_s, unaccounted_s, input wait, per-epoch checkpoint_s and input_wait_s;
+# epoch `seconds` no longer include checkpoint saves. runner/report.py reads 1 and 2.
+SCHEMA_VERSION = 2
 
-# Phases in the order a job passes through them; `total_s` covers them all plus what falls between.
-PHASES = ("startup", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval", "export")
+# Phases in the order a job passes through them; `total_s` is their sum plus `unaccounted_s`.
+# "strategy" is accelerator init (resolving the device, building the tf.distribute strategy);
+# "import" is loading TensorFlow after the spec is checked.
+PHASES = (
+    "startup", "import", "run_folder", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval", "export",
+)
 
 
 class Phases:
@@ -45,15 +54,17 @@ class Phases:
 @dataclasses.dataclass
 class EpochRecord:
     epoch: int  # 1-based, across resumed runs
-    seconds: float
+    seconds: float  # wall time of the epoch, checkpoint saves made inside it excluded
     steps: int
     examples_per_sec: float
     loss: float | None
     metrics: dict[str, float]
     first_step_s: float | None = None  # the first device execution of this process (compile), if in this epoch
+    checkpoint_s: float = 0.0  # checkpoint saves made inside the epoch (every_steps), kept out of `seconds`
+    input_wait_s: float | None = None  # time the training loop was blocked on the input pipeline
 
 
-def steady_timing(epochs: list[EpochRecord], global_batch: int) -> dict[str, float | None]:
+def steady_timing(epochs: list[EpochRecord], global_batch: int | None) -> dict[str, float | None]:
     """First epoch (with compile) apart; step time and throughput from the steady epochs only."""
     if not epochs:
         return {"first_epoch_s": None, "steady_epoch_s": None, "step_time_ms": None, "examples_per_sec": None}
@@ -72,7 +83,20 @@ def steady_timing(epochs: list[EpochRecord], global_batch: int) -> dict[str, flo
         "first_epoch_s": round(first.seconds, 4),
         "steady_epoch_s": None if steady_epoch is None else round(steady_epoch, 4),
         "step_time_ms": None if step_s is None else round(step_s * 1e3, 3),
-        "examples_per_sec": None if not step_s else round(global_batch / step_s, 1),
+        "examples_per_sec": None if not step_s or not global_batch else round(global_batch / step_s, 1),
+    }
+
+
+def input_wait(epochs: list[EpochRecord], train_s: float, method: str) -> dict[str, Any]:
+    """Total and share of training time the loop waited on input; None when it was not measured."""
+    waits = [e.input_wait_s for e in epochs if e.input_wait_s is not None]
+    if not waits or len(waits) < len(epochs):
+        return {"input_wait_s": None, "input_wait_fraction": None, "input_wait_method": method}
+    total = sum(waits)
+    return {
+        "input_wait_s": round(total, 4),
+        "input_wait_fraction": round(total / train_s, 4) if train_s > 0 else None,
+        "input_wait_method": method,
     }
 
 
@@ -83,22 +107,25 @@ def build_summary(
     accelerator: dict[str, Any] | None,
     phases: Phases,
     epochs: list[EpochRecord],
-    global_batch: int,
+    global_batch: int | None,
     metrics: dict[str, float],
     error: str | None = None,
     extra: dict[str, Any] | None = None,
+    input_wait_method: str = "not measured",
 ) -> dict[str, Any]:
     total = phases.elapsed()
     timing: dict[str, Any] = {f"{name}_s": round(phases.seconds.get(name, 0.0), 4) for name in PHASES}
+    timing["unaccounted_s"] = round(total - sum(phases.seconds.values()), 4)
+    timing["total_s"] = round(total, 4)
     timing.update(steady_timing(epochs, global_batch))
     first_step = next((e.first_step_s for e in epochs if e.first_step_s is not None), None)
     timing["first_step_s"] = None if first_step is None else round(first_step, 4)
-    # Productive time: training steps at their steady cost; compile, restores, saves and waits are not.
+    timing.update(input_wait(epochs, phases.seconds.get("train", 0.0), input_wait_method))
+    # Productive time: training steps at their steady cost; compile, restores, saves and evals are not.
     steps = sum(e.steps for e in epochs)
     productive = steps * timing["step_time_ms"] / 1e3 if timing["step_time_ms"] else 0.0
     timing["productive_s"] = round(min(productive, total), 4)
-    timing["goodput"] = round(productive / total, 4) if total > 0 and productive else None
-    timing["total_s"] = round(total, 4)
+    timing["goodput"] = round(min(productive / total, 1.0), 4) if total > 0 and productive else None
     summary = {
         "schema_version": SCHEMA_VERSION,
         "status": status,

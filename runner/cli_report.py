@@ -1,0 +1,105 @@
+"""`runner sweep` and `runner report`: run a spec at several settings, then compare the runs side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer()
+
+Baseline = Annotated[
+    Optional[str],
+    typer.Option(help="Run the speed-up is measured against: a job name, a path as given, or a row number (default: the first)."),
+]
+PlotPath = Annotated[
+    Optional[str], typer.Option("--plot", help="Also draw epoch time and throughput by batch size and device into this PNG.")
+]
+
+
+@app.command()
+def sweep(
+    spec: Annotated[
+        Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.", exists=True, dir_okay=False, readable=True)
+    ],
+    sets: Annotated[
+        list[str],
+        typer.Option(
+            "--set", "-s",
+            help="A key and its values, e.g. `--set data.global_batch_size=256,512,1024` (repeatable: every "
+            "combination runs). A single value applies to every variant.",
+        ),
+    ],
+    baseline: Baseline = None,
+    plot_path: PlotPath = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the closing table as Markdown.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own log lines.")] = False,
+) -> None:
+    """Run a spec once per value (or combination of values) as separate jobs, then print the comparison.
+
+    Each variant is its own `runner run` with the job name `<name>-<key>-<value>`: its own run folder,
+    summary and checkpoints. Running the same sweep again skips finished variants and resumes the others.
+    Exit 0 when every variant succeeded, 75 when one was preempted (run the sweep again), else the first
+    failing variant's code.
+    """
+    from runner import sweep as sweep_mod
+    from runner.cli import _fail, _setup_logging
+    from runner.errors import RunnerError
+
+    _setup_logging(debug)
+    try:
+        variants = sweep_mod.plan_variants(spec, sets)
+    except RunnerError as error:
+        raise _fail(error) from None
+    outcomes = sweep_mod.run_variants(spec, variants, debug=debug)
+    finished = [o.run_dir for o in outcomes if o.summary is not None]
+    if finished:
+        _print_report(finished, baseline, plot_path, markdown)
+        typer.echo(f"runs: {' '.join(finished)}", err=True)
+    code = sweep_mod.exit_code(outcomes, len(variants))
+    if code:
+        typer.secho(
+            f"sweep: {sum(o.exit_code == 0 for o in outcomes)} of {len(variants)} variants succeeded; "
+            "run the same sweep again to resume the others", err=True, fg=typer.colors.RED,
+        )
+        raise typer.Exit(code)
+
+
+@app.command()
+def report(
+    runs: Annotated[
+        list[str], typer.Argument(help="Run folders or summary files (summary.json, or a saved stdout of `runner run`), local or gs://.")
+    ],
+    baseline: Baseline = None,
+    plot_path: PlotPath = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown instead of plain text.")] = False,
+) -> None:
+    """Compare runs: device, replicas, batch, first epoch (with compile), steady epoch, step time, examples/s,
+    goodput, accuracy, input wait and speed-up over a baseline; optionally a PNG plot.
+
+    Reads summaries of every schema_version this runner knows (1 and 2). A path that cannot be read is
+    named with the reason on stderr; exit 2 if any could not be read (the others are still shown).
+    """
+    _print_report(runs, baseline, plot_path, markdown)
+
+
+def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool) -> None:
+    from runner import report as report_mod
+    from runner.cli import _fail
+    from runner.errors import EXIT_USAGE, RunnerError
+
+    try:
+        rows, problems = report_mod.load_rows(runs, baseline)
+        for problem in problems:
+            typer.secho(f"cannot read: {problem}", err=True, fg=typer.colors.RED)
+        if not rows:
+            raise typer.Exit(EXIT_USAGE)
+        base = report_mod.pick_baseline(rows, baseline)
+        typer.echo(report_mod.markdown(rows, base) if markdown else report_mod.terminal(rows, base), nl=False)
+        if plot_path:
+            typer.echo(f"plot: {report_mod.plot(rows, plot_path)}", err=True)
+    except RunnerError as error:
+        raise _fail(error) from None
+    if problems:
+        raise typer.Exit(EXIT_USAGE)

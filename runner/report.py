@@ -1,0 +1,302 @@
+"""Compare runs: read their summaries (any schema version this runner knows), tabulate, plot.
+
+A run is a run folder (holding summary.json) or a summary file, local or gs://. Each becomes one row:
+device, replicas, batch, first epoch, steady epoch, step time, examples/s, goodput, accuracy, and the
+speed-up of its throughput over a chosen baseline row. TensorFlow is imported only to read gs:// paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import posixpath
+from pathlib import Path
+from typing import Any, Iterable
+
+from runner.errors import DataError
+from runner.timing import PHASES
+
+READABLE_VERSIONS = (1, 2)
+
+
+class SummaryError(DataError):
+    """A path that holds no summary this runner can read; the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    source: str
+    job: str
+    status: str
+    schema_version: int
+    device: str | None
+    replicas: int | None
+    batch: int | None
+    first_epoch_s: float | None
+    steady_epoch_s: float | None
+    step_time_ms: float | None
+    examples_per_sec: float | None
+    goodput: float | None
+    accuracy: float | None
+    input_wait_fraction: float | None
+    speedup: float | None = None
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _read_text(path: str) -> str:
+    if path.startswith("gs://"):
+        import tensorflow as tf
+
+        try:
+            with tf.io.gfile.GFile(path, "r") as handle:
+                return handle.read()
+        except tf.errors.NotFoundError:
+            raise FileNotFoundError(path) from None
+    return Path(path).read_text()
+
+
+def _is_dir(path: str) -> bool:
+    if path.startswith("gs://"):
+        import tensorflow as tf
+
+        return tf.io.gfile.isdir(path)
+    return Path(path).is_dir()
+
+
+def summary_path(source: str) -> str:
+    """A run folder's summary.json, or the file itself."""
+    source = source.rstrip("/") if source.endswith("/") and source != "/" else source
+    return posixpath.join(source, "summary.json") if _is_dir(source) else source
+
+
+def read_summary(source: str) -> dict[str, Any]:
+    """The summary at `source` in the current form (schema_version 2), upgraded if older."""
+    path = summary_path(source)
+    try:
+        text = _read_text(path)
+    except FileNotFoundError:
+        raise SummaryError(f"{path}: no such file; pass a run folder (holding summary.json) or a summary file") from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise SummaryError(f"{path}: cannot be read as a summary ({type(exc).__name__})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        # A saved stdout of `runner run`: the summary is its last line.
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            doc = json.loads(lines[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise SummaryError(f"{path}: not JSON; a summary is summary.json or the last stdout line of `runner run`") from None
+    return upgrade(doc, path)
+
+
+def upgrade(doc: Any, path: str) -> dict[str, Any]:
+    """Brings a summary of an older schema_version to the current form; refuses versions it does not know."""
+    if not isinstance(doc, dict) or "timing" not in doc or "status" not in doc:
+        raise SummaryError(f"{path}: not a runner summary (no `status` and `timing`)")
+    version = doc.get("schema_version")
+    if version not in READABLE_VERSIONS:
+        newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
+        raise SummaryError(
+            f"{path}: schema_version {version!r} cannot be read: this runner reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}" + ("; upgrade runner to read it" if newer else "")
+        )
+    if version == 1:
+        doc = _from_v1(doc)
+    return doc
+
+
+def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had no import/run-folder phases and no input wait; its epoch seconds included
+    checkpoint saves made inside the epoch. What it did not record stays None, never guessed."""
+    doc = json.loads(json.dumps(doc))
+    timing = doc["timing"]
+    for name in PHASES:
+        timing.setdefault(f"{name}_s", None)
+    phases = [timing[f"{n}_s"] for n in PHASES if timing[f"{n}_s"] is not None]
+    total = timing.get("total_s")
+    timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
+    timing.update({"input_wait_s": None, "input_wait_fraction": None, "input_wait_method": "not recorded (schema_version 1)"})
+    for epoch in doc.get("epochs", []):
+        epoch.setdefault("checkpoint_s", None)
+        epoch.setdefault("input_wait_s", None)
+    doc["read_from_schema_version"] = 1
+    doc["schema_version"] = 2
+    return doc
+
+
+# --- rows --------------------------------------------------------------------------------------
+
+
+def to_row(source: str, doc: dict[str, Any]) -> Row:
+    timing, accelerator = doc["timing"], doc.get("accelerator") or {}
+    metrics = doc.get("metrics") or {}
+    return Row(
+        source=source,
+        job=doc.get("job", "?"),
+        status=doc["status"],
+        schema_version=doc.get("read_from_schema_version", doc["schema_version"]),
+        device=accelerator.get("kind"),
+        replicas=accelerator.get("replicas"),
+        batch=doc.get("global_batch_size"),
+        first_epoch_s=timing.get("first_epoch_s"),
+        steady_epoch_s=timing.get("steady_epoch_s"),
+        step_time_ms=timing.get("step_time_ms"),
+        examples_per_sec=timing.get("examples_per_sec"),
+        goodput=timing.get("goodput"),
+        accuracy=metrics.get("accuracy"),
+        input_wait_fraction=timing.get("input_wait_fraction"),
+    )
+
+
+def pick_baseline(rows: list[Row], baseline: str | None) -> Row:
+    """The row named by `baseline`: a job name, a source as given, or a 1-based row number; else the first."""
+    if baseline is None:
+        return rows[0]
+    for row in rows:
+        if baseline in (row.job, row.source, row.source.rstrip("/")):
+            return row
+    if baseline.isdigit() and 1 <= int(baseline) <= len(rows):
+        return rows[int(baseline) - 1]
+    raise SummaryError(
+        f"--baseline {baseline!r} names no run; use a job name ({', '.join(r.job for r in rows)}), "
+        f"a path as given, or a row number 1-{len(rows)}"
+    )
+
+
+def with_speedup(rows: list[Row], baseline: Row) -> list[Row]:
+    """Speed-up = examples/s over the baseline's (equal to the epoch-time ratio when epochs hold the same data)."""
+    base = baseline.examples_per_sec
+    return [
+        dataclasses.replace(r, speedup=round(r.examples_per_sec / base, 2) if base and r.examples_per_sec else None)
+        for r in rows
+    ]
+
+
+def load_rows(sources: Iterable[str], baseline: str | None = None) -> tuple[list[Row], list[str]]:
+    """Rows for every readable source, and one problem line per source that could not be read."""
+    rows, problems = [], []
+    for source in sources:
+        try:
+            rows.append(to_row(source, read_summary(source)))
+        except SummaryError as exc:
+            problems.append(str(exc))
+    if rows:
+        rows = with_speedup(rows, pick_baseline(rows, baseline))
+    return rows, problems
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("job", "run"), ("device", "device"), ("replicas", "replicas"), ("batch", "batch"),
+    ("first_epoch_s", "first epoch s"), ("steady_epoch_s", "steady epoch s"), ("step_time_ms", "step ms"),
+    ("examples_per_sec", "examples/s"), ("goodput", "goodput"), ("accuracy", "accuracy"),
+    ("input_wait_fraction", "input wait"), ("speedup", "speed-up"),
+)
+
+
+def _cell(row: Row, field: str) -> str:
+    value = getattr(row, field)
+    if value is None:
+        return "-"
+    if field == "job" and row.status != "succeeded":
+        return f"{value} ({row.status})"
+    if field in ("goodput", "input_wait_fraction"):
+        return f"{value:.0%}"
+    if field == "accuracy":
+        return f"{value:.4f}"
+    if field == "speedup":
+        return f"{value:.2f}x"
+    if field == "examples_per_sec":
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+    return str(value)
+
+
+def table(rows: list[Row]) -> list[list[str]]:
+    """Header row, then one row of text cells per run."""
+    return [[title for _, title in COLUMNS], *([_cell(r, f) for f, _ in COLUMNS] for r in rows)]
+
+
+def notes(rows: list[Row], baseline: Row) -> list[str]:
+    lines = [f"speed-up: examples/s over {baseline.job}'s; first epoch includes compilation and is kept out of step time"]
+    old = [r.job for r in rows if r.schema_version < 2]
+    if old:
+        lines.append(f"read from schema_version 1 (no input wait recorded): {', '.join(old)}")
+    return lines
+
+
+def markdown(rows: list[Row], baseline: Row) -> str:
+    cells = table(rows)
+    numeric = [i for i, (field, _) in enumerate(COLUMNS) if field not in ("job", "device")]
+    rule = ["---:" if i in numeric else "---" for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(r) + " |" for r in (cells[0], rule, *cells[1:])]
+    return "\n".join(lines + [""] + [f"_{n}_" for n in notes(rows, baseline)]) + "\n"
+
+
+def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    cells = table(rows)
+    grid = Table(show_edge=False, pad_edge=False)
+    for index, title in enumerate(cells[0]):
+        grid.add_column(title, justify="left" if index < 2 else "right", no_wrap=True)
+    for line in cells[1:]:
+        grid.add_row(*line)
+    out = io.StringIO()
+    console = Console(file=out, width=width or 200, force_terminal=False, color_system=None)
+    console.print(grid)
+    for note in notes(rows, baseline):
+        console.print(note, soft_wrap=True, highlight=False)
+    return out.getvalue()
+
+
+def plot(rows: list[Row], path: str) -> str:
+    """A PNG: steady (and first) epoch time and throughput against batch size, one line per device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    usable = [r for r in rows if r.batch and (r.steady_epoch_s or r.examples_per_sec)]
+    if not usable:
+        raise SummaryError("nothing to plot: no run has a batch size and a steady timing (train 2 or more epochs)")
+    groups: dict[str, list[Row]] = {}
+    for row in usable:
+        groups.setdefault(f"{row.device} x{row.replicas}", []).append(row)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, members in sorted(groups.items()):
+        members = sorted(members, key=lambda r: r.batch)
+        batches = [r.batch for r in members]
+        line = left.plot(batches, [r.steady_epoch_s for r in members], marker="o", label=f"{label} steady")[0]
+        left.plot(batches, [r.first_epoch_s for r in members], marker="x", linestyle="--", color=line.get_color(),
+                  label=f"{label} first (compile)")
+        right.plot(batches, [r.examples_per_sec for r in members], marker="o", color=line.get_color(), label=label)
+    ticks = sorted({r.batch for r in usable})
+    for axis, title, unit in ((left, "Epoch time", "seconds"), (right, "Training throughput", "examples/s")):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(ticks, [str(t) for t in ticks])
+        axis.set_xlabel("global batch size")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.set_ylim(bottom=0)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    if path.startswith("gs://"):
+        import tensorflow as tf
+
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=110)
+        with tf.io.gfile.GFile(path, "wb") as handle:
+            handle.write(buffer.getvalue())
+    else:
+        figure.savefig(path, format="png", dpi=110)
+    plt.close(figure)
+    return path
