@@ -1,0 +1,77 @@
+"""`runner doctor`: find the classic TPU job failures in seconds, before they waste accelerator time."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from runner.errors import EXIT_USAGE, RunnerError
+from runner.spec import load_spec
+
+app = typer.Typer()
+
+_COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def _table(report) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("check", "status", "evidence", "what to do", show_lines=True, expand=True)
+    for check in report.checks:
+        table.add_row(check.name, f"[{_COLORS[check.status]}]{check.status}[/]", check.evidence, check.action or "-")
+    console = Console(width=max(100, shutil.get_terminal_size((140, 24)).columns), record=True, force_terminal=False)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get()
+
+
+@app.command()
+def doctor(
+    spec: Annotated[
+        Optional[Path],
+        typer.Argument(help="Job spec (YAML): also check its buckets, data and batch size.", exists=True, dir_okay=False),
+    ] = None,
+    overrides: Annotated[
+        Optional[list[str]],
+        typer.Option("--set", "-s", help="Override a spec key, e.g. `--set data.global_batch_size=1000` (repeatable)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON line instead of a table.")] = False,
+    save: Annotated[
+        bool, typer.Option("--save", help="Also write the report to <output.dir>/<name>/doctor.json, beside the summary.")
+    ] = False,
+    timeout: Annotated[float, typer.Option(min=1, help="Bound on each check, in seconds (a TPU's start counts as one).")] = 60.0,
+    replicas: Annotated[
+        Optional[int], typer.Option(min=1, help="Check the batch arithmetic for this many replicas (e.g. 8 for a v3-8).")
+    ] = None,
+) -> None:
+    """Check this machine (and a job spec) for the ways TPU jobs fail: versions, devices, libtpu lockfile,
+    credentials, GCS, TensorFlow import and TPU start, buckets, data shards, batch size.
+
+    Prints a table (check, status, evidence, what to do), or one JSON line with `--json`. Exit 0 when nothing
+    fails, 3 when an infrastructure check fails, 2 when only the data or batch checks fail. The TensorFlow
+    and TPU checks run in a child process that is killed when it outlives `--timeout`.
+    """
+    from runner.doctor import run_doctor
+
+    if save and spec is None:
+        typer.secho("error: --save needs a SPEC: the report goes to the spec's run folder", err=True, fg=typer.colors.RED)
+        raise typer.Exit(EXIT_USAGE)
+    try:
+        job = load_spec(spec, overrides or []) if spec is not None else None
+    except RunnerError as error:
+        typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(error.exit_code) from None
+    report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), separators=(",", ":")))
+    else:
+        typer.echo(_table(report), nl=False)
+        counts = {s: sum(c.status == s for c in report.checks) for s in ("fail", "warn", "ok")}
+        saved = f"; report saved to {report.saved_to}" if report.saved_to else ""
+        typer.echo(f"doctor: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok in {report.seconds:.1f} s{saved}")
+    raise typer.Exit(report.exit_code)

@@ -1,0 +1,320 @@
+"""`runner doctor`: the classic ways a TPU job dies, checked in seconds before the job spends accelerator time.
+
+    versions      Python/TensorFlow/Keras/libtpu against runner/known_good.json
+    devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
+    lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
+    credentials   where gs:// credentials come from (never printing a secret)
+    gcs           whether the storage endpoint answers
+    tensorflow    `import tensorflow` in a child process (a mismatched libtpu aborts right here)
+    tpu           the same TPU target and connect_tpu as `runner run`, in that child
+  with a SPEC, also:
+    storage_read  each gs:// data folder's manifest.json
+    storage_write create, read back and delete a probe object in output.dir
+    data_train, data_eval   the glob matches shards listed in the manifest, their sha256 match it
+    batch         data.global_batch_size against the replica count the tpu/tensorflow checks found
+
+Each check is bounded by `timeout` seconds (the TPU's start also by the spec's accelerator.timeout_s, as in
+`runner run`). The TensorFlow checks run in one child process
+(runner/doctor_probe.py), killed by its PID when a step outlives its bound; the steps it had not done yet
+run in a fresh child with libtpu not loaded, so a TPU that hangs or aborts hides nothing else.
+Exit code: 0 when nothing fails; 3 when an infrastructure check fails; 2 when only data/batch checks fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+from runner import doctor_checks as checks
+from runner.doctor_checks import Check
+from runner.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE
+from runner.spec import JobSpec
+
+SCHEMA_VERSION = 1
+_USAGE_CHECKS = ("data_train", "data_eval", "batch")
+_STEP_WHAT = {"tensorflow": "import tensorflow", "tpu": "TPU initialisation", "storage": "the storage checks", "data": "the data checks"}
+_STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
+_STEP_ACTIONS = {
+    "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and runner/known_good.json",
+    "tpu": "check TPU_NAME / accelerator.tpu, the lockfile check, and that the TPU is READY (gcloud compute tpus tpu-vm describe)",
+    "storage": "see the gcs and credentials checks",
+    "data": "see the storage checks; `runner verify FOLDER` checks every shard",
+}
+
+
+@dataclasses.dataclass
+class Report:
+    checks: list[Check]
+    seconds: float
+    spec: str | None = None
+    saved_to: str | None = None
+
+    @property
+    def status(self) -> str:
+        statuses = {c.status for c in self.checks}
+        return next((s for s in ("fail", "warn") if s in statuses), "ok")
+
+    @property
+    def exit_code(self) -> int:
+        failed = [c.name for c in self.checks if c.status == "fail"]
+        if not failed:
+            return EXIT_OK
+        return EXIT_USAGE if all(name in _USAGE_CHECKS for name in failed) else EXIT_INFRA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 2),
+            "host": socket.gethostname(),
+            "spec": self.spec,
+            "saved_to": self.saved_to,
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+
+def _timed(fn: Callable[..., Check], *args: Any, **kwargs: Any) -> Check:
+    began = time.monotonic()
+    check = fn(*args, **kwargs)
+    check.seconds = round(time.monotonic() - began, 3)
+    return check
+
+
+class _Bounded(threading.Thread):
+    """A host check in a daemon thread: DNS lookups ignore socket timeouts, so the bound is kept out here."""
+
+    def __init__(self, name: str, seconds: float, fn: Callable[..., Check], *args: Any):
+        super().__init__(daemon=True, name=f"doctor-{name}")
+        self.check_name, self.seconds, self.call, self.result = name, seconds, lambda: _timed(fn, *args), None
+        self.start()
+
+    def run(self) -> None:
+        self.result = self.call()
+
+    def outcome(self) -> Check:
+        self.join(self.seconds)
+        if self.result is None:
+            return Check(self.check_name, "fail", f"no answer within {self.seconds:g} s", "see the gcs check", self.seconds)
+        return self.result
+
+
+class _Probe:
+    """The child process that runs the TensorFlow steps; restarted (libtpu not loaded) after a kill or crash."""
+
+    def __init__(self, steps: list[str], spec: JobSpec, timeout: float, environ: dict[str, str]):
+        self.spec, self.checks = spec, []
+        # The TPU gets what `runner run` would give it (accelerator.timeout_s), within the doctor's own bound.
+        self.bounds = {step: timeout for step in steps} | {"tpu": min(timeout, spec.accelerator.timeout_s)}
+        self.timeout = timeout
+        self.pending = list(steps)
+        self.env = dict(environ)
+        self.env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        # A job retries a silent bucket for minutes; the doctor must answer within its bound.
+        self.env.setdefault("GCS_RETRY_CONFIG_MAX_RETRIES", "1")
+        self.proc: subprocess.Popen | None = None
+        if self.pending:
+            self._start(self.pending)
+
+    def _start(self, steps: list[str]) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        self.buffer = b""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runner.doctor_probe"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env, start_new_session=True,
+        )
+        # Only what was set: a full dump may carry defaults that the spec refuses when written out.
+        spec = json.loads(self.spec.model_dump_json(exclude_unset=True))
+        request = {"steps": steps, "spec": spec, "bounds": self.bounds}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def _event(self, deadline: float) -> dict[str, Any] | str:
+        """The next event from the child, or "timeout", or "exit"."""
+        while b"\n" not in self.buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+                return "timeout"
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return "exit"
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        try:
+            return json.loads(line)
+        except ValueError:
+            return self._event(deadline)
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the child leads its own process group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def _stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        lines = [line.strip() for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
+        telling = [line for line in lines if re.search(r"(: F |\] |Error|error|Check failed|already in use)", line)]
+        picked = list(dict.fromkeys([*telling[-1:], *lines[-1:]]))
+        return " | ".join(line[:300] for line in picked) or "nothing on stderr"
+
+    def _lost(self, step: str, how: str, seconds: float) -> None:
+        """Records the step that hung or died (and a TPU step that cannot run after a failed import)."""
+        name = _STEP_CHECKS.get(step, step)
+        self.checks.append(Check(name, "fail", how, _STEP_ACTIONS[step], round(seconds, 3)))
+        self.pending.remove(step)
+        if step == "tensorflow" and "tpu" in self.pending:
+            self.checks.append(Check("tpu", "fail", "not run: import tensorflow did not finish (see tensorflow)", _STEP_ACTIONS["tensorflow"]))
+            self.pending.remove("tpu")
+        # What is left runs without loading libtpu (TPU_LOAD_LIBRARY=0): what just hung or crashed may be libtpu.
+        self.env["TPU_LOAD_LIBRARY"] = "0"
+        if self.pending:
+            self._start(self.pending)
+
+    def collect(self) -> list[Check]:
+        """Runs the pending steps to the end: every step gives its checks, or a fail saying how it was lost."""
+        step, began = None, time.monotonic()
+        deadline = began + self.timeout
+        while self.pending:
+            event = self._event(deadline)
+            current = step or self.pending[0]
+            during = f"during {_STEP_WHAT[current]}" if step else f"before {_STEP_WHAT[current]}"
+            if event == "timeout":
+                pid = self.proc.pid
+                self._kill()
+                bound = self.bounds[current] if step else self.timeout
+                how = f"no answer within {bound:g} s {during}; killed the probe (pid {pid})"
+                self._lost(current, how, time.monotonic() - began)
+            elif event == "exit":
+                code = self.proc.wait()
+                died = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                how = f"the probe (pid {self.proc.pid}) died ({died}) {during}: {self._stderr_tail()}"
+                self._lost(current, how, time.monotonic() - began)
+            elif "begin" in event:
+                # A little grace: the step's own bound (connect_tpu's, the hashing budget) should speak first.
+                bound = self.bounds[event["begin"]]
+                step, began, deadline = event["begin"], time.monotonic(), time.monotonic() + bound + min(5.0, bound / 2)
+                continue
+            elif "check" in event:
+                self.checks.append(Check(**event["check"]))
+                continue
+            elif "done" in event:
+                self.pending.remove(event["done"])
+            step, began = None, time.monotonic()
+            deadline = began + self.timeout
+        return self.checks
+
+    def save(self, path: str, report: dict[str, Any]) -> Check:
+        """Writes the report where the job's summary goes, through the same tf.io.gfile the job uses."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.env["TPU_LOAD_LIBRARY"] = "0"
+            self._start([])
+        deadline = time.monotonic() + self.timeout
+        while (event := self._event(deadline)) not in ("timeout", "exit") and "idle" not in event:
+            pass
+        if event in ("timeout", "exit"):
+            return Check("save", "fail", f"the probe could not start TensorFlow to write {path} ({event})")
+        self.proc.stdin.write((json.dumps({"save": path, "report": report}) + "\n").encode())
+        self.proc.stdin.flush()
+        event = self._event(time.monotonic() + self.timeout)
+        if isinstance(event, dict) and "check" in event:
+            return Check(**event["check"])
+        return Check("save", "fail", f"no answer within {self.timeout:g} s while writing {path}")
+
+    def close(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.close()  # end of input: the child exits
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self._kill()
+
+
+def run_doctor(
+    spec: JobSpec | None = None,
+    *,
+    spec_path: str | None = None,
+    timeout: float = 60.0,
+    replicas: int | None = None,
+    save: bool = False,
+    environ: dict[str, str] | None = None,
+    lockfile: str | None = None,
+    dev_root: str = "/dev",
+) -> Report:
+    """Runs every check (the spec's too when given) and returns the report; never raises for a failed check."""
+    began = time.monotonic()
+    environ = dict(os.environ if environ is None else environ)
+    job = spec or JobSpec()
+    paths = [p for p in (job.data.train, job.data.eval, job.output.dir) if p] if spec else []
+    needs_gcs = any(p.startswith("gs://") for p in paths)
+    tpu_wanted = job.accelerator.kind == "tpu" or (
+        job.accelerator.kind == "auto" and bool(checks.named_tpu(job.accelerator, environ) or checks.tpu_devices(dev_root))
+    )
+    found = [
+        _timed(checks.check_versions, tpu_wanted),
+        _timed(checks.check_devices, job.accelerator, environ, dev_root),
+        # Before the probe starts: a TPU it initialises holds the lockfile itself.
+        _timed(
+            checks.check_lockfile, lockfile or environ.get(checks.LOCKFILE_ENV) or checks.LIBTPU_LOCKFILE, tpu_wanted, dev_root
+        ),
+    ]
+    probe = _Probe(["tensorflow", "tpu", *(["storage", "data"] if spec else [])], job, timeout, environ)
+    try:
+        network = [
+            _Bounded("credentials", min(timeout, 5.0), checks.check_credentials, environ, needs_gcs, 2.0),
+            _Bounded("gcs", min(timeout, 5.0), checks.check_gcs_endpoint, environ, needs_gcs, 3.0),
+        ]
+        probed = probe.collect()
+        found += [task.outcome() for task in network] + probed
+        if spec is not None:
+            found.append(_batch(job, probed, replicas))
+        report = Report(found, time.monotonic() - began, spec_path)
+        if save:
+            path = f"{job.run_dir}/doctor.json"
+            report.saved_to = path
+            outcome = probe.save(path, report.to_dict())
+            if outcome.status != "ok":
+                report.saved_to = None
+                report.checks.append(outcome)
+    finally:
+        probe.close()
+    report.seconds = time.monotonic() - began
+    return report
+
+
+def _batch(spec: JobSpec, probed: list[Check], replicas: int | None) -> Check:
+    """The batch check, for the replica count the job would get here (or the one asked for)."""
+    by_name = {c.name: c for c in probed}
+    tpu, tensorflow = by_name.get("tpu"), by_name.get("tensorflow")
+    records = {
+        key: by_name[f"data_{key}"].data.get("records") if f"data_{key}" in by_name else None
+        for key, pattern in (("train", spec.data.train), ("eval", spec.data.eval)) if pattern
+    }
+    kind = spec.accelerator.kind
+    on_tpu = bool(tpu and tpu.data.get("replicas"))
+    if replicas is not None:
+        count, source = replicas, "--replicas"
+    elif on_tpu:
+        count, source = tpu.data["replicas"], f"TPU {tpu.data['target']}"
+    elif kind == "tpu":
+        count, source = None, "the TPU did not start"
+    elif kind in ("auto", "gpu") and tensorflow and tensorflow.data.get("gpus"):
+        count, source = tensorflow.data["gpus"], "GPUs TensorFlow sees"
+    elif kind == "gpu":
+        count, source = None, "TensorFlow sees no GPU"
+    else:
+        count, source = spec.accelerator.cpu_devices, "accelerator.cpu_devices on the CPU"
+    return _timed(checks.check_batch, spec, count, source, records, on_tpu=on_tpu or (replicas is not None and kind == "tpu"))

@@ -1,0 +1,414 @@
+"""The host checks of `runner doctor`: what can be known without importing TensorFlow.
+
+TensorFlow is never imported here. With a libtpu that does not match tensorflow-tpu, `import tensorflow`
+aborts the whole process, and the doctor must outlive exactly that; the checks that need TensorFlow run
+in a child process (runner/doctor_probe.py). Each check returns a `Check`: a status (ok, warn, fail),
+the evidence it saw and what to do about it. No check prints a secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import ssl
+import struct
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from runner.spec import AcceleratorSpec, JobSpec
+
+KNOWN_GOOD = Path(__file__).with_name("known_good.json")
+# libtpu's own path (xla/stream_executor/tpu/tpu_initialize_util.cc); runner.strategy.LIBTPU_LOCKFILE holds
+# the same value but imports TensorFlow. The variable points the check elsewhere (tests, odd setups only).
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+LOCKFILE_ENV = "RUNNER_LIBTPU_LOCKFILE"
+TENSORFLOW_DISTRIBUTIONS = (
+    "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu", "tensorflow-intel",
+    "tf-nightly", "tf-nightly-cpu", "tf-nightly-tpu",
+)
+_WATCHED = (*TENSORFLOW_DISTRIBUTIONS, "keras", "libtpu", "libtpu-nightly", "tf-keras")
+_STORAGE_SCOPES = ("devstorage", "cloud-platform")
+_SECRET_KEYS = ("private_key", "private_key_id", "refresh_token", "client_secret")
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the doctor's table."""
+
+    name: str
+    status: str  # ok | warn | fail
+    evidence: str
+    action: str = ""
+    seconds: float = 0.0
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --- versions ----------------------------------------------------------------------------------
+
+
+def installed_versions(paths: list[str] | None = None) -> dict[str, str]:
+    """Versions of the distributions that decide whether TensorFlow starts, read from their metadata."""
+    found: dict[str, str] = {}
+    dists = importlib.metadata.distributions(path=paths) if paths is not None else importlib.metadata.distributions()
+    for dist in dists:
+        name = canonicalize_name(dist.metadata["Name"] or "")
+        if name in _WATCHED and name not in found:  # the first on the path wins, as it does for imports
+            found[name] = dist.version
+    return found
+
+
+def _unmet(requirements: list[str], versions: dict[str, str]) -> list[str]:
+    problems = []
+    for text in requirements:
+        requirement = Requirement(text)
+        have = versions.get(canonicalize_name(requirement.name))
+        if have is None:
+            problems.append(f"{requirement.name} is not installed (wants {text})")
+        elif not requirement.specifier.contains(have, prereleases=True):
+            problems.append(f"{requirement.name} {have} (wants {text})")
+    return problems
+
+
+def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path = KNOWN_GOOD) -> Check:
+    """Python/TensorFlow/Keras/libtpu against the known-good table; a TPU needs the TPU wheel."""
+    versions = {**installed_versions(paths), "python": platform.python_version()}
+    combos = json.loads(table.read_text())["combos"]
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+    data = {"versions": versions}
+    tensorflows = [name for name in TENSORFLOW_DISTRIBUTIONS if name in versions]
+    pins = " or ".join(" ".join(row["requires"][:2]) for row in combos)
+    if not tensorflows:
+        return Check("versions", "fail", f"no TensorFlow distribution is installed ({shown})", f"pip install {pins}", data=data)
+    if len(tensorflows) > 1:
+        return Check(
+            "versions", "fail",
+            f"{len(tensorflows)} TensorFlow distributions share one environment ({', '.join(tensorflows)}): "
+            "the one installed last overwrote the other's files",
+            f"pip uninstall -y {' '.join(tensorflows)}, then install one (tf-keras pulls `tensorflow`: add --no-deps)",
+            data=data,
+        )
+    name = tensorflows[0]
+    rows = [row for row in combos if not _unmet(row["requires"][:1], versions)]
+    if not rows:
+        status = "fail" if tpu_wanted and "tpu" not in name else "warn"
+        return Check(
+            "versions", status, f"{name} {versions[name]} is not in {table.name} ({shown})",
+            f"use a combination from {table.name} ({pins}), or add this one once a job has run on it", data=data,
+        )
+    row = min(rows, key=lambda r: len(_unmet(r["requires"], versions)))
+    problems = _unmet(row["requires"], versions)
+    data["known_good"] = row["requires"]
+    if tpu_wanted and row["platform"] != "tpu":
+        return Check(
+            "versions", "fail", f"a TPU is wanted, but {name} {versions[name]} has no TPU kernels ({shown})",
+            f"run the TPU image: pip install {' '.join(r for c in combos if c['platform'] == 'tpu' for r in c['requires'][:2])}",
+            data=data,
+        )
+    if not problems:
+        return Check("versions", "ok", f"{shown}: known good ({row['source']}; {row['checked']})", data=data)
+    libtpu_wrong = any(p.startswith("libtpu") for p in problems)
+    evidence = f"{'; '.join(problems)} with {name} {versions[name]}"
+    if libtpu_wrong and row.get("if_libtpu_differs"):
+        evidence += f": {row['if_libtpu_differs']}"
+    return Check(
+        "versions", "fail" if libtpu_wrong else "warn", evidence,
+        f"pip install {' '.join(row['requires'][:-1])} (known good: {row['source']})", data=data,
+    )
+
+
+# --- devices -----------------------------------------------------------------------------------
+
+
+def named_tpu(accelerator: AcceleratorSpec, environ: dict[str, str]) -> str | None:
+    """The TPU a spec or the environment names, in runner.strategy.tpu_target's order (device files aside)."""
+    if accelerator.tpu:
+        return accelerator.tpu
+    if environ.get("TPU_NAME"):
+        return environ["TPU_NAME"]
+    if environ.get("COLAB_TPU_ADDR"):
+        return f"grpc://{environ['COLAB_TPU_ADDR']}"
+    return None
+
+
+def tpu_devices(dev_root: str = "/dev") -> list[str]:
+    return sorted(glob.glob(f"{dev_root}/accel*")) + sorted(glob.glob(f"{dev_root}/vfio/[0-9]*"))
+
+
+def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_root: str = "/dev") -> Check:
+    """Accelerator device files this process can open, against what the spec and the environment ask for."""
+    tpus, gpus = tpu_devices(dev_root), sorted(glob.glob(f"{dev_root}/nvidia[0-9]*"))
+    named, kind = named_tpu(accelerator, environ), accelerator.kind
+    data = {"tpu_devices": tpus, "gpu_devices": gpus, "tpu_named": named}
+    shown = ", ".join(tpus + gpus) or f"no {dev_root}/accel*, {dev_root}/vfio/N or {dev_root}/nvidiaN"
+    closed = [d for d in tpus + gpus if not os.access(d, os.R_OK | os.W_OK)]
+    if closed:
+        return Check(
+            "devices", "fail", f"{', '.join(closed)} exist but uid {os.getuid()} cannot open them",
+            "run the container with --privileged (TPU) or --gpus all (GPU), or as a user in the device's group", data=data,
+        )
+    local_tpu_needed = named == "local" or (kind == "tpu" and named is None)
+    if local_tpu_needed and not tpus:
+        why = "accelerator.tpu/TPU_NAME is 'local'" if named == "local" else "accelerator.kind is 'tpu' and no TPU is named"
+        return Check(
+            "devices", "fail", f"{why}, but there is {shown}",
+            "run on a TPU VM, and start the container with --privileged --net=host so it sees /dev/accel* (or /dev/vfio)",
+            data=data,
+        )
+    if kind == "gpu" and not gpus:
+        return Check("devices", "fail", f"accelerator.kind is 'gpu', but there is {shown}", "start the container with --gpus all", data=data)
+    if tpus or gpus:
+        return Check("devices", "ok", shown, data=data)
+    if named:
+        return Check("devices", "ok", f"no local accelerator devices; the TPU {named!r} is reached over the network", data=data)
+    return Check("devices", "warn", f"{shown}: a job here runs on the CPU", "nothing, unless this should be a TPU VM", data=data)
+
+
+# --- libtpu lockfile ---------------------------------------------------------------------------
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def lock_holder(path: str) -> int | None:
+    """The pid holding a lock on `path`: lockf/fcntl (what libtpu takes) asked directly, flock via /proc/locks."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            # struct flock on Linux: type, whence, start, len, pid (with the C padding). F_GETLK takes no lock.
+            query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            kind, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, query))
+            if kind != fcntl.F_UNLCK:
+                return pid
+        finally:
+            os.close(fd)
+    stat = os.stat(path)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if "->" not in fields and len(fields) >= 6 and fields[5] == device:
+            return int(fields[4])
+    return None
+
+
+def device_users(dev_root: str = "/dev") -> dict[int, list[str]]:
+    """Processes with a TPU device file open: how libtpu itself names the process that owns the TPU."""
+    devices = {os.path.realpath(d) for d in tpu_devices(dev_root)}
+    users: dict[int, list[str]] = {}
+    if not devices:
+        return users
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            targets = {os.readlink(fd) for fd in (entry / "fd").iterdir()}
+        except OSError:
+            continue  # gone, or another user's process
+        if opened := sorted(targets & devices):
+            users[int(entry.name)] = opened
+    return users
+
+
+def check_lockfile(path: str, tpu_wanted: bool = True, dev_root: str = "/dev") -> Check:
+    """libtpu's lockfile: absent, held by a live process, or left behind by a killed run.
+
+    A live holder fails the check only when this machine's TPU is wanted: elsewhere it blocks nothing.
+    """
+    users = device_users(dev_root)
+    data: dict[str, Any] = {"path": path, "device_users": {str(p): d for p, d in users.items()}}
+    in_use = "; ".join(f"pid {pid} ({_command_line(pid)}) has {', '.join(d)} open" for pid, d in users.items())
+    if not os.path.exists(path):
+        if users:
+            return Check(
+                "lockfile", "fail", f"no {path}, but the TPU is in use: {in_use}",
+                f"stop that process (kill {' '.join(map(str, users))}); one process at a time owns the TPU", data=data,
+            )
+        return Check("lockfile", "ok", f"no {path}: no process has claimed the TPU", data=data)
+    stat = os.stat(path)
+    age = time.time() - stat.st_mtime
+    holder = lock_holder(path)
+    data.update(holder=holder, owner_uid=stat.st_uid, age_s=round(age, 1))
+    if holder is not None:
+        who = f"pid {holder} ({_command_line(holder)})" if holder > 0 else "a process in another namespace"
+        return Check(
+            "lockfile", "fail" if tpu_wanted else "warn",
+            f"{path} is locked by {who}: the TPU belongs to it" + (f"; {in_use}" if in_use else ""),
+            f"stop that process (kill {holder}) or wait for it to finish; libtpu lets one process own the TPU"
+            if holder > 0 else f"find the owner with `sudo lsof -w {path}` and stop it",
+            data=data,
+        )
+    if not os.access(path, os.R_OK | os.W_OK):
+        return Check(
+            "lockfile", "fail",
+            f"{path} (uid {stat.st_uid}, mode {stat.st_mode & 0o777:o}) was left by another user's killed run; uid "
+            f"{os.getuid()} cannot open it, so libtpu refuses to start ('already in use by another process')",
+            f"sudo rm {path}", data=data,
+        )
+    return Check(
+        "lockfile", "warn",
+        f"{path} was left by a run that was killed {age / 60:.0f} min ago (libtpu deletes it on a clean exit); "
+        "no process holds it, so the next start can take it" + (f"; but {in_use}" if in_use else ""),
+        f"nothing needed; `rm {path}` to tidy up", data=data,
+    )
+
+
+# --- credentials and GCS -----------------------------------------------------------------------
+
+
+def _credential_file(path: str) -> tuple[bool, str]:
+    """(usable by TensorFlow's gs:// client, a description without secrets)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return False, f"{path} does not exist"
+    except (OSError, ValueError) as exc:
+        return False, f"{path} cannot be read as JSON ({type(exc).__name__})"
+    if not isinstance(doc, dict):
+        return False, f"{path} is not a JSON object"
+    kind = doc.get("type", "?")
+    who = doc.get("client_email") or doc.get("account") or doc.get("quota_project_id") or ""
+    described = f"{path}: {kind}" + (f" {who}" if who else "")
+    # TensorFlow's GoogleAuthProvider reads only these two kinds of file.
+    if "private_key" in doc or "refresh_token" in doc:
+        return True, described
+    return False, f"{described} (TensorFlow's gs:// client reads only service_account and authorized_user files)"
+
+
+def _metadata(environ: dict[str, str], path: str, timeout: float) -> str:
+    host = environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path}", headers={"Metadata-Flavor": "Google"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the metadata server is never proxied
+    with opener.open(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def check_credentials(environ: dict[str, str], needs_gcs: bool, timeout: float = 2.0) -> Check:
+    """Where gs:// credentials come from, in the order TensorFlow's client tries them."""
+    found, notes = [], []
+    if environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        found.append("a fixed token in GOOGLE_AUTH_TOKEN_FOR_TESTING (test and emulator setups)")
+    files = [("GOOGLE_APPLICATION_CREDENTIALS", environ["GOOGLE_APPLICATION_CREDENTIALS"])] if environ.get(
+        "GOOGLE_APPLICATION_CREDENTIALS") else []
+    config = environ.get("CLOUDSDK_CONFIG") or os.path.join(environ.get("HOME", "~"), ".config", "gcloud")
+    adc = os.path.join(config, "application_default_credentials.json")
+    if os.path.exists(adc):
+        files.append(("gcloud ADC", adc))
+    for source, path in files:
+        usable, described = _credential_file(path)
+        (found if usable else notes).append(f"{source} {described}")
+    narrow_scopes = ""
+    if environ.get("NO_GCE_CHECK", "").lower() != "true":
+        try:
+            email = _metadata(environ, "instance/service-accounts/default/email", timeout).strip()
+            scopes = _metadata(environ, "instance/service-accounts/default/scopes", timeout).split()
+            if not any(s in scope for scope in scopes for s in _STORAGE_SCOPES):
+                narrow_scopes = email
+            found.append(f"metadata server: service account {email}, scopes {', '.join(s.rsplit('/', 1)[-1] for s in scopes)}")
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            notes.append(f"no metadata server ({getattr(exc, 'reason', exc)})")
+    if environ.get("STORAGE_EMULATOR_HOST"):
+        notes.append(f"STORAGE_EMULATOR_HOST={environ['STORAGE_EMULATOR_HOST']} (google-cloud-storage only)")
+    evidence = "; ".join(found + notes)
+    data = {"sources": found}
+    if narrow_scopes and len(found) == 1:  # the VM's account is the only source, and it may not use GCS
+        return Check(
+            "credentials", "fail" if needs_gcs else "warn", f"{evidence}: the VM's scopes do not include storage",
+            "recreate the VM (or TPU) with --scopes=cloud-platform, or set GOOGLE_APPLICATION_CREDENTIALS", data=data,
+        )
+    if found:
+        bad = [n for n in notes if n.startswith(("GOOGLE_APPLICATION_CREDENTIALS", "gcloud ADC"))]
+        if bad:
+            return Check("credentials", "warn", evidence, f"fix or unset the unusable file: {bad[0].split(': ')[0]}", data=data)
+        return Check("credentials", "ok", evidence, data=data)
+    return Check(
+        "credentials", "fail" if needs_gcs else "warn",
+        f"no credentials found ({evidence}): gs:// requests would go out anonymous (public buckets only)",
+        "on a VM: give it a service account with storage scope; elsewhere: `gcloud auth application-default login` "
+        "or GOOGLE_APPLICATION_CREDENTIALS=key.json",
+        data=data,
+    )
+
+
+def check_gcs_endpoint(environ: dict[str, str], needs_gcs: bool, timeout: float = 3.0) -> Check:
+    """Can this machine reach the endpoint TensorFlow reads gs:// objects from (through https_proxy if set)?"""
+    url = "https://storage.googleapis.com/"
+    proxy = environ.get("https_proxy") or environ.get("HTTPS_PROXY")
+    # TensorFlow's curl trusts CURL_CA_BUNDLE; so does this check, so both see the same certificates.
+    context = ssl.create_default_context(cafile=environ.get("CURL_CA_BUNDLE") or None)
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({"https": proxy} if proxy else {}), urllib.request.HTTPSHandler(context=context)
+    )
+    via = f" through {proxy}" if proxy else ""
+    began = time.monotonic()
+    try:
+        with opener.open(urllib.request.Request(url, method="HEAD"), timeout=timeout) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code  # any HTTP answer proves the endpoint is reachable
+    except (OSError, urllib.error.URLError, ssl.SSLError) as exc:
+        return Check(
+            "gcs", "fail" if needs_gcs else "warn", f"{url}{via} unreachable: {getattr(exc, 'reason', exc)}",
+            "check DNS, the VPC's egress (Private Google Access on a VM without an external IP) and https_proxy",
+        )
+    return Check("gcs", "ok", f"{url}{via} answered HTTP {status} in {time.monotonic() - began:.2f} s")
+
+
+# --- batch arithmetic --------------------------------------------------------------------------
+
+
+def check_batch(
+    spec: JobSpec, replicas: int | None, source: str, records: dict[str, int | None], on_tpu: bool = False
+) -> Check:
+    """global_batch_size against the replica count, and full batches in each split (TPUs drop remainders)."""
+    batch = spec.data.global_batch_size
+    data = {"global_batch_size": batch, "replicas": replicas, "replicas_from": source}
+    if replicas is None:
+        return Check("batch", "warn", f"replica count unknown ({source})", "fix the TPU check, or pass --replicas N", data=data)
+    if batch % replicas:
+        return Check(
+            "batch", "fail", f"data.global_batch_size ({batch}) is not divisible by the {replicas} replicas ({source})",
+            f"set data.global_batch_size to {max(replicas, batch // replicas * replicas)} or {(batch // replicas + 1) * replicas}",
+            data=data,
+        )
+    per_replica = batch // replicas
+    evidence = [f"{batch} = {replicas} replicas x {per_replica} ({source})"]
+    for split, count in records.items():
+        if count is not None and count // batch == 0:
+            return Check(
+                "batch", "fail", f"data.{split}: {count} records make no full batch of {batch}",
+                "lower data.global_batch_size or add data", data=data,
+            )
+        if count is not None:
+            evidence.append(f"{split}: {count // batch} steps of {batch} from {count} records")
+    if on_tpu and per_replica % 8:
+        return Check(
+            "batch", "warn", "; ".join(evidence) + f"; {per_replica} per core is not a multiple of 8",
+            "TPU cores pad the batch: use a multiple of 8 per core (128 is best)", data=data,
+        )
+    return Check("batch", "ok", "; ".join(evidence), data=data)

@@ -1,0 +1,244 @@
+"""The checks of `runner doctor` that import TensorFlow, run as `python -m runner.doctor_probe` in a child
+process that the doctor kills by its PID when a step outlives its bound (a hung TPU initialisation, an
+`import tensorflow` that aborts on a mismatched libtpu, a bucket that never answers).
+
+Protocol: one JSON request on stdin, {"steps": [...], "spec": {...}, "bounds": {step: seconds}}; one JSON line per
+event on the stdout the process started with: {"begin": step}, {"check": {...}}, {"done": step}, then
+{"idle": true}. Then one more stdin line, {"save": path, "report": {...}} (written with tf.io.gfile, so a
+gs:// run folder works), or end of input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import socket
+import sys
+import time
+from typing import Any, Callable, Iterator, TextIO
+
+from runner.doctor_checks import Check
+from runner.spec import JobSpec
+
+Step = Callable[[JobSpec, float], Iterator[Check]]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = getattr(exc, "message", None) or str(exc)
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+
+
+def tensorflow_step(spec: JobSpec, bound: float) -> Iterator[Check]:
+    began = time.monotonic()
+    import keras
+    import tensorflow as tf
+
+    seconds = time.monotonic() - began
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    yield Check(
+        "tensorflow", "ok",
+        f"TensorFlow {tf.__version__} and Keras {keras.__version__} imported in {seconds:.1f} s; "
+        f"TensorFlow sees {len(tf.config.list_physical_devices('CPU'))} CPU and {gpus} GPU device(s)",
+        data={"version": tf.__version__, "keras": keras.__version__, "import_s": round(seconds, 2), "gpus": gpus},
+    )
+
+
+def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
+    """What `runner run` would do about a TPU: the same target and the same connect_tpu, bounded."""
+    from runner.errors import AcceleratorError
+    from runner.strategy import connect_tpu, tpu_target
+
+    kind, target = spec.accelerator.kind, tpu_target(spec.accelerator)
+    if target is None:
+        if kind == "tpu":
+            yield Check(
+                "tpu", "fail", "accelerator.kind is 'tpu' but nothing names a TPU (accelerator.tpu, TPU_NAME, "
+                "COLAB_TPU_ADDR unset; no /dev/accel* or /dev/vfio/N)",
+                "run on a TPU VM (or set accelerator.tpu to a TPU name or grpc://host:8470)",
+            )
+        elif kind == "auto":
+            yield Check(
+                "tpu", "warn", "no TPU: nothing names one (accelerator.tpu, TPU_NAME, COLAB_TPU_ADDR unset) and there "
+                "are no /dev/accel* or /dev/vfio/N device files; a job here runs on GPU or CPU",
+                "nothing, unless this should be a TPU VM (see the devices check)",
+            )
+        else:
+            yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r}")
+        return
+    if kind in ("gpu", "cpu"):
+        yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r} (the TPU {target!r} is left alone)")
+        return
+    began = time.monotonic()
+    try:
+        # Four fifths of the bound, so connect_tpu's own timeout (naming the step that hung) fires before the
+        # doctor's kill.
+        accelerator = connect_tpu(target, bound * 0.8)
+    except AcceleratorError as exc:
+        action = "see runner/known_good.json for the libtpu that matches the TensorFlow wheel; the lockfile check"
+        yield Check("tpu", "fail", str(exc), action, data={"target": target})
+        return
+    seconds = time.monotonic() - began
+    yield Check(
+        "tpu", "ok", f"{accelerator.detail}; initialised in {seconds:.1f} s",
+        data={"target": target, "replicas": accelerator.replicas, "init_s": round(seconds, 2)},
+    )
+
+
+def _bucket(path: str) -> str:
+    return path[len("gs://"):].split("/", 1)[0]
+
+
+def _read_manifest(folder: str) -> Check:
+    import tensorflow as tf
+
+    from runner.data import MANIFEST
+
+    path = posixpath.join(folder, MANIFEST)
+    began = time.monotonic()
+    try:
+        with tf.io.gfile.GFile(path, "rb") as handle:
+            size = len(handle.read())
+    except tf.errors.PermissionDeniedError as exc:
+        return Check(
+            "storage_read", "fail", f"reading {path}: {_first_line(exc)}",
+            f"give the job's identity (see credentials) roles/storage.objectViewer on gs://{_bucket(folder)}",
+        )
+    except tf.errors.NotFoundError:
+        if not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
+            return Check("storage_read", "fail", f"bucket gs://{_bucket(folder)} does not exist", "fix the bucket name in data.train / data.eval")
+        return Check("storage_read", "fail", f"{path} not found", f"prepare the data: runner prepare DATASET --out {folder}")
+    except tf.errors.OpError as exc:
+        return Check("storage_read", "fail", f"reading {path}: {_first_line(exc)}", "see the gcs and credentials checks")
+    return Check("storage_read", "ok", f"read {path} ({size} bytes) in {time.monotonic() - began:.2f} s", data={"path": path})
+
+
+def _write_probe(folder: str) -> Check:
+    """Create, read back and delete one object where checkpoints go: CheckpointManager deletes old ones too."""
+    import tensorflow as tf
+
+    probe = posixpath.join(folder.rstrip("/"), f".runner-doctor-{socket.gethostname()}-{os.getpid()}")
+    payload = f"runner doctor write probe {time.time()}".encode()
+    stage = "create the folder"
+    began = time.monotonic()
+    try:
+        tf.io.gfile.makedirs(folder)
+        stage = "write"
+        with tf.io.gfile.GFile(probe, "wb") as handle:
+            handle.write(payload)
+        stage = "read back"
+        with tf.io.gfile.GFile(probe, "rb") as handle:
+            if handle.read() != payload:
+                return Check("storage_write", "fail", f"{probe} read back different bytes", "check the bucket or the disk")
+        stage = "delete"
+        tf.io.gfile.remove(probe)
+    except tf.errors.OpError as exc:
+        remote = folder.startswith("gs://")
+        role = "roles/storage.objectAdmin (old checkpoints are deleted)" if stage == "delete" else "roles/storage.objectCreator"
+        action = f"give the job's identity {role} on gs://{_bucket(folder)}" if remote else f"make {folder} writable"
+        if remote and isinstance(exc, tf.errors.NotFoundError) and not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
+            return Check("storage_write", "fail", f"bucket gs://{_bucket(folder)} does not exist", "fix output.dir or create the bucket")
+        return Check("storage_write", "fail", f"could not {stage} {probe}: {_first_line(exc)}", action)
+    return Check(
+        "storage_write", "ok", f"wrote, read back and deleted {probe} in {time.monotonic() - began:.2f} s",
+        data={"path": folder},
+    )
+
+
+def storage_step(spec: JobSpec, bound: float) -> Iterator[Check]:
+    patterns = [p for p in (spec.data.train, spec.data.eval) if p]
+    for folder in sorted({posixpath.dirname(p) for p in patterns if p.startswith("gs://")}):
+        yield _read_manifest(folder)
+    yield _write_probe(spec.output.dir)
+
+
+def _data_check(spec: JobSpec, key: str, pattern: str, seconds: float) -> Check:
+    from runner import data
+    from runner.errors import DataError
+
+    name = f"data_{key}"
+    try:
+        shards = data.find_shards(pattern)
+        data.check_columns(shards, spec.data.inputs, spec.data.label)
+    except DataError as exc:
+        return Check(name, "fail", str(exc), f"fix data.{key} in the spec, or run `runner prepare`")
+    entries = {e["file"]: e for info in shards.manifest["splits"].values() for e in info["shards"]}
+    split = data.split_of(pattern, shards.manifest)
+    listed = len(shards.manifest["splits"][split]["shards"]) if split else len(shards.files)
+    checked, bad, deadline = 0, [], time.monotonic() + seconds
+    for path in shards.files:
+        if time.monotonic() > deadline:
+            break
+        if data.sha256_of(path) != entries[posixpath.basename(path)]["sha256"]:
+            bad.append(path)
+        checked += 1
+    facts = {"records": shards.records, "files": len(shards.files), "hashed": checked}
+    if bad:
+        return Check(
+            name, "fail", f"sha256 of {', '.join(bad)} does not match {posixpath.dirname(pattern)}/{data.MANIFEST}",
+            "re-run `runner prepare`, or copy the shard again from its source", data=facts,
+        )
+    evidence = f"{pattern}: {len(shards.files)} shard(s), {shards.records} records; sha256 of {checked} match the manifest"
+    if checked < len(shards.files):
+        evidence += f" (stopped at the time bound; `runner verify {posixpath.dirname(pattern)}` checks all)"
+    if len(shards.files) < listed:
+        return Check(
+            name, "warn", f"{evidence}; but the glob matches {len(shards.files)} of the {listed} shards of split {split!r}",
+            f"widen data.{key} if the whole split is meant", data=facts,
+        )
+    return Check(name, "ok", evidence, data=facts)
+
+
+def data_step(spec: JobSpec, bound: float) -> Iterator[Check]:
+    patterns = [("train", spec.data.train), ("eval", spec.data.eval)]
+    patterns = [(key, pattern) for key, pattern in patterns if pattern]
+    for key, pattern in patterns:
+        # Hashing gets a share of the bound; what is left unhashed is said, not skipped silently.
+        yield _data_check(spec, key, pattern, bound * 0.6 / len(patterns))
+
+
+STEPS: dict[str, Step] = {"tensorflow": tensorflow_step, "tpu": tpu_step, "storage": storage_step, "data": data_step}
+
+
+def _save(spec: JobSpec, path: str, report: dict[str, Any]) -> Check:
+    import tensorflow as tf
+
+    from runner.outputs import RunFolder
+
+    folder = RunFolder(posixpath.dirname(path))
+    try:
+        folder.write_json(posixpath.basename(path), report)
+    except tf.errors.OpError as exc:
+        return Check("save", "fail", f"could not write {path}: {_first_line(exc)}", "see the storage_write check")
+    return Check("save", "ok", f"report written to {path}", data={"path": path})
+
+
+def _emit(out: TextIO, event: dict[str, Any]) -> None:
+    out.write(json.dumps(event) + "\n")
+    out.flush()
+
+
+def main() -> None:
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever TensorFlow prints must not mix with the events
+    request = json.loads(sys.stdin.readline())
+    spec = JobSpec.model_validate(request["spec"])
+    for step in request["steps"]:
+        _emit(out, {"begin": step})
+        began = time.monotonic()
+        try:
+            for check in STEPS[step](spec, request["bounds"][step]):
+                check.seconds, began = round(time.monotonic() - began, 3), time.monotonic()
+                _emit(out, {"check": check.to_dict()})
+        except Exception as exc:  # one broken step must not hide the others
+            _emit(out, {"check": Check(step, "fail", _first_line(exc), "a bug in the doctor: report it with this line").to_dict()})
+        _emit(out, {"done": step})
+    _emit(out, {"idle": True})
+    line = sys.stdin.readline()
+    if line.strip():
+        command = json.loads(line)
+        _emit(out, {"check": _save(spec, command["save"], command["report"]).to_dict()})
+
+
+if __name__ == "__main__":
+    main()
