@@ -1,0 +1,107 @@
+"""`runner report`: real summaries (this schema and the older one) as a table, Markdown and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner import report
+from tests.conftest import REPO, cli_env, last_json, run_cli
+from tests.support.gcs import gcs  # noqa: F401  (fixture)
+
+V1 = REPO / "tests" / "data" / "summary_v1.json"  # written by the runner at schema_version 1
+
+
+@pytest.fixture(scope="module")
+def real_run(tiny_mnist: Path, tmp_path_factory) -> tuple[dict, Path]:
+    folder = tmp_path_factory.mktemp("report")
+    spec = folder / "b256.yaml"
+    spec.write_text(
+        f"name: b256\naccelerator: {{kind: cpu}}\n"
+        f"data: {{train: '{tiny_mnist}/train-*.tfrecord', eval: '{tiny_mnist}/test-*.tfrecord', "
+        f"global_batch_size: 256, shuffle_buffer: 512}}\ntrain: {{epochs: 2}}\noutput: {{dir: '{folder / 'runs'}'}}\n"
+    )
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr
+    (folder / "b256.stdout").write_text(result.stdout)
+    return last_json(result.stdout), folder
+
+
+def test_a_schema_1_summary_is_read_and_what_it_lacks_stays_empty() -> None:
+    doc = report.read_summary(str(V1))
+    assert doc["schema_version"] == 2 and doc["read_from_schema_version"] == 1
+    original = json.loads(V1.read_text())
+    assert doc["timing"]["steady_epoch_s"] == original["timing"]["steady_epoch_s"]
+    assert doc["timing"]["input_wait_s"] is None and "schema_version 1" in doc["timing"]["input_wait_method"]
+    assert doc["timing"]["import_s"] is None, "a phase version 1 did not measure is not invented"
+    row = report.to_row(str(V1), doc)
+    assert (row.device, row.replicas, row.batch, row.schema_version) == ("cpu", 1, 128, 1)
+    assert row.accuracy == original["metrics"]["accuracy"]
+
+
+def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path) -> None:
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps({**json.loads(V1.read_text()), "schema_version": 9}))
+    other = tmp_path / "other.json"
+    other.write_text('{"loss": 1}')
+    result = run_cli("report", V1, newer, other, tmp_path / "missing")
+    assert result.returncode == 2
+    assert f"{newer}: schema_version 9 cannot be read: this runner reads 1, 2; upgrade runner" in result.stderr
+    assert f"{other}: not a runner summary" in result.stderr
+    assert f"{tmp_path / 'missing'}: no such file" in result.stderr
+    assert "mnist_v1" in result.stdout, "what can be read is still shown"
+
+
+@pytest.mark.slow
+def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_path: Path) -> None:
+    summary, folder = real_run
+    run_dir = folder / "runs" / "b256"
+    result = run_cli("report", V1, run_dir, folder / "b256.stdout", "--baseline", "mnist_v1", "--markdown")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("| run | device | replicas | batch | first epoch s | steady epoch s | step ms |")
+    v1_rate = json.loads(V1.read_text())["timing"]["examples_per_sec"]
+    rate = summary["timing"]["examples_per_sec"]
+    row = next(line for line in lines if line.startswith("| b256 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:4] == ["cpu", "1", "256"]
+    assert cells[5] == f"{summary['timing']['steady_epoch_s']:.2f}"
+    assert cells[7] == f"{rate:,.0f}"
+    assert cells[8] == f"{summary['timing']['goodput']:.0%}"
+    assert cells[11] == f"{round(rate / v1_rate, 2):.2f}x"
+    assert "| mnist_v1 | cpu | 1 | 128 |" in result.stdout and "1.00x" in result.stdout
+    assert "read from schema_version 1 (no input wait recorded): mnist_v1" in result.stdout
+    # The saved stdout of `runner run` reads as the same run.
+    assert sum(line.startswith("| b256 ") for line in lines) == 2
+
+    plain = run_cli("report", run_dir, V1, "--plot", tmp_path / "compare.png")
+    assert plain.returncode == 0, plain.stderr
+    assert "b256" in plain.stdout.splitlines()[2] and "1.00x" in plain.stdout.splitlines()[2]
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+    wrong = run_cli("report", run_dir, "--baseline", "nope")
+    assert wrong.returncode == 2 and "--baseline 'nope' names no run; use a job name (b256)" in wrong.stderr
+
+
+def test_a_plot_needs_steady_timing(tmp_path: Path) -> None:
+    row = report.to_row("x", {**report.read_summary(str(V1)), "timing": {"steady_epoch_s": None, "examples_per_sec": None}})
+    with pytest.raises(report.SummaryError, match="train 2 or more epochs"):
+        report.plot([row], str(tmp_path / "x.png"))
+
+
+@pytest.mark.slow
+def test_report_reads_a_run_folder_in_a_bucket(real_run, gcs) -> None:
+    summary, folder = real_run
+    bucket = gcs.bucket()
+    blob = gcs.client().bucket(bucket).blob("runs/b256/summary.json")
+    blob.upload_from_string((folder / "runs" / "b256" / "summary.json").read_text())
+    shutil.copy(V1, folder / "v1.json")
+    result = run_cli("report", f"gs://{bucket}/runs/b256", folder / "v1.json", env=cli_env(**gcs.env))
+    assert result.returncode == 0, result.stderr
+    assert f"{summary['timing']['examples_per_sec']:,.0f}" in result.stdout.splitlines()[2]
+    missing = run_cli("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
+    assert missing.returncode == 2 and f"gs://{bucket}/runs/none: no such file" in missing.stderr

@@ -1,0 +1,235 @@
+"""The timing summary: phases that add up, the compiling first epoch apart, a measured input wait,
+TensorBoard scalars and a profiler trace, and a summary even from a run that failed or was preempted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from runner.timing import PHASES, EpochRecord, Phases, build_summary
+from tests.conftest import REPO, cli_env, last_json, run_cli
+
+SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
+
+
+def phase_sum(timing: dict) -> float:
+    return sum(timing[f"{name}_s"] for name in PHASES)
+
+
+def assert_phases_add_up(summary: dict) -> None:
+    timing = summary["timing"]
+    # By construction the phases plus what falls between them are the total ...
+    assert phase_sum(timing) + timing["unaccounted_s"] == pytest.approx(timing["total_s"], abs=0.01)
+    # ... and what falls between them is small: every second of the run belongs to a named phase.
+    assert 0 <= timing["unaccounted_s"] <= max(0.5, 0.03 * timing["total_s"]), timing
+
+
+# --- the arithmetic, on records with known numbers ------------------------------------------------
+
+
+def record(epoch: int, seconds: float, steps: int = 10, first_step_s: float | None = None, wait: float = 0.0) -> EpochRecord:
+    return EpochRecord(epoch, seconds, steps, steps * 32 / seconds, 1.0, {}, first_step_s, 0.0, wait)
+
+
+def test_the_compiling_first_epoch_stays_out_of_step_time_and_goodput() -> None:
+    phases = Phases(start=time.monotonic() - 20.0)
+    phases.add("train", 9.0)
+    epochs = [record(1, 5.0, first_step_s=4.0, wait=0.5), record(2, 2.0, wait=0.2), record(3, 2.2, wait=0.3)]
+    summary = build_summary(
+        status="succeeded", job="j", accelerator=None, phases=phases, epochs=epochs, global_batch=32, metrics={},
+        input_wait_method="getnext_blocked",
+    )
+    timing = summary["timing"]
+    assert timing["first_epoch_s"] == 5.0 and timing["first_step_s"] == 4.0
+    assert timing["steady_epoch_s"] == 2.1  # median of the later epochs only
+    assert timing["step_time_ms"] == 210.0
+    assert timing["examples_per_sec"] == pytest.approx(32 / 0.21, rel=1e-3)
+    assert timing["productive_s"] == pytest.approx(30 * 0.21)
+    assert timing["goodput"] == pytest.approx(30 * 0.21 / timing["total_s"], abs=1e-3)
+    assert timing["input_wait_s"] == 1.0 and timing["input_wait_fraction"] == pytest.approx(1.0 / 9.0, abs=1e-4)
+    assert timing["unaccounted_s"] == pytest.approx(timing["total_s"] - 9.0, abs=1e-3)
+    jsonschema.validate(summary, SCHEMA)
+
+
+def test_one_epoch_takes_its_step_time_from_the_steps_after_the_first() -> None:
+    summary = build_summary(
+        status="succeeded", job="j", accelerator=None, phases=Phases(), epochs=[record(1, 6.0, 11, first_step_s=4.0)],
+        global_batch=32, metrics={},
+    )
+    assert summary["timing"]["steady_epoch_s"] is None
+    assert summary["timing"]["step_time_ms"] == 200.0
+    assert summary["timing"]["input_wait_method"] == "not measured"
+
+
+def test_a_wait_missing_from_one_epoch_is_not_summed_as_if_complete() -> None:
+    epochs = [record(1, 5.0, first_step_s=1.0), dataclass_replace(record(2, 2.0), input_wait_s=None)]
+    summary = build_summary(status="failed", job="j", accelerator=None, phases=Phases(), epochs=epochs, global_batch=32, metrics={})
+    assert summary["timing"]["input_wait_s"] is None
+
+
+def dataclass_replace(epoch: EpochRecord, **changes) -> EpochRecord:
+    import dataclasses
+
+    return dataclasses.replace(epoch, **changes)
+
+
+# --- input wait, measured on real tf.data pipelines ----------------------------------------------
+
+
+def test_input_wait_is_the_time_the_consumer_blocked_on_the_pipeline() -> None:
+    import tensorflow as tf
+
+    from runner.observe import InputClock
+    from runner.strategy import Accelerator
+
+    def consume(producer_s: float, consumer_s: float, batches: int = 25) -> tuple[float, float]:
+        clock = InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1))
+        dataset = tf.data.Dataset.range(10**6)
+        if producer_s:
+            dataset = dataset.map(lambda x: tf.py_function(lambda v: (time.sleep(producer_s), v)[1], [x], tf.int64))
+        iterator = iter(clock.wrap(dataset.prefetch(2)))
+        next(iterator)  # warm-up: the first element starts the pipeline's threads
+        waited_before, began = clock.seconds(), time.monotonic()
+        for _ in range(batches):
+            next(iterator)
+            time.sleep(consumer_s)  # the "training step"
+        return clock.seconds() - waited_before, time.monotonic() - began
+
+    slow_wait, slow_total = consume(producer_s=0.06, consumer_s=0.01)
+    # Input-bound: the loop waits about (0.06 - 0.01) s per batch; the rest of its time is its own work.
+    assert slow_wait == pytest.approx(25 * 0.05, rel=0.35)
+    assert slow_wait < slow_total - 25 * 0.01 + 0.05
+    fast_wait, _ = consume(producer_s=0.0, consumer_s=0.02)
+    assert fast_wait < 0.05 * 25 * 0.02 + 0.02, "a pipeline that keeps up costs (almost) no wait"
+
+
+# --- a real short run through the CLI ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def timed_run(tiny_mnist: Path, tmp_path_factory) -> tuple[dict, Path]:
+    folder = tmp_path_factory.mktemp("timed")
+    spec = folder / "timed.yaml"
+    spec.write_text(
+        f"name: timed\naccelerator: {{kind: cpu}}\n"
+        f"data: {{train: '{tiny_mnist}/train-*.tfrecord', eval: '{tiny_mnist}/test-*.tfrecord', "
+        f"global_batch_size: 128, shuffle_buffer: 512}}\n"
+        f"train: {{epochs: 3}}\ncheckpoint: {{every_steps: 8}}\nprofile: {{start_step: 20, steps: 3}}\n"
+        f"output: {{dir: '{folder / 'runs'}'}}\n"
+    )
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr
+    return last_json(result.stdout), folder / "runs" / "timed"
+
+
+@pytest.mark.slow
+def test_a_real_run_accounts_for_every_second(timed_run) -> None:
+    summary, run_dir = timed_run
+    jsonschema.validate(summary, SCHEMA)
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert_phases_add_up(summary)
+    timing = summary["timing"]
+    assert timing["import_s"] > 0.5, "loading TensorFlow is its own phase"
+    assert timing["checkpoint_s"] > 0 and timing["eval_s"] > 0 and timing["export_s"] > 0
+    # Saves inside an epoch (every 8 steps) are counted once, in checkpoint_s, not in the epoch times.
+    assert sum(e["checkpoint_s"] for e in summary["epochs"]) <= timing["checkpoint_s"]
+    assert all(e["checkpoint_s"] > 0 for e in summary["epochs"])
+    assert sum(e["seconds"] for e in summary["epochs"]) <= timing["train_s"]
+
+
+@pytest.mark.slow
+def test_the_first_epoch_is_reported_apart_from_the_steady_ones(timed_run) -> None:
+    summary, _ = timed_run
+    timing, epochs = summary["timing"], summary["epochs"]
+    assert timing["first_epoch_s"] == epochs[0]["seconds"]
+    assert epochs[0]["first_step_s"] == timing["first_step_s"] < timing["first_epoch_s"]
+    assert timing["first_epoch_s"] > timing["steady_epoch_s"], "the first epoch carries the compile"
+    steady = epochs[1:]
+    assert timing["steady_epoch_s"] == pytest.approx(statistics.median(e["seconds"] for e in steady), abs=1e-3)
+    assert timing["step_time_ms"] == pytest.approx(statistics.median(e["seconds"] / e["steps"] for e in steady) * 1e3, abs=0.01)
+    assert timing["examples_per_sec"] == pytest.approx(128 / (timing["step_time_ms"] / 1e3), rel=1e-3)
+    assert timing["productive_s"] == pytest.approx(48 * timing["step_time_ms"] / 1e3, abs=1e-3)
+    assert timing["goodput"] == pytest.approx(timing["productive_s"] / timing["total_s"], abs=1e-3)
+    assert timing["input_wait_method"] == "getnext_blocked"
+    assert timing["input_wait_s"] == pytest.approx(sum(e["input_wait_s"] for e in epochs), abs=1e-3)
+    assert 0 <= timing["input_wait_s"] < timing["train_s"]
+
+
+@pytest.mark.slow
+def test_tensorboard_scalars_and_the_profiler_trace_are_in_the_run_folder(timed_run) -> None:
+    import tensorflow as tf
+
+    summary, run_dir = timed_run
+    scalars: dict[str, dict[int, float]] = {}
+    for events in (run_dir / "tensorboard" / "train").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            for value in event.summary.value:
+                assert value.metadata.plugin_data.plugin_name == "scalars"
+                scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+    by_epoch = {e["epoch"]: e for e in summary["epochs"]}
+    assert scalars["loss"] == pytest.approx({n: e["loss"] for n, e in by_epoch.items()}, rel=1e-5)
+    assert scalars["accuracy"] == pytest.approx({n: e["metrics"]["accuracy"] for n, e in by_epoch.items()}, rel=1e-5)
+    assert scalars["examples_per_sec"] == pytest.approx({n: e["examples_per_sec"] for n, e in by_epoch.items()}, rel=1e-5)
+    assert set(scalars["input_wait_s"]) == {1, 2, 3}
+    assert list((run_dir / "tensorboard" / "eval").glob("events.out.tfevents.*")), "eval metrics are logged too"
+
+    profile = summary["profile"]
+    assert profile["traced_steps"] == [20, 22] and profile["error"] is None
+    traces = list((run_dir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_preempted_run_still_writes_its_summary(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("preempted", train={"epochs": 40})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "runner", "run", str(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=cli_env(), cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        for line in child.stderr:
+            if "epoch 1/40" in line or time.monotonic() > deadline:
+                break
+        child.send_signal(signal.SIGTERM)
+        stdout, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 75, stderr
+    summary = last_json(stdout)
+    assert summary == json.loads((tmp_path / "runs" / "preempted" / "summary.json").read_text())
+    assert summary["status"] == "preempted" and "run the same job again" in summary["error"]
+    jsonschema.validate(summary, SCHEMA)
+    assert_phases_add_up(summary)
+    assert summary["timing"]["first_epoch_s"] == summary["epochs"][0]["seconds"]
+    assert summary["timing"]["checkpoint_s"] > 0
+    assert summary["timing"]["eval_s"] == 0 and summary["metrics"] == {}
+
+
+@pytest.mark.slow
+def test_a_run_failing_on_corrupt_data_still_writes_its_summary(tiny_mnist: Path, mnist_job, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(tiny_mnist, data)
+    shard = data / "train-00001-of-00004.tfrecord"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # the record checksums no longer match
+    shard.write_bytes(bytes(raw))
+    spec = mnist_job("corrupt", data={"train": f"{data}/train-*.tfrecord", "eval": None})
+    result = run_cli("run", spec)
+    assert result.returncode == 2, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["status"] == "failed" and "train-00001-of-00004.tfrecord" in summary["error"]
+    assert json.loads((tmp_path / "runs" / "corrupt" / "summary.json").read_text()) == summary
+    jsonschema.validate(summary, SCHEMA)
+    assert_phases_add_up(summary)
+    assert summary["timing"]["train_s"] > 0, "the time spent before the failure is still accounted"
