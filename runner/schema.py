@@ -116,17 +116,19 @@ def parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature 
     return spec
 
 
-def decode_batch(parsed: dict[str, Any], features: dict[str, Feature]) -> dict[str, tf.Tensor]:
-    """Parsed features of a batch -> dense tensors of static shape [batch, *shape]."""
+def parse_batch(serialized: tf.Tensor, features: dict[str, Feature]) -> dict[str, tf.Tensor]:
+    """A batch of serialized Examples -> dense tensors of static shape [batch, *shape], one per feature."""
+    parsed = tf.io.parse_example(serialized, parse_spec(features))
+    batch = serialized.shape[0]  # static when batches drop their remainder; kept static for XLA
     decoded = {}
     for name, tensor in parsed.items():
         full = stored(features[name])
         if full.var_len:
-            tensor = _pad(tensor, full)
+            tensor = _pad(tensor, full, batch)
         elif full.decode == "raw":
-            tensor = tf.reshape(tf.io.decode_raw(tensor, tf.uint8), (-1, *full.shape))
+            tensor = tf.reshape(tf.io.decode_raw(tensor, tf.uint8), (batch or -1, *full.shape))
         elif full.decode in ("png", "jpeg"):
-            tensor = _decode_images(tensor, full)
+            tensor = _decode_images(tensor, full, batch)
         if full.dtype == "uint8":
             # Cast on the host: TPU infeed prefers float32/bfloat16 to uint8, and models rescale themselves.
             tensor = tf.cast(tensor, tf.float32)
@@ -134,15 +136,15 @@ def decode_batch(parsed: dict[str, Any], features: dict[str, Feature]) -> dict[s
     return decoded
 
 
-def _pad(sparse: tf.SparseTensor, feature: StoredFeature) -> tf.Tensor:
+def _pad(sparse: tf.SparseTensor, feature: StoredFeature, batch: int | None) -> tf.Tensor:
     (length,) = feature.shape
     fill = "" if feature.dtype == "string" else 0
     dense = tf.sparse.to_dense(sparse, default_value=tf.constant(fill, sparse.dtype))[:, :length]
     dense = tf.pad(dense, [[0, 0], [0, length - tf.shape(dense)[1]]], constant_values=fill)
-    return tf.ensure_shape(dense, (None, length))
+    return tf.ensure_shape(dense, (batch, length))
 
 
-def _decode_images(encoded: tf.Tensor, feature: StoredFeature) -> tf.Tensor:
+def _decode_images(encoded: tf.Tensor, feature: StoredFeature, batch: int | None) -> tf.Tensor:
     channels = feature.shape[2]
     decoder = tf.io.decode_png if feature.decode == "png" else tf.io.decode_jpeg
     images = tf.map_fn(
@@ -151,7 +153,7 @@ def _decode_images(encoded: tf.Tensor, feature: StoredFeature) -> tf.Tensor:
         fn_output_signature=tf.TensorSpec((None, None, channels), tf.uint8),
     )
     # Every image must have the declared size; `runner manifest` checks the first record of each shard.
-    return tf.ensure_shape(images, (None, *feature.shape))
+    return tf.ensure_shape(images, (batch, *feature.shape))
 
 
 def record_problems(record: bytes, features: dict[str, Feature]) -> list[str]:
@@ -164,6 +166,8 @@ def record_problems(record: bytes, features: dict[str, Feature]) -> list[str]:
     problems = []
     for name, feature in features.items():
         full = stored(feature)
+        if full.var_len and (name not in stored_as or stored_as[name].WhichOneof("kind") is None):
+            continue  # a variable-length list may be empty, or left out of the record
         if name not in stored_as:
             problems.append(f"feature {name!r} is missing (the record has: {', '.join(sorted(stored_as)) or 'nothing'})")
             continue
