@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from runner.errors import EXIT_USAGE, RunnerError
+from runner.errors import EXIT_USAGE, RunnerError, SpecError
 from runner.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -81,19 +81,42 @@ def validate(spec: SpecPath, overrides: Overrides = None) -> None:
 def prepare(
     dataset: Annotated[str, typer.Argument(help="Dataset name, e.g. mnist.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Folder or gs://bucket/prefix for shards + manifest.json.")],
-    source: Annotated[str, typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online).")] = "offline",
+    source: Annotated[str, typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online); csv (weather): a CSV named by --param.")] = "offline",
     shards: Annotated[Optional[int], typer.Option(min=1, help="Shards per split (default: about 8 MB each).")] = None,
+    limit: Annotated[
+        Optional[int], typer.Option(min=1, help="Keep only the first N records of each split (a quick pipeline check).")
+    ] = None,
+    params: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--param", "-p",
+            help="A source setting as key=value (repeatable), e.g. `runner prepare weather --source csv "
+            "--param location=gs://b/w.csv --param time=date --param target=temp`.",
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
-    """Turn a real dataset into sharded TFRecords plus a manifest (record counts, schema, sha256 per shard)."""
+    """Turn a real dataset into sharded TFRecords plus a manifest (record counts, schema, sha256 per shard).
+
+    Datasets: mnist, fashion_mnist, cifar10, imdb, weather. `--source keras` downloads through
+    `keras.datasets` and needs internet (a TPU VM has it); `--source offline` reads data shipped in packages.
+    """
     _setup_logging(debug)
     from runner import prepare as prepare_mod
 
     try:
-        manifest_path = prepare_mod.prepare(dataset, out, source=source, shards=shards)
+        settings = dict(_key_value(p) for p in params or [])
+        manifest_path = prepare_mod.prepare(dataset, out, source=source, shards=shards, limit=limit, params=settings)
     except RunnerError as error:
         raise _fail(error, debug) from None
     typer.echo(manifest_path)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"--param {text!r} must look like key=value (for example --param window=48)")
+    return key.strip(), value
 
 
 @app.command()

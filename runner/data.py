@@ -84,6 +84,7 @@ def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> d
         "features": {name: feature.to_dict() for name, feature in dataset.features.items()},
         "inputs": list(dataset.inputs),
         "label": dataset.label,
+        **({"preprocessing": dataset.preprocessing} if dataset.preprocessing else {}),
         "splits": {
             split: {"records": sum(e["records"] for e in entries), "shards": entries} for split, entries in splits.items()
         },
@@ -168,12 +169,16 @@ def corrupt_shards(pattern: str) -> list[str]:
 # --- reading examples --------------------------------------------------------------------------
 
 
+def _parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature | tf.io.VarLenFeature]:
+    return schema.parse_spec(features)
+
+
 def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, preprocess: Callable | None = None):
-    used = {n: features[n] for n in (*inputs, label)}
+    spec = _parse_spec({n: features[n] for n in (*inputs, label)})
 
     def decode(serialized: tf.Tensor):
-        # Uint8 features arrive as float32, var-len ones padded: static shapes (see runner/schema.py).
-        parsed = schema.parse_batch(serialized, used)
+        # Uint8 features arrive as float32 (see runner/schema.py); var-len ones padded to a static shape.
+        parsed = schema.decode_batch(tf.io.parse_example(serialized, spec), features)
         if preprocess is not None:
             parsed = preprocess(parsed)
         x = parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}

@@ -54,6 +54,10 @@ def _epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
 
 def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0) -> JobResult:
     """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any."""
+    if spec.kind == "matmul_bench":
+        from runner import matmul
+
+        return JobResult(*matmul.run_bench(spec, spec_loaded_at=spec_loaded_at))
     phases = Phases(start=PROCESS_START)
     phases.add("startup", (spec_loaded_at or time.monotonic()) - PROCESS_START)
     run = RunFolder(spec.run_dir)
@@ -104,6 +108,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                     eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False,
                     preprocess=preprocess,
                 )
+            validation = _validation_data(spec, eval_shards, preprocess) if spec.train.validate_every_epoch else None
         plan = train.Plan(steps_per_epoch, spec.train.epochs)
         extra["steps_per_epoch"] = steps_per_epoch
 
@@ -128,17 +133,27 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
             began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
             try:
-                train.fit(model, train_ds, plan, recorder, checkpointer, verbose=verbose)
+                plateau = train.plateau_callbacks(
+                    spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor
+                )
+                train.fit(model, train_ds, plan, recorder, checkpointer, plateau, verbose=verbose, validation=validation)
             except tf.errors.DataLossError as exc:
                 raise _name_corrupt_shard(spec, exc) from None
             finally:
-                phases.add("train", time.monotonic() - began - (phases.seconds.get("checkpoint", 0.0) - saved_before))
+                saved = phases.seconds.get("checkpoint", 0.0) - saved_before
+                phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
+                phases.add("eval", recorder.validation_s)
         if checkpointer.preempted:
             raise Preempted(
                 f"preemption notice received: saved step {int(model.optimizer.iterations.numpy())} to "
                 f"{run.checkpoints}; run the same job again to continue"
             )
         extra["final_step"] = int(model.optimizer.iterations.numpy())
+        stopped = [c.stopped_epoch + 1 for c in plateau if getattr(c, "stopped_epoch", 0)]
+        if stopped:
+            extra["stopped_early_after_epoch"] = stopped[0]
+        if spec.train.reduce_lr_patience is not None:
+            extra["final_learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
 
         if eval_shards is not None:
             with phases.phase("eval"):
@@ -175,6 +190,18 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     if accelerator is None or accelerator.is_chief:
         run.write_summary(summary, attempt)
     return JobResult(summary, error)
+
+
+def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess) -> tuple[tf.data.Dataset, int]:
+    """The per-epoch validation batches: data.validation, else the eval shards (spec.py checks one is set)."""
+    key = "data.validation" if spec.data.validation else "data.eval"
+    shards = data.find_shards(spec.data.validation) if spec.data.validation else eval_shards
+    if spec.data.validation:
+        schema.check_declared(spec.data.features, shards)
+    dataset = data.make_dataset(
+        shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False, preprocess=preprocess
+    )
+    return dataset, data.steps_in(shards, spec.data.global_batch_size, key)
 
 
 def _name_corrupt_shard(spec: JobSpec, exc: tf.errors.DataLossError, pattern: str | None = None) -> DataError:

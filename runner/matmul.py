@@ -71,7 +71,7 @@ def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
         )
     warm_s = statistics.median(warm)
     return {
-        "tflops": {"cold": round(flops / cold_s / 1e12, 4), "warm": round(flops / warm_s / 1e12, 4)},
+        "tflops": {"cold": _significant(flops / cold_s / 1e12), "warm": _significant(flops / warm_s / 1e12)},
         "matmul": {
             "size": matmul.size,
             "chain": matmul.chain,
@@ -84,6 +84,11 @@ def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
             "checksum": checksum,
         },
     }
+
+
+def _significant(value: float, digits: int = 4) -> float:
+    """Rounded to `digits` significant figures: a CPU's 0.0004 TFLOPS and a TPU's 180 both keep their precision."""
+    return float(f"{value:.{digits}g}")
 
 
 def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> tuple[dict, RunnerError | None]:
@@ -106,7 +111,7 @@ def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> tuple[di
         with phases.phase("train"):
             result = measure(call, spec.matmul, accelerator.replicas)
         log.info(
-            "matmul %d x %d, chain %d, %s on %s: %.3f TFLOPS cold, %.3f TFLOPS warm",
+            "matmul %d x %d, chain %d, %s on %s: %.4g TFLOPS cold, %.4g TFLOPS warm",
             spec.matmul.size, spec.matmul.size, spec.matmul.chain, spec.matmul.dtype, accelerator.kind,
             result["tflops"]["cold"], result["tflops"]["warm"],
         )

@@ -6,6 +6,7 @@ returns a `keras.Model`. The table is explicit: no import-time registration.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -43,10 +44,76 @@ def mnist_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tupl
     return keras.Model(inp, out, name="mnist_cnn")
 
 
+def _params(params: dict[str, Any], defaults: dict[str, Any], model: str) -> dict[str, Any]:
+    """The model's params over its defaults; an unknown key is an error, never a silently ignored typo."""
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], defaults, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SpecError(f"model.params: {model} has no param {unknown[0]!r}{hint} (it takes: {', '.join(defaults)})")
+    return {**defaults, **params}
+
+
+def _one_input(features: dict[str, Feature], inputs: tuple[str, ...], dtype: str, rank: int, model: str, what: str) -> Any:
+    """The model's single input layer, after checking the feature is what the model reads."""
+    feature = features[inputs[0]] if len(inputs) == 1 else None
+    if feature is None or feature.dtype != dtype or len(feature.shape) != rank:
+        got = f"{len(inputs)} inputs" if feature is None else f"{inputs[0]!r}: {feature.dtype} {list(feature.shape)}"
+        raise SpecError(f"model.name: {model} reads one {dtype} feature of {what}; data.inputs gives {got}")
+    return keras.Input(shape=feature.shape, dtype=dtype, name=inputs[0])
+
+
+def cifar10_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+    """The CIFAR-10 CNN of the classic Colab TPU example: (BatchNorm, Conv x2, pool, dropout) x2, Dense 512."""
+    p = _params(params, {"classes": 10}, "cifar10_cnn")
+    layers = keras.layers
+    inp, x = _image_input(features, inputs)
+    for filters in (32, 64):
+        x = layers.BatchNormalization()(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D(2)(x)
+        x = layers.Dropout(0.25)(x)
+    x = layers.Flatten()(x)
+    x = layers.Dense(512, activation="relu")(x)
+    x = layers.Dropout(0.5)(x)
+    out = layers.Dense(p["classes"], activation="softmax", dtype="float32")(x)
+    return keras.Model(inp, out, name="cifar10_cnn")
+
+
+def imdb_lstm(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+    """The IMDB sentiment LSTM: word ids -> Embedding(15000, 32) -> LSTM(100) -> probability of positive."""
+    p = _params(params, {"vocab_size": 15000, "embedding_dim": 32, "units": 100}, "imdb_lstm")
+    layers = keras.layers
+    inp = _one_input(features, inputs, "int64", 1, "imdb_lstm", "token ids [length] (runner prepare imdb)")
+    # Ids at or above vocab_size fail on a CPU but read as zeros on a TPU: the data's vocab_size must match.
+    x = layers.Embedding(p["vocab_size"], p["embedding_dim"])(inp)
+    x = layers.LSTM(p["units"])(x)
+    out = layers.Dense(1, activation="sigmoid", dtype="float32")(x)
+    return keras.Model(inp, out, name="imdb_lstm")
+
+
+_RNN_CELLS = {"gru": keras.layers.GRU, "lstm": keras.layers.LSTM}
+
+
+def weather_rnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+    """Past hours of weather [window, features] -> GRU or LSTM -> the next hour's value (a regression)."""
+    p = _params(params, {"cell": "gru", "units": 64, "dropout": 0.0}, "weather_rnn")
+    if p["cell"] not in _RNN_CELLS:
+        raise SpecError(f"model.params.cell: {p['cell']!r} is not one of {', '.join(_RNN_CELLS)}")
+    inp = _one_input(features, inputs, "float32", 2, "weather_rnn", "[window, features] (runner prepare weather)")
+    x = _RNN_CELLS[p["cell"]](p["units"], dropout=p["dropout"])(inp)
+    out = keras.layers.Dense(1, dtype="float32")(x)
+    return keras.Model(inp, out, name="weather_rnn")
+
+
 BuildFn = Callable[[dict[str, Any], dict[str, Feature], tuple[str, ...]], "keras.Model"]
 
 MODELS: dict[str, BuildFn] = {
     "mnist_cnn": mnist_cnn,
+    "cifar10_cnn": cifar10_cnn,
+    "imdb_lstm": imdb_lstm,
+    "weather_rnn": weather_rnn,
 }
 
 _OPTIMIZERS = {

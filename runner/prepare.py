@@ -14,9 +14,14 @@ from runner.datasets import load_dataset
 log = logging.getLogger(__name__)
 
 
-def prepare(name: str, out: str, source: str = "offline", shards: int | None = None) -> str:
-    """Writes every split of dataset `name` under `out`; returns the manifest's path."""
-    dataset = load_dataset(name, source)
+def prepare(
+    name: str, out: str, source: str = "offline", shards: int | None = None,
+    limit: int | None = None, params: dict[str, str] | None = None,
+) -> str:
+    """Writes every split of dataset `name` under `out` (each cut to `limit` records if set); returns the manifest's path."""
+    dataset = load_dataset(name, source, params)
+    if limit is not None:
+        dataset = dataset.head(limit)
     out = out.rstrip("/")
     tf.io.gfile.makedirs(out)
     total = sum(len(next(iter(arrays.values()))) for arrays in dataset.splits.values())

@@ -81,6 +81,8 @@ class DataSpec(_Strict):
     # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`.
     train: str = "data/mnist/train-*.tfrecord"
     eval: str | None = "data/mnist/test-*.tfrecord"
+    # Shards checked after every epoch when train.validate_every_epoch is set. Unset: the eval shards.
+    validation: str | None = None
     global_batch_size: int = Field(1024, ge=1)
     shuffle_buffer: int = Field(10_000, ge=0)
     # Features fed to the model, in order; the label feature.
@@ -142,6 +144,22 @@ class TrainSpec(_Strict):
     loss: str = "sparse_categorical_crossentropy"
     metrics: tuple[str, ...] = ("accuracy",)
     seed: int = 0
+    # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
+    validate_every_epoch: bool = False
+    # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
+    # validate_every_epoch. After a resume the count starts again from the resumed epoch.
+    early_stopping_patience: int | None = Field(None, ge=1)
+    # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
+    reduce_lr_patience: int | None = Field(None, ge=1)
+    reduce_lr_factor: float = Field(0.5, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _plateau_needs_validation(self) -> "TrainSpec":
+        for key in ("early_stopping_patience", "reduce_lr_patience"):
+            value = getattr(self, key)
+            if value is not None and not self.validate_every_epoch:
+                raise ValueError(f"{key} ({value}) watches val_loss: also set validate_every_epoch: true")
+        return self
 
     @field_validator("loss")
     @classmethod
@@ -162,6 +180,16 @@ class CheckpointSpec(_Strict):
     grace_s: float = Field(30.0, gt=0)
 
 
+class MatmulSpec(_Strict):
+    """`kind: matmul_bench`: an N x N matrix multiplied `chain` times in one compiled call, on every replica."""
+
+    size: int = Field(4096, ge=1)
+    chain: int = Field(4, ge=1)
+    # Timed calls after the first (cold) one; the warm figure is their median.
+    iterations: int = Field(5, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
 class OutputSpec(_Strict):
     # The run folder is <dir>/<job name>; local path or gs://.
     dir: str = "runs"
@@ -169,12 +197,15 @@ class OutputSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = "mnist_cnn"
+    # train: fit a model on data; matmul_bench: time matrix multiplications (TFLOPS) and train nothing.
+    kind: Literal["train", "matmul_bench"] = "train"
     accelerator: AcceleratorSpec = AcceleratorSpec()
     data: DataSpec = DataSpec()
     model: ModelSpec = ModelSpec()
     train: TrainSpec = TrainSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     output: OutputSpec = OutputSpec()
+    matmul: MatmulSpec = MatmulSpec()
 
     @field_validator("name")
     @classmethod
@@ -194,6 +225,18 @@ class JobSpec(_Strict):
                 f"checkpoint.every_steps ({every}) must be a multiple of train.steps_per_execution ({spe}): "
                 "checkpoints can only be taken between device executions"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sections_fit_kind(self) -> "JobSpec":
+        if self.kind == "train" and "matmul" in self.model_fields_set:
+            raise ValueError("matmul: is read only by kind: matmul_bench; remove it or set kind: matmul_bench")
+        if self.kind == "matmul_bench":
+            unused = [k for k in ("data", "model", "train", "checkpoint") if k in self.model_fields_set]
+            if unused:
+                raise ValueError(f"kind matmul_bench trains nothing: remove {', '.join(unused)}")
+        if self.train.validate_every_epoch and not (self.data.validation or self.data.eval):
+            raise ValueError("train.validate_every_epoch needs data to validate on: set data.validation or data.eval")
         return self
 
     @property

@@ -70,6 +70,9 @@ class Recorder(keras.callbacks.Callback):
         self._first_step_s: float | None = None
         self._epoch_start = self._batch_start = 0.0
         self._step_at_begin = 0
+        # Per-epoch validation runs inside fit's epoch; its seconds are kept out of training throughput.
+        self.validation_s = 0.0
+        self._validation_in_epoch = self._test_start = 0.0
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
@@ -77,7 +80,16 @@ class Recorder(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._step_at_begin = self._step()
         self._first_in_epoch: float | None = None
+        self._validation_in_epoch = 0.0
         self._epoch_start = time.monotonic()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._test_start = time.monotonic()
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        seconds = time.monotonic() - self._test_start
+        self._validation_in_epoch += seconds
+        self.validation_s += seconds
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._first_step_s is None:
@@ -88,7 +100,7 @@ class Recorder(keras.callbacks.Callback):
             self._first_step_s = self._first_in_epoch = time.monotonic() - self._batch_start
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        seconds = time.monotonic() - self._epoch_start
+        seconds = time.monotonic() - self._epoch_start - self._validation_in_epoch
         self.train_s += seconds
         logs = dict(logs or {})
         loss = logs.pop("loss", None)
@@ -137,6 +149,22 @@ class Checkpointer(keras.callbacks.Callback):
             self._save_once()
 
 
+def plateau_callbacks(
+    early_stopping_patience: int | None, reduce_lr_patience: int | None, reduce_lr_factor: float
+) -> list[keras.callbacks.Callback]:
+    """Callbacks that watch val_loss: early stopping (keeping the best weights) and learning-rate cuts."""
+    callbacks: list[keras.callbacks.Callback] = []
+    if reduce_lr_patience is not None:
+        callbacks.append(
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=reduce_lr_factor, patience=reduce_lr_patience)
+        )
+    if early_stopping_patience is not None:
+        callbacks.append(
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=early_stopping_patience, restore_best_weights=True)
+        )
+    return callbacks
+
+
 def fit(
     model: keras.Model,
     dataset: tf.data.Dataset,
@@ -145,18 +173,24 @@ def fit(
     checkpointer: Checkpointer,
     extra_callbacks: list[keras.callbacks.Callback] = (),
     verbose: int = 0,
+    validation: tuple[tf.data.Dataset, int] | None = None,
 ) -> None:
-    """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice."""
+    """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice
+    or when a callback (early stopping) ends training. `validation` is (dataset, steps), run after every epoch."""
+    val_data, val_steps = validation if validation is not None else (None, None)
     for initial_epoch, epochs, steps in plan.legs():
         model.fit(
             dataset,
             initial_epoch=initial_epoch,
             epochs=epochs,
             steps_per_epoch=steps,
+            validation_data=val_data,
+            validation_steps=val_steps,
+            # The checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
             callbacks=[recorder, checkpointer, *extra_callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself; Keras would only warn
         )
-        # A leg stopped by a notice ends the job; the next leg would need a fresh epoch.
-        if checkpointer.preempted:
+        # A leg stopped by a notice or by early stopping ends the job; the next leg would need a fresh epoch.
+        if checkpointer.preempted or model.stop_training:
             return
