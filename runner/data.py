@@ -169,16 +169,12 @@ def corrupt_shards(pattern: str) -> list[str]:
 # --- reading examples --------------------------------------------------------------------------
 
 
-def _parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature | tf.io.VarLenFeature]:
-    return schema.parse_spec(features)
-
-
 def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, preprocess: Callable | None = None):
-    spec = _parse_spec({n: features[n] for n in (*inputs, label)})
+    used = {n: features[n] for n in (*inputs, label)}
 
     def decode(serialized: tf.Tensor):
-        # Uint8 features arrive as float32 (see runner/schema.py); var-len ones padded to a static shape.
-        parsed = schema.decode_batch(tf.io.parse_example(serialized, spec), features)
+        # Uint8 features arrive as float32, var-len ones padded: static shapes (see runner/schema.py).
+        parsed = schema.parse_batch(serialized, used)
         if preprocess is not None:
             parsed = preprocess(parsed)
         x = parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}
