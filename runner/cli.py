@@ -19,6 +19,7 @@ import typer
 
 from runner.errors import EXIT_USAGE, RunnerError, SpecError
 from runner.spec import JobSpec, load_spec
+from runner.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
 
 app = typer.Typer(
     help=(
@@ -94,6 +95,9 @@ def prepare(
             "--param location=gs://b/w.csv --param time=date --param target=temp`.",
         ),
     ] = None,
+    storage_timeout: Annotated[
+        float, typer.Option(min=1, help="gs:// only: seconds of failed uploads (retried with backoff) before exit 3.")
+    ] = DEFAULT_TIMEOUT_S,
     debug: Debug = False,
 ) -> None:
     """Turn a real dataset into sharded TFRecords plus a manifest (record counts, schema, sha256 per shard).
@@ -102,11 +106,14 @@ def prepare(
     `keras.datasets` and needs internet (a TPU VM has it); `--source offline` reads data shipped in packages.
     """
     _setup_logging(debug)
+    configure_tensorflow(storage_timeout)
     from runner import prepare as prepare_mod
 
     try:
         settings = dict(_key_value(p) for p in params or [])
-        manifest_path = prepare_mod.prepare(dataset, out, source=source, shards=shards, limit=limit, params=settings)
+        manifest_path = prepare_mod.prepare(
+            dataset, out, source=source, shards=shards, limit=limit, params=settings, storage_timeout_s=storage_timeout
+        )
     except RunnerError as error:
         raise _fail(error, debug) from None
     typer.echo(manifest_path)
@@ -126,11 +133,18 @@ def verify(
 ) -> None:
     """Check every shard of a prepared dataset against its manifest (presence and sha256). Exit 2 on a mismatch."""
     _setup_logging(debug)
+    configure_tensorflow(DEFAULT_TIMEOUT_S)
     from runner import data
+    from runner.storage import storage_error
 
     try:
         problems = data.verify_shards(folder.rstrip("/"))
     except RunnerError as error:
+        raise _fail(error, debug) from None
+    except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
+        error = storage_error(exc, [folder], DEFAULT_TIMEOUT_S)
+        if error is None:
+            raise
         raise _fail(error, debug) from None
     for problem in problems:
         typer.secho(problem, err=True, fg=typer.colors.RED)
@@ -149,6 +163,7 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
     job = _load(spec, overrides)
     loaded_at = time.monotonic()
     _setup_logging(debug)
+    configure_tensorflow(job.storage.timeout_s)  # before TensorFlow loads: it reads them once
     from runner.job import run_job
 
     result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0)

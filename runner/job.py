@@ -9,7 +9,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from runner import PROCESS_START, data, models, schema, train, userimport
+from runner import PROCESS_START, data, models, schema, storage, train, userimport
 from runner.errors import DataError, Preempted, RunnerError, SpecError
 from runner.outputs import RunFolder
 from runner.spec import JobSpec
@@ -129,7 +129,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             manager.save(checkpoint_number=step)
             phases.add("checkpoint", time.monotonic() - began)
 
-        with train.PreemptionNotice() as notice:
+        with train.PreemptionNotice(spec.checkpoint.grace_s) as notice:
             checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
             began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
             try:
@@ -143,7 +143,8 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                 saved = phases.seconds.get("checkpoint", 0.0) - saved_before
                 phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
                 phases.add("eval", recorder.validation_s)
-        if checkpointer.preempted:
+        if checkpointer.preempted or notice.received.is_set():
+            extra["preemption"] = {"grace_s": spec.checkpoint.grace_s, "saved_after_notice_s": checkpointer.saved_after_notice_s}
             raise Preempted(
                 f"preemption notice received: saved step {int(model.optimizer.iterations.numpy())} to "
                 f"{run.checkpoints}; run the same job again to continue"
@@ -174,7 +175,10 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
         error = exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
         log.debug("job failed", exc_info=True)
-        error = RunnerError(f"training failed: {type(exc).__name__}: {exc}")
+        paths = (spec.data.train, spec.data.eval, spec.output.dir)
+        error = storage.storage_error(exc, paths, spec.storage.timeout_s) or RunnerError(
+            f"training failed: {type(exc).__name__}: {exc}"
+        )
         error.__cause__ = exc
     summary = build_summary(
         status=status,
@@ -188,7 +192,10 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
         extra=extra,
     )
     if accelerator is None or accelerator.is_chief:
-        run.write_summary(summary, attempt)
+        try:
+            run.write_summary(summary, attempt)
+        except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
+            log.error("could not write the summary to %s: %s", run.path, exc.message.splitlines()[0])
     return JobResult(summary, error)
 
 

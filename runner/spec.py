@@ -180,6 +180,12 @@ class CheckpointSpec(_Strict):
     grace_s: float = Field(30.0, gt=0)
 
 
+class StorageSpec(_Strict):
+    # An unanswered gs:// operation (outage, 503s, dropped connections) is retried with backoff for about
+    # this long, then the job stops with exit 3 naming the bucket. See runner/storage.py.
+    timeout_s: float = Field(300.0, gt=0)
+
+
 class MatmulSpec(_Strict):
     """`kind: matmul_bench`: an N x N matrix multiplied `chain` times in one compiled call, on every replica."""
 
@@ -206,6 +212,7 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     output: OutputSpec = OutputSpec()
     matmul: MatmulSpec = MatmulSpec()
+    storage: StorageSpec = StorageSpec()
 
     @field_validator("name")
     @classmethod

@@ -5,33 +5,66 @@ of its own; checkpoint saves go through the `save` function it is given.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable
 
 import tensorflow as tf
 
+from runner.errors import EXIT_PREEMPTED
 from runner.timing import EpochRecord
 
 keras = tf.keras
 
 
 class PreemptionNotice:
-    """Turns SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) into a flag read between steps."""
+    """Turns SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) into a flag read between steps.
 
-    def __init__(self):
+    The notice opens the grace period (`checkpoint.grace_s`): the job saves at the next step boundary,
+    writes its summary and exits 75. A step or save stuck past the deadline (storage that does not answer)
+    ends the process with 75 at the deadline, before the platform's SIGKILL would: the cut-short save is
+    never chosen as the latest, so the next attempt resumes from the newest complete checkpoint.
+    """
+
+    def __init__(self, grace_s: float = 30.0):
+        self.grace_s = grace_s
         self.received = threading.Event()
+        self.received_at: float | None = None
         self._previous: Any = None
 
     def __enter__(self) -> "PreemptionNotice":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self.received.set())
+            self._previous = signal.signal(signal.SIGTERM, self._notice)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # The deadline, once started, stays: it also bounds the summary written after training stops.
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+    def _notice(self, *_: Any) -> None:
+        if self.received.is_set():
+            return
+        self.received_at = time.monotonic()
+        self.received.set()
+        deadline = threading.Timer(self.grace_s, self._expire)
+        deadline.daemon = True
+        deadline.start()
+
+    def _expire(self) -> None:
+        sys.stderr.write(
+            f"error: preempted: the save did not finish within checkpoint.grace_s ({self.grace_s:g} s) of the "
+            f"preemption notice; exiting {EXIT_PREEMPTED} without it: the next attempt resumes from the newest "
+            "complete checkpoint\n"
+        )
+        sys.stderr.flush()
+        os._exit(EXIT_PREEMPTED)
+
+    def seconds_since(self) -> float | None:
+        return None if self.received_at is None else time.monotonic() - self.received_at
 
 
 @dataclasses.dataclass
@@ -125,6 +158,7 @@ class Checkpointer(keras.callbacks.Callback):
         super().__init__()
         self._save, self._every, self._notice = save, every_steps, notice
         self.preempted = False
+        self.saved_after_notice_s: float | None = None
         self._last_saved = -1
 
     def _step(self) -> int:
@@ -139,6 +173,7 @@ class Checkpointer(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._notice.received.is_set():
             self._save_once()
+            self.saved_after_notice_s = self._notice.seconds_since()
             self.preempted = True
             self.model.stop_training = True
         elif self._every and self._step() % self._every == 0:

@@ -12,8 +12,9 @@ Fixtures (import them: `from tests.support.gcs import gcs, gcs_faults`):
 
     gcs         session: a `Gcs`. `gcs.env` holds the variables a child process needs (pass them with
                 `run_cli(..., env=cli_env(**gcs.env))`); `gcs.bucket()` creates a fresh bucket and returns
-                its name; `gcs.client()` is a google-cloud-storage client on the emulator; `gcs.objects(b)`
-                lists a bucket. Never put `gcs.env` into the test process's own os.environ.
+                its name; `gcs.client()` is a google-cloud-storage client on the emulator; `gcs.objects(b)`,
+                `gcs.read(b, name)`, `gcs.write(b, name, bytes)` and `gcs.upload_folder(dir, b, prefix)` work
+                on the emulator directly. Never put `gcs.env` into the test process's own os.environ.
     gcs_faults  function: a `Gcs` whose TensorFlow and google-cloud-storage traffic passes the fault proxy;
                 `gcs_faults.faults.set([...rules])`, `.stats()`, `.clear()` (rules in gcs_servers.FaultProxy).
                 The rules are cleared after each test.
@@ -152,6 +153,17 @@ class Gcs:
 
     def read(self, bucket: str, name: str) -> bytes:
         return self.client().bucket(bucket).blob(name).download_as_bytes()
+
+    def write(self, bucket: str, name: str, content: bytes) -> None:
+        self.client().bucket(bucket).blob(name).upload_from_string(content)
+
+    def upload_folder(self, folder: Path, bucket: str, prefix: str) -> str:
+        """Copies the files of a local folder under gs://bucket/prefix/; returns that URL."""
+        client = self.client()
+        for path in sorted(Path(folder).iterdir()):
+            if path.is_file():
+                client.bucket(bucket).blob(f"{prefix}/{path.name}").upload_from_filename(str(path))
+        return f"gs://{bucket}/{prefix}"
 
 
 def _check_tls_proxy(port: int, ca: Path, bucket: str) -> None:

@@ -1,0 +1,62 @@
+"""Helpers for tests that interrupt real `runner run` processes: start one, watch its checkpoints, stop it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from tests.conftest import REPO, cli_env
+
+T = TypeVar("T")
+
+
+def start_run(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m runner run SPEC` as a child process the test can signal."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", "run", str(spec), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or cli_env(), cwd=REPO,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    """Waits for the child (killing it if it overstays); returns (exit code, stdout, stderr)."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"runner did not exit within {timeout} s; stderr: {err[-3000:]}") from None
+    return process.returncode, out, err
+
+
+def wait_for(probe: Callable[[], T | None], process: subprocess.Popen, timeout: float = 120, every: float = 0.05) -> T:
+    """Polls `probe` until it returns a value; fails if the child exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value is not None:
+            return value
+        if process.poll() is not None:
+            _, err = process.communicate()
+            raise AssertionError(f"runner exited ({process.returncode}) before the awaited state; stderr: {err[-3000:]}")
+        time.sleep(every)
+    process.kill()
+    raise AssertionError(f"the awaited state did not come within {timeout} s")
+
+
+def indexed_step(index_text: str | None) -> int | None:
+    """The step of the checkpoint a CheckpointManager index (`checkpoints/checkpoint`) names as the latest."""
+    match = re.search(r'^model_checkpoint_path: "(?:.*/)?ckpt-(\d+)"', index_text or "", re.M)
+    return int(match.group(1)) if match else None
+
+
+def local_index(run_dir: Path) -> str | None:
+    path = run_dir / "checkpoints" / "checkpoint"
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,114 @@
+"""Resume semantics (runner/outputs.py docstring), tested on real processes that are killed and re-run.
+
+Each job runs 3 epochs of 40 steps over tiny MNIST (the training data repeats), so an epoch lasts a few
+seconds on a CPU: long enough to interrupt it in the middle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import last_json, run_cli
+from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
+
+STEPS, EPOCHS = 40, 3
+
+
+def job(mnist_job, name: str, **checkpoint):
+    return mnist_job(
+        name,
+        data={"eval": None},
+        train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
+        checkpoint=checkpoint,
+        output={"tensorboard": False},
+    )
+
+
+def assert_exact_count(summary: dict, resumed_from: int) -> None:
+    """The resumed attempt trains exactly the steps that were missing: none twice, none skipped."""
+    assert summary["status"] == "succeeded", summary.get("error")
+    assert summary["resumed_from_step"] == resumed_from
+    assert summary["final_step"] == EPOCHS * STEPS
+    epochs = summary["epochs"]
+    assert sum(e["steps"] for e in epochs) == EPOCHS * STEPS - resumed_from
+    assert epochs[0]["epoch"] == resumed_from // STEPS + 1  # numbering continues across attempts
+    assert epochs[0]["steps"] == STEPS - resumed_from % STEPS
+    assert [e["epoch"] for e in epochs] == list(range(resumed_from // STEPS + 1, EPOCHS + 1))
+
+
+@pytest.mark.slow
+def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(mnist_job, tmp_path):
+    spec = job(mnist_job, "killed", every_steps=5)
+    run_dir = tmp_path / "runs" / "killed"
+    process = start_run(spec)
+    # Step 50 is 10 steps into epoch 2: kill there, far from the epoch's end-of-epoch save at step 80.
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= 50 or None, process)
+    os.kill(process.pid, signal.SIGKILL)
+    code, _, _ = finish(process)
+    assert code == -signal.SIGKILL
+    latest = indexed_step(local_index(run_dir))
+    assert latest >= 50 and latest % STEPS, f"killed at step {latest}, expected mid-epoch"
+    assert not (run_dir / "attempts").exists()  # a killed process writes nothing more
+
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exact_count(last_json(result.stdout), resumed_from=latest)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_within_grace_exits_75_and_the_rerun_continues(mnist_job, tmp_path):
+    spec = job(mnist_job, "preempted", grace_s=20)  # epoch-end saves only: the notice's save is its own
+    run_dir = tmp_path / "runs" / "preempted"
+    process = start_run(spec)
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS or None, process)
+    time.sleep(0.5)  # into epoch 2
+    noticed = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code, out, err = finish(process)
+    exited_after = time.monotonic() - noticed
+    assert code == 75, err[-3000:]
+    assert exited_after < 20
+    assert "run the same job again to continue" in err
+    summary = last_json(out)
+    assert summary["status"] == "preempted"
+    assert 0 <= summary["preemption"]["saved_after_notice_s"] <= 20
+    stored = json.loads((run_dir / "summary.json").read_text())
+    assert stored["status"] == "preempted"
+    saved = indexed_step(local_index(run_dir))
+    assert STEPS < saved < EPOCHS * STEPS and saved % STEPS, f"the notice's save is mid-epoch, got step {saved}"
+
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exact_count(last_json(result.stdout), resumed_from=saved)
+    attempts = sorted(p.name for p in (run_dir / "attempts").iterdir())
+    statuses = [json.loads((run_dir / "attempts" / a).read_text())["status"] for a in attempts]
+    assert statuses == ["preempted", "succeeded"]
+
+
+def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
+    """What a kill during a save leaves (a temp folder, a data file without its index, an unindexed
+    checkpoint) must not be restored: the index names only checkpoints written whole."""
+    spec = mnist_job("half", data={"eval": None}, train={"epochs": 1, "steps_per_epoch": 8}, output={"tensorboard": False})
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "half"
+    checkpoints = run_dir / "checkpoints"
+    assert indexed_step(local_index(run_dir)) == 8
+    # Leftovers of a save of step 12 cut short, as TensorFlow lays them out while it writes.
+    (checkpoints / "ckpt-12_temp").mkdir()
+    (checkpoints / "ckpt-12_temp" / "part-00000-of-00001.data-00000-of-00001.tempstate1").write_bytes(os.urandom(999))
+    (checkpoints / "ckpt-12.data-00000-of-00001").write_bytes(
+        (checkpoints / "ckpt-8.data-00000-of-00001").read_bytes()[:1000]
+    )
+    (checkpoints / "checkpoint.tmp9f2e").write_text('model_checkpoint_path: "ckpt-12"\n')
+    # One more epoch: the rerun must resume from step 8, not from the half-written step 12.
+    result = run_cli("run", spec, "--set", "train.epochs=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["resumed_from_step"] == 8
+    assert summary["final_step"] == 16
