@@ -46,7 +46,8 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
             "inputs": list(spec.data.inputs),
             "label": spec.data.label,
             "splits": {
-                split: {"records": sum(e["records"] for e in shards), "shards": shards} for split, shards in entries.items()
+                split: {"records": sum(e["records"] for e in shards), "shards": shards}
+                for split, shards in entries.items()
             },
         }
         written.append(data.write_manifest(folder, manifest))
@@ -64,7 +65,8 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
         folder = posixpath.dirname(pattern)
         files = sorted(tf.io.gfile.glob(pattern))
         if not files:
-            raise DataError(f"data.{split}: no files match {pattern!r}")
+            hint = "; set data.eval to your evaluation shards, or to null for none" if split == "eval" else ""
+            raise DataError(f"data.{split}: no files match {pattern!r}{hint}")
         for path in files:
             if posixpath.dirname(path) != folder:
                 raise DataError(
@@ -72,7 +74,9 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
                     "the folder that holds their manifest (no wildcards in folder names)"
                 )
             if path in owner:
-                raise DataError(f"{path} matches both data.{owner[path]} and data.{split}; give their shards distinct names")
+                raise DataError(
+                    f"{path} matches both data.{owner[path]} and data.{split}; give their shards distinct names"
+                )
             owner[path] = split
         folders.setdefault(folder, {})[split] = files
     return folders

@@ -149,7 +149,11 @@ def _build_user_model(
             f"(model.params: {params}, data.inputs: {list(inputs)})"
         ) from exc
     if not isinstance(model, keras.Model):
-        raise SpecError(f"model.name: {path!r} returned a {type(model).__name__}; return an uncompiled keras.Model")
+        found = f"{type(model).__module__}.{type(model).__qualname__}"
+        raise SpecError(
+            f"model.name: {path!r} returned a {found}; return an uncompiled keras.Model built with tf.keras "
+            f"(here {keras.Model.__module__}: Keras 3, or tf-keras on TPU images and multi-worker runs)"
+        )
     return model
 
 

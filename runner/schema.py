@@ -17,7 +17,6 @@ import math
 import posixpath
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tensorflow as tf
 from pydantic import ValidationError
 
@@ -78,8 +77,10 @@ def check_declared(declared: dict[str, FeatureSpec] | None, shards: Shards) -> N
     """Refuses a spec whose `data.features` differ from the manifest; names each feature and both schemas."""
     if declared is None:
         return
+    from runner.data import MANIFEST  # here, not at the top: data imports this module
+
     found = shards.features
-    manifest_path = posixpath.join(posixpath.dirname(shards.pattern), "manifest.json")
+    manifest_path = posixpath.join(posixpath.dirname(shards.pattern), MANIFEST)
     problems = []
     for name, spec_feature in declared.items():
         mine = from_dict(spec_feature.to_dict(), f"data.features.{name}")
@@ -169,7 +170,8 @@ def record_problems(record: bytes, features: dict[str, Feature]) -> list[str]:
         if full.var_len and (name not in stored_as or stored_as[name].WhichOneof("kind") is None):
             continue  # a variable-length list may be empty, or left out of the record
         if name not in stored_as:
-            problems.append(f"feature {name!r} is missing (the record has: {', '.join(sorted(stored_as)) or 'nothing'})")
+            has = ", ".join(sorted(stored_as)) or "nothing"
+            problems.append(f"feature {name!r} is missing (the record has: {has})")
             continue
         kind = stored_as[name].WhichOneof("kind")
         if kind != _LIST_OF[full.dtype]:
@@ -190,12 +192,16 @@ def _value_problem(values: list, feature: StoredFeature) -> str | None:
         return None
     if feature.decode == "none":
         size = math.prod(feature.shape)
-        return None if len(values) == size else f"holds {len(values)} values, but shape {list(feature.shape)} needs {size}"
+        if len(values) != size:
+            return f"holds {len(values)} values, but shape {list(feature.shape)} needs {size}"
+        return None
     if len(values) != 1:
         return f"holds {len(values)} byte strings; one is needed"
     if feature.decode == "raw":
         size = math.prod(feature.shape)
-        return None if len(values[0]) == size else f"holds {len(values[0])} bytes, but shape {list(feature.shape)} needs {size}"
+        if len(values[0]) != size:
+            return f"holds {len(values[0])} bytes, but shape {list(feature.shape)} needs {size}"
+        return None
     try:
         image = tf.io.decode_image(values[0], channels=feature.shape[2], expand_animations=False).numpy()
     except tf.errors.InvalidArgumentError as exc:
@@ -204,9 +210,11 @@ def _value_problem(values: list, feature: StoredFeature) -> str | None:
     if fmt != feature.decode:
         return f"is a {fmt} image, not {feature.decode}"
     if image.shape != tuple(feature.shape):
-        return f"decodes to an image of shape {list(np.shape(image))}, but the schema says {list(feature.shape)}"
+        return f"decodes to an image of shape {list(image.shape)}, but the schema says {list(feature.shape)}"
     return None
 
+
+# --- user preprocessing ------------------------------------------------------------------------
 
 
 def check_preprocess(preprocess: Any, features: dict[str, Feature], needed: tuple[str, ...]) -> None:
@@ -216,7 +224,9 @@ def check_preprocess(preprocess: Any, features: dict[str, Feature], needed: tupl
     try:
         result = tf.function(preprocess, autograph=True).get_concrete_function(given).structured_outputs
     except Exception as exc:  # the user's function failed on symbolic tensors: show its own message
-        raise SpecError(f"data.preprocess: {name} raised {type(exc).__name__} on a batch of {_shapes(given)}: {exc}") from exc
+        raise SpecError(
+            f"data.preprocess: {name} raised {type(exc).__name__} on a batch of {_shapes(given)}: {exc}"
+        ) from exc
     if not isinstance(result, dict):
         raise SpecError(
             f"data.preprocess: {name} returned a {type(result).__name__}; it must return the dict of "

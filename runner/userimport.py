@@ -50,7 +50,7 @@ def load_callable(path: str, key: str, arguments: tuple[str, ...]) -> Callable[.
 
     `key` is the spec key that named it (e.g. `model.name`), quoted in every error.
     """
-    check_import_path_or_raise(path, key)
+    _check_form(path, key)
     module_name, _, attribute = path.partition(":")
     module = _import(module_name, path, key)
     if not hasattr(module, attribute):
@@ -62,7 +62,8 @@ def load_callable(path: str, key: str, arguments: tuple[str, ...]) -> Callable[.
         )
     target = getattr(module, attribute)
     if not callable(target):
-        raise SpecError(f"{key}: {path!r} is a {type(target).__name__}, not a function; name a callable")
+        shown = repr(target) if len(repr(target)) <= 40 else repr(target)[:37] + "..."
+        raise SpecError(f"{key}: {path!r} is not callable (a {type(target).__name__}: {shown}); name a function")
     if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
         # C built-ins and odd callables (functools.partial of os.system, ...) are not build functions.
         raise SpecError(f"{key}: {path!r} is a {type(target).__name__}; name a Python function defined in your package")
@@ -70,7 +71,7 @@ def load_callable(path: str, key: str, arguments: tuple[str, ...]) -> Callable[.
     return target
 
 
-def check_import_path_or_raise(path: str, key: str) -> None:
+def _check_form(path: str, key: str) -> None:
     try:
         check_import_path(path)
     except ValueError as exc:
@@ -96,7 +97,9 @@ def _import(module_name: str, path: str, key: str) -> ModuleType:
 
 def _callables_in(module: ModuleType) -> list[str]:
     """Public functions and classes of the module, its own first (those are the likely build functions)."""
-    public = {n: v for n, v in vars(module).items() if not n.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))}
+    public = {
+        n: v for n, v in vars(module).items() if not n.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
+    }
     own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
     return own or sorted(public)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import keras
+import tensorflow as tf
 
 
 def top2_accuracy(y_true, y_pred):
     """Share of examples whose label is among the two most likely classes (shirts and T-shirts look alike)."""
-    return keras.metrics.sparse_top_k_categorical_accuracy(y_true, y_pred, k=2)
+    return tf.keras.metrics.sparse_top_k_categorical_accuracy(y_true, y_pred, k=2)

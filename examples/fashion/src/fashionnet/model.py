@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
+import tensorflow as tf
+
+# tf.keras is the Keras the runner trains with: Keras 3, or tf-keras on TPU images and multi-worker runs.
+keras = tf.keras
 
 # The defaults are the documentation; a job spec's `model.params` holds only what differs.
 DEFAULTS: dict[str, Any] = {"filters": 32, "dense": 128, "dropout": 0.25, "classes": 10}
