@@ -1,0 +1,100 @@
+"""`runner sweep`: one spec, several settings, each a separate resumable run; then the comparison."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.errors import SpecError
+from runner.sweep import plan_variants, split_values
+from tests.conftest import REPO, cli_env, run_cli
+
+
+def test_values_split_at_top_level_commas_only() -> None:
+    assert split_values("256,512, 1024") == ["256", "512", "1024"]
+    assert split_values("[a,b],[c]") == ["[a,b]", "[c]"]
+    assert split_values("'x,y',z") == ["'x,y'", "z"]
+
+
+def test_every_combination_becomes_a_named_variant(mnist_job) -> None:
+    spec = mnist_job("base")
+    variants = plan_variants(
+        spec, ["data.global_batch_size=128,256", "accelerator.cpu_devices=1,2", "train.epochs=1"]
+    )
+    assert [v.name for v in variants] == [
+        "base-global_batch_size-128-cpu_devices-1",
+        "base-global_batch_size-128-cpu_devices-2",
+        "base-global_batch_size-256-cpu_devices-1",
+        "base-global_batch_size-256-cpu_devices-2",
+    ]
+    assert [(v.spec.data.global_batch_size, v.spec.accelerator.cpu_devices) for v in variants] == [
+        (128, 1), (128, 2), (256, 1), (256, 2)
+    ]
+    assert all(v.spec.train.epochs == 1 for v in variants), "a single value applies to every variant"
+    assert variants[0].spec.run_dir.endswith("/runs/base-global_batch_size-128-cpu_devices-1")
+
+
+def test_a_bad_variant_is_refused_before_anything_runs(mnist_job) -> None:
+    spec = mnist_job("base")
+    with pytest.raises(SpecError, match=r"variant base-global_batch_size-0: .*data.global_batch_size"):
+        plan_variants(spec, ["data.global_batch_size=128,0"])
+    with pytest.raises(SpecError, match="needs a --set with several values"):
+        plan_variants(spec, ["data.global_batch_size=128"])
+    result = run_cli("sweep", spec, "--set", "data.global_batch_sise=128,256")
+    assert result.returncode == 2
+    assert "did you mean 'global_batch_size'?" in result.stderr
+    assert not (spec.parent / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_variant_once_and_compares_them(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("sw")
+    args = ("sweep", spec, "--set", "data.global_batch_size=128,256", "--markdown", "--plot", tmp_path / "sweep.png")
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    runs = {n: tmp_path / "runs" / f"sw-global_batch_size-{n}" for n in (128, 256)}
+    summaries = {n: json.loads((d / "summary.json").read_text()) for n, d in runs.items()}
+    assert {n: s["global_batch_size"] for n, s in summaries.items()} == {128: 128, 256: 256}
+    assert all(s["status"] == "succeeded" and s["attempt"] == 1 for s in summaries.values())
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| sw-")]
+    assert [r.split("|")[1].strip() for r in rows] == ["sw-global_batch_size-128", "sw-global_batch_size-256"]
+    speedup = round(summaries[256]["timing"]["examples_per_sec"] / summaries[128]["timing"]["examples_per_sec"], 2)
+    assert rows[1].rstrip(" |").endswith(f"{speedup:.2f}x")
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("already complete") == 2
+    assert [json.loads((d / "summary.json").read_text()) for d in runs.values()] == list(summaries.values())
+    assert [r for r in again.stdout.splitlines() if r.startswith("| sw-")] == rows
+
+
+@pytest.mark.slow
+def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("pre", train={"epochs": 40})
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "runner", "sweep", str(spec), "--set", "data.global_batch_size=128,256"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        for line in sweep.stderr:
+            if "epoch 1/40" in line or time.monotonic() > deadline:
+                break
+        sweep.send_signal(signal.SIGTERM)
+        _, stderr = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 75, stderr
+    first = json.loads((tmp_path / "runs" / "pre-global_batch_size-128" / "summary.json").read_text())
+    assert first["status"] == "preempted" and "run the same job again" in first["error"]
+    assert list((tmp_path / "runs" / "pre-global_batch_size-128" / "checkpoints").glob("ckpt-*.index"))
+    assert not (tmp_path / "runs" / "pre-global_batch_size-256").exists(), "no variant starts after the notice"
+    assert "run the same sweep again" in stderr
