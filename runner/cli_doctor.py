@@ -34,19 +34,28 @@ def _table(report) -> str:
 def doctor(
     spec: Annotated[
         Optional[Path],
-        typer.Argument(help="Job spec (YAML): also check its buckets, data and batch size.", exists=True, dir_okay=False),
+        typer.Argument(
+            help="Job spec (YAML): also check its buckets, data and batch size.", exists=True, dir_okay=False
+        ),
     ] = None,
     overrides: Annotated[
         Optional[list[str]],
         typer.Option("--set", "-s", help="Override a spec key, e.g. `--set data.global_batch_size=1000` (repeatable)."),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON line instead of a table.")] = False,
-    save: Annotated[
-        bool, typer.Option("--save", help="Also write the report to <output.dir>/<name>/doctor.json, beside the summary.")
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as one JSON line instead of a table.")
     ] = False,
-    timeout: Annotated[float, typer.Option(min=1, help="Bound on each check, in seconds (a TPU's start counts as one).")] = 60.0,
+    save: Annotated[
+        bool,
+        typer.Option("--save", help="Also write the report as doctor.json in the job's run folder, by summary.json."),
+    ] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(min=1, help="Bound on each check, in seconds; the TPU start also within accelerator.timeout_s."),
+    ] = 60.0,
     replicas: Annotated[
-        Optional[int], typer.Option(min=1, help="Check the batch arithmetic for this many replicas (e.g. 8 for a v3-8).")
+        Optional[int],
+        typer.Option(min=1, help="Check the batch arithmetic for this many replicas (e.g. 8 for a v3-8)."),
     ] = None,
 ) -> None:
     """Check this machine (and a job spec) for the ways TPU jobs fail: versions, devices, libtpu lockfile,
@@ -59,7 +68,7 @@ def doctor(
     from runner.doctor import run_doctor
 
     if save and spec is None:
-        typer.secho("error: --save needs a SPEC: the report goes to the spec's run folder", err=True, fg=typer.colors.RED)
+        typer.secho("error: --save needs a SPEC: the report goes to its run folder", err=True, fg=typer.colors.RED)
         raise typer.Exit(EXIT_USAGE)
     try:
         job = load_spec(spec, overrides or []) if spec is not None else None
@@ -73,5 +82,6 @@ def doctor(
         typer.echo(_table(report), nl=False)
         counts = {s: sum(c.status == s for c in report.checks) for s in ("fail", "warn", "ok")}
         saved = f"; report saved to {report.saved_to}" if report.saved_to else ""
-        typer.echo(f"doctor: {counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok in {report.seconds:.1f} s{saved}")
+        tally = f"{counts['fail']} fail, {counts['warn']} warn, {counts['ok']} ok"
+        typer.echo(f"doctor: {tally} in {report.seconds:.1f} s{saved}")
     raise typer.Exit(report.exit_code)

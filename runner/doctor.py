@@ -43,11 +43,18 @@ from runner.spec import JobSpec
 
 SCHEMA_VERSION = 1
 _USAGE_CHECKS = ("data_train", "data_eval", "batch")
-_STEP_WHAT = {"tensorflow": "import tensorflow", "tpu": "TPU initialisation", "storage": "the storage checks", "data": "the data checks"}
+_STEP_WHAT = {
+    "tensorflow": "import tensorflow",
+    "tpu": "TPU initialisation",
+    "storage": "the storage checks",
+    "data": "the data checks",
+}
 _STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
 _STEP_ACTIONS = {
-    "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and runner/known_good.json",
-    "tpu": "check TPU_NAME / accelerator.tpu, the lockfile check, and that the TPU is READY (gcloud compute tpus tpu-vm describe)",
+    "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and "
+    "runner/known_good.json",
+    "tpu": "check TPU_NAME / accelerator.tpu, the lockfile check, and that the TPU is READY "
+    "(gcloud compute tpus tpu-vm describe)",
     "storage": "see the gcs and credentials checks",
     "data": "see the storage checks; `runner verify FOLDER` checks every shard",
 }
@@ -106,7 +113,8 @@ class _Bounded(threading.Thread):
     def outcome(self) -> Check:
         self.join(self.seconds)
         if self.result is None:
-            return Check(self.check_name, "fail", f"no answer within {self.seconds:g} s", "see the gcs check", self.seconds)
+            evidence = f"no answer within {self.seconds:g} s"
+            return Check(self.check_name, "fail", evidence, "check DNS and the network", self.seconds)
         return self.result
 
 
@@ -176,7 +184,8 @@ class _Probe:
         self.checks.append(Check(name, "fail", how, _STEP_ACTIONS[step], round(seconds, 3)))
         self.pending.remove(step)
         if step == "tensorflow" and "tpu" in self.pending:
-            self.checks.append(Check("tpu", "fail", "not run: import tensorflow did not finish (see tensorflow)", _STEP_ACTIONS["tensorflow"]))
+            how = "not run: import tensorflow did not finish (see tensorflow)"
+            self.checks.append(Check("tpu", "fail", how, _STEP_ACTIONS["tensorflow"]))
             self.pending.remove("tpu")
         # What is left runs without loading libtpu (TPU_LOAD_LIBRARY=0): what just hung or crashed may be libtpu.
         self.env["TPU_LOAD_LIBRARY"] = "0"
@@ -260,16 +269,14 @@ def run_doctor(
     job = spec or JobSpec()
     paths = [p for p in (job.data.train, job.data.eval, job.output.dir) if p] if spec else []
     needs_gcs = any(p.startswith("gs://") for p in paths)
-    tpu_wanted = job.accelerator.kind == "tpu" or (
-        job.accelerator.kind == "auto" and bool(checks.named_tpu(job.accelerator, environ) or checks.tpu_devices(dev_root))
-    )
+    tpu_here = bool(checks.named_tpu(job.accelerator, environ) or checks.tpu_devices(dev_root))
+    tpu_wanted = job.accelerator.kind == "tpu" or (job.accelerator.kind == "auto" and tpu_here)
+    lockfile = lockfile or environ.get(checks.LOCKFILE_ENV) or checks.LIBTPU_LOCKFILE
     found = [
         _timed(checks.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
-        _timed(
-            checks.check_lockfile, lockfile or environ.get(checks.LOCKFILE_ENV) or checks.LIBTPU_LOCKFILE, tpu_wanted, dev_root
-        ),
+        _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
     ]
     probe = _Probe(["tensorflow", "tpu", *(["storage", "data"] if spec else [])], job, timeout, environ)
     try:
@@ -317,4 +324,38 @@ def _batch(spec: JobSpec, probed: list[Check], replicas: int | None) -> Check:
         count, source = None, "TensorFlow sees no GPU"
     else:
         count, source = spec.accelerator.cpu_devices, "accelerator.cpu_devices on the CPU"
-    return _timed(checks.check_batch, spec, count, source, records, on_tpu=on_tpu or (replicas is not None and kind == "tpu"))
+    on_tpu = on_tpu or (replicas is not None and kind == "tpu")
+    return _timed(check_batch, spec, count, source, records, on_tpu)
+
+
+def check_batch(
+    spec: JobSpec, replicas: int | None, source: str, records: dict[str, int | None], on_tpu: bool = False
+) -> Check:
+    """global_batch_size against the replica count, and full batches in each split (TPUs drop remainders)."""
+    batch = spec.data.global_batch_size
+    data = {"global_batch_size": batch, "replicas": replicas, "replicas_from": source}
+    if replicas is None:
+        action = "fix the TPU check, or pass --replicas N"
+        return Check("batch", "warn", f"replica count unknown ({source})", action, data=data)
+    if batch % replicas:
+        lower, upper = max(replicas, batch // replicas * replicas), (batch // replicas + 1) * replicas
+        return Check(
+            "batch", "fail", f"data.global_batch_size ({batch}) is not divisible by the {replicas} replicas ({source})",
+            f"set data.global_batch_size to {lower} or {upper}", data=data,
+        )
+    per_replica = batch // replicas
+    evidence = [f"{batch} = {replicas} replica{'s' if replicas > 1 else ''} x {per_replica} ({source})"]
+    for split, count in records.items():
+        if count is not None and count // batch == 0:
+            return Check(
+                "batch", "fail", f"data.{split}: {count} records make no full batch of {batch}",
+                "lower data.global_batch_size or add data", data=data,
+            )
+        if count is not None:
+            evidence.append(f"{split}: {count // batch} steps of {batch} from {count} records")
+    if on_tpu and per_replica % 8:
+        return Check(
+            "batch", "warn", "; ".join(evidence) + f"; {per_replica} per core is not a multiple of 8",
+            "TPU cores pad the batch: use a multiple of 8 per core (128 is best)", data=data,
+        )
+    return Check("batch", "ok", "; ".join(evidence), data=data)

@@ -26,7 +26,7 @@ from typing import Any
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from runner.spec import AcceleratorSpec, JobSpec
+from runner.spec import AcceleratorSpec
 
 KNOWN_GOOD = Path(__file__).with_name("known_good.json")
 # libtpu's own path (xla/stream_executor/tpu/tpu_initialize_util.cc); runner.strategy.LIBTPU_LOCKFILE holds
@@ -92,7 +92,8 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
     tensorflows = [name for name in TENSORFLOW_DISTRIBUTIONS if name in versions]
     pins = " or ".join(" ".join(row["requires"][:2]) for row in combos)
     if not tensorflows:
-        return Check("versions", "fail", f"no TensorFlow distribution is installed ({shown})", f"pip install {pins}", data=data)
+        evidence = f"no TensorFlow distribution is installed ({shown})"
+        return Check("versions", "fail", evidence, f"pip install {pins}", data=data)
     if len(tensorflows) > 1:
         return Check(
             "versions", "fail",
@@ -113,10 +114,10 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
     problems = _unmet(row["requires"], versions)
     data["known_good"] = row["requires"]
     if tpu_wanted and row["platform"] != "tpu":
+        tpu_pins = " ".join(r for c in combos if c["platform"] == "tpu" for r in c["requires"][:2])
         return Check(
             "versions", "fail", f"a TPU is wanted, but {name} {versions[name]} has no TPU kernels ({shown})",
-            f"run the TPU image: pip install {' '.join(r for c in combos if c['platform'] == 'tpu' for r in c['requires'][:2])}",
-            data=data,
+            f"run the TPU image: pip install {tpu_pins}", data=data,
         )
     if not problems:
         return Check("versions", "ok", f"{shown}: known good ({row['source']}; {row['checked']})", data=data)
@@ -158,23 +159,30 @@ def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_roo
     if closed:
         return Check(
             "devices", "fail", f"{', '.join(closed)} exist but uid {os.getuid()} cannot open them",
-            "run the container with --privileged (TPU) or --gpus all (GPU), or as a user in the device's group", data=data,
+            "run the container with --privileged (TPU) or --gpus all (GPU), or as a user in the device's group",
+            data=data,
         )
     local_tpu_needed = named == "local" or (kind == "tpu" and named is None)
     if local_tpu_needed and not tpus:
-        why = "accelerator.tpu/TPU_NAME is 'local'" if named == "local" else "accelerator.kind is 'tpu' and no TPU is named"
+        why = "accelerator.kind is 'tpu' and no TPU is named"
+        if named == "local":
+            why = "accelerator.tpu/TPU_NAME is 'local'"
         return Check(
             "devices", "fail", f"{why}, but there is {shown}",
-            "run on a TPU VM, and start the container with --privileged --net=host so it sees /dev/accel* (or /dev/vfio)",
+            "run on a TPU VM, and start the container with --privileged --net=host so it sees /dev/accel* "
+            "(or /dev/vfio)",
             data=data,
         )
     if kind == "gpu" and not gpus:
-        return Check("devices", "fail", f"accelerator.kind is 'gpu', but there is {shown}", "start the container with --gpus all", data=data)
+        evidence = f"accelerator.kind is 'gpu', but there is {shown}"
+        return Check("devices", "fail", evidence, "start the container with --gpus all", data=data)
     if tpus or gpus:
         return Check("devices", "ok", shown, data=data)
     if named:
-        return Check("devices", "ok", f"no local accelerator devices; the TPU {named!r} is reached over the network", data=data)
-    return Check("devices", "warn", f"{shown}: a job here runs on the CPU", "nothing, unless this should be a TPU VM", data=data)
+        evidence = f"no local accelerator devices; the TPU {named!r} is reached over the network"
+        return Check("devices", "ok", evidence, data=data)
+    evidence = f"{shown}: a job here runs on the CPU"
+    return Check("devices", "warn", evidence, "nothing, unless this should be a TPU VM", data=data)
 
 
 # --- libtpu lockfile ---------------------------------------------------------------------------
@@ -329,7 +337,8 @@ def check_credentials(environ: dict[str, str], needs_gcs: bool, timeout: float =
             scopes = _metadata(environ, "instance/service-accounts/default/scopes", timeout).split()
             if not any(s in scope for scope in scopes for s in _STORAGE_SCOPES):
                 narrow_scopes = email
-            found.append(f"metadata server: service account {email}, scopes {', '.join(s.rsplit('/', 1)[-1] for s in scopes)}")
+            short = ", ".join(scope.rsplit("/", 1)[-1] for scope in scopes)
+            found.append(f"metadata server: service account {email}, scopes {short}")
         except (OSError, urllib.error.URLError, ValueError) as exc:
             notes.append(f"no metadata server ({getattr(exc, 'reason', exc)})")
     if environ.get("STORAGE_EMULATOR_HOST"):
@@ -344,7 +353,8 @@ def check_credentials(environ: dict[str, str], needs_gcs: bool, timeout: float =
     if found:
         bad = [n for n in notes if n.startswith(("GOOGLE_APPLICATION_CREDENTIALS", "gcloud ADC"))]
         if bad:
-            return Check("credentials", "warn", evidence, f"fix or unset the unusable file: {bad[0].split(': ')[0]}", data=data)
+            action = f"fix or unset the unusable file: {bad[0].split(': ')[0]}"
+            return Check("credentials", "warn", evidence, action, data=data)
         return Check("credentials", "ok", evidence, data=data)
     return Check(
         "credentials", "fail" if needs_gcs else "warn",
@@ -377,38 +387,3 @@ def check_gcs_endpoint(environ: dict[str, str], needs_gcs: bool, timeout: float 
             "check DNS, the VPC's egress (Private Google Access on a VM without an external IP) and https_proxy",
         )
     return Check("gcs", "ok", f"{url}{via} answered HTTP {status} in {time.monotonic() - began:.2f} s")
-
-
-# --- batch arithmetic --------------------------------------------------------------------------
-
-
-def check_batch(
-    spec: JobSpec, replicas: int | None, source: str, records: dict[str, int | None], on_tpu: bool = False
-) -> Check:
-    """global_batch_size against the replica count, and full batches in each split (TPUs drop remainders)."""
-    batch = spec.data.global_batch_size
-    data = {"global_batch_size": batch, "replicas": replicas, "replicas_from": source}
-    if replicas is None:
-        return Check("batch", "warn", f"replica count unknown ({source})", "fix the TPU check, or pass --replicas N", data=data)
-    if batch % replicas:
-        return Check(
-            "batch", "fail", f"data.global_batch_size ({batch}) is not divisible by the {replicas} replicas ({source})",
-            f"set data.global_batch_size to {max(replicas, batch // replicas * replicas)} or {(batch // replicas + 1) * replicas}",
-            data=data,
-        )
-    per_replica = batch // replicas
-    evidence = [f"{batch} = {replicas} replicas x {per_replica} ({source})"]
-    for split, count in records.items():
-        if count is not None and count // batch == 0:
-            return Check(
-                "batch", "fail", f"data.{split}: {count} records make no full batch of {batch}",
-                "lower data.global_batch_size or add data", data=data,
-            )
-        if count is not None:
-            evidence.append(f"{split}: {count // batch} steps of {batch} from {count} records")
-    if on_tpu and per_replica % 8:
-        return Check(
-            "batch", "warn", "; ".join(evidence) + f"; {per_replica} per core is not a multiple of 8",
-            "TPU cores pad the batch: use a multiple of 8 per core (128 is best)", data=data,
-        )
-    return Check("batch", "ok", "; ".join(evidence), data=data)

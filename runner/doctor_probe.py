@@ -106,11 +106,15 @@ def _read_manifest(folder: str) -> Check:
         )
     except tf.errors.NotFoundError:
         if not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
-            return Check("storage_read", "fail", f"bucket gs://{_bucket(folder)} does not exist", "fix the bucket name in data.train / data.eval")
-        return Check("storage_read", "fail", f"{path} not found", f"prepare the data: runner prepare DATASET --out {folder}")
+            evidence = f"bucket gs://{_bucket(folder)} does not exist"
+            return Check("storage_read", "fail", evidence, "fix the bucket name in data.train / data.eval")
+        action = f"prepare the data: runner prepare DATASET --out {folder}"
+        return Check("storage_read", "fail", f"{path} not found", action)
     except tf.errors.OpError as exc:
-        return Check("storage_read", "fail", f"reading {path}: {_first_line(exc)}", "see the gcs and credentials checks")
-    return Check("storage_read", "ok", f"read {path} ({size} bytes) in {time.monotonic() - began:.2f} s", data={"path": path})
+        evidence = f"reading {path}: {_first_line(exc)}"
+        return Check("storage_read", "fail", evidence, "see the gcs and credentials checks")
+    evidence = f"read {path} ({size} bytes) in {time.monotonic() - began:.2f} s"
+    return Check("storage_read", "ok", evidence, data={"path": path})
 
 
 def _write_probe(folder: str) -> Check:
@@ -119,8 +123,15 @@ def _write_probe(folder: str) -> Check:
 
     probe = posixpath.join(folder.rstrip("/"), f".runner-doctor-{socket.gethostname()}-{os.getpid()}")
     payload = f"runner doctor write probe {time.time()}".encode()
-    stage = "create the folder"
+    stage, remote = "create the folder", folder.startswith("gs://")
     began = time.monotonic()
+    # Bucket first: tf.io.gfile.makedirs asks for a missing bucket again and again, without end.
+    if remote and not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
+        return Check(
+            "storage_write", "fail",
+            f"bucket gs://{_bucket(folder)} does not exist (a job would hang creating its run folder)",
+            "fix output.dir, or create the bucket in the job's project and region",
+        )
     try:
         tf.io.gfile.makedirs(folder)
         stage = "write"
@@ -129,16 +140,17 @@ def _write_probe(folder: str) -> Check:
         stage = "read back"
         with tf.io.gfile.GFile(probe, "rb") as handle:
             if handle.read() != payload:
-                return Check("storage_write", "fail", f"{probe} read back different bytes", "check the bucket or the disk")
+                evidence = f"{probe} read back different bytes"
+                return Check("storage_write", "fail", evidence, "check the bucket or the disk")
         stage = "delete"
         tf.io.gfile.remove(probe)
     except tf.errors.OpError as exc:
-        remote = folder.startswith("gs://")
-        role = "roles/storage.objectAdmin (old checkpoints are deleted)" if stage == "delete" else "roles/storage.objectCreator"
+        role = "roles/storage.objectCreator"
+        if stage == "delete":
+            role = "roles/storage.objectAdmin (old checkpoints are deleted)"
         action = f"give the job's identity {role} on gs://{_bucket(folder)}" if remote else f"make {folder} writable"
-        if remote and isinstance(exc, tf.errors.NotFoundError) and not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
-            return Check("storage_write", "fail", f"bucket gs://{_bucket(folder)} does not exist", "fix output.dir or create the bucket")
-        return Check("storage_write", "fail", f"could not {stage} {probe}: {_first_line(exc)}", action)
+        target = folder if stage == "create the folder" else probe
+        return Check("storage_write", "fail", f"could not {stage} {target}: {_first_line(exc)}", action)
     return Check(
         "storage_write", "ok", f"wrote, read back and deleted {probe} in {time.monotonic() - began:.2f} s",
         data={"path": folder},
@@ -178,12 +190,14 @@ def _data_check(spec: JobSpec, key: str, pattern: str, seconds: float) -> Check:
             name, "fail", f"sha256 of {', '.join(bad)} does not match {posixpath.dirname(pattern)}/{data.MANIFEST}",
             "re-run `runner prepare`, or copy the shard again from its source", data=facts,
         )
-    evidence = f"{pattern}: {len(shards.files)} shard(s), {shards.records} records; sha256 of {checked} match the manifest"
+    evidence = f"{pattern}: {len(shards.files)} shard(s), {shards.records} records"
+    evidence += f"; sha256 of {checked} match the manifest"
     if checked < len(shards.files):
         evidence += f" (stopped at the time bound; `runner verify {posixpath.dirname(pattern)}` checks all)"
     if len(shards.files) < listed:
         return Check(
-            name, "warn", f"{evidence}; but the glob matches {len(shards.files)} of the {listed} shards of split {split!r}",
+            name, "warn",
+            f"{evidence}; but the glob matches {len(shards.files)} of the {listed} shards of split {split!r}",
             f"widen data.{key} if the whole split is meant", data=facts,
         )
     return Check(name, "ok", evidence, data=facts)
@@ -231,7 +245,8 @@ def main() -> None:
                 check.seconds, began = round(time.monotonic() - began, 3), time.monotonic()
                 _emit(out, {"check": check.to_dict()})
         except Exception as exc:  # one broken step must not hide the others
-            _emit(out, {"check": Check(step, "fail", _first_line(exc), "a bug in the doctor: report it with this line").to_dict()})
+            broken = Check(step, "fail", _first_line(exc), "a bug in the doctor: report it with this line")
+            _emit(out, {"check": broken.to_dict()})
         _emit(out, {"done": step})
     _emit(out, {"idle": True})
     line = sys.stdin.readline()

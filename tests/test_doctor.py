@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from runner import doctor as doctor_module
 from runner import doctor_checks as checks
 from runner.spec import AcceleratorSpec, JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
-from tests.support.gcs import gcs, gcs_faults  # noqa: F401  (fixtures)
+from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: F401  (fixtures)
 
 TIMEOUT = 30
 
@@ -86,7 +85,7 @@ def test_spec_with_local_data_passes_every_check(mnist_job, env, tmp_path: Path)
     assert checks_["storage_write"]["status"] == "ok"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [], "the write probe is deleted"
     assert checks_["batch"]["status"] == "ok"
-    assert checks_["batch"]["evidence"].startswith("128 = 1 replicas x 128 (accelerator.cpu_devices on the CPU)")
+    assert checks_["batch"]["evidence"].startswith("128 = 1 replica x 128 (accelerator.cpu_devices on the CPU)")
     assert "train: 16 steps of 128" in checks_["batch"]["evidence"]
     assert "storage_read" not in checks_, "only gs:// folders get a read probe"
 
@@ -119,7 +118,7 @@ def test_spec_with_tampered_shard_empty_glob_and_odd_batch_names_each(tiny_mnist
 def test_batch_arithmetic_for_the_replicas_found_or_asked() -> None:
     spec = JobSpec.model_validate({"data": {"global_batch_size": 1000}})
     records = {"train": 60000, "eval": 10000}
-    even = checks.check_batch(spec, 8, "--replicas", records)
+    even = doctor_module.check_batch(spec, 8, "--replicas", records)
     assert even.status == "ok" and even.evidence.startswith("1000 = 8 replicas x 125")
     assert "train: 60 steps of 1000 from 60000 records" in even.evidence
     spec = JobSpec.model_validate({"data": {"global_batch_size": 1000}, "accelerator": {"kind": "tpu"}})
@@ -130,7 +129,7 @@ def test_batch_arithmetic_for_the_replicas_found_or_asked() -> None:
     found = doctor_module._batch(spec, [tpu], replicas=None)
     assert found.status == "warn" and "125 per core is not a multiple of 8" in found.evidence
     assert doctor_module._batch(spec, [], replicas=None).status == "warn", "no TPU started: replicas unknown"
-    small = checks.check_batch(JobSpec(), 1, "one CPU", {"train": 2048, "eval": 512})
+    small = doctor_module.check_batch(JobSpec(), 1, "one CPU", {"train": 2048, "eval": 512})
     assert small.status == "fail" and "data.eval: 512 records make no full batch of 1024" in small.evidence
 
 
