@@ -174,7 +174,7 @@ class _Probe:
     def _stderr_tail(self) -> str:
         self.stderr.seek(0)
         lines = [line.strip() for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
-        telling = [line for line in lines if re.search(r"(: F |\] |Error|error|Check failed|already in use)", line)]
+        telling = [line for line in lines if re.search(r"(: F |\] |Error|error|Failed|Check failed|already in use)", line)]
         picked = list(dict.fromkeys([*telling[-1:], *lines[-1:]]))
         return " | ".join(line[:300] for line in picked) or "nothing on stderr"
 
@@ -205,6 +205,7 @@ class _Probe:
                 self._kill()
                 bound = self.bounds[current] if step else self.timeout
                 how = f"no answer within {bound:g} s {during}; killed the probe (pid {pid})"
+                how += f"; stderr: {self._stderr_tail()}"
                 self._lost(current, how, time.monotonic() - began)
             elif event == "exit":
                 code = self.proc.wait()

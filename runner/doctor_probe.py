@@ -16,6 +16,7 @@ import posixpath
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from runner.doctor_checks import Check
@@ -253,6 +254,10 @@ def main() -> None:
     if line.strip():
         command = json.loads(line)
         _emit(out, {"check": _save(spec, command["save"], command["report"]).to_dict()})
+    if "libtpu" not in Path("/proc/self/maps").read_text():
+        # Nothing of a TPU to release: skip TensorFlow's interpreter teardown (3 s on 2 busy cores). With
+        # libtpu loaded the exit stays normal, so libtpu's exit hook releases the TPU and its lockfile.
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -197,7 +198,7 @@ def test_tensorflow_that_hangs_at_import_is_killed_by_pid_and_tabled(env, tmp_pa
     code, report = doctor("--timeout", "2", env={**env, **path})
     tensorflow = named(report)["tensorflow"]
     assert "no answer within 2 s during import tensorflow; killed the probe (pid" in tensorflow["evidence"]
-    pid = int(tensorflow["evidence"].rsplit("pid ", 1)[1].rstrip(")"))
+    pid = int(re.search(r"killed the probe \(pid (\d+)\)", tensorflow["evidence"]).group(1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
