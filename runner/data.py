@@ -163,7 +163,7 @@ def corrupt_shards(pattern: str) -> list[str]:
     shards = find_shards(pattern)
     folder = posixpath.dirname(pattern)
     names = {posixpath.basename(f) for f in shards.files}
-    return [p for p in verify_shards(folder) if posixpath.basename(p.split(":")[0]) in names]
+    return [p for p in verify_shards(folder) if posixpath.basename(p.split(": ")[0]) in names]
 
 
 # --- reading examples --------------------------------------------------------------------------

@@ -215,4 +215,7 @@ def _name_corrupt_shard(spec: JobSpec, exc: tf.errors.DataLossError, pattern: st
     pattern = pattern or spec.data.train
     bad = data.corrupt_shards(pattern)
     where = "; ".join(bad) if bad else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
-    return DataError(f"corrupt training data in {where}: {exc.message.splitlines()[0]}; the run stopped, checkpoints kept")
+    # Keras wraps the reader's error in "Graph execution error:" and a stack: keep the line about the record.
+    lines = exc.message.splitlines()
+    detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
+    return DataError(f"corrupt training data in {where}: {detail}; the run stopped, checkpoints kept")

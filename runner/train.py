@@ -33,23 +33,44 @@ class PreemptionNotice:
         self.grace_s = grace_s
         self.received = threading.Event()
         self.received_at: float | None = None
+        self._lock = threading.Lock()
         self._previous: Any = None
+        self._previous_wakeup = -1
+        self._pipe: tuple[int, int] | None = None
 
     def __enter__(self) -> "PreemptionNotice":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._notice)
+            # Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in
+            # a TensorFlow call (a save to storage that does not answer) would never see the notice. The
+            # wakeup fd is written by the C-level handler at once; a watcher thread reads it.
+            self._pipe = os.pipe()
+            os.set_blocking(self._pipe[1], False)
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._notice())
+            self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         # The deadline, once started, stays: it also bounds the summary written after training stops.
-        if self._previous is not None:
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
             signal.signal(signal.SIGTERM, self._previous)
+            os.close(self._pipe[1])  # ends the watcher
 
-    def _notice(self, *_: Any) -> None:
-        if self.received.is_set():
-            return
-        self.received_at = time.monotonic()
-        self.received.set()
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while chunk := os.read(read_fd, 64):
+                if signal.SIGTERM in chunk:
+                    self._notice()
+        finally:
+            os.close(read_fd)
+
+    def _notice(self) -> None:
+        with self._lock:
+            if self.received.is_set():
+                return
+            self.received_at = time.monotonic()
+            self.received.set()
         deadline = threading.Timer(self.grace_s, self._expire)
         deadline.daemon = True
         deadline.start()

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
+# The GCS rig's fixtures (an emulator on 127.0.0.1 behind TensorFlow's TLS proxy; a fault-injecting chain).
+from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parents[1]
 
 

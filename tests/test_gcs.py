@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 import textwrap
 
-from tests.conftest import cli_env
-from tests.support.gcs import gcs  # noqa: F401  (fixture)
+import pytest
+
+from tests.conftest import cli_env, last_json, run_cli
 
 
 def run_python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -50,3 +53,123 @@ def test_tensorflow_gs_client_round_trips_through_the_rig(gcs):
     # The bytes TensorFlow wrote are what the emulator holds: the first record is 1 byte long.
     blob = gcs.read(bucket, "round/b.tfrecord")
     assert int.from_bytes(blob[:8], "little") == 1
+
+
+SECRET = "ya29.never-print-this-token"  # stands in for an access token: it must not leak anywhere
+
+
+def count_records(tfrecord: bytes) -> int:
+    """Counts TFRecord framing (length, crc, data, crc) without TensorFlow."""
+    count, offset = 0, 0
+    while offset < len(tfrecord):
+        offset += 8 + 4 + int.from_bytes(tfrecord[offset : offset + 8], "little") + 4
+        count += 1
+    assert offset == len(tfrecord), "trailing bytes after the last record"
+    return count
+
+
+def test_prepare_writes_shards_and_sha256_to_a_bucket_and_verify_checks_them(gcs):
+    bucket = gcs.bucket()
+    out = f"gs://{bucket}/mnist"
+    env = cli_env(**gcs.env)
+    result = run_cli("prepare", "mnist", "--out", out, "--limit", "1500", "--shards", "3", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"{out}/manifest.json"
+    assert "uploaded 7 files" in result.stderr and "(0 retries)" in result.stderr
+    manifest = json.loads(gcs.read(bucket, "mnist/manifest.json"))
+    for split, info in manifest["splits"].items():
+        assert len(info["shards"]) == 3
+        for shard in info["shards"]:
+            content = gcs.read(bucket, f"mnist/{shard['file']}")
+            assert hashlib.sha256(content).hexdigest() == shard["sha256"]
+            assert count_records(content) == shard["records"]
+        assert info["records"] == 1500
+
+    result = run_cli("verify", out, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "every shard matches" in result.stdout
+
+    # One shard with a flipped byte, one cut short: both named, exit 2.
+    flipped = bytearray(gcs.read(bucket, "mnist/train-00001-of-00003.tfrecord"))
+    flipped[len(flipped) // 2] ^= 0xFF
+    gcs.write(bucket, "mnist/train-00001-of-00003.tfrecord", bytes(flipped))
+    whole = gcs.read(bucket, "mnist/test-00002-of-00003.tfrecord")
+    gcs.write(bucket, "mnist/test-00002-of-00003.tfrecord", whole[: len(whole) // 3])
+    result = run_cli("verify", out, env=env)
+    assert result.returncode == 2
+    assert f"{out}/train-00001-of-00003.tfrecord: sha256" in result.stderr
+    assert f"{out}/test-00002-of-00003.tfrecord: sha256" in result.stderr
+    assert "train-00000" not in result.stderr
+
+
+def test_prepare_to_a_missing_bucket_fails_fast_naming_it(gcs):
+    result = run_cli("prepare", "mnist", "--out", "gs://no-such-bucket-here/mnist", "--limit", "10", env=cli_env(**gcs.env))
+    assert result.returncode == 3
+    assert "gs://no-such-bucket-here does not exist" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def gcs_mnist(gcs, tiny_mnist) -> str:
+    """tiny_mnist copied into a fresh bucket: gs://<bucket>/mnist."""
+    return gcs.upload_folder(tiny_mnist, gcs.bucket(), "mnist")
+
+
+@pytest.mark.slow
+def test_run_reads_and_writes_gs_and_the_same_spec_runs_on_local_paths(gcs, gcs_mnist, mnist_job, tmp_path):
+    bucket = gcs_mnist.split("/")[2]
+    remote = mnist_job(
+        "remote",
+        data={"train": f"{gcs_mnist}/train-*.tfrecord", "eval": f"{gcs_mnist}/test-*.tfrecord"},
+        output={"dir": f"gs://{bucket}/runs"},
+        checkpoint={"every_steps": 8},
+    )
+    result = run_cli("run", remote, env=cli_env(**{**gcs.env, "GOOGLE_AUTH_TOKEN_FOR_TESTING": SECRET}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["status"] == "succeeded"
+    assert summary["final_step"] == 2 * 16
+    assert summary["metrics"]["examples"] == 512
+    assert json.loads(gcs.read(bucket, "runs/remote/summary.json")) == summary
+    names = gcs.objects(bucket, "runs/remote/")
+    assert {"runs/remote/spec.json", "runs/remote/model.keras", "runs/remote/checkpoints/ckpt-32.index"} <= set(names)
+    assert 'model_checkpoint_path: "ckpt-32"' in gcs.read(bucket, "runs/remote/checkpoints/checkpoint").decode()
+    # Credentials: the token TensorFlow sent with every request is in no output and no object written.
+    assert SECRET not in result.stdout + result.stderr
+    assert not [n for n in names if SECRET.encode() in gcs.read(bucket, n)]
+
+    local = mnist_job("remote", checkpoint={"every_steps": 8})  # the same spec, local data and run folder
+    result = run_cli("run", local)
+    assert result.returncode == 0, result.stderr[-3000:]
+    local_summary = last_json(result.stdout)
+    assert local_summary["final_step"] == summary["final_step"]
+    assert [e["steps"] for e in local_summary["epochs"]] == [e["steps"] for e in summary["epochs"]]
+    assert (tmp_path / "runs" / "remote" / "checkpoints" / "ckpt-32.index").exists()
+
+
+@pytest.mark.slow
+def test_a_corrupt_shard_in_the_bucket_stops_training_naming_it_and_keeps_the_checkpoints(gcs, tiny_mnist, mnist_job):
+    bucket = gcs.bucket()
+    data_url = gcs.upload_folder(tiny_mnist, bucket, "mnist")
+    spec = mnist_job(
+        "corrupt",
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
+        train={"epochs": 1},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+    )
+    env = cli_env(**gcs.env)
+    result = run_cli("run", spec, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = {n: gcs.read(bucket, n) for n in gcs.objects(bucket, "runs/corrupt/checkpoints/")}
+    assert "runs/corrupt/checkpoints/ckpt-16.index" in checkpoints
+
+    shard = "mnist/train-00002-of-00004.tfrecord"
+    whole = gcs.read(bucket, shard)
+    gcs.write(bucket, shard, whole[: len(whole) * 2 // 3])  # cut mid-record
+    result = run_cli("run", spec, "--set", "train.epochs=2", env=env)  # one more epoch over the data
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"corrupt training data in gs://{bucket}/{shard}" in result.stderr
+    summary = last_json(result.stdout)
+    assert summary["status"] == "failed" and shard in summary["error"]
+    assert json.loads(gcs.read(bucket, "runs/corrupt/attempts/002.json"))["status"] == "failed"
+    after = {n: gcs.read(bucket, n) for n in gcs.objects(bucket, "runs/corrupt/checkpoints/")}
+    assert after == checkpoints  # the failing run saved nothing over them

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import last_json, run_cli
+from tests.conftest import cli_env, last_json, run_cli
 from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
 
 STEPS, EPOCHS = 40, 3
@@ -112,3 +112,41 @@ def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
     summary = last_json(result.stdout)
     assert summary["resumed_from_step"] == 8
     assert summary["final_step"] == 16
+
+
+@pytest.mark.slow
+def test_a_save_stuck_past_the_grace_period_exits_75_and_is_never_chosen(gcs_faults, tiny_mnist, mnist_job):
+    """SIGTERM while a save to the bucket hangs: the process must not outlive checkpoint.grace_s, and the
+    checkpoint it left half written (data file present, no .index, not in the index) is ignored."""
+    bucket = gcs_faults.bucket()
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
+    spec = mnist_job(
+        "stuck",
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
+        train={"epochs": 2, "steps_per_epoch": 24},
+        checkpoint={"every_steps": 8, "grace_s": 3},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+    )
+    # The save of step 16 hangs on its last object, the .index, after its data file is in place.
+    hang = {"match": r"^POST /upload/.*name=runs/stuck/checkpoints/ckpt-16\.index", "action": "stall", "delay_s": 60}
+    gcs_faults.faults.set([hang])
+    process = start_run(spec, env=cli_env(**gcs_faults.env))
+    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    noticed = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code, _, err = finish(process, timeout=60)
+    assert code == 75, err[-3000:]
+    assert time.monotonic() - noticed < 3 + 10
+    assert "did not finish within checkpoint.grace_s (3 s)" in err
+    names = gcs_faults.objects(bucket, "runs/stuck/checkpoints/")
+    assert "runs/stuck/checkpoints/ckpt-16.data-00000-of-00001" in names
+    assert "runs/stuck/checkpoints/ckpt-16.index" not in names
+    index = gcs_faults.read(bucket, "runs/stuck/checkpoints/checkpoint").decode()
+    assert indexed_step(index) == 8
+
+    gcs_faults.faults.clear()
+    result = run_cli("run", spec, env=cli_env(**gcs_faults.env))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["resumed_from_step"] == 8
+    assert summary["final_step"] == 48

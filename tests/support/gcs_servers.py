@@ -197,8 +197,9 @@ class FaultProxy:
     """Forwards to the emulator; each request is checked against the rules in order, the first that fires wins.
 
     A rule: {"match": regex on "METHOD /path?query" (URL-decoded), "action": "status" | "drop" | "cut" |
-    "delay", "status": 503, "delay_s": 1.0, "p": probability (default 1), "times": how often at most}.
-    `drop` closes the connection without an answer; `cut` sends half the response body, then closes.
+    "delay" | "stall", "status": 503, "delay_s": 1.0, "p": probability (default 1), "times": how often at most}.
+    `drop` closes the connection without an answer; `cut` sends half the response body, then closes;
+    `delay` forwards after delay_s; `stall` waits delay_s, then closes without forwarding (a hung server).
     """
 
     def __init__(self, upstream: tuple[str, int], timeout: float):
@@ -206,7 +207,7 @@ class FaultProxy:
         self.rules: list[dict] = []
         self.hits: list[int] = []
         self.random = random.Random(0)
-        self.stats = {"requests": 0, "status": 0, "drop": 0, "cut": 0, "delay": 0, "holding": 0}
+        self.stats = {"requests": 0, "status": 0, "drop": 0, "cut": 0, "delay": 0, "stall": 0, "holding": 0}
         self.recent: list[str] = []
 
     def control(self, method: str, target: str, body: bytes) -> Message:
@@ -260,12 +261,14 @@ class FaultProxy:
                     writer.write(_response(status, "Injected", body.encode()).encode())
                     await writer.drain()
                     continue
-                if action == "delay":
+                if action in ("delay", "stall"):
                     self.stats["holding"] += 1
                     try:
                         await asyncio.sleep(float(rule.get("delay_s", 1.0)))
                     finally:
                         self.stats["holding"] -= 1
+                    if action == "stall":
+                        return  # storage that never answered: the request is not forwarded
                 response = await exchange(self.upstream, request, self.timeout)
                 if response is None:
                     return

@@ -1,0 +1,129 @@
+"""Storage faults: a fault proxy between the clients and the emulator answers 503, drops connections, cuts
+responses short and delays them. Jobs must finish with correct results, or, when storage stays away longer
+than `storage.timeout_s`, stop with exit 3 naming the bucket, never hang.
+
+TensorFlow's gs:// client retries internally and exposes no count (its retry log is VLOG 1), so for `runner
+run` the proxy's own counts prove the faults happened; `runner prepare` (google-cloud-storage) reports its
+retries, and they must equal the faults injected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from tests.conftest import cli_env, last_json, run_cli
+from tests.support.runs import finish, indexed_step, start_run, wait_for
+
+ANY = r"^(GET|POST|PUT|DELETE) "
+MEDIA_READ = r"^GET /b-"  # object bytes (storage.googleapis.com/<bucket>/<object>): where a cut hurts most
+
+
+def gcs_index(gcs, bucket: str, run: str) -> str | None:
+    name = f"runs/{run}/checkpoints/checkpoint"
+    return gcs.read(bucket, name).decode() if name in gcs.objects(bucket, f"runs/{run}/checkpoints/") else None
+
+
+@pytest.mark.slow
+def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, tiny_mnist, mnist_job):
+    bucket = gcs_faults.bucket()
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
+    spec = mnist_job(
+        "faulty",
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": f"{data_url}/test-*.tfrecord"},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+        checkpoint={"every_steps": 8},
+    )
+    gcs_faults.faults.set(
+        [
+            {"match": MEDIA_READ, "action": "cut", "p": 0.3, "times": 3},
+            {"match": ANY, "action": "status", "status": 503, "p": 0.05, "times": 6},
+            {"match": ANY, "action": "drop", "p": 0.03, "times": 3},
+            {"match": ANY, "action": "delay", "delay_s": 0.3, "p": 0.05, "times": 6},
+        ],
+        seed=7,
+    )
+    result = run_cli("run", spec, env=cli_env(**gcs_faults.env), timeout=400)
+    stats = gcs_faults.faults.stats()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stats["cut"] >= 1 and stats["status"] >= 1 and stats["drop"] >= 1 and stats["delay"] >= 1, stats
+    summary = last_json(result.stdout)
+    assert summary["status"] == "succeeded"
+    assert summary["final_step"] == 32 and [e["steps"] for e in summary["epochs"]] == [16, 16]
+    assert summary["metrics"]["examples"] == 512
+    assert summary["metrics"]["accuracy"] > 0.5  # it learned from intact records (a cut record fails its CRC)
+    gcs_faults.faults.clear()
+    assert json.loads(gcs_faults.read(bucket, "runs/faulty/summary.json")) == summary
+    assert indexed_step(gcs_index(gcs_faults, bucket, "faulty")) == 32
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(gcs_faults, tiny_mnist, mnist_job):
+    bucket = gcs_faults.bucket()
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
+    spec = mnist_job(
+        "outage",
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
+        train={"epochs": 2, "steps_per_epoch": 24},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+        checkpoint={"every_steps": 8},
+        storage={"timeout_s": 4},
+    )
+    process = start_run(spec, env=cli_env(**gcs_faults.env))
+    saved = wait_for(lambda: indexed_step(gcs_index(gcs_faults, bucket, "outage")), process, every=0.3)
+    gcs_faults.faults.set([{"match": ANY, "action": "status", "status": 503}])
+    began = time.monotonic()
+    code, out, err = finish(process, timeout=150)
+    stopped_after = time.monotonic() - began
+    assert code == 3, err[-3000:]
+    assert stopped_after < 90, f"an outage past storage.timeout_s (4 s) took {stopped_after:.0f} s to stop the job"
+    assert re.search(rf"error: storage unreachable: gs://{bucket}\b.*storage\.timeout_s \(4 s\)", err), err[-2000:]
+    summary = last_json(out)
+    assert summary["status"] == "failed" and f"gs://{bucket}" in summary["error"]
+    assert gcs_faults.faults.stats()["status"] > 5  # it retried before giving up
+
+    gcs_faults.faults.clear()  # the bucket is back
+    result = run_cli("run", spec, env=cli_env(**gcs_faults.env))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["resumed_from_step"] >= saved
+    assert summary["final_step"] == 48
+
+
+def test_prepare_retries_through_faults_and_reports_them(gcs_faults):
+    bucket = gcs_faults.bucket()
+    gcs_faults.faults.set(
+        [
+            {"match": r"^POST /upload/", "action": "status", "status": 503, "p": 0.4, "times": 3},
+            {"match": r"^POST /upload/", "action": "drop", "p": 0.3, "times": 2},
+            {"match": r"^POST /upload/", "action": "cut", "p": 0.3, "times": 2},
+        ],
+        seed=3,
+    )
+    out = f"gs://{bucket}/mnist"
+    env = cli_env(**gcs_faults.env)
+    result = run_cli("prepare", "mnist", "--out", out, "--limit", "1200", "--shards", "4", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = gcs_faults.faults.stats()
+    injected = stats["status"] + stats["drop"] + stats["cut"]
+    assert stats["status"] >= 1 and stats["drop"] >= 1 and stats["cut"] >= 1, stats
+    assert re.search(rf"uploaded 9 files, .* to {out} in .* \({injected} retries\)", result.stderr), result.stderr[-2000:]
+    gcs_faults.faults.clear()
+    result = run_cli("verify", out, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_prepare_into_an_unreachable_bucket_stops_with_exit_3_in_bounded_time(gcs_faults):
+    bucket = gcs_faults.bucket()
+    gcs_faults.faults.set([{"match": ANY, "action": "status", "status": 503}])
+    began = time.monotonic()
+    result = run_cli(
+        "prepare", "mnist", "--out", f"gs://{bucket}/mnist", "--limit", "100", "--storage-timeout", "3",
+        env=cli_env(**gcs_faults.env), timeout=120,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert time.monotonic() - began < 60
+    assert f"gs://{bucket} did not answer within 3 s" in result.stderr
