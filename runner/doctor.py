@@ -14,9 +14,9 @@
     batch         data.global_batch_size against the replica count the tpu/tensorflow checks found
 
 Each check is bounded by `timeout` seconds (the TPU's start also by the spec's accelerator.timeout_s, as in
-`runner run`). The TensorFlow checks run in one child process
-(runner/doctor_probe.py), killed by its PID when a step outlives its bound; the steps it had not done yet
-run in a fresh child with libtpu not loaded, so a TPU that hangs or aborts hides nothing else.
+`runner run`). The TensorFlow checks run in one child process (runner/doctor_probe.py), killed by its PID
+when a step outlives its bound; the steps it had not done yet run in a fresh child with libtpu not loaded,
+so a TPU that hangs or aborts hides nothing else.
 Exit code: 0 when nothing fails; 3 when an infrastructure check fails; 2 when only data/batch checks fail.
 """
 
@@ -40,6 +40,7 @@ from runner import doctor_checks as checks
 from runner.doctor_checks import Check
 from runner.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE
 from runner.spec import JobSpec
+from runner.storage import buckets_in, tensorflow_env
 
 SCHEMA_VERSION = 1
 _USAGE_CHECKS = ("data_train", "data_eval", "batch")
@@ -129,8 +130,8 @@ class _Probe:
         self.pending = list(steps)
         self.env = dict(environ)
         self.env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        # A job retries a silent bucket for minutes; the doctor must answer within its bound.
-        self.env.setdefault("GCS_RETRY_CONFIG_MAX_RETRIES", "1")
+        # TensorFlow's gs:// retries, as `runner run` sets them, but giving up within half the doctor's bound.
+        self.env.update(tensorflow_env(min(timeout / 2, spec.storage.timeout_s)))
         self.proc: subprocess.Popen | None = None
         if self.pending:
             self._start(self.pending)
@@ -174,7 +175,7 @@ class _Probe:
     def _stderr_tail(self) -> str:
         self.stderr.seek(0)
         lines = [line.strip() for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
-        telling = [line for line in lines if re.search(r"(: F |\] |Error|error|Failed|Check failed|already in use)", line)]
+        telling = [line for line in lines if re.search(r"(: F |\] |Error|error|Failed|already in use)", line)]
         picked = list(dict.fromkeys([*telling[-1:], *lines[-1:]]))
         return " | ".join(line[:300] for line in picked) or "nothing on stderr"
 
@@ -215,7 +216,8 @@ class _Probe:
             elif "begin" in event:
                 # A little grace: the step's own bound (connect_tpu's, the hashing budget) should speak first.
                 bound = self.bounds[event["begin"]]
-                step, began, deadline = event["begin"], time.monotonic(), time.monotonic() + bound + min(5.0, bound / 2)
+                step, began = event["begin"], time.monotonic()
+                deadline = began + bound + min(5.0, bound / 2)
                 continue
             elif "check" in event:
                 self.checks.append(Check(**event["check"]))
@@ -268,8 +270,7 @@ def run_doctor(
     began = time.monotonic()
     environ = dict(os.environ if environ is None else environ)
     job = spec or JobSpec()
-    paths = [p for p in (job.data.train, job.data.eval, job.output.dir) if p] if spec else []
-    needs_gcs = any(p.startswith("gs://") for p in paths)
+    needs_gcs = spec is not None and bool(buckets_in(job.data.train, job.data.eval, job.output.dir))
     tpu_here = bool(checks.named_tpu(job.accelerator, environ) or checks.tpu_devices(dev_root))
     tpu_wanted = job.accelerator.kind == "tpu" or (job.accelerator.kind == "auto" and tpu_here)
     lockfile = lockfile or environ.get(checks.LOCKFILE_ENV) or checks.LIBTPU_LOCKFILE

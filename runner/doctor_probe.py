@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 from runner.doctor_checks import Check
 from runner.spec import JobSpec
+from runner.storage import is_gcs, split_gcs
 
 Step = Callable[[JobSpec, float], Iterator[Check]]
 
@@ -86,34 +87,29 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
     )
 
 
-def _bucket(path: str) -> str:
-    return path[len("gs://"):].split("/", 1)[0]
-
-
 def _read_manifest(folder: str) -> Check:
+    """A gs:// data folder's manifest.json, read as the job reads it."""
     import tensorflow as tf
 
     from runner.data import MANIFEST
 
-    path = posixpath.join(folder, MANIFEST)
+    path, bucket = posixpath.join(folder, MANIFEST), f"gs://{split_gcs(folder)[0]}"
     began = time.monotonic()
     try:
         with tf.io.gfile.GFile(path, "rb") as handle:
             size = len(handle.read())
     except tf.errors.PermissionDeniedError as exc:
-        return Check(
-            "storage_read", "fail", f"reading {path}: {_first_line(exc)}",
-            f"give the job's identity (see credentials) roles/storage.objectViewer on gs://{_bucket(folder)}",
-        )
+        action = f"give the job's identity (see credentials) roles/storage.objectViewer on {bucket}"
+        return Check("storage_read", "fail", f"reading {path}: {_first_line(exc)}", action)
     except tf.errors.NotFoundError:
-        if not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
-            evidence = f"bucket gs://{_bucket(folder)} does not exist"
-            return Check("storage_read", "fail", evidence, "fix the bucket name in data.train / data.eval")
+        if not tf.io.gfile.isdir(bucket):
+            action = "fix the bucket in data.train / data.eval"
+            return Check("storage_read", "fail", f"bucket {bucket} does not exist", action)
         action = f"prepare the data: runner prepare DATASET --out {folder}"
         return Check("storage_read", "fail", f"{path} not found", action)
     except tf.errors.OpError as exc:
-        evidence = f"reading {path}: {_first_line(exc)}"
-        return Check("storage_read", "fail", evidence, "see the gcs and credentials checks")
+        action = "see the gcs and credentials checks"
+        return Check("storage_read", "fail", f"reading {path}: {_first_line(exc)}", action)
     evidence = f"read {path} ({size} bytes) in {time.monotonic() - began:.2f} s"
     return Check("storage_read", "ok", evidence, data={"path": path})
 
@@ -124,15 +120,12 @@ def _write_probe(folder: str) -> Check:
 
     probe = posixpath.join(folder.rstrip("/"), f".runner-doctor-{socket.gethostname()}-{os.getpid()}")
     payload = f"runner doctor write probe {time.time()}".encode()
-    stage, remote = "create the folder", folder.startswith("gs://")
-    began = time.monotonic()
+    bucket = f"gs://{split_gcs(folder)[0]}" if is_gcs(folder) else None
     # Bucket first: tf.io.gfile.makedirs asks for a missing bucket again and again, without end.
-    if remote and not tf.io.gfile.isdir(f"gs://{_bucket(folder)}"):
-        return Check(
-            "storage_write", "fail",
-            f"bucket gs://{_bucket(folder)} does not exist (a job would hang creating its run folder)",
-            "fix output.dir, or create the bucket in the job's project and region",
-        )
+    if bucket and not tf.io.gfile.isdir(bucket):
+        evidence = f"bucket {bucket} does not exist (a job would hang creating its run folder)"
+        return Check("storage_write", "fail", evidence, "fix output.dir, or create the bucket in the job's project")
+    stage, began = "create the folder", time.monotonic()
     try:
         tf.io.gfile.makedirs(folder)
         stage = "write"
@@ -141,26 +134,23 @@ def _write_probe(folder: str) -> Check:
         stage = "read back"
         with tf.io.gfile.GFile(probe, "rb") as handle:
             if handle.read() != payload:
-                evidence = f"{probe} read back different bytes"
-                return Check("storage_write", "fail", evidence, "check the bucket or the disk")
+                return Check("storage_write", "fail", f"{probe} read back different bytes", "check the bucket or disk")
         stage = "delete"
         tf.io.gfile.remove(probe)
     except tf.errors.OpError as exc:
         role = "roles/storage.objectCreator"
         if stage == "delete":
             role = "roles/storage.objectAdmin (old checkpoints are deleted)"
-        action = f"give the job's identity {role} on gs://{_bucket(folder)}" if remote else f"make {folder} writable"
+        action = f"give the job's identity {role} on {bucket}" if bucket else f"make {folder} writable"
         target = folder if stage == "create the folder" else probe
         return Check("storage_write", "fail", f"could not {stage} {target}: {_first_line(exc)}", action)
-    return Check(
-        "storage_write", "ok", f"wrote, read back and deleted {probe} in {time.monotonic() - began:.2f} s",
-        data={"path": folder},
-    )
+    evidence = f"wrote, read back and deleted {probe} in {time.monotonic() - began:.2f} s"
+    return Check("storage_write", "ok", evidence, data={"path": folder})
 
 
 def storage_step(spec: JobSpec, bound: float) -> Iterator[Check]:
     patterns = [p for p in (spec.data.train, spec.data.eval) if p]
-    for folder in sorted({posixpath.dirname(p) for p in patterns if p.startswith("gs://")}):
+    for folder in sorted({posixpath.dirname(p) for p in patterns if is_gcs(p)}):
         yield _read_manifest(folder)
     yield _write_probe(spec.output.dir)
 

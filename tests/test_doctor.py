@@ -116,6 +116,11 @@ def test_spec_with_tampered_shard_empty_glob_and_odd_batch_names_each(tiny_mnist
     assert "126 or 129" in checks_["batch"]["action"]
 
 
+def test_save_needs_a_spec(env) -> None:
+    result = run_cli("doctor", "--save", env=env, timeout=60)
+    assert result.returncode == 2 and "--save needs a SPEC" in result.stderr
+
+
 def test_batch_arithmetic_for_the_replicas_found_or_asked() -> None:
     spec = JobSpec.model_validate({"data": {"global_batch_size": 1000}})
     records = {"train": 60000, "eval": 10000}
