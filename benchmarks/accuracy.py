@@ -105,7 +105,7 @@ def main() -> None:
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         metric, measured, goal, met, note = goal_for(job, folder, summary)
         row = {
-            "job": job, "metric": metric, "measured": round(measured, 4), "goal": round(goal, 4), "met": met,
+            "job": job, "metric": metric, "measured": round(float(measured), 4), "goal": round(float(goal), 4), "met": bool(met),
             "epochs": len(summary["epochs"]), "examples_per_sec": summary["timing"]["examples_per_sec"],
             "wall_s": round(wall, 1), "note": note,
         }

@@ -299,8 +299,8 @@ def _loader_args(loader: Callable, what: str, params: dict[str, str]) -> dict:
     hints = typing.get_type_hints(loader)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        names = ", ".join(accepted) or "none"
-        raise DataError(f"{what} takes no --param {unknown[0]!r}; it takes: {names}")
+        takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes no --param at all"
+        raise DataError(f"{what} takes no --param {unknown[0]!r}; {takes}")
     missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in params]
     if missing:
         raise DataError(f"{what} needs --param {missing[0]}=... (it takes: {', '.join(accepted)})")

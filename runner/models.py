@@ -97,14 +97,26 @@ _RNN_CELLS = {"gru": keras.layers.GRU, "lstm": keras.layers.LSTM}
 
 
 def weather_rnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
-    """Past hours of weather [window, features] -> GRU or LSTM -> the next hour's value (a regression)."""
-    p = _params(params, {"cell": "gru", "units": 64, "dropout": 0.0}, "weather_rnn")
+    """Past hours of weather [window, features] -> GRU or LSTM -> the next hour's value (a regression).
+
+    With `target_feature` (the target's column among the inputs, manifest `preprocessing.target_index`)
+    the network predicts the change from the last hour, starting out as the persistence forecast.
+    """
+    p = _params(params, {"cell": "gru", "units": 64, "dropout": 0.0, "target_feature": None}, "weather_rnn")
     if p["cell"] not in _RNN_CELLS:
         raise SpecError(f"model.params.cell: {p['cell']!r} is not one of {', '.join(_RNN_CELLS)}")
     inp = _one_input(features, inputs, "float32", 2, "weather_rnn", "[window, features] (runner prepare weather)")
     x = _RNN_CELLS[p["cell"]](p["units"], dropout=p["dropout"])(inp)
-    out = keras.layers.Dense(1, dtype="float32")(x)
-    return keras.Model(inp, out, name="weather_rnn")
+    index = p["target_feature"]
+    if index is None:
+        return keras.Model(inp, keras.layers.Dense(1, dtype="float32")(x), name="weather_rnn")
+    width = features[inputs[0]].shape[-1]
+    if not isinstance(index, int) or not 0 <= index < width:
+        raise SpecError(f"model.params.target_feature ({index!r}) must be a feature index from 0 to {width - 1}")
+    # Zero-initialised, so training starts from "the next hour equals the last one" and learns the change.
+    change = keras.layers.Dense(1, kernel_initializer="zeros", dtype="float32")(x)
+    last = inp[:, -1, index : index + 1]
+    return keras.Model(inp, keras.layers.Add(dtype="float32")([last, change]), name="weather_rnn")
 
 
 BuildFn = Callable[[dict[str, Any], dict[str, Feature], tuple[str, ...]], "keras.Model"]

@@ -103,6 +103,7 @@ def read_table(
     kept = tuple(c for c, v in numeric.items() if columns or np.mean(np.isnan(v)) <= _MAX_MISSING)
     if target not in kept:
         raise DataError(f"{where}: the target column {target!r} is missing in more than half of the rows")
+    kept = (target, *(c for c in kept if c != target))  # the target is always feature 0 of a window
     try:
         hours = np.array([_hour(r[time], time_format) for r in rows])
     except ValueError as exc:
@@ -141,6 +142,13 @@ def _clock(hours: np.ndarray) -> np.ndarray:
     return np.stack([np.sin(day), np.cos(day), np.sin(year), np.cos(year)], axis=1)
 
 
+def _gapless_starts(hours: np.ndarray, window: int) -> np.ndarray:
+    """Rows s where hours s..s+window-1 and the forecast hour s+window are consecutive (no missing hour)."""
+    gaps = np.concatenate([[0], np.cumsum(np.diff(hours) != 1)])
+    starts = np.arange(len(hours) - window)
+    return starts[gaps[starts + window] == gaps[starts]]
+
+
 def windows(table: Table, target: str, window: int) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
     """Splits of (window of `window` past hours, next hour's target), standardised; and the preprocessing record."""
     if window < 1:
@@ -161,10 +169,7 @@ def windows(table: Table, target: str, window: int) -> tuple[dict[str, dict[str,
         if len(hours) <= window:
             continue
         scaled = ((values - mean) / std).astype(np.float32)
-        # A window starting at s covers hours s..s+window-1 and forecasts s+window: all must be consecutive.
-        gaps = np.concatenate([[0], np.cumsum(np.diff(hours) != 1)])
-        starts = np.arange(len(hours) - window)
-        starts = starts[gaps[starts + window] == gaps[starts]]
+        starts = _gapless_starts(hours, window)
         ends = hours[starts + window]
         view = np.lib.stride_tricks.sliding_window_view(scaled, window, axis=0)  # (n, features, window)
         lower = first - 1

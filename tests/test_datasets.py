@@ -110,11 +110,11 @@ def test_weather_windows_match_the_raw_table() -> None:
 
 def test_weather_csv_source_reads_a_users_table(tmp_path: Path) -> None:
     # Ten-minute rows (only those on the hour are kept), a day-first time format, a mostly empty column.
-    rows = ["Date Time,T (degC),p (mbar),gust"]
+    rows = ["Date Time,p (mbar),T (degC),gust"]
     for minute in range(0, 60 * 24 * 4, 10):
         day, hour, mins = minute // 1440 + 1, minute // 60 % 24, minute % 60
         gust = "7" if minute % 70 == 0 else ""
-        rows.append(f"{day:02d}.01.2020 {hour:02d}:{mins:02d}:00,{10 + np.sin(minute / 300):.3f},{1000 + day},{gust}")
+        rows.append(f"{day:02d}.01.2020 {hour:02d}:{mins:02d}:00,{1000 + day},{10 + np.sin(minute / 300):.3f},{gust}")
     table = tmp_path / "station.csv"
     table.write_text("\n".join(rows) + "\n")
     out = tmp_path / "prepared"
@@ -126,7 +126,9 @@ def test_weather_csv_source_reads_a_users_table(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     prep = manifest["preprocessing"]
+    # The target comes first whatever its place in the table; the mostly empty column is dropped.
     assert prep["features"] == ["T (degC)", "p (mbar)", "hour_sin", "hour_cos", "year_sin", "year_cos"]
+    assert prep["target_index"] == 0
     assert manifest["features"]["window"]["shape"] == [6, 6]
     # 96 hourly rows (hours 0..95) split by time at 70% (hour 66.5) and 85% (80.75); a window and its
     # target lie inside one period: starts 0..60 train, 67..74 validation, 81..89 test.
@@ -142,6 +144,8 @@ def test_source_params_are_checked_by_name_and_type() -> None:
         load_dataset("weather", "offline", {"window": "a day"})
     with pytest.raises(DataError, match=r"needs --param location="):
         load_dataset("weather", "csv", {"time": "t", "target": "x"})
+    with pytest.raises(DataError, match=r"mnist --source offline takes no --param 'limit'; it takes no --param at all"):
+        load_dataset("mnist", "offline", {"limit": "5"})
     with pytest.raises(DataError, match=r"has no 'csv' source; it has: keras, offline"):
         load_dataset("mnist", "csv")
 

@@ -152,6 +152,30 @@ def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, t
     assert again == summary
 
 
+def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
+    from runner.datasets import Feature
+    from runner.models import weather_rnn
+
+    model = weather_rnn({"target_feature": 2, "units": 8}, {"window": Feature("float32", (24, 5))}, ("window",))
+    windows = np.random.default_rng(0).normal(size=(8, 24, 5)).astype(np.float32)
+    # Untrained, it forecasts "the next hour equals the last one"; training learns the change.
+    np.testing.assert_allclose(model.predict(windows, verbose=0)[:, 0], windows[:, -1, 2], rtol=1e-6)
+
+
+def test_workload_models_check_their_params_and_inputs() -> None:
+    from runner.datasets import Feature
+    from runner.errors import SpecError
+    from runner.models import imdb_lstm, weather_rnn
+
+    tokens = {"tokens": Feature("int64", (250,))}
+    with pytest.raises(SpecError, match=r"imdb_lstm has no param 'unit'; did you mean 'units'\?"):
+        imdb_lstm({"unit": 64}, tokens, ("tokens",))
+    with pytest.raises(SpecError, match=r"imdb_lstm reads one int64 feature .* data.inputs gives 'image': uint8 \[28, 28, 1\]"):
+        imdb_lstm({}, {"image": Feature("uint8", (28, 28, 1))}, ("image",))
+    with pytest.raises(SpecError, match=r"target_feature \(12\) must be a feature index from 0 to 11"):
+        weather_rnn({"target_feature": 12}, {"window": Feature("float32", (24, 12))}, ("window",))
+
+
 def test_plateau_settings_need_per_epoch_validation(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3}})
     result = run_cli("validate", spec, timeout=60)
