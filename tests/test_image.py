@@ -1,0 +1,99 @@
+"""The runner image, built from the Dockerfile and run for real on a private Docker engine.
+
+One build per session (tests/support/docker.py); the containers have no network. The base image is a
+Debian bookworm stand-in tagged as the Dockerfile's real base, so the Dockerfile is built unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, last_json
+from tests.support.docker import Engine, docker_engine, runner_image  # noqa: F401 (fixtures)
+
+IMAGE_UID = 1000
+
+
+def _locked(name: str) -> str:
+    """The version requirements.lock pins for a package."""
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if line.lower().replace("_", "-").startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise LookupError(f"{name} is not pinned in requirements.lock")
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    result = subprocess.run([str(hadolint), str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.host
+def test_image_runs_runner_as_an_unprivileged_user(docker_engine: Engine, runner_image: str):
+    config = json.loads(docker_engine.docker("image", "inspect", runner_image, check=True).stdout)[0]["Config"]
+    assert config["Entrypoint"] == ["runner"]
+    assert config["User"] == f"{IMAGE_UID}:{IMAGE_UID}"
+    assert config["Labels"]["runner.accelerator"] == "cpu"
+
+    helped = docker_engine.docker("run", "--rm", "--network", "none", runner_image, check=True)
+    for command in ("run", "validate"):
+        assert f" {command} " in helped.stdout, f"`runner --help` in the image does not list {command!r}"
+    whoami = docker_engine.docker("run", "--rm", "--network", "none", "--entrypoint", "id", runner_image, "-u", check=True)
+    assert whoami.stdout.strip() == str(IMAGE_UID)
+
+
+@pytest.mark.slow
+@pytest.mark.host
+def test_image_imports_the_pinned_tensorflow(docker_engine: Engine, runner_image: str):
+    probe = (
+        "import importlib.metadata as m, tensorflow as tf;"
+        "print(tf.__version__, m.version('tensorflow-cpu'), m.version('keras'), m.version('tf-keras'))"
+    )
+    result = docker_engine.docker(
+        "run", "--rm", "--network", "none", "--entrypoint", "python3", runner_image, "-c", probe, check=True, timeout=180
+    )
+    tf_version, cpu_wheel, keras, tf_keras = result.stdout.split()
+    assert tf_version == cpu_wheel == _locked("tensorflow-cpu")
+    assert keras == _locked("keras")
+    assert tf_keras == tf_version  # tf-keras must match the TensorFlow minor it runs under
+
+
+@pytest.mark.slow
+@pytest.mark.host
+def test_image_trains_the_mnist_job_on_a_mounted_folder(
+    docker_engine: Engine, runner_image: str, tiny_mnist: Path, tmp_path: Path
+):
+    # The image's own jobs/mnist_cnn.yaml, cut to a few steps, reads data/mnist and writes runs/ under /app.
+    data = tmp_path / "mnist"
+    shutil.copytree(tiny_mnist, data)
+    data.chmod(0o755)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    os.chown(runs, IMAGE_UID, IMAGE_UID)
+    result = docker_engine.docker(
+        "run", "--rm", "--network", "none",
+        "--volume", f"{data}:/app/data/mnist:ro", "--volume", f"{runs}:/app/runs",
+        runner_image, "run", "jobs/mnist_cnn.yaml",
+        "--set", "train.epochs=1", "--set", "train.steps_per_epoch=4",
+        "--set", "data.global_batch_size=64", "--set", "data.shuffle_buffer=256",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["status"] == "succeeded"
+    assert summary["job"] == "mnist_cnn"
+    assert summary["accelerator"]["kind"] == "cpu"
+    assert summary["epochs"][0]["steps"] == 4
+    assert summary["metrics"]["examples"] == 512  # the whole eval split, 8 batches of 64
+
+    on_disk = json.loads((runs / "mnist_cnn" / "summary.json").read_text())
+    assert on_disk["status"] == "succeeded"
+    assert (runs / "mnist_cnn" / "model.keras").stat().st_uid == IMAGE_UID
