@@ -100,6 +100,15 @@ def input_wait(epochs: list[EpochRecord], train_s: float, method: str) -> dict[s
     }
 
 
+def productive_seconds(epochs: list[EpochRecord], step_time_ms: float | None) -> float:
+    """Time spent running training steps: the epochs (saves and validation already out) less what the
+    first device execution took beyond a steady step (its tracing and compilation). Measured, so it
+    never exceeds the training time even when later epochs run slower than the first."""
+    first_step = next((e.first_step_s for e in epochs if e.first_step_s is not None), None)
+    compile_excess = 0.0 if first_step is None else max(0.0, first_step - (step_time_ms or 0.0) / 1e3)
+    return max(0.0, sum(e.seconds for e in epochs) - compile_excess)
+
+
 def build_summary(
     *,
     status: str,
@@ -121,11 +130,9 @@ def build_summary(
     first_step = next((e.first_step_s for e in epochs if e.first_step_s is not None), None)
     timing["first_step_s"] = None if first_step is None else round(first_step, 4)
     timing.update(input_wait(epochs, phases.seconds.get("train", 0.0), input_wait_method))
-    # Productive time: training steps at their steady cost; compile, restores, saves and evals are not.
-    steps = sum(e.steps for e in epochs)
-    productive = steps * timing["step_time_ms"] / 1e3 if timing["step_time_ms"] else 0.0
-    timing["productive_s"] = round(min(productive, total), 4)
-    timing["goodput"] = round(min(productive / total, 1.0), 4) if total > 0 and productive else None
+    productive = productive_seconds(epochs, timing["step_time_ms"])
+    timing["productive_s"] = round(productive, 4)
+    timing["goodput"] = round(productive / total, 4) if total > 0 and productive else None
     summary = {
         "schema_version": SCHEMA_VERSION,
         "status": status,

@@ -105,3 +105,42 @@ def test_report_reads_a_run_folder_in_a_bucket(real_run, gcs) -> None:
     assert f"{summary['timing']['examples_per_sec']:,.0f}" in result.stdout.splitlines()[2]
     missing = run_cli("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
     assert missing.returncode == 2 and f"gs://{bucket}/runs/none: no such file" in missing.stderr
+
+
+# --- benchmarks/run_all.py: ratios against goals, and RESULTS.md's generated block ------------------
+
+
+def load_run_all():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", REPO / "benchmarks" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_all_judges_each_ratio_by_its_goal() -> None:
+    run_all = load_run_all()
+    assert run_all.verdict(1.04, "<= 1.05") == "met" and run_all.verdict(1.06, "<= 1.05") == "NOT met"
+    assert run_all.verdict(0.97, ">= 0.97") == "met" and run_all.verdict(0.96, ">=0.97") == "NOT met"
+    assert run_all.verdict(1.4, "none (measured)") == "no goal"
+    assert "runner_vs_keras.py" in [p.name for p in run_all.scripts()]
+    assert not [p for p in run_all.scripts() if p.name.startswith("_") or p.name == "run_all.py"]
+
+
+def test_run_all_rewrites_only_its_block_and_keeps_rows_it_did_not_rerun(tmp_path: Path) -> None:
+    run_all = load_run_all()
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## TFRecord notes\nhand-written, kept\n")
+    old = {"benchmark": "gcs_read", "ratio": 0.9, "goal": ">= 0.8", "script": "gcs_read.py", "measured": "d1", "command": "c1"}
+    run_all.write_results([old], {"gcs_read.py"}, results)
+    results.write_text(results.read_text() + "\n## Checkpoint notes\nalso hand-written\n")
+    new = {"benchmark": "runner_vs_keras", "ratio": 1.07, "goal": "<= 1.05", "detail": {"runner_wall_s": 70.1},
+           "script": "runner_vs_keras.py", "measured": "d2", "command": "c2"}
+    run_all.write_results([new], {"runner_vs_keras.py"}, results)
+    text = results.read_text()
+    assert text.startswith("# Results\n\n## TFRecord notes\nhand-written, kept\n")
+    assert text.endswith("\n## Checkpoint notes\nalso hand-written\n")
+    assert text.count(run_all.BEGIN) == 1 and text.count(run_all.END) == 1
+    assert "| gcs_read |  | 0.900 | >= 0.8 | met |" in text, "a row not re-run is kept"
+    assert "| runner_vs_keras |  | 1.070 | <= 1.05 | NOT met | runner_wall_s=70.1 | d2 | `c2` |" in text
