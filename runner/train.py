@@ -113,11 +113,23 @@ class Plan:
 
 
 class Recorder(keras.callbacks.Callback):
-    """Times epochs and the first device execution; records loss and metrics per epoch."""
+    """Times epochs and the first device execution; records loss and metrics per epoch.
 
-    def __init__(self, global_batch: int, on_epoch: Callable[[EpochRecord], None] = lambda r: None):
+    `checkpoint_clock` and `input_clock` return running totals (seconds spent saving checkpoints, seconds
+    the loop waited on input); each epoch records its share, and its `seconds` exclude the saves.
+    """
+
+    def __init__(
+        self,
+        global_batch: int,
+        on_epoch: Callable[[EpochRecord], None] = lambda r: None,
+        checkpoint_clock: Callable[[], float] = lambda: 0.0,
+        input_clock: Callable[[], float | None] = lambda: None,
+    ):
         super().__init__()
         self.global_batch = global_batch
+        self._checkpoint_clock, self._input_clock = checkpoint_clock, input_clock
+        self._saved_at_begin, self._waited_at_begin = 0.0, None
         self.epochs: list[EpochRecord] = []
         self.train_s = 0.0
         self._on_epoch = on_epoch
@@ -135,6 +147,7 @@ class Recorder(keras.callbacks.Callback):
         self._step_at_begin = self._step()
         self._first_in_epoch: float | None = None
         self._validation_in_epoch = 0.0
+        self._saved_at_begin, self._waited_at_begin = self._checkpoint_clock(), self._input_clock()
         self._epoch_start = time.monotonic()
 
     def on_test_begin(self, logs: dict | None = None) -> None:
@@ -154,7 +167,9 @@ class Recorder(keras.callbacks.Callback):
             self._first_step_s = self._first_in_epoch = time.monotonic() - self._batch_start
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        seconds = time.monotonic() - self._epoch_start - self._validation_in_epoch
+        saved = self._checkpoint_clock() - self._saved_at_begin
+        seconds = time.monotonic() - self._epoch_start - self._validation_in_epoch - saved
+        waited = self._input_clock()
         self.train_s += seconds
         logs = dict(logs or {})
         loss = logs.pop("loss", None)
@@ -167,6 +182,8 @@ class Recorder(keras.callbacks.Callback):
             loss=None if loss is None else float(loss),
             metrics={k: float(v) for k, v in logs.items()},
             first_step_s=None if self._first_in_epoch is None else round(self._first_in_epoch, 4),
+            checkpoint_s=round(saved, 4),
+            input_wait_s=None if waited is None or self._waited_at_begin is None else round(waited - self._waited_at_begin, 4),
         )
         self.epochs.append(record)
         self._on_epoch(record)
