@@ -9,7 +9,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from runner import PROCESS_START, data, models, schema, storage, train, userimport
+from runner import PROCESS_START, data, models, observe, schema, storage, train, userimport
 from runner.errors import DataError, Preempted, RunnerError, SpecError
 from runner.outputs import RunFolder
 from runner.spec import JobSpec
@@ -59,7 +59,9 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
 
         return JobResult(*matmul.run_bench(spec, spec_loaded_at=spec_loaded_at))
     phases = Phases(start=PROCESS_START)
-    phases.add("startup", (spec_loaded_at or time.monotonic()) - PROCESS_START)
+    entered = time.monotonic()
+    phases.add("startup", (spec_loaded_at or entered) - PROCESS_START)
+    phases.add("import", entered - (spec_loaded_at or entered))  # TensorFlow loads after the spec is checked
     run = RunFolder(spec.run_dir)
     try:
         run.check_spec(spec)
@@ -72,9 +74,19 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
         return JobResult(done, already_complete=True)
     run.record_spec(spec)
     attempt = run.next_attempt()
+    phases.add("run_folder", time.monotonic() - entered)
 
     accelerator: Accelerator | None = None
-    recorder = train.Recorder(spec.data.global_batch_size, _epoch_line(spec.train.epochs))
+    clock, input_method = None, "not measured: the job stopped before its input pipeline was built"
+    scalars = observe.ScalarLog(run.file("tensorboard")) if spec.output.tensorboard else None
+    profiler = observe.ProfileWindow(run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
+    epoch_line = _epoch_line(spec.train.epochs)
+    recorder = train.Recorder(
+        spec.data.global_batch_size,
+        lambda record: (epoch_line(record), scalars and scalars.epoch(record)),
+        checkpoint_clock=lambda: phases.seconds.get("checkpoint", 0.0),
+        input_clock=lambda: clock.seconds() if clock else None,
+    )
     metrics: dict[str, float] = {}
     status, error = "failed", None
     extra: dict = {"attempt": attempt, "run_dir": run.path, "train_epochs": spec.train.epochs}
@@ -100,6 +112,9 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                 train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
                 training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed, preprocess=preprocess,
             )
+            clock, input_method = observe.input_clock_for(accelerator)
+            if clock is not None:
+                train_ds = clock.wrap(train_ds)
             eval_shards = data.find_shards(spec.data.eval) if spec.data.eval else None
             if eval_shards is not None:
                 schema.check_declared(spec.data.features, eval_shards)
@@ -136,10 +151,14 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                 plateau = train.plateau_callbacks(
                     spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor
                 )
-                train.fit(model, train_ds, plan, recorder, checkpointer, plateau, verbose=verbose, validation=validation)
+                watchers = [*plateau, *([profiler] if profiler else [])]
+                train.fit(model, train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=validation)
             except tf.errors.DataLossError as exc:
                 raise _name_corrupt_shard(spec, exc) from None
             finally:
+                if profiler:
+                    profiler.close()
+                    extra["profile"] = profiler.to_dict()
                 saved = phases.seconds.get("checkpoint", 0.0) - saved_before
                 phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
                 phases.add("eval", recorder.validation_s)
@@ -165,6 +184,8 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             metrics = {k: float(v) for k, v in results.items()}
             metrics["examples"] = eval_steps * spec.data.global_batch_size
             log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if scalars and recorder.epochs:
+                scalars.evaluation(metrics, recorder.epochs[-1].epoch)
         if accelerator.is_chief:
             with phases.phase("export"):
                 extra["model"] = run.save_model(model)
@@ -190,7 +211,11 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
         metrics=metrics,
         error=None if error is None else str(error),
         extra=extra,
+        input_wait_method=input_method,
     )
+    if scalars:
+        scalars.close()
+        summary["tensorboard"] = scalars.folder
     if accelerator is None or accelerator.is_chief:
         try:
             run.write_summary(summary, attempt)

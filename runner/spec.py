@@ -199,6 +199,15 @@ class MatmulSpec(_Strict):
 class OutputSpec(_Strict):
     # The run folder is <dir>/<job name>; local path or gs://.
     dir: str = "runs"
+    # TensorBoard scalars per epoch (loss, metrics, examples/s, input wait) in <run folder>/tensorboard.
+    tensorboard: bool = True
+
+
+class ProfileSpec(_Strict):
+    # Global steps start_step .. start_step + steps - 1 (1-based) are traced into <run folder>/profile.
+    # Step 1 compiles: start later to see steady steps.
+    start_step: int = Field(10, ge=1)
+    steps: int = Field(5, ge=1, le=1000)
 
 
 class JobSpec(_Strict):
@@ -213,6 +222,8 @@ class JobSpec(_Strict):
     output: OutputSpec = OutputSpec()
     matmul: MatmulSpec = MatmulSpec()
     storage: StorageSpec = StorageSpec()
+    # Unset: no profiler trace.
+    profile: ProfileSpec | None = None
 
     @field_validator("name")
     @classmethod
@@ -297,7 +308,11 @@ def _allowed_keys(path: tuple) -> list[str]:
     for part in parts:
         field = model.model_fields.get(part) if model else None
         annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        # A section may be optional (`profile: ProfileSpec | None`): its model is the union's model member.
+        model = next(
+            (c for c in (annotation, *typing.get_args(annotation)) if isinstance(c, type) and issubclass(c, BaseModel)),
+            None,
+        )
         if model is None and (values := _mapping_of_models(annotation)) is not None:
             model = values
             next(parts, None)  # the mapping's own key (e.g. a feature name under data.features)
