@@ -19,11 +19,13 @@ import ssl
 import struct
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from runner.spec import AcceleratorSpec
@@ -88,12 +90,11 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
     versions = {**installed_versions(paths), "python": platform.python_version()}
     combos = json.loads(table.read_text())["combos"]
     shown = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
-    data = {"versions": versions}
+    data: dict[str, Any] = {"versions": versions}
     tensorflows = [name for name in TENSORFLOW_DISTRIBUTIONS if name in versions]
-    pins = " or ".join(" ".join(row["requires"][:2]) for row in combos)
+    every = " or ".join(f"pip install {row['install']}" for row in combos)
     if not tensorflows:
-        evidence = f"no TensorFlow distribution is installed ({shown})"
-        return Check("versions", "fail", evidence, f"pip install {pins}", data=data)
+        return Check("versions", "fail", f"no TensorFlow distribution is installed ({shown})", every, data=data)
     if len(tensorflows) > 1:
         return Check(
             "versions", "fail",
@@ -104,31 +105,29 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
         )
     name = tensorflows[0]
     rows = [row for row in combos if not _unmet(row["requires"][:1], versions)]
+    tpu_install = " or ".join(f"pip install {row['install']}" for row in combos if row["platform"] == "tpu")
     if not rows:
-        status = "fail" if tpu_wanted and "tpu" not in name else "warn"
         return Check(
-            "versions", status, f"{name} {versions[name]} is not in {table.name} ({shown})",
-            f"use a combination from {table.name} ({pins}), or add this one once a job has run on it", data=data,
+            "versions", "fail" if tpu_wanted and "tpu" not in name else "warn",
+            f"{name} {versions[name]} is not in {table.name} ({shown})",
+            f"{tpu_install if tpu_wanted else every}, or add this combination once a job has run on it", data=data,
         )
     row = min(rows, key=lambda r: len(_unmet(r["requires"], versions)))
-    problems = _unmet(row["requires"], versions)
     data["known_good"] = row["requires"]
+    action = f"pip install {row['install']} (see {table.name})"
     if tpu_wanted and row["platform"] != "tpu":
-        tpu_pins = " ".join(r for c in combos if c["platform"] == "tpu" for r in c["requires"][:2])
-        return Check(
-            "versions", "fail", f"a TPU is wanted, but {name} {versions[name]} has no TPU kernels ({shown})",
-            f"run the TPU image: pip install {tpu_pins}", data=data,
-        )
+        evidence = f"a TPU is wanted, but {name} {versions[name]} has no TPU kernels ({shown})"
+        return Check("versions", "fail", evidence, f"run the TPU image: {tpu_install}", data=data)
+    problems = _unmet(row["requires"], versions)
     if not problems:
-        return Check("versions", "ok", f"{shown}: known good ({row['source']}; {row['checked']})", data=data)
-    libtpu_wrong = any(p.startswith("libtpu") for p in problems)
+        return Check("versions", "ok", f"{shown}: known good in {table.name} (checked {row['checked']})", data=data)
     evidence = f"{'; '.join(problems)} with {name} {versions[name]}"
-    if libtpu_wrong and row.get("if_libtpu_differs"):
-        evidence += f": {row['if_libtpu_differs']}"
-    return Check(
-        "versions", "fail" if libtpu_wrong else "warn", evidence,
-        f"pip install {' '.join(row['requires'][:-1])} (known good: {row['source']})", data=data,
-    )
+    libtpu = versions.get("libtpu")
+    if row.get("libtpu_aborts") and libtpu and SpecifierSet(row["libtpu_aborts"]).contains(libtpu, prereleases=True):
+        return Check("versions", "fail", f"{evidence}: {row['if_libtpu_aborts']}", action, data=data)
+    if row["platform"] == "tpu" and libtpu is None:
+        return Check("versions", "fail", f"{evidence}: TensorFlow has no TPU runtime to load", action, data=data)
+    return Check("versions", "warn", f"{evidence}: a combination nobody has tried yet", action, data=data)
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -249,28 +248,24 @@ def check_lockfile(path: str, tpu_wanted: bool = True, dev_root: str = "/dev") -
     A live holder fails the check only when this machine's TPU is wanted: elsewhere it blocks nothing.
     """
     users = device_users(dev_root)
-    data: dict[str, Any] = {"path": path, "device_users": {str(p): d for p, d in users.items()}}
-    in_use = "; ".join(f"pid {pid} ({_command_line(pid)}) has {', '.join(d)} open" for pid, d in users.items())
-    if not os.path.exists(path):
-        if users:
-            return Check(
-                "lockfile", "fail", f"no {path}, but the TPU is in use: {in_use}",
-                f"stop that process (kill {' '.join(map(str, users))}); one process at a time owns the TPU", data=data,
-            )
+    exists = os.path.exists(path)
+    holder = lock_holder(path) if exists else None
+    data: dict[str, Any] = {"path": path, "holder": holder, "device_users": {str(p): d for p, d in users.items()}}
+    busy = "fail" if tpu_wanted else "warn"
+    if holder is not None:
+        who = f"pid {holder} ({_command_line(holder)})" if holder > 0 else "a process whose pid is not visible here"
+        action = f"stop that process (kill {holder}) or wait for it to finish; one process at a time owns the TPU"
+        if holder <= 0:
+            action = f"find the owner with `sudo lsof -w {path}` and stop it"
+        return Check("lockfile", busy, f"{path} is locked by {who}: the TPU belongs to it", action, data=data)
+    if users:
+        in_use = "; ".join(f"pid {pid} ({_command_line(pid)}) has {', '.join(d)} open" for pid, d in users.items())
+        action = f"stop that process (kill {' '.join(map(str, users))}); one process at a time owns the TPU"
+        return Check("lockfile", busy, f"the TPU is in use without the lockfile: {in_use}", action, data=data)
+    if not exists:
         return Check("lockfile", "ok", f"no {path}: no process has claimed the TPU", data=data)
     stat = os.stat(path)
-    age = time.time() - stat.st_mtime
-    holder = lock_holder(path)
-    data.update(holder=holder, owner_uid=stat.st_uid, age_s=round(age, 1))
-    if holder is not None:
-        who = f"pid {holder} ({_command_line(holder)})" if holder > 0 else "a process in another namespace"
-        return Check(
-            "lockfile", "fail" if tpu_wanted else "warn",
-            f"{path} is locked by {who}: the TPU belongs to it" + (f"; {in_use}" if in_use else ""),
-            f"stop that process (kill {holder}) or wait for it to finish; libtpu lets one process own the TPU"
-            if holder > 0 else f"find the owner with `sudo lsof -w {path}` and stop it",
-            data=data,
-        )
+    data.update(owner_uid=stat.st_uid, age_s=round(time.time() - stat.st_mtime, 1))
     if not os.access(path, os.R_OK | os.W_OK):
         return Check(
             "lockfile", "fail",
@@ -280,8 +275,8 @@ def check_lockfile(path: str, tpu_wanted: bool = True, dev_root: str = "/dev") -
         )
     return Check(
         "lockfile", "warn",
-        f"{path} was left by a run that was killed {age / 60:.0f} min ago (libtpu deletes it on a clean exit); "
-        "no process holds it, so the next start can take it" + (f"; but {in_use}" if in_use else ""),
+        f"{path} was left by a run that was killed {data['age_s'] / 60:.0f} min ago (libtpu deletes it on a clean "
+        "exit); no process holds it, so the next start can take it",
         f"nothing needed; `rm {path}` to tidy up", data=data,
     )
 
@@ -313,6 +308,8 @@ def _metadata(environ: dict[str, str], path: str, timeout: float) -> str:
     request = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path}", headers={"Metadata-Flavor": "Google"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the metadata server is never proxied
     with opener.open(request, timeout=timeout) as response:
+        if response.headers.get("Metadata-Flavor") != "Google":  # some other server answering that name
+            raise ValueError(f"http://{host} answers without Metadata-Flavor: Google")
         return response.read().decode()
 
 
@@ -321,8 +318,9 @@ def check_credentials(environ: dict[str, str], needs_gcs: bool, timeout: float =
     found, notes = [], []
     if environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING"):
         found.append("a fixed token in GOOGLE_AUTH_TOKEN_FOR_TESTING (test and emulator setups)")
-    files = [("GOOGLE_APPLICATION_CREDENTIALS", environ["GOOGLE_APPLICATION_CREDENTIALS"])] if environ.get(
-        "GOOGLE_APPLICATION_CREDENTIALS") else []
+    files = []
+    if environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        files.append(("GOOGLE_APPLICATION_CREDENTIALS", environ["GOOGLE_APPLICATION_CREDENTIALS"]))
     config = environ.get("CLOUDSDK_CONFIG") or os.path.join(environ.get("HOME", "~"), ".config", "gcloud")
     adc = os.path.join(config, "application_default_credentials.json")
     if os.path.exists(adc):
@@ -365,6 +363,13 @@ def check_credentials(environ: dict[str, str], needs_gcs: bool, timeout: float =
     )
 
 
+def _without_password(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{parts.hostname}:{parts.port}"))
+
+
 def check_gcs_endpoint(environ: dict[str, str], needs_gcs: bool, timeout: float = 3.0) -> Check:
     """Can this machine reach the endpoint TensorFlow reads gs:// objects from (through https_proxy if set)?"""
     url = "https://storage.googleapis.com/"
@@ -374,7 +379,7 @@ def check_gcs_endpoint(environ: dict[str, str], needs_gcs: bool, timeout: float 
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({"https": proxy} if proxy else {}), urllib.request.HTTPSHandler(context=context)
     )
-    via = f" through {proxy}" if proxy else ""
+    via = f" through {_without_password(proxy)}" if proxy else ""
     began = time.monotonic()
     try:
         with opener.open(urllib.request.Request(url, method="HEAD"), timeout=timeout) as response:

@@ -160,7 +160,8 @@ def test_a_tpu_vm_whose_tpu_is_taken_fails_fast_naming_the_holder(env) -> None:
 def test_a_tpu_that_never_answers_is_bounded_by_accelerator_timeout(mnist_job, env) -> None:
     spec = mnist_job("silent", accelerator={"kind": "auto", "timeout_s": 3})
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never speaks gRPC
-        code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, "COLAB_TPU_ADDR": f"127.0.0.1:{silent.getsockname()[1]}"})
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, "COLAB_TPU_ADDR": address})
     checks_ = named(report)
     assert code == 3 and checks_["tpu"]["status"] == "fail", report
     assert "did not finish within" in checks_["tpu"]["evidence"] or "no answer within 3 s" in checks_["tpu"]["evidence"]
@@ -176,10 +177,11 @@ def fake_tensorflow(folder: Path, body: str) -> dict[str, str]:
 
 
 def test_tensorflow_that_aborts_at_import_is_reported_and_the_doctor_survives(env, tmp_path: Path) -> None:
-    # The message and the abort of tensorflow-tpu with a libtpu it was not built against.
+    # What tensorflow-tpu 2.20.0 does once libtpu 0.0.52 loads (seen with TPU_LOAD_LIBRARY=1): this line, SIGABRT.
     path = fake_tensorflow(tmp_path / "site", """
         import os, sys
-        sys.stderr.write("F0000 tpu_library_init_fns.inc:52] ConfigureDistributedTpuOp_DoWork not available in this library.\\n")
+        sys.stderr.write("F0000 tpu_library_init_fns.inc:12] "
+                         "ConfigureDistributedTpuOp_DoWork not available in this library.\\n")
         sys.stderr.flush()
         os.abort()
     """)
@@ -226,16 +228,25 @@ def test_versions_of_this_machine_are_known_good() -> None:
     assert check.data["known_good"][0] == "tensorflow-cpu==2.21.0"
 
 
-def test_tensorflow_tpu_with_a_libtpu_it_was_not_built_for_fails(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.18", "keras": "3.15.1"})
+def test_tensorflow_tpu_with_a_libtpu_that_aborts_its_import_fails(tmp_path: Path) -> None:
+    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.52", "keras": "3.15.1"})
     check = checks.check_versions(tpu_wanted=True, paths=paths)
     assert check.status == "fail"
-    assert "libtpu 0.0.18 (wants libtpu==0.0.14)" in check.evidence and "aborts" in check.evidence
-    assert "libtpu==0.0.14" in check.action
+    assert "libtpu 0.0.52 (wants libtpu>=0.0.14,<=0.0.31)" in check.evidence and "aborts" in check.evidence
+    assert check.action.startswith("pip install tensorflow-tpu==2.20.0 libtpu==0.0.19")
 
 
-def test_tensorflow_tpu_with_its_libtpu_is_known_good(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.14", "keras": "3.15.1"})
+def test_tensorflow_tpu_without_libtpu_fails_and_an_untried_libtpu_warns(tmp_path: Path) -> None:
+    bare = installed(tmp_path / "bare", **{"tensorflow-tpu": "2.20.0", "keras": "3.15.1"})
+    assert checks.check_versions(tpu_wanted=True, paths=bare).status == "fail"
+    older = installed(tmp_path / "older", **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.13", "keras": "3.15.1"})
+    untried = checks.check_versions(tpu_wanted=True, paths=older)
+    assert untried.status == "warn" and "nobody has tried" in untried.evidence
+
+
+@pytest.mark.parametrize("libtpu", ["0.0.14", "0.0.19", "0.0.31"])
+def test_tensorflow_tpu_with_a_libtpu_that_loads_is_known_good(tmp_path: Path, libtpu: str) -> None:
+    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": libtpu, "keras": "3.15.1"})
     assert checks.check_versions(tpu_wanted=True, paths=paths).status == "ok"
 
 
@@ -249,7 +260,7 @@ def test_the_cpu_wheel_where_a_tpu_is_wanted_fails(tmp_path: Path) -> None:
     paths = installed(tmp_path, **{"tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
     check = checks.check_versions(tpu_wanted=True, paths=paths)
     assert check.status == "fail" and "no TPU kernels" in check.evidence
-    assert "tensorflow-tpu==2.20.0 libtpu==0.0.14" in check.action
+    assert "pip install tensorflow-tpu==2.20.0 libtpu==0.0.19" in check.action
 
 
 def test_known_good_rows_carry_their_source_and_date() -> None:
@@ -257,7 +268,7 @@ def test_known_good_rows_carry_their_source_and_date() -> None:
     assert {row["platform"] for row in rows} == {"tpu", "cpu"}
     for row in rows:
         assert row["requires"][0].split("==")[0] in checks.TENSORFLOW_DISTRIBUTIONS
-        assert row["source"] and row["checked"] and row["verified"]
+        assert row["source"] and row["checked"] and row["verified"] and row["install"]
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -315,10 +326,22 @@ def test_lockfile_absent_held_then_left_behind(tmp_path: Path) -> None:
     assert left.status == "warn" and "killed" in left.evidence and left.data["holder"] is None
 
 
+def test_an_flock_on_the_lockfile_is_found_too(tmp_path: Path) -> None:
+    lockfile = tmp_path / "libtpu_lockfile"
+    code = "import fcntl, sys, time\nf = open(sys.argv[1], 'w')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+    holder = spawn(code + "print('ready', flush=True)\ntime.sleep(120)\n", str(lockfile))
+    try:
+        check = checks.check_lockfile(str(lockfile))
+        assert check.status == "fail" and check.data["holder"] == holder.pid
+    finally:
+        stop(holder)
+
+
 def test_a_process_with_the_tpu_device_open_is_named(tmp_path: Path) -> None:
     device = tmp_path / "accel0"
     device.write_bytes(b"")
-    user = spawn("import sys, time\nf = open(sys.argv[1], 'rb')\nprint('ready', flush=True)\ntime.sleep(120)\n", str(device))
+    code = "import sys, time\nf = open(sys.argv[1], 'rb')\nprint('ready', flush=True)\ntime.sleep(120)\n"
+    user = spawn(code, str(device))
     try:
         check = checks.check_lockfile(str(tmp_path / "libtpu_lockfile"), dev_root=str(tmp_path))
         assert check.status == "fail" and f"pid {user.pid}" in check.evidence and str(device) in check.evidence
@@ -338,6 +361,7 @@ METADATA_SERVER = """
             answers = {"email": email, "scopes": scopes.replace(",", "\\n")}
             body = answers.get(self.path.rsplit("/", 1)[-1], "").encode()
             self.send_response(200 if body else 404)
+            self.send_header("Metadata-Flavor", "Google")
             self.end_headers()
             self.wfile.write(body)
         def log_message(self, *args):
@@ -388,13 +412,22 @@ def test_service_account_file_is_named_without_its_secret(tmp_path: Path) -> Non
         "type": "service_account", "client_email": "job@p.iam.gserviceaccount.com",
         "private_key": "-----BEGIN PRIVATE KEY-----\nSECRET-KEY-MATERIAL\n", "private_key_id": "SECRET-ID",
     }))
-    check = checks.check_credentials({"GOOGLE_APPLICATION_CREDENTIALS": str(key), "NO_GCE_CHECK": "true"}, needs_gcs=True)
+    environ = {"GOOGLE_APPLICATION_CREDENTIALS": str(key), "NO_GCE_CHECK": "true"}
+    check = checks.check_credentials(environ, needs_gcs=True)
     assert check.status == "ok" and "service_account job@p.iam.gserviceaccount.com" in check.evidence
     assert "SECRET" not in json.dumps(check.to_dict())
 
 
+def test_proxy_password_is_not_shown() -> None:
+    environ = {"https_proxy": "http://user:hunter2@127.0.0.1:9", "CURL_CA_BUNDLE": ""}
+    check = checks.check_gcs_endpoint(environ, needs_gcs=True, timeout=2)
+    assert check.status == "fail" and "user:***@127.0.0.1:9" in check.evidence and "hunter2" not in check.evidence
+
+
 def test_missing_credentials_fail_only_a_gcs_job(tmp_path: Path) -> None:
-    environ = {"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "gone.json"), "NO_GCE_CHECK": "true", "HOME": str(tmp_path)}
+    environ = {
+        "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "gone.json"), "NO_GCE_CHECK": "true", "HOME": str(tmp_path)
+    }
     check = checks.check_credentials(environ, needs_gcs=True)
     assert check.status == "fail" and "gone.json does not exist" in check.evidence
     assert checks.check_credentials(environ, needs_gcs=False).status == "warn"
@@ -425,10 +458,12 @@ def test_bucket_read_write_and_saved_report(gcs, tiny_mnist, env, tmp_path: Path
     code, report = doctor(spec, "--save", "--timeout", TIMEOUT, env={**env, **gcs.env})
     checks_ = named(report)
     assert code == 0, report
-    assert checks_["storage_read"]["status"] == "ok" and f"gs://{bucket}/mnist/manifest.json" in checks_["storage_read"]["evidence"]
+    assert checks_["storage_read"]["status"] == "ok"
+    assert f"gs://{bucket}/mnist/manifest.json" in checks_["storage_read"]["evidence"]
     assert checks_["storage_write"]["status"] == "ok"
     assert checks_["data_train"]["status"] == "ok" and checks_["data_train"]["data"]["hashed"] == 4
-    assert checks_["credentials"]["status"] == "ok" and "GOOGLE_AUTH_TOKEN_FOR_TESTING" in checks_["credentials"]["evidence"]
+    assert checks_["credentials"]["status"] == "ok"
+    assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" in checks_["credentials"]["evidence"]
     assert checks_["gcs"]["status"] == "ok"
     assert report["saved_to"] == f"gs://{bucket}/runs/remote/doctor.json"
     saved = json.loads(gcs.read(bucket, "runs/remote/doctor.json"))
@@ -439,7 +474,8 @@ def test_bucket_read_write_and_saved_report(gcs, tiny_mnist, env, tmp_path: Path
 def test_output_bucket_that_does_not_exist_fails(gcs, tiny_mnist, env, tmp_path: Path) -> None:
     bucket = gcs.bucket()
     upload(gcs, tiny_mnist, bucket, "mnist")
-    code, report = doctor(gcs_spec(tmp_path, bucket, "gs://no-such-bucket-here/runs"), "--timeout", TIMEOUT, env={**env, **gcs.env})
+    spec = gcs_spec(tmp_path, bucket, "gs://no-such-bucket-here/runs")
+    code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, **gcs.env})
     write = named(report)["storage_write"]
     assert code == 3 and write["status"] == "fail" and "gs://no-such-bucket-here does not exist" in write["evidence"]
     assert named(report)["storage_read"]["status"] == "ok"
@@ -450,9 +486,11 @@ def test_bucket_that_refuses_writes_fails_with_the_role_to_grant(gcs_faults, tin
     upload(gcs_faults, tiny_mnist, bucket, "mnist")
     # The emulator has no IAM: the fault proxy answers uploads as GCS does for a reader-only identity.
     gcs_faults.faults.set([{"match": r"^(POST|PUT) /upload/", "action": "status", "status": 403}])
-    code, report = doctor(gcs_spec(tmp_path, bucket, f"gs://{bucket}/runs"), "--timeout", TIMEOUT, env={**env, **gcs_faults.env})
+    spec = gcs_spec(tmp_path, bucket, f"gs://{bucket}/runs")
+    code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, **gcs_faults.env})
     checks_ = named(report)
     assert code == 3
-    assert checks_["storage_write"]["status"] == "fail" and "roles/storage.objectCreator" in checks_["storage_write"]["action"]
+    assert checks_["storage_write"]["status"] == "fail"
+    assert "roles/storage.objectCreator" in checks_["storage_write"]["action"]
     assert checks_["storage_read"]["status"] == "ok" and checks_["data_train"]["status"] == "ok"
     assert gcs_faults.faults.stats()["status"] >= 1
