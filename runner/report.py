@@ -120,6 +120,9 @@ def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
     total = timing.get("total_s")
     timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
     timing.update({"input_wait_s": None, "input_wait_fraction": None, "input_wait_method": "not recorded (schema_version 1)"})
+    train, first = timing.get("train_s"), timing.get("first_epoch_s")
+    timing["steady_train_s"] = None if train is None or first is None else round(max(0.0, train - first), 4)
+    timing["fit_overhead_s"] = None  # its epoch times held checkpoint saves: the difference would mislead
     for epoch in doc.get("epochs", []):
         epoch.setdefault("checkpoint_s", None)
         epoch.setdefault("input_wait_s", None)

@@ -127,9 +127,13 @@ def build_summary(
     timing["unaccounted_s"] = round(total - sum(phases.seconds.values()), 4)
     timing["total_s"] = round(total, 4)
     timing.update(steady_timing(epochs, global_batch))
+    train = phases.seconds.get("train", 0.0)
+    # train_s split: the compiling first epoch, the rest; and what fit spent outside every epoch.
+    timing["steady_train_s"] = None if not epochs else round(max(0.0, train - epochs[0].seconds), 4)
+    timing["fit_overhead_s"] = None if not epochs else round(max(0.0, train - sum(e.seconds for e in epochs)), 4)
     first_step = next((e.first_step_s for e in epochs if e.first_step_s is not None), None)
     timing["first_step_s"] = None if first_step is None else round(first_step, 4)
-    timing.update(input_wait(epochs, phases.seconds.get("train", 0.0), input_wait_method))
+    timing.update(input_wait(epochs, train, input_wait_method))
     productive = productive_seconds(epochs, timing["step_time_ms"])
     timing["productive_s"] = round(productive, 4)
     timing["goodput"] = round(productive / total, 4) if total > 0 and productive else None
