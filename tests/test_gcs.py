@@ -68,6 +68,7 @@ def count_records(tfrecord: bytes) -> int:
     return count
 
 
+@pytest.mark.slow
 def test_prepare_writes_shards_and_sha256_to_a_bucket_and_verify_checks_them(gcs):
     bucket = gcs.bucket()
     out = f"gs://{bucket}/mnist"

@@ -90,6 +90,7 @@ def test_sigterm_saves_within_grace_exits_75_and_the_rerun_continues(mnist_job, 
     assert statuses == ["preempted", "succeeded"]
 
 
+@pytest.mark.slow
 def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
     """What a kill during a save leaves (a temp folder, a data file without its index, an unindexed
     checkpoint) must not be restored: the index names only checkpoints written whole."""

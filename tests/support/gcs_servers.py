@@ -19,7 +19,6 @@ back through this proxy), and an empty upload (a "directory marker") is finished
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -30,8 +29,11 @@ import sys
 import threading
 import time
 import uuid
+from typing import Callable
 from urllib.parse import unquote
 
+# Read buffer per connection: large reads go straight from the socket into the body.
+_BUFFER = 1 << 20
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade"}
 
 
@@ -61,68 +63,89 @@ class Message:
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
 
 
-async def read_message(
-    reader: asyncio.StreamReader, response_to: str | None = None, writer: asyncio.StreamWriter | None = None
-) -> Message | None:
+class Peer:
+    """One side of a connection: a blocking socket with a buffered reader (socket I/O stays in C)."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else ~40 ms of delayed ACK per request
+        self.sock = sock
+        self.reader = sock.makefile("rb", buffering=_BUFFER)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        for closing in (self.reader.close, self.sock.close):
+            try:
+                closing()
+            except OSError:
+                pass
+
+
+def _readline(peer: Peer) -> bytes:
+    line = peer.reader.readline(65536)
+    if len(line) == 65536:
+        raise ValueError("header line too long")
+    return line
+
+
+def _read_exactly(peer: Peer, size: int) -> bytes:
+    data = peer.reader.read(size)
+    if len(data) != size:
+        raise ConnectionError(f"connection closed after {len(data)} of {size} bytes")
+    return data
+
+
+def read_message(peer: Peer, response_to: str | None = None, answer_expect: bool = False) -> Message | None:
     """Reads one message; None when the peer closed before a start line. `response_to`: the request method.
 
-    A request with `Expect: 100-continue` is answered `100 Continue` on `writer` before its body is read
-    (curl would otherwise wait a second before every upload).
+    With `answer_expect`, a request carrying `Expect: 100-continue` is answered `100 Continue` before its
+    body is read (curl would otherwise wait a second before every upload).
     """
-    line = await reader.readline()
+    line = _readline(peer)
     if not line.strip():
         return None
     headers = []
-    while (raw := await reader.readline()) not in (b"\r\n", b"\n", b""):
+    while (raw := _readline(peer)) not in (b"\r\n", b"\n", b""):
         name, _, value = raw.decode("latin-1").partition(":")
         headers.append((name.strip(), value.strip()))
     message = Message(line.decode("latin-1").rstrip("\r\n"), headers)
     status = int(message.start.split()[1]) if response_to else 0
-    if writer is not None and (message.get("Expect") or "").lower() == "100-continue":
+    if answer_expect and (message.get("Expect") or "").lower() == "100-continue":
         message.drop("Expect")
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        await writer.drain()
+        peer.send(b"HTTP/1.1 100 Continue\r\n\r\n")
     if response_to == "HEAD" or status in (204, 304) or 100 <= status < 200:
         return message
     if (message.get("Transfer-Encoding") or "").lower() == "chunked":
         # Chunked wins over Content-Length (RFC 9112 6.3); TensorFlow's upload PUT sends both.
         chunks = []
-        while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
-            chunks.append(await reader.readexactly(size))
-            await reader.readline()
-        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+        while size := int(_readline(peer).split(b";")[0].strip() or b"0", 16):
+            chunks.append(_read_exactly(peer, size))
+            _readline(peer)
+        while _readline(peer) not in (b"\r\n", b"\n", b""):
             pass  # trailers
         message.body = b"".join(chunks)
     elif (length := message.get("Content-Length")) is not None:
-        message.body = await reader.readexactly(int(length))
+        message.body = _read_exactly(peer, int(length))
     elif response_to:
-        message.body = await reader.read()  # HTTP/1.0: the body ends when the connection does
+        message.body = peer.reader.read()  # HTTP/1.0: the body ends when the connection does
     return message
 
 
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    # Without it every small request waits for a delayed ACK (about 40 ms per request).
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-async def exchange(upstream: tuple[str, int], request: Message, timeout: float) -> Message | None:
+def exchange(upstream: tuple[str, int], request: Message, timeout: float) -> Message | None:
     """One request on a fresh upstream connection (the emulator speaks HTTP/1.0); None if it closed early."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*upstream, limit=1 << 20), timeout)
-    except (OSError, asyncio.TimeoutError):
+        peer = Peer(socket.create_connection(upstream, timeout=timeout))
+    except OSError:
         return None
-    _nodelay(writer)
     try:
         request.set("Connection", "close")
-        writer.write(request.encode())
-        await writer.drain()
-        return await asyncio.wait_for(read_message(reader, response_to=request.start.split()[0]), timeout)
-    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError):
+        peer.send(request.encode())
+        return read_message(peer, response_to=request.start.split()[0])
+    except (OSError, ValueError):
         return None
     finally:
-        writer.close()
+        peer.close()
 
 
 def _response(status: int, reason: str, body: bytes = b"", content_type: str = "application/json") -> Message:
@@ -136,42 +159,41 @@ class TlsProxy:
     def __init__(self, upstream: tuple[str, int], context: ssl.SSLContext, timeout: float):
         self.upstream, self.context, self.timeout = upstream, context, timeout
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _nodelay(writer)
+    def serve(self, sock: socket.socket) -> None:
+        client = Peer(sock)
         try:
-            first = await read_message(reader, writer=writer)
+            first = read_message(client, answer_expect=True)
             if first is None:
                 return
             method, target, _ = first.start.split(" ", 2)
             if method == "CONNECT":
                 host = target.rsplit(":", 1)[0]
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await writer.drain()
-                await writer.start_tls(self.context)
-                first = await read_message(reader, writer=writer)
+                client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                client.reader.close()
+                client = Peer(self.context.wrap_socket(sock, server_side=True))
+                first = read_message(client, answer_expect=True)
             else:  # an absolute-form request to an http:// URL
                 host = re.sub(r"^https?://([^/]+).*", r"\1", target)
                 first.start = re.sub(r"^(\S+) https?://[^/]+", r"\1 ", first.start)
             request = first
             while request is not None:
-                response = await self.forward(host, request)
+                response = self.forward(host, request)
                 if response is None:
                     return  # upstream dropped the connection: so does the proxy, the client retries
-                writer.write(response.encode())
-                await writer.drain()
-                request = await read_message(reader, writer=writer)
-        except (OSError, asyncio.IncompleteReadError, ssl.SSLError, ValueError):
+                client.send(response.encode())
+                request = read_message(client, answer_expect=True)
+        except (OSError, ValueError):
             return
         finally:
-            writer.close()
+            client.close()
 
-    async def forward(self, host: str, request: Message) -> Message | None:
+    def forward(self, host: str, request: Message) -> Message | None:
         request.set("Host", host)
         method, target, _ = request.start.split(" ", 2)
         if method == "POST" and "uploadType=media" in target and not request.body:
             # An empty object (TensorFlow's directory marker): the emulator fails on an empty media upload.
-            return await exchange(self.upstream, _as_multipart(request, target), self.timeout)
-        response = await exchange(self.upstream, request, self.timeout)
+            return exchange(self.upstream, _as_multipart(request, target), self.timeout)
+        response = exchange(self.upstream, request, self.timeout)
         if response is not None and (location := response.get("Location")):
             response.set("Location", re.sub(r"^http://", "https://", location))
         return response
@@ -209,6 +231,7 @@ class FaultProxy:
         self.random = random.Random(0)
         self.stats = {"requests": 0, "status": 0, "drop": 0, "cut": 0, "delay": 0, "stall": 0, "holding": 0}
         self.recent: list[str] = []
+        self.lock = threading.Lock()
 
     def control(self, method: str, target: str, body: bytes) -> Message:
         if method == "PUT" and target.startswith("/__rig__/faults"):
@@ -237,52 +260,55 @@ class FaultProxy:
             return rule
         return None
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _nodelay(writer)
+    def serve(self, sock: socket.socket) -> None:
+        client = Peer(sock)
         try:
-            while (request := await read_message(reader, writer=writer)) is not None:
+            while (request := read_message(client, answer_expect=True)) is not None:
                 method, target, _ = request.start.split(" ", 2)
                 if target.startswith("/__rig__/"):
-                    writer.write(self.control(method, target, request.body).encode())
-                    await writer.drain()
+                    with self.lock:
+                        client.send(self.control(method, target, request.body).encode())
                     continue
                 line = f"{method} {unquote(target)}"
-                self.stats["requests"] += 1
-                rule = self.pick(line)
-                action = rule["action"] if rule else "pass"
-                self.recent.append(f"{action} {line}")
-                if action != "pass":
-                    self.stats[action] += 1
+                with self.lock:
+                    self.stats["requests"] += 1
+                    rule = self.pick(line)
+                    action = rule["action"] if rule else "pass"
+                    self.recent.append(f"{action} {line}")
+                    if action != "pass":
+                        self.stats[action] += 1
                 if action == "drop":
                     return
                 if action == "status":
                     status = int(rule.get("status", 503))
                     body = json.dumps({"error": {"code": status, "message": "injected by the fault proxy"}})
-                    writer.write(_response(status, "Injected", body.encode()).encode())
-                    await writer.drain()
+                    client.send(_response(status, "Injected", body.encode()).encode())
                     continue
                 if action in ("delay", "stall"):
-                    self.stats["holding"] += 1
-                    try:
-                        await asyncio.sleep(float(rule.get("delay_s", 1.0)))
-                    finally:
-                        self.stats["holding"] -= 1
+                    self._hold(float(rule.get("delay_s", 1.0)))
                     if action == "stall":
                         return  # storage that never answered: the request is not forwarded
-                response = await exchange(self.upstream, request, self.timeout)
+                response = exchange(self.upstream, request, self.timeout)
                 if response is None:
                     return
+                data = response.encode()
                 if action == "cut":
-                    data = response.encode()
-                    writer.write(data[: len(data) - max(1, len(response.body) // 2)])
-                    await writer.drain()
+                    client.send(data[: len(data) - max(1, len(response.body) // 2)])
                     return
-                writer.write(response.encode())
-                await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, ValueError):
+                client.send(data)
+        except (OSError, ValueError):
             return
         finally:
-            writer.close()
+            client.close()
+
+    def _hold(self, seconds: float) -> None:
+        with self.lock:
+            self.stats["holding"] += 1
+        try:
+            time.sleep(seconds)
+        finally:
+            with self.lock:
+                self.stats["holding"] -= 1
 
 
 # --- process plumbing -------------------------------------------------------------------------
@@ -303,11 +329,13 @@ def _ready(port: int) -> None:
     print(f"READY {port}", flush=True)
 
 
-async def _serve(handler, stop_after: float) -> None:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0, limit=1 << 20, backlog=128)
-    _ready(server.sockets[0].getsockname()[1])
-    async with server:
-        await asyncio.sleep(stop_after)
+def _serve(handle: Callable[[socket.socket], None]) -> None:
+    """Accepts on a free 127.0.0.1 port; each connection gets its own thread (socket I/O releases the GIL)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    _ready(listener.getsockname()[1])
+    while True:
+        sock, _ = listener.accept()
+        threading.Thread(target=handle, args=(sock,), daemon=True).start()
 
 
 def _upstream(text: str) -> tuple[str, int]:
@@ -344,11 +372,9 @@ def main(argv: list[str]) -> None:
     elif args.command == "tls-proxy":
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(args.cert)
-        proxy = TlsProxy(_upstream(args.upstream), context, timeout=600)
-        asyncio.run(_serve(proxy.serve, args.max_seconds))
+        _serve(TlsProxy(_upstream(args.upstream), context, timeout=600).serve)
     else:
-        proxy = FaultProxy(_upstream(args.upstream), timeout=600)
-        asyncio.run(_serve(proxy.serve, args.max_seconds))
+        _serve(FaultProxy(_upstream(args.upstream), timeout=600).serve)
 
 
 if __name__ == "__main__":
