@@ -45,6 +45,7 @@ class Message:
 
     def __init__(self, start: str, headers: list[tuple[str, str]], body: bytes = b""):
         self.start, self.headers, self.body = start, headers, body
+        self.unread = 0  # body bytes left in the socket by read_message(stream=True)
 
     def get(self, name: str, default: str | None = None) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), default)
@@ -59,7 +60,7 @@ class Message:
     def encode(self) -> bytes:
         head = [self.start, *(f"{k}: {v}" for k, v in self.headers if k.lower() not in _HOP_BY_HOP)]
         head = [h for h in head if not h.lower().startswith("content-length:")]
-        head.append(f"Content-Length: {len(self.body)}")
+        head.append(f"Content-Length: {len(self.body) + self.unread}")
         return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.body
 
 
@@ -96,8 +97,12 @@ def _read_exactly(peer: Peer, size: int) -> bytes:
     return data
 
 
-def read_message(peer: Peer, response_to: str | None = None, answer_expect: bool = False) -> Message | None:
+def read_message(
+    peer: Peer, response_to: str | None = None, answer_expect: bool = False, stream: bool = False
+) -> Message | None:
     """Reads one message; None when the peer closed before a start line. `response_to`: the request method.
+
+    With `stream`, a body of known length stays in the socket (`message.unread` bytes) for `relay`.
 
     With `answer_expect`, a request carrying `Expect: 100-continue` is answered `100 Continue` before its
     body is read (curl would otherwise wait a second before every upload).
@@ -126,24 +131,43 @@ def read_message(peer: Peer, response_to: str | None = None, answer_expect: bool
             pass  # trailers
         message.body = b"".join(chunks)
     elif (length := message.get("Content-Length")) is not None:
-        message.body = _read_exactly(peer, int(length))
+        if stream:
+            message.unread = int(length)
+        else:
+            message.body = _read_exactly(peer, int(length))
     elif response_to:
         message.body = peer.reader.read()  # HTTP/1.0: the body ends when the connection does
     return message
 
 
-def exchange(upstream: tuple[str, int], request: Message, timeout: float) -> Message | None:
-    """One request on a fresh upstream connection (the emulator speaks HTTP/1.0); None if it closed early."""
+def relay(
+    upstream: tuple[str, int], request: Message, client: Peer, timeout: float,
+    edit: Callable[[Message], None] = lambda response: None, cut: bool = False,
+) -> bool:
+    """Forwards one request on a fresh upstream connection (the emulator speaks HTTP/1.0) and streams the
+    answer to `client` as it arrives. False when upstream failed or `cut` sent half: drop the client then."""
     try:
         peer = Peer(socket.create_connection(upstream, timeout=timeout))
     except OSError:
-        return None
+        return False
     try:
         request.set("Connection", "close")
         peer.send(request.encode())
-        return read_message(peer, response_to=request.start.split()[0])
+        response = read_message(peer, response_to=request.start.split()[0], stream=True)
+        if response is None:
+            return False
+        edit(response)
+        client.send(response.encode())
+        remaining = response.unread // 2 if cut else response.unread
+        while remaining > 0:
+            chunk = peer.reader.read1(min(remaining, _BUFFER))
+            if not chunk:
+                return False
+            client.send(chunk)
+            remaining -= len(chunk)
+        return not cut
     except (OSError, ValueError):
-        return None
+        return False
     finally:
         peer.close()
 
@@ -177,26 +201,26 @@ class TlsProxy:
                 first.start = re.sub(r"^(\S+) https?://[^/]+", r"\1 ", first.start)
             request = first
             while request is not None:
-                response = self.forward(host, request)
-                if response is None:
+                if not self.forward(host, request, client):
                     return  # upstream dropped the connection: so does the proxy, the client retries
-                client.send(response.encode())
                 request = read_message(client, answer_expect=True)
         except (OSError, ValueError):
             return
         finally:
             client.close()
 
-    def forward(self, host: str, request: Message) -> Message | None:
+    def forward(self, host: str, request: Message, client: Peer) -> bool:
         request.set("Host", host)
         method, target, _ = request.start.split(" ", 2)
         if method == "POST" and "uploadType=media" in target and not request.body:
             # An empty object (TensorFlow's directory marker): the emulator fails on an empty media upload.
-            return exchange(self.upstream, _as_multipart(request, target), self.timeout)
-        response = exchange(self.upstream, request, self.timeout)
-        if response is not None and (location := response.get("Location")):
-            response.set("Location", re.sub(r"^http://", "https://", location))
-        return response
+            request = _as_multipart(request, target)
+        return relay(self.upstream, request, client, self.timeout, edit=_https_location)
+
+
+def _https_location(response: Message) -> None:
+    if location := response.get("Location"):
+        response.set("Location", re.sub(r"^http://", "https://", location))
 
 
 def _as_multipart(request: Message, target: str) -> Message:
@@ -288,14 +312,8 @@ class FaultProxy:
                     self._hold(float(rule.get("delay_s", 1.0)))
                     if action == "stall":
                         return  # storage that never answered: the request is not forwarded
-                response = exchange(self.upstream, request, self.timeout)
-                if response is None:
+                if not relay(self.upstream, request, client, self.timeout, cut=action == "cut"):
                     return
-                data = response.encode()
-                if action == "cut":
-                    client.send(data[: len(data) - max(1, len(response.body) // 2)])
-                    return
-                client.send(data)
         except (OSError, ValueError):
             return
         finally:
