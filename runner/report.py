@@ -55,6 +55,8 @@ def _read_text(path: str) -> str:
                 return handle.read()
         except tf.errors.NotFoundError:
             raise FileNotFoundError(path) from None
+        except tf.errors.OpError as exc:  # permission, network: say so instead of a traceback
+            raise SummaryError(f"{path}: cannot read from the bucket: {exc.message.splitlines()[0]}") from None
     return Path(path).read_text()
 
 
@@ -68,7 +70,7 @@ def _is_dir(path: str) -> bool:
 
 def summary_path(source: str) -> str:
     """A run folder's summary.json, or the file itself."""
-    source = source.rstrip("/") if source.endswith("/") and source != "/" else source
+    source = source.rstrip("/") or "/"
     return posixpath.join(source, "summary.json") if _is_dir(source) else source
 
 
