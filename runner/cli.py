@@ -174,7 +174,7 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
 
 # Commands of other areas live in their own modules (each a `typer.Typer()` named `app`, importing
 # TensorFlow lazily) and are added here, so `runner --help` lists them all.
-_COMMAND_MODULES: tuple[str, ...] = ("runner.cli_manifest", "runner.cli_doctor", "runner.cli_report")
+_COMMAND_MODULES: tuple[str, ...] = ("runner.cli_manifest", "runner.cli_doctor", "runner.cli_report", "runner.cli_cloud")
 
 
 def _register_commands() -> None:

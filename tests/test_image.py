@@ -44,7 +44,7 @@ def test_image_runs_runner_as_an_unprivileged_user(docker_engine: Engine, runner
     assert config["Labels"]["runner.accelerator"] == "cpu"
 
     helped = docker_engine.docker("run", "--rm", "--network", "none", runner_image, check=True)
-    for command in ("run", "validate"):
+    for command in ("run", "validate", "submit", "status", "cancel", "logs"):
         assert f" {command} " in helped.stdout, f"`runner --help` in the image does not list {command!r}"
     whoami = docker_engine.docker("run", "--rm", "--network", "none", "--entrypoint", "id", runner_image, "-u", check=True)
     assert whoami.stdout.strip() == str(IMAGE_UID)
