@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,10 @@ import pytest
 from runner.errors import SpecError
 from runner.userimport import load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.docker import Engine, docker_engine, runner_image  # noqa: F401 (fixtures)
 
 EXAMPLE = REPO / "examples" / "fashion"
+IMAGE_UID = 1000  # the runner image's unprivileged user
 BUILD_ARGS = ("params", "features", "inputs")
 
 
@@ -87,6 +90,42 @@ def test_example_trains_under_tf_keras_as_on_tpu_images(fashion_data: Path, tmp_
     summary = last_json(result.stdout)
     assert summary["accelerator"]["keras"].startswith("tf-keras")
     assert summary["metrics"]["accuracy"] > 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.host
+def test_example_image_built_on_the_runner_image_trains_the_job(
+    docker_engine: Engine, runner_image: str, fashion_data: Path, tmp_path: Path
+):
+    """Step 3 of the README: the example's Dockerfile, FROM the runner image built from this checkout."""
+    tag = "fashionnet:under-test"
+    built = docker_engine.docker(
+        "build", "--network", "none", "--build-arg", f"RUNNER_IMAGE={runner_image}", "--tag", tag, str(EXAMPLE),
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    # The container runs as the image's uid 1000: it reads the data read-only and owns the run folder.
+    data = tmp_path / "fashion"
+    shutil.copytree(fashion_data, data)
+    data.chmod(0o755)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    os.chown(runs, IMAGE_UID, IMAGE_UID)
+    try:
+        result = docker_engine.docker(
+            "run", "--rm", "--network", "none",
+            "--volume", f"{data}:/app/data/fashion:ro", "--volume", f"{runs}:/app/runs",
+            tag, "run", "jobs/fashionnet.yaml", "--set", "train.epochs=1",
+            timeout=300,
+        )
+    finally:
+        docker_engine.docker("image", "rm", "--force", tag)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["status"] == "succeeded" and summary["job"] == "fashionnet"
+    # The user's metric ran inside the container: the package is installed in the image, not mounted.
+    assert summary["metrics"]["top2_accuracy"] >= summary["metrics"]["accuracy"] > 0.3
+    assert (runs / "fashionnet" / "model.keras").stat().st_uid == IMAGE_UID
 
 
 def test_example_dockerfile_passes_hadolint():
