@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from runner import data, models
+from runner import data, models, userimport
 from runner.errors import DataError, SpecError
 from runner.outputs import RunFolder
 from runner.spec import JobSpec
@@ -57,7 +57,7 @@ def evaluate(spec: JobSpec) -> dict:
         raise SpecError("data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)")
     shards = data.find_shards(spec.data.eval)
     batch = _batch_for(spec, trained.accelerator)
-    dataset = data.make_dataset(shards, batch, spec.data.inputs, spec.data.label, training=False)
+    dataset = data.make_dataset(shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec))
     steps = data.steps_in(shards, batch, "data.eval")
     results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     metrics = {k: float(v) for k, v in results.items()}
@@ -67,6 +67,13 @@ def evaluate(spec: JobSpec) -> dict:
     }
 
 
+def _preprocess(spec: JobSpec):
+    """data.preprocess, applied to TFRecord inputs exactly as in training."""
+    if not spec.data.preprocess:
+        return None
+    return userimport.load_callable(spec.data.preprocess, "data.preprocess", ("features",))
+
+
 def _batch_for(spec: JobSpec, accelerator: Accelerator) -> int:
     """The spec's global batch, rounded up to a multiple of this machine's replicas."""
     replicas = accelerator.replicas
@@ -74,7 +81,11 @@ def _batch_for(spec: JobSpec, accelerator: Accelerator) -> int:
 
 
 def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarray]:
-    """Rows to predict on: .npy (one input), .npz (arrays named by input feature) or TFRecord shards (a glob)."""
+    """Rows to predict on: .npy (one input), .npz (arrays named by input feature) or TFRecord shards (a glob).
+
+    TFRecords are decoded and preprocessed (data.preprocess) as in training; .npy/.npz rows are the model's
+    inputs as they are.
+    """
     inputs = spec.data.inputs
     suffix = Path(path).suffix
     if suffix == ".npy":
@@ -89,7 +100,7 @@ def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarra
             arrays = {n: archive[n] for n in inputs}
     elif suffix == ".tfrecord" or "*" in path:
         shards = data.find_shards(path)
-        batches = data.make_dataset(shards, 1, inputs, spec.data.label, training=False)
+        batches = data.make_dataset(shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec))
         rows = [x for x, _ in batches.unbatch().batch(4096)]
         stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in rows]
         arrays = {n: np.concatenate([b[n].numpy() for b in stacked]) for n in inputs}
