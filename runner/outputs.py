@@ -16,6 +16,22 @@ Resume precedence, when a job name is run again:
      after the checkpoint's data, so a checkpoint cut short by a kill is never chosen) restores weights,
      optimizer state and the step count; training continues from that step.
   4. Otherwise training starts from step 0.
+
+How an attempt ends, and what the next one does (tests/test_resume.py, tests/test_faults.py):
+  - kill -9, a crash, a lost VM: nothing more is written. The next attempt resumes from the newest
+    complete checkpoint, so it loses at most one checkpoint interval (`checkpoint.every_steps`, else one
+    epoch). Epoch and step counts continue from the restored optimizer step (a resumed partial epoch
+    runs only its missing steps), so the final step is exactly epochs x steps_per_epoch. The data order
+    is not replayed: the resumed attempt draws a fresh shuffle.
+  - SIGTERM, a preemption notice: the job saves at the next step boundary, writes summary.json with
+    status `preempted` and exits 75 (EX_TEMPFAIL: run it again), all within `checkpoint.grace_s`
+    (default 30 s). A save still stuck at that deadline (storage that does not answer) is abandoned: the
+    process exits 75 without it, and the next attempt resumes from the checkpoint before.
+  - A checkpoint cut short (a kill or the deadline during a save) has data files but no index entry;
+    step 3 never chooses it, and a later save of the same step replaces it.
+  - A failing attempt (a corrupt or truncated shard: exit 2 naming it; storage unreachable for longer
+    than `storage.timeout_s`: exit 3 naming the bucket) saves no checkpoint as it fails, and its summary
+    never replaces a `succeeded` one.
 """
 
 from __future__ import annotations
