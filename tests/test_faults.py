@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from runner.storage import tensorflow_env
 from tests.conftest import cli_env, last_json, run_cli
 from tests.support.runs import finish, indexed_step, start_run, wait_for
 
@@ -25,6 +26,17 @@ MEDIA_READ = r"^GET /b-"  # object bytes (storage.googleapis.com/<bucket>/<objec
 def gcs_index(gcs, bucket: str, run: str) -> str | None:
     name = f"runs/{run}/checkpoints/checkpoint"
     return gcs.read(bucket, name).decode() if name in gcs.objects(bucket, f"runs/{run}/checkpoints/") else None
+
+
+@pytest.mark.parametrize("timeout_s", [2, 4, 30, 300, 3600])
+def test_storage_timeout_sets_tensorflow_retries_that_add_up_to_it(timeout_s):
+    env = tensorflow_env(timeout_s)
+    init, longest = int(env["GCS_RETRY_CONFIG_INIT_DELAY_TIME_US"]), int(env["GCS_RETRY_CONFIG_MAX_DELAY_TIME_US"])
+    retries = int(env["GCS_RETRY_CONFIG_MAX_RETRIES"])
+    # TensorFlow waits min(init << n, max) (+ up to 1 s of jitter) before retry n (tsl/platform/retrying_utils.cc).
+    waits = [min(init << n, longest) / 1e6 for n in range(retries)]
+    assert timeout_s <= sum(waits) < timeout_s + longest / 1e6
+    assert int(env["GCS_REQUEST_IDLE_TIMEOUT_SECS"]) <= max(2, timeout_s)
 
 
 @pytest.mark.slow
@@ -39,7 +51,7 @@ def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, ti
     )
     gcs_faults.faults.set(
         [
-            {"match": MEDIA_READ, "action": "cut", "p": 0.3, "times": 3},
+            {"match": MEDIA_READ, "action": "cut", "p": 0.5, "times": 3},
             {"match": ANY, "action": "status", "status": 503, "p": 0.05, "times": 6},
             {"match": ANY, "action": "drop", "p": 0.03, "times": 3},
             {"match": ANY, "action": "delay", "delay_s": 0.3, "p": 0.05, "times": 6},
