@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import select
 import ssl
 import subprocess

@@ -8,7 +8,8 @@
                  cut responses, delays) by rules set at run time: PUT /__rig__/faults, GET /__rig__/stats
 
 Each binds port 0, prints `READY <port>` on stdout once it serves, and exits when the process that
-started it is gone, so a test run that dies leaves no server behind.
+started it is gone, so a test run that dies leaves no server behind. The proxies serve each connection in
+its own thread with blocking sockets (the I/O runs in C, outside the GIL) and stream answers as they come.
 
 TensorFlow's client has no endpoint setting, so it talks to "Google" through the TLS proxy. The proxy also
 smooths what the emulator does not speak: TensorFlow's upload PUTs are chunked and carry Content-Length
