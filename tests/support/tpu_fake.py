@@ -1,4 +1,4 @@
-"""A local fake of the Cloud TPU v2 REST API that records every request, for `runner submit` tests.
+"""A local fake of the Cloud TPU v2 REST API (and of Cloud Build's submit) that records every request.
 
 Run as its own process (the fixture `tpu_api` does that and stops it by PID):
 
@@ -10,6 +10,7 @@ What it serves, in the JSON form of the real API (proto3 JSON, camelCase):
     DELETE /v2/projects/P/locations/Z/queuedResources/ID[?force=true]     -> Operation (done)
     GET    /v2/projects/P/locations/Z/nodes/ID                              (the node a queued resource made)
     GET    /v2/projects/P/locations/Z/operations/OP
+    POST   /v1/projects/P[/locations/L]/builds                             -> Operation carrying the Build
 Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS.
 A queued resource starts in state ACCEPTED with no node. Control endpoints for the tests:
     GET  /_fake/requests            every API request so far: method, path, query, body (parsed JSON)
@@ -40,6 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
+_BUILDS = re.compile(r"^/v1/projects/([^/]+)(?:/locations/([^/]+))?/builds$")
 _RESOURCE = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(queuedResources|nodes|operations)(?:/([^/:]+))?$")
 
 
@@ -86,7 +88,23 @@ def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
     return code, {"error": {"code": code, "message": message, "status": status}}
 
 
+def handle_build(fake: Fake, method: str, path: str, body: Any) -> tuple[int, Any]:
+    """Cloud Build v1: a submitted build is queued and never runs; the operation carries it back."""
+    match = _BUILDS.match(path)
+    if method != "POST" or not match:
+        return _error(405, "UNIMPLEMENTED", f"{method} {path} is not part of this fake")
+    project, location = match.group(1), match.group(2) or "global"
+    build_id = f"build-{next(fake.ids)}"
+    build = {**(body or {}), "id": build_id, "projectId": project, "status": "QUEUED", "createTime": _now()}
+    return 200, {
+        "name": f"projects/{project}/locations/{location}/operations/{build_id}",
+        "metadata": {"@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata", "build": build},
+    }
+
+
 def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[int, Any]:
+    if path.startswith("/v1/"):
+        return handle_build(fake, method, path, body)
     match = _RESOURCE.match(path)
     if not match:
         return _error(404, "NOT_FOUND", f"no such API path {path}")
