@@ -90,7 +90,9 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     metrics: dict[str, float] = {}
     status, error = "failed", None
     extra: dict = {"attempt": attempt, "run_dir": run.path, "train_epochs": spec.train.epochs}
+    notice = train.PreemptionNotice(spec.checkpoint.grace_s)
     try:
+        notice.install()  # a SIGTERM from here on is a preemption notice: see runner/train.py
         with phases.phase("strategy"):
             accelerator = resolve_accelerator(spec.accelerator)
         _per_replica_batch(spec, accelerator)
@@ -144,7 +146,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             manager.save(checkpoint_number=step)
             phases.add("checkpoint", time.monotonic() - began)
 
-        with train.PreemptionNotice(spec.checkpoint.grace_s) as notice:
+        with notice:
             checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
             began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
             try:
@@ -221,6 +223,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             run.write_summary(summary, attempt)
         except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
             log.error("could not write the summary to %s: %s", run.path, exc.message.splitlines()[0])
+    notice.remove()
     return JobResult(summary, error)
 
 

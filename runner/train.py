@@ -23,10 +23,12 @@ keras = tf.keras
 class PreemptionNotice:
     """Turns SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) into a flag read between steps.
 
-    The notice opens the grace period (`checkpoint.grace_s`): the job saves at the next step boundary,
-    writes its summary and exits 75. A step or save stuck past the deadline (storage that does not answer)
-    ends the process with 75 at the deadline, before the platform's SIGKILL would: the cut-short save is
-    never chosen as the latest, so the next attempt resumes from the newest complete checkpoint.
+    The job installs it for its whole run (training uses it as a context manager inside). The notice opens
+    the grace period (`checkpoint.grace_s`): the job saves at the next step boundary, writes its summary
+    and exits 75; a notice during evaluation or export lets the job finish if it can within the period.
+    A step or save stuck past the deadline (storage that does not answer) ends the process with 75 at the
+    deadline, before the platform's SIGKILL would: the cut-short save is never chosen as the latest, so
+    the next attempt resumes from the newest complete checkpoint.
     """
 
     def __init__(self, grace_s: float = 30.0):
@@ -37,25 +39,37 @@ class PreemptionNotice:
         self._previous: Any = None
         self._previous_wakeup = -1
         self._pipe: tuple[int, int] | None = None
+        self._depth = 0
 
-    def __enter__(self) -> "PreemptionNotice":
-        if threading.current_thread() is threading.main_thread():
-            # Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in
-            # a TensorFlow call (a save to storage that does not answer) would never see the notice. The
-            # wakeup fd is written by the C-level handler at once; a watcher thread reads it.
-            self._pipe = os.pipe()
-            os.set_blocking(self._pipe[1], False)
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._notice())
-            self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
-        return self
+    def install(self) -> None:
+        """From here on SIGTERM is a notice, not the end of the process. Nested installs count."""
+        self._depth += 1
+        if self._depth > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        # Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in
+        # a TensorFlow call (a save to storage that does not answer) would never see the notice. The
+        # wakeup fd is written by the C-level handler at once; a watcher thread reads it.
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._previous = signal.signal(signal.SIGTERM, lambda *_: self._notice())
+        self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
 
-    def __exit__(self, *exc: Any) -> None:
-        # The deadline, once started, stays: it also bounds the summary written after training stops.
-        if self._pipe is not None:
+    def remove(self) -> None:
+        """Gives SIGTERM back its previous handler. The deadline, once started, stays."""
+        self._depth -= 1
+        if self._depth == 0 and self._pipe is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
             signal.signal(signal.SIGTERM, self._previous)
             os.close(self._pipe[1])  # ends the watcher
+            self._pipe = None
+
+    def __enter__(self) -> "PreemptionNotice":
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
 
     def _watch(self, read_fd: int) -> None:
         try:
@@ -77,8 +91,8 @@ class PreemptionNotice:
 
     def _expire(self) -> None:
         sys.stderr.write(
-            f"error: preempted: the save did not finish within checkpoint.grace_s ({self.grace_s:g} s) of the "
-            f"preemption notice; exiting {EXIT_PREEMPTED} without it: the next attempt resumes from the newest "
+            f"error: preempted: the job did not save and stop within checkpoint.grace_s ({self.grace_s:g} s) of "
+            f"the preemption notice; exiting {EXIT_PREEMPTED} now: the next attempt resumes from the newest "
             "complete checkpoint\n"
         )
         sys.stderr.flush()

@@ -138,7 +138,7 @@ def test_a_save_stuck_past_the_grace_period_exits_75_and_is_never_chosen(gcs_fau
     code, _, err = finish(process, timeout=60)
     assert code == 75, err[-3000:]
     assert time.monotonic() - noticed < 3 + 10
-    assert "did not finish within checkpoint.grace_s (3 s)" in err
+    assert "did not save and stop within checkpoint.grace_s (3 s)" in err
     names = gcs_faults.objects(bucket, "runs/stuck/checkpoints/")
     assert "runs/stuck/checkpoints/ckpt-16.data-00000-of-00001" in names
     assert "runs/stuck/checkpoints/ckpt-16.index" not in names
