@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mni
     sweep = subprocess.Popen(
         [sys.executable, "-m", "runner", "sweep", str(spec), "--set", "data.global_batch_size=128,256"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO,
+        start_new_session=True,  # its own process group: a failed test stops the sweep and its variant together
     )
     try:
         deadline = time.monotonic() + 120
@@ -91,7 +93,8 @@ def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mni
         _, stderr = sweep.communicate(timeout=120)
     finally:
         if sweep.poll() is None:
-            sweep.kill()
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
     assert sweep.returncode == 75, stderr
     first = json.loads((tmp_path / "runs" / "pre-global_batch_size-128" / "summary.json").read_text())
     assert first["status"] == "preempted" and "run the same job again" in first["error"]
