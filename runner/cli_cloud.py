@@ -30,7 +30,7 @@ def submit(
     zone: Zone,
     image: Annotated[
         Optional[str],
-        typer.Option(envvar="RUNNER_IMAGE", help=f"The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu."),
+        typer.Option(envvar="RUNNER_IMAGE", help="The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu."),
     ] = None,
     project: Project = None,
     spot: Annotated[bool, typer.Option("--spot", help="Spot capacity: cheaper, may be preempted (run again to resume).")] = False,

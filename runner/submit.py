@@ -194,7 +194,7 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_USD_PER_CHIP_HOUR": repr(sub.tpu.usd_per_chip_hour),
         "RUNNER_SPEC_B64": base64.b64encode(spec_yaml.encode()).decode(),
     }
-    header = [f"#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]
+    header = ["#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]
     header += [f"{key}={shlex.quote(value)}" for key, value in settings.items()]
     return "\n".join(header) + "\n" + _STARTUP_BODY.read_text()
 

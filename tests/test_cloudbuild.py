@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
