@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.metadata
 import json
 import logging
 import os
@@ -57,8 +58,15 @@ class Accelerator:
             "workers": self.workers,
             "detail": self.detail,
             "tensorflow": tf.__version__,
-            "keras": f"{'tf-keras' if legacy else 'keras'} {getattr(tf.keras, '__version__', '?')}",
+            "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
         }
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:

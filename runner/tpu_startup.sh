@@ -1,8 +1,12 @@
 # The body of a TPU VM startup script written by `runner submit` (runner/submit.py puts the job's settings,
 # RUNNER_*, above it). It runs as root on every worker of the TPU VM at boot:
 #   1. pulls the runner image (Artifact Registry credentials come from the VM's service account);
-#   2. runs the job in it: `--net=host --privileged` give the container the TPU chips, TPU_NAME=local says
-#      the TPU is this VM's own; stdout and stderr go to RUN_DIR/logs/worker-N.log every 30 s and at the end;
+#   2. runs `runner doctor` (its report goes to RUN_DIR/doctor.json), then the job: `--net=host --privileged`
+#      give the container the TPU chips, TPU_NAME=local says the TPU is this VM's own; stdout and stderr go
+#      to RUN_DIR/logs/worker-N.log every 30 s and at the end. On a multi-host slice TensorFlow drives every
+#      host from one client: worker 0 runs the job with TPU_NAME=<the slice's name> (the resolver finds the
+#      other hosts through the TPU API) and TPU_LOAD_LIBRARY=0 (the chips stay with each host's TPU
+#      runtime); the other workers run nothing but that runtime;
 #   3. writes RUN_DIR/logs/worker-N.exit.json (exit code, start and end, TPU type, price per chip-hour);
 #   4. on worker 0, deletes the queued resource that holds the VM, unless the job was submitted with --keep.
 set -uo pipefail
@@ -24,6 +28,15 @@ say() { echo "runner-startup: $*" | tee -a "$log"; }
 if gcloud storage ls "$logs/worker-$worker.exit.json" >/dev/null 2>&1; then
   say "job $RUNNER_NAME already finished on worker $worker ($logs/worker-$worker.exit.json)"
   exit 0
+fi
+hosts="$(metadata worker-network-endpoints | tr ',' '\n' | grep -c . || true)"
+tpu_env=(-e TPU_NAME=local)
+if [ "${hosts:-1}" -gt 1 ]; then
+  if [ "$worker" != 0 ]; then
+    say "worker $worker of $hosts: worker 0 drives the slice through TensorFlow; nothing to run here"
+    exit 0
+  fi
+  tpu_env=(-e TPU_NAME="$RUNNER_NAME" -e TPU_LOAD_LIBRARY=0)
 fi
 started="$(stamp)"
 printf '%s' "$RUNNER_SPEC_B64" | base64 -d >"$workdir/spec.yaml"
@@ -47,8 +60,13 @@ if [ "$pulled" -eq 0 ]; then
   (while sleep 30; do upload; done) </dev/null >/dev/null 2>&1 &
   uploader=$!
   # Root inside the container: libtpu opens the TPU devices and pins host memory for them.
+  # The doctor's report is kept beside the summary; the job runs either way (a failing check names the
+  # cause in the log before the job meets it).
+  docker run --rm --net=host --privileged --user 0:0 "${tpu_env[@]}" \
+    -v "$workdir:/job:ro" "$RUNNER_IMAGE" doctor --json --save /job/spec.yaml >>"$log" 2>&1 ||
+    say "runner doctor reported a failing check (exit $?); see doctor.json in the run folder"
   docker run --rm --name "runner-$RUNNER_NAME" --net=host --privileged --user 0:0 \
-    -e TPU_NAME=local -e RUNNER_WORKER="$worker" \
+    "${tpu_env[@]}" -e RUNNER_WORKER="$worker" \
     -v "$workdir:/job:ro" "$RUNNER_IMAGE" run /job/spec.yaml >>"$log" 2>&1
   code=$?
   kill "$uploader" 2>/dev/null

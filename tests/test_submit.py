@@ -247,7 +247,13 @@ def test_an_unreachable_api_is_an_infrastructure_error(api, cloud_spec):
 # for them, record every call, and keep "gs://" objects in a local folder.
 
 _SHIMS = {
-    "curl": '#!/bin/sh\necho "curl $*" >>"$FAKE_CALLS"\necho "$FAKE_WORKER"\n',
+    "curl": """#!/bin/sh
+echo "curl $*" >>"$FAKE_CALLS"
+case "$*" in
+  *worker-network-endpoints*) echo "$FAKE_ENDPOINTS" ;;
+  *) echo "$FAKE_WORKER" ;;
+esac
+""",
     "gcloud": """#!/bin/bash
 echo "gcloud $*" >>"$FAKE_CALLS"
 local_of() { echo "$FAKE_GCS/${1#gs://}"; }
@@ -268,7 +274,9 @@ fi
 }
 
 
-def run_startup_script(script: str, folder: Path, worker: int = 0, exit_code: int = 0) -> tuple[list[str], Path]:
+def run_startup_script(
+    script: str, folder: Path, worker: int = 0, exit_code: int = 0, hosts: int = 1
+) -> tuple[list[str], Path]:
     """Runs a startup script as a TPU VM worker would at boot; returns the calls it made and the 'bucket'."""
     bin_dir, gcs_dir = folder / "bin", folder / "gcs"
     bin_dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +287,8 @@ def run_startup_script(script: str, folder: Path, worker: int = 0, exit_code: in
     calls.unlink(missing_ok=True)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), "FAKE_GCS": str(gcs_dir),
-        "FAKE_WORKER": str(worker), "FAKE_EXIT": str(exit_code), "FAKE_SEEN_SPEC": str(folder / "seen.yaml"),
+        "FAKE_WORKER": str(worker), "FAKE_EXIT": str(exit_code),
+        "FAKE_ENDPOINTS": ",".join(f"10.0.0.{n}:8470" for n in range(hosts)), "FAKE_SEEN_SPEC": str(folder / "seen.yaml"),
         "RUNNER_WORKDIR": str(folder / "work"),
     }
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
@@ -292,7 +301,8 @@ def test_the_startup_script_runs_the_job_and_worker_0_deletes_the_queued_resourc
     script = the_script(creates(tpu_api.requests())[0]["body"])
 
     calls, gcs_dir = run_startup_script(script, tmp_path, worker=0)
-    [run] = [c for c in calls if c.startswith("docker run")]
+    doctor, run = [c for c in calls if c.startswith("docker run")]
+    assert doctor.endswith(f"{IMAGE} doctor --json --save /job/spec.yaml"), "the doctor checks the VM first"
     assert "--net=host --privileged" in run and "-e TPU_NAME=local" in run
     assert run.endswith(f"{IMAGE} run /job/spec.yaml")
     assert any(c == f"docker pull {IMAGE}" for c in calls)
@@ -322,6 +332,16 @@ def test_other_workers_and_kept_jobs_leave_the_queued_resource(api, tpu_api, clo
     assert submit(cloud_spec, api, "--keep").returncode == 0
     kept, _ = run_startup_script(the_script(creates(tpu_api.requests())[0]["body"]), tmp_path / "kept", worker=0)
     assert not [c for c in kept if "delete" in c]
+
+
+def test_a_multi_host_slice_is_driven_from_worker_0_with_the_slice_name(api, tpu_api, cloud_spec, tmp_path):
+    assert submit(cloud_spec, api).returncode == 0
+    script = the_script(creates(tpu_api.requests())[0]["body"])
+    worker_1, _ = run_startup_script(script, tmp_path / "w1", worker=1, hosts=4)
+    assert not [c for c in worker_1 if c.startswith("docker run")], "only worker 0 runs TensorFlow's client"
+    worker_0, _ = run_startup_script(script, tmp_path / "w0", worker=0, hosts=4)
+    [job] = [c for c in worker_0 if c.startswith("docker run") and c.endswith("run /job/spec.yaml")]
+    assert "-e TPU_NAME=mnist-cnn -e TPU_LOAD_LIBRARY=0" in job and "TPU_NAME=local" not in job
 
 
 # --- logs and the summary with its cost -------------------------------------------------------------
