@@ -51,6 +51,9 @@ def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, ti
     )
     gcs_faults.faults.set(
         [
+            # An upload PUT failing once makes TensorFlow ask how much arrived, then upload again.
+            {"match": r"^PUT /upload/", "action": "status", "status": 503, "times": 1},
+            {"match": r"^PUT /upload/.*/checkpoints/", "action": "drop", "times": 1},
             {"match": MEDIA_READ, "action": "cut", "p": 0.5, "times": 3},
             {"match": ANY, "action": "status", "status": 503, "p": 0.05, "times": 6},
             {"match": ANY, "action": "drop", "p": 0.03, "times": 3},

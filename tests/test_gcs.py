@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -174,3 +175,19 @@ def test_a_corrupt_shard_in_the_bucket_stops_training_naming_it_and_keeps_the_ch
     assert json.loads(gcs.read(bucket, "runs/corrupt/attempts/002.json"))["status"] == "failed"
     after = {n: gcs.read(bucket, n) for n in gcs.objects(bucket, "runs/corrupt/checkpoints/")}
     assert after == checkpoints  # the failing run saved nothing over them
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path):
+    folder = tmp_path / "mnist"
+    shutil.copytree(tiny_mnist, folder)
+    shard = folder / "train-00001-of-00004.tfrecord"
+    content = bytearray(shard.read_bytes())
+    content[len(content) // 2] ^= 0x01  # inside a record: its CRC no longer matches
+    shard.write_bytes(bytes(content))
+    spec = mnist_job("flipped", data={"train": f"{folder}/train-*.tfrecord", "eval": None}, train={"epochs": 1})
+    result = run_cli("run", spec)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"corrupt training data in {shard}: sha256" in result.stderr
+    assert "corrupted record" in result.stderr or "checksum" in result.stderr.lower()
+    assert not list((tmp_path / "runs" / "flipped").glob("checkpoints/ckpt-*"))  # it failed before any save

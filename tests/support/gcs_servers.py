@@ -15,6 +15,7 @@ TensorFlow's client has no endpoint setting, so it talks to "Google" through the
 smooths what the emulator does not speak: TensorFlow's upload PUTs are chunked and carry Content-Length
 (de-chunked here), the upload session `Location` is an http:// URL (rewritten to https:// so the PUT comes
 back through this proxy), and an empty upload (a "directory marker") is finished as an empty multipart upload.
+The emulator process itself answers the status query of an empty resumable upload as GCS does (no Range).
 """
 
 from __future__ import annotations
@@ -357,6 +358,22 @@ def _serve(handle: Callable[[socket.socket], None]) -> None:
         threading.Thread(target=handle, args=(sock,), daemon=True).start()
 
 
+def _answer_empty_upload_status_like_gcs() -> None:
+    """GCS answers a status query of a resumable upload that holds no bytes yet with 308 and no Range
+    header; the emulator says `Range: bytes=0-0` (one byte held), so after a failed upload PUT TensorFlow
+    resumes at byte 1 and the emulator refuses it (400). Its answer is corrected to GCS's."""
+    from gcp_storage_emulator.handlers import objects
+
+    incomplete = objects._resumable_incomplete
+
+    def answer(response, storage, upload_id, fallback_end=0):
+        incomplete(response, storage, upload_id, fallback_end)
+        if not storage.get_resumable_byte_count(upload_id):
+            response._headers.pop("Range", None)
+
+    objects._resumable_incomplete = answer
+
+
 def _upstream(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
@@ -384,6 +401,7 @@ def main(argv: list[str]) -> None:
 
         # It writes headers and body separately: with Nagle on, each answer waits 40 ms for a delayed ACK.
         emulator_server.RequestHandler.disable_nagle_algorithm = True
+        _answer_empty_upload_status_like_gcs()
         server = emulator_server.create_server("127.0.0.1", 0, in_memory=True, default_bucket=args.health_bucket)
         server.start()
         _ready(server._api._httpd.server_address[1])
