@@ -164,12 +164,79 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
     loaded_at = time.monotonic()
     _setup_logging(debug)
     configure_tensorflow(job.storage.timeout_s)  # before TensorFlow loads: it reads them once
+    from runner.flavour import choose_keras
+
+    try:
+        choose_keras()
+    except RunnerError as error:
+        raise _fail(error) from None
     from runner.job import run_job
 
     result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise _fail(result.error, debug)
+
+
+def _trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) -> JobSpec:
+    job = _load(spec, overrides)
+    _setup_logging(debug)
+    configure_tensorflow(job.storage.timeout_s)
+    from runner.flavour import choose_keras
+
+    try:
+        choose_keras()
+    except RunnerError as error:
+        raise _fail(error) from None
+    return job
+
+
+@app.command()
+def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Evaluate the job's newest checkpoint on `data.eval`, on whatever device this machine has.
+
+    Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU.
+    """
+    job = _trained_command_setup(spec, overrides, debug)
+    from runner import predict as predict_mod
+
+    try:
+        report = predict_mod.evaluate(job)
+    except RunnerError as error:
+        raise _fail(error, debug) from None
+    typer.echo(json.dumps(report, separators=(",", ":")))
+
+
+@app.command()
+def predict(
+    spec: SpecPath,
+    input: Annotated[str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")] = None,
+    overrides: Overrides = None,
+    debug: Debug = False,
+) -> None:
+    """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
+
+    Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
+    """
+    job = _trained_command_setup(spec, overrides, debug)
+    import numpy as np
+
+    from runner import predict as predict_mod
+
+    try:
+        outputs, trained = predict_mod.predict(job, input)
+    except RunnerError as error:
+        raise _fail(error, debug) from None
+    if output is not None:
+        np.save(output, outputs)
+        typer.echo(f"{len(outputs)} predictions from {trained.checkpoint} -> {output}")
+        return
+    for index, row in enumerate(outputs):
+        line = {"index": index, "output": np.atleast_1d(row).round(6).tolist()}
+        if np.ndim(row) == 1 and len(row) > 1:
+            line["class"] = int(np.argmax(row))
+        typer.echo(json.dumps(line))
 
 
 # Commands of other areas live in their own modules (each a `typer.Typer()` named `app`, importing

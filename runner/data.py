@@ -201,6 +201,7 @@ def make_dataset(
     shuffle_buffer: int = 0,
     seed: int | None = None,
     preprocess: Callable[[dict[str, tf.Tensor]], dict[str, tf.Tensor]] | None = None,
+    workers: int = 1,
 ) -> tf.data.Dataset:
     """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
 
@@ -226,7 +227,11 @@ def make_dataset(
     batches = records.batch(batch_size, drop_remainder=True)
     batches = batches.map(_decoder(shards.features, inputs, label, preprocess), num_parallel_calls=tf.data.AUTOTUNE)
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    # Multi-worker: each worker reads its own files when there are enough to go round, else every
+    # worker reads all files and keeps its share of the records.
+    enough = len(shards.files) >= workers
+    policy = tf.data.experimental.AutoShardPolicy.FILE if enough else tf.data.experimental.AutoShardPolicy.DATA
+    options.experimental_distribute.auto_shard_policy = policy
     if training:
         options.deterministic = False
     return batches.with_options(options).prefetch(tf.data.AUTOTUNE)

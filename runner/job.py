@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable
 
@@ -13,7 +14,7 @@ from runner import PROCESS_START, data, models, observe, schema, storage, train,
 from runner.errors import DataError, Preempted, RunnerError, SpecError
 from runner.outputs import RunFolder
 from runner.spec import JobSpec
-from runner.strategy import Accelerator, resolve_accelerator
+from runner.strategy import Accelerator, cluster_from_env, resolve_accelerator
 from runner.timing import EpochRecord, Phases, build_summary
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,15 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     if done is not None:
         log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, run.path)
         return JobResult(done, already_complete=True)
-    run.record_spec(spec)
+    worker_index = cluster_from_env(os.environ)[1]
+    if worker_index == 0:
+        run.record_spec(spec)
     attempt = run.next_attempt()
     phases.add("run_folder", time.monotonic() - entered)
 
     accelerator: Accelerator | None = None
     clock, input_method = None, "not measured: the job stopped before its input pipeline was built"
-    scalars = observe.ScalarLog(run.file("tensorboard")) if spec.output.tensorboard else None
+    scalars = observe.ScalarLog(run.file("tensorboard")) if spec.output.tensorboard and worker_index == 0 else None
     profiler = observe.ProfileWindow(run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
     epoch_line = _epoch_line(spec.train.epochs)
     recorder = train.Recorder(
@@ -113,6 +116,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             train_ds = data.make_dataset(
                 train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
                 training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed, preprocess=preprocess,
+                workers=accelerator.workers,
             )
             clock, input_method = observe.input_clock_for(accelerator)
             if clock is not None:
@@ -123,22 +127,25 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                 eval_steps = data.steps_in(eval_shards, spec.data.global_batch_size, "data.eval")
                 eval_ds = data.make_dataset(
                     eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False,
-                    preprocess=preprocess,
+                    preprocess=preprocess, workers=accelerator.workers,
                 )
-            validation = _validation_data(spec, eval_shards, preprocess) if spec.train.validate_every_epoch else None
+            validation = _validation_data(spec, eval_shards, preprocess, accelerator.workers) if spec.train.validate_every_epoch else None
         plan = train.Plan(steps_per_epoch, spec.train.epochs)
         extra["steps_per_epoch"] = steps_per_epoch
+        extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)
 
         with phases.phase("build"), accelerator.strategy.scope():
             model = models.build_model(spec, train_shards.features)
-            models.compile_model(model, spec)
-            manager = run.checkpoint_manager(tf.train.Checkpoint(model=model, optimizer=model.optimizer), spec.checkpoint.keep)
+            models.compile_model(model, spec, accelerator.kind)
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            manager = run.checkpoint_manager(checkpoint, spec.checkpoint.keep, worker_index)
 
         with phases.phase("restore"):
-            if manager.latest_checkpoint:
-                manager.checkpoint.restore(manager.latest_checkpoint).expect_partial()
+            latest = run.latest_checkpoint()
+            if latest:
+                checkpoint.restore(latest).expect_partial()
                 plan.start_step = int(model.optimizer.iterations.numpy())
-                log.info("resuming %r from %s (step %d of %d)", spec.name, manager.latest_checkpoint, plan.start_step, plan.total_steps)
+                log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
         extra["resumed_from_step"] = plan.start_step
 
         def save(step: int) -> None:
@@ -188,9 +195,8 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if scalars and recorder.epochs:
                 scalars.evaluation(metrics, recorder.epochs[-1].epoch)
-        if accelerator.is_chief:
-            with phases.phase("export"):
-                extra["model"] = run.save_model(model)
+        with phases.phase("export"):
+            extra["model"] = run.save_model(model, accelerator.worker_index)
         status = "succeeded"
     except Preempted as exc:
         status, error = "preempted", exc
@@ -227,14 +233,15 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     return JobResult(summary, error)
 
 
-def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess) -> tuple[tf.data.Dataset, int]:
+def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess, workers: int = 1) -> tuple[tf.data.Dataset, int]:
     """The per-epoch validation batches: data.validation, else the eval shards (spec.py checks one is set)."""
     key = "data.validation" if spec.data.validation else "data.eval"
     shards = data.find_shards(spec.data.validation) if spec.data.validation else eval_shards
     if spec.data.validation:
         schema.check_declared(spec.data.features, shards)
     dataset = data.make_dataset(
-        shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False, preprocess=preprocess
+        shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False, preprocess=preprocess,
+        workers=workers,
     )
     return dataset, data.steps_in(shards, spec.data.global_batch_size, key)
 

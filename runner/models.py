@@ -176,10 +176,21 @@ def _loss_or_metric(value: str, key: str) -> Any:
     return value
 
 
-def compile_model(model: keras.Model, spec: JobSpec) -> None:
+def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
+    """The spec's value, or for `auto` 32 on a TPU (dividing checkpoint.every_steps when set) and 1 elsewhere."""
+    value = spec.train.steps_per_execution
+    if value != "auto":
+        return value
+    if accelerator_kind != "tpu":
+        return 1
+    every = spec.checkpoint.every_steps
+    return max(n for n in range(1, 33) if every is None or every % n == 0)
+
+
+def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu") -> None:
     model.compile(
         optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
         loss=_loss_or_metric(spec.train.loss, "train.loss"),
         metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
-        steps_per_execution=spec.train.steps_per_execution,
+        steps_per_execution=steps_per_execution(spec, accelerator_kind),
     )
