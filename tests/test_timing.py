@@ -3,6 +3,7 @@ TensorBoard scalars and a profiler trace, and a summary even from a run that fai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -81,15 +82,9 @@ def test_one_epoch_takes_its_step_time_from_the_steps_after_the_first() -> None:
 
 
 def test_a_wait_missing_from_one_epoch_is_not_summed_as_if_complete() -> None:
-    epochs = [record(1, 5.0, first_step_s=1.0), dataclass_replace(record(2, 2.0), input_wait_s=None)]
+    epochs = [record(1, 5.0, first_step_s=1.0), dataclasses.replace(record(2, 2.0), input_wait_s=None)]
     summary = build_summary(status="failed", job="j", accelerator=None, phases=Phases(), epochs=epochs, global_batch=32, metrics={})
     assert summary["timing"]["input_wait_s"] is None
-
-
-def dataclass_replace(epoch: EpochRecord, **changes) -> EpochRecord:
-    import dataclasses
-
-    return dataclasses.replace(epoch, **changes)
 
 
 # --- input wait, measured on real tf.data pipelines ----------------------------------------------
