@@ -13,6 +13,9 @@ import pytest
 import yaml
 
 # The GCS rig's fixtures (an emulator on 127.0.0.1 behind TensorFlow's TLS proxy; a fault-injecting chain).
+# Session fixtures are imported here once: imported by two test modules, pytest would make two sessions'
+# worth of them (two emulators; two holders of the Docker engine's lock, which deadlock).
+from tests.support.docker import docker_engine, runner_image  # noqa: E402,F401
 from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]

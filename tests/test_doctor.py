@@ -24,7 +24,6 @@ from runner import doctor as doctor_module
 from runner import doctor_checks as checks
 from runner.spec import AcceleratorSpec, JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
-from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: F401  (fixtures)
 
 TIMEOUT = 30
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, last_json
-from tests.support.docker import Engine, docker_engine, runner_image  # noqa: F401 (fixtures)
+from tests.support.docker import Engine
 
 IMAGE_UID = 1000
 

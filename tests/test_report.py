@@ -10,7 +10,6 @@ import pytest
 
 from runner import report
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.gcs import gcs  # noqa: F401  (fixture)
 
 V1 = REPO / "tests" / "data" / "summary_v1.json"  # written by the runner at schema_version 1
 

@@ -20,7 +20,7 @@ import pytest
 from runner.errors import SpecError
 from runner.userimport import load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
-from tests.support.docker import Engine, docker_engine, runner_image  # noqa: F401 (fixtures)
+from tests.support.docker import Engine
 
 EXAMPLE = REPO / "examples" / "fashion"
 IMAGE_UID = 1000  # the runner image's unprivileged user
