@@ -28,7 +28,7 @@ class JobResult:
     already_complete: bool = False
 
 
-def _per_replica_batch(spec: JobSpec, accelerator: Accelerator) -> int:
+def per_replica_batch(spec: JobSpec, accelerator: Accelerator) -> int:
     batch, replicas = spec.data.global_batch_size, accelerator.replicas
     if batch % replicas:
         raise SpecError(
@@ -98,7 +98,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
         notice.install()  # a SIGTERM from here on is a preemption notice: see runner/train.py
         with phases.phase("strategy"):
             accelerator = resolve_accelerator(spec.accelerator)
-        _per_replica_batch(spec, accelerator)
+        per_replica_batch(spec, accelerator)
         if spec.train.mixed_precision != "float32":
             keras.mixed_precision.set_global_policy(f"mixed_{spec.train.mixed_precision}")
         keras.utils.set_random_seed(spec.train.seed)
