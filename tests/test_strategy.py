@@ -145,5 +145,5 @@ def test_batch_arithmetic_for_eight_tpu_cores(caplog) -> None:
     assert "not a multiple of 8" not in caplog.text
     assert per_replica_batch(JobSpec(data={"global_batch_size": 96}), eight_cores) == 12
     assert "per-replica batch 12 is not a multiple of 8" in caplog.text
-    with pytest.raises(SpecError, match=r"data.global_batch_size \(1000\) must be divisible by the number of replicas \(8\); try 1000"):
+    with pytest.raises(SpecError, match=r"data.global_batch_size \(1001\) must be divisible by the number of replicas \(8\); try 1000"):
         per_replica_batch(JobSpec(data={"global_batch_size": 1001}), eight_cores)
