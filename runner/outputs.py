@@ -44,6 +44,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from runner import storage
 from runner.errors import SpecError, StorageError
 from runner.spec import JobSpec
 
@@ -91,6 +92,7 @@ class RunFolder:
     def check_spec(self, spec: JobSpec) -> None:
         """Refuses a spec that differs from the one this folder's checkpoints were made with (precedence 1)."""
         try:
+            self._check_bucket()
             tf.io.gfile.makedirs(self.path)
             previous = self.read_json("spec.json")
         except tf.errors.OpError as exc:
@@ -108,6 +110,16 @@ class RunFolder:
                     f"{self.path} holds checkpoints of job {spec.name!r} made with another spec ("
                     + "; ".join(changed)
                     + "); run it with the earlier settings or choose a new job name"
+                )
+
+    def _check_bucket(self) -> None:
+        # TensorFlow's makedirs keeps retrying under a bucket that does not exist: ask about the bucket first.
+        if storage.is_gcs(self.path):
+            bucket, _ = storage.split_gcs(self.path)
+            if not tf.io.gfile.isdir(f"gs://{bucket}"):
+                raise StorageError(
+                    f"bucket gs://{bucket} (output.dir) does not exist or this machine cannot read it: "
+                    f"create it (gcloud storage buckets create gs://{bucket}) or set output.dir to another"
                 )
 
     def record_spec(self, spec: JobSpec) -> None:

@@ -191,3 +191,14 @@ def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mn
     assert f"corrupt training data in {shard}: sha256" in result.stderr
     assert "corrupted record" in result.stderr or "checksum" in result.stderr.lower()
     assert not list((tmp_path / "runs" / "flipped").glob("checkpoints/ckpt-*"))  # it failed before any save
+
+
+def test_run_into_a_missing_output_bucket_fails_fast_naming_it(gcs, mnist_job):
+    spec = mnist_job(
+        "nobucket", output={"dir": "gs://no-such-output-bucket/runs"},
+        train={"epochs": 1, "steps_per_epoch": 2}, data={"eval": None},
+    )
+    result = run_cli("run", spec, env=cli_env(**gcs.env), timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "bucket gs://no-such-output-bucket (output.dir) does not exist" in result.stderr
+    assert last_json(result.stdout)["status"] == "failed"
