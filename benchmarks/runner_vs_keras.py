@@ -14,8 +14,10 @@ Goal: <= 1.05.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +55,7 @@ def main() -> None:
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, args.epochs, None)
     data = prepared(Path(args.data))
     out = Path(tempfile.mkdtemp(prefix="runner_vs_keras-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # run folders and models: not kept
 
     def runner(index: int) -> tuple[float, dict]:
         sets = [

@@ -13,8 +13,10 @@ the runner's `auto` picks 32; on CPU and GPU it picks 1).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,6 +59,7 @@ def main() -> None:
     settings, rounds, epochs, steps = ((1, 8), 1, 2, 16) if args.quick else ((1, 8, 32), args.rounds, args.epochs, None)
     data = prepared(Path(args.data))
     out = Path(tempfile.mkdtemp(prefix="steps_per_execution-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # run folders and models: not kept
 
     rates: dict[int, list[float]] = {spe: [] for spe in settings}
     first: dict[int, list[float]] = {spe: [] for spe in settings}
