@@ -12,49 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import time
-from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from _common import BATCH, MNIST, epoch_clock, prepared  # first: puts the repository on sys.path
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from runner import data, models, observe  # noqa: E402
-from runner.spec import JobSpec  # noqa: E402
-from runner.strategy import Accelerator  # noqa: E402
-
-BATCH = 1024
-
-
-class EpochClock(tf.keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds: list[float] = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.monotonic()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.monotonic() - self._start)
+from runner import data, models, observe
+from runner.spec import JobSpec
+from runner.strategy import Accelerator
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 round of 2 epochs of 10 steps")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--data", default=str(REPO / "benchmarks" / "out" / "mnist"))
+    parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     rounds, epochs, steps = (1, 2, 10) if args.quick else (args.rounds, 3, 30)
-    if not Path(args.data, "manifest.json").exists():
-        from runner.prepare import prepare
-
-        prepare("mnist", args.data)
-    shards = data.find_shards(f"{args.data}/train-*.tfrecord")
+    shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
     spec = JobSpec(train={"steps_per_execution": 1})
 
     def rate(with_clock: bool) -> tuple[float, float | None]:
@@ -65,7 +41,7 @@ def main() -> None:
         clock = observe.InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)) if with_clock else None
         if clock:
             dataset = clock.wrap(dataset)
-        timer = EpochClock()
+        timer = epoch_clock()
         model.fit(dataset, epochs=epochs, steps_per_epoch=steps, callbacks=[timer], verbose=0)
         return steps * BATCH / statistics.median(timer.seconds[1:]), clock.seconds() if clock else None
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -25,15 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = Path(__file__).resolve().parents[1]
-BATCH = 1024
-
-
-def prepared(folder: Path) -> Path:
-    if not (folder / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "runner", "prepare", "mnist", "--out", str(folder)], cwd=REPO, check=True)
-    return folder
+from _common import BATCH, MNIST, REPO, prepared
 
 
 def timed(command: list[str]) -> tuple[float, str]:
@@ -50,7 +41,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round of 2 epochs of 20 steps: start-up dominates")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--data", default=str(REPO / "benchmarks" / "out" / "mnist"))
+    parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, args.epochs, None)
     data = prepared(Path(args.data))

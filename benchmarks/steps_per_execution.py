@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -23,15 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = Path(__file__).resolve().parents[1]
-BATCH = 1024
-
-
-def prepared(folder: Path) -> Path:
-    if not (folder / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "runner", "prepare", "mnist", "--out", str(folder)], cwd=REPO, check=True)
-    return folder
+from _common import BATCH, MNIST, REPO, prepared
 
 
 def run(data: Path, out: Path, name: str, spe: int, epochs: int, steps: int | None) -> dict:
@@ -54,7 +45,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, settings 1 and 8, 2 epochs of 16 steps")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--data", default=str(REPO / "benchmarks" / "out" / "mnist"))
+    parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     settings, rounds, epochs, steps = ((1, 8), 1, 2, 16) if args.quick else ((1, 8, 32), args.rounds, args.epochs, None)
     data = prepared(Path(args.data))

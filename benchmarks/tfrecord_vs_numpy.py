@@ -11,35 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import time
-from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from _common import BATCH, MNIST, epoch_clock, prepared  # first: puts the repository on sys.path
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from runner import data, models  # noqa: E402
-from runner.datasets import load_dataset  # noqa: E402
-from runner.spec import JobSpec  # noqa: E402
-
-BATCH = 1024
-
-
-class EpochClock(tf.keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds: list[float] = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.monotonic()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.monotonic() - self._start)
+from runner import data, models
+from runner.datasets import load_dataset
+from runner.spec import JobSpec
 
 
 def fresh_model(features):
@@ -51,7 +31,7 @@ def fresh_model(features):
 
 
 def steady_rate(fit, examples_per_epoch: int, epochs: int) -> float:
-    clock = EpochClock()
+    clock = epoch_clock()
     fit(clock, epochs)
     return examples_per_epoch / statistics.median(clock.seconds[1:])
 
@@ -60,16 +40,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 round of 2 epochs on 20 steps each")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--data", default=str(REPO / "benchmarks" / "out" / "mnist"))
+    parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, 3, None)
 
     mnist = load_dataset("mnist")
-    if not Path(args.data, "manifest.json").exists():
-        from runner.prepare import prepare
-
-        prepare("mnist", args.data)
-    shards = data.find_shards(f"{args.data}/train-*.tfrecord")
+    shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
     x = mnist.splits["train"]["image"].astype("float32")
     y = mnist.splits["train"]["label"]
     steps = steps or len(x) // BATCH
