@@ -41,7 +41,12 @@ def dataset(pattern, training):
     records = tf.data.TFRecordDataset(files, num_parallel_reads=tf.data.AUTOTUNE)
     if training:
         records = records.shuffle(10_000, seed=0).repeat()
-    return records.batch(args.batch, drop_remainder=True).map(parse, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    batches = records.batch(args.batch, drop_remainder=True).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    # The runner's default (data.autotune: false): with the autotuner on, fit and evaluate return only when
+    # its thread wakes, up to a minute late (benchmarks/autotune_teardown.py), which would time TensorFlow.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
 keras.utils.set_random_seed(0)

@@ -202,10 +202,17 @@ def make_dataset(
     seed: int | None = None,
     preprocess: Callable[[dict[str, tf.Tensor]], dict[str, tf.Tensor]] | None = None,
     workers: int = 1,
+    autotune: bool = False,
 ) -> tf.data.Dataset:
     """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
 
     `preprocess` (data.preprocess) gets each decoded batch as a dict of tensors and returns the dict.
+
+    `autotune` (data.autotune) turns on tf.data's model-based autotuner. It is off by default: its thread
+    sleeps between tuning rounds (20 ms doubling up to 60 s) and destroying the iterator waits for that
+    sleep to end, so every `model.fit` and `evaluate` returned up to a minute late; off, AUTOTUNE
+    parallelism means one call per core and prefetch buffers still grow while the consumer waits.
+    Measured in benchmarks/autotune_teardown.py.
     """
     check_columns(shards, inputs, label)
     if preprocess is not None:
@@ -232,6 +239,7 @@ def make_dataset(
     enough = len(shards.files) >= workers
     policy = tf.data.experimental.AutoShardPolicy.FILE if enough else tf.data.experimental.AutoShardPolicy.DATA
     options.experimental_distribute.auto_shard_policy = policy
+    options.autotune.enabled = autotune
     if training:
         options.deterministic = False
     return batches.with_options(options).prefetch(tf.data.AUTOTUNE)

@@ -116,7 +116,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             train_ds = data.make_dataset(
                 train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
                 training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed, preprocess=preprocess,
-                workers=accelerator.workers,
+                workers=accelerator.workers, autotune=spec.data.autotune,
             )
             clock, input_method = observe.input_clock_for(accelerator)
             if clock is not None:
@@ -127,7 +127,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
                 eval_steps = data.steps_in(eval_shards, spec.data.global_batch_size, "data.eval")
                 eval_ds = data.make_dataset(
                     eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False,
-                    preprocess=preprocess, workers=accelerator.workers,
+                    preprocess=preprocess, workers=accelerator.workers, autotune=spec.data.autotune,
                 )
             validation = _validation_data(spec, eval_shards, preprocess, accelerator.workers) if spec.train.validate_every_epoch else None
         plan = train.Plan(steps_per_epoch, spec.train.epochs)
@@ -241,7 +241,7 @@ def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess,
         schema.check_declared(spec.data.features, shards)
     dataset = data.make_dataset(
         shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False, preprocess=preprocess,
-        workers=workers,
+        workers=workers, autotune=spec.data.autotune,
     )
     return dataset, data.steps_in(shards, spec.data.global_batch_size, key)
 

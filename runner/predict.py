@@ -57,7 +57,10 @@ def evaluate(spec: JobSpec) -> dict:
         raise SpecError("data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)")
     shards = data.find_shards(spec.data.eval)
     batch = _batch_for(spec, trained.accelerator)
-    dataset = data.make_dataset(shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec))
+    dataset = data.make_dataset(
+        shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
+        autotune=spec.data.autotune,
+    )
     steps = data.steps_in(shards, batch, "data.eval")
     results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     metrics = {k: float(v) for k, v in results.items()}
@@ -100,7 +103,9 @@ def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarra
             arrays = {n: archive[n] for n in inputs}
     elif suffix == ".tfrecord" or "*" in path:
         shards = data.find_shards(path)
-        batches = data.make_dataset(shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec))
+        batches = data.make_dataset(
+            shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec), autotune=spec.data.autotune
+        )
         rows = [x for x, _ in batches.unbatch().batch(4096)]
         stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in rows]
         arrays = {n: np.concatenate([b[n].numpy() for b in stacked]) for n in inputs}

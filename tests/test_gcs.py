@@ -202,3 +202,29 @@ def test_run_into_a_missing_output_bucket_fails_fast_naming_it(gcs, mnist_job):
     assert result.returncode == 3, result.stderr[-2000:]
     assert "bucket gs://no-such-output-bucket (output.dir) does not exist" in result.stderr
     assert last_json(result.stdout)["status"] == "failed"
+
+
+@pytest.mark.parametrize(("preset", "block_mb"), [(None, 8), ("64", 64)])
+def test_gs_shards_are_read_in_the_runners_block_size_unless_the_environment_names_one(gcs_faults, preset, block_mb):
+    """TensorFlow reads a gs:// file in blocks of GCS_READ_CACHE_BLOCK_SIZE_MB (runner/storage.py): with the
+    runner's 8 MB, a 20 MB shard takes three ranged GETs; a size already in the environment is kept."""
+    bucket = gcs_faults.bucket()
+    env = {**gcs_faults.env, **({"GCS_READ_CACHE_BLOCK_SIZE_MB": preset} if preset else {})}
+    code = f"""
+        import os, tempfile
+        from runner import storage
+        storage.configure_tensorflow(300)
+        print(os.environ["GCS_READ_CACHE_BLOCK_SIZE_MB"])
+        import tensorflow as tf
+        local = os.path.join(tempfile.mkdtemp(), "big.tfrecord")
+        with tf.io.TFRecordWriter(local) as writer:
+            for _ in range(20):
+                writer.write(os.urandom(2**20))
+        tf.io.gfile.copy(local, "gs://{bucket}/big.tfrecord")
+        print(sum(1 for _ in tf.data.TFRecordDataset("gs://{bucket}/big.tfrecord")))
+    """
+    result = run_python(code, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(block_mb), "20"]
+    media_gets = [line for line in gcs_faults.faults.stats()["recent"] if line == f"pass GET /{bucket}/big.tfrecord"]
+    assert len(media_gets) == -(-20 * (2**20 + 16) // (block_mb * 2**20))

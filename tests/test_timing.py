@@ -117,6 +117,25 @@ def test_input_wait_is_the_time_the_consumer_blocked_on_the_pipeline() -> None:
     assert fast_wait < 0.05 * 25 * 0.02 + 0.02, "a pipeline that keeps up costs (almost) no wait"
 
 
+def test_the_input_pipeline_runs_without_the_tf_data_autotuner_unless_the_spec_asks(tiny_mnist: Path) -> None:
+    """With the autotuner on, fit and evaluate return only when its sleeping thread wakes, up to a minute
+    late (runner/data.py; benchmarks/autotune_teardown.py): off by default, on with data.autotune."""
+    import tensorflow as tf
+
+    from runner import data
+    from runner.observe import InputClock
+    from runner.spec import JobSpec
+    from runner.strategy import Accelerator
+
+    shards = data.find_shards(f"{tiny_mnist}/test-*.tfrecord")
+    default = data.make_dataset(shards, 32, ("image",), "label", training=False)
+    clocked = InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)).wrap(default)
+    asked = data.make_dataset(shards, 32, ("image",), "label", training=False, autotune=True)
+    assert [d.options().autotune.enabled for d in (default, clocked, asked)] == [False, False, True]
+    assert JobSpec().data.autotune is False
+    assert sum(int(labels.shape[0]) for _, labels in default) == shards.records // 32 * 32
+
+
 # --- a real short run through the CLI ------------------------------------------------------------
 
 
