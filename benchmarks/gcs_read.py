@@ -5,8 +5,8 @@ shards, parallel interleave, batch 1024, decode, repeat), as `runner run` config
 client (storage.configure_tensorflow, before TensorFlow loads). A pass streams EPOCHS epochs of batches,
 as training does, so reopening every shard each epoch is counted and one-off start-up is not all there
 is. Local and gs:// passes alternate so a busy machine slows both alike; the first pass of each is a
-warm-up and is not counted. Also reported: the CPU-seconds this process spent per pass (TensorFlow's
-gs:// client runs in it), steadier than wall time on a shared machine. Ratio: gs:// records/s over local
+warm-up and is not counted. Also reported: the CPU-seconds per pass of this process (TensorFlow's gs://
+client runs in it) and of the rig's servers (emulator and TLS proxy), steadier than wall time. Ratio: gs:// records/s over local
 records/s. Goal: >= 0.9.
 
 The emulator and the TLS proxy are Python processes sharing this machine's two cores with TensorFlow: the
@@ -36,13 +36,18 @@ from tests.support.gcs import start_gcs
 EPOCHS = 5
 
 
-def timed_pass(dataset) -> tuple[int, float, float]:
-    """(elements, wall seconds, CPU seconds of this process)."""
-    began, cpu = time.monotonic(), time.process_time()
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def timed_pass(dataset, rig: list[int]) -> tuple[int, float, float, float]:
+    """(elements, wall seconds, CPU seconds of this process, CPU seconds of the rig's servers)."""
+    began, cpu, rig_cpu = time.monotonic(), time.process_time(), sum(map(cpu_seconds, rig))
     count = 0
     for _ in dataset:
         count += 1
-    return count, time.monotonic() - began, time.process_time() - cpu
+    return count, time.monotonic() - began, time.process_time() - cpu, sum(map(cpu_seconds, rig)) - rig_cpu
 
 
 def main() -> None:
@@ -75,15 +80,17 @@ def main() -> None:
             return dataset.take(steps)
 
         rates: dict[str, list[float]] = {name: [] for name in sources}
-        cpu: dict[str, list[float]] = {name: [] for name in sources}
+        cpu: dict[str, list[float]] = {name: [] for name in (*sources, "rig")}
         for round_index in range(rounds + 1):
             order = list(sources) if round_index % 2 == 0 else list(reversed(sources))
             for name in order:
-                batches, seconds, cpu_seconds = timed_pass(pipeline(name))
+                batches, seconds, own_cpu, rig_cpu = timed_pass(pipeline(name), gcs.pids)
                 if round_index == 0:
                     continue  # warm-up: tracing, page cache, connections
                 rates[name].append(batches * BATCH / seconds)
-                cpu[name].append(cpu_seconds)
+                cpu[name].append(own_cpu)
+                if name == "gs://":
+                    cpu["rig"].append(rig_cpu)
 
     block = os.environ["GCS_READ_CACHE_BLOCK_SIZE_MB"]
     median = {key: statistics.median(values) for key, values in rates.items()}
@@ -103,6 +110,7 @@ def main() -> None:
         "records_per_s_gcs": round(median["gs://"]),
         "cpu_s_per_pass_local": round(statistics.median(cpu["local"]), 2),
         "cpu_s_per_pass_gcs": round(statistics.median(cpu["gs://"]), 2),
+        "cpu_s_per_pass_rig": round(statistics.median(cpu["rig"]), 2),
         "read_block_mb": int(block),
         "epochs_per_pass": EPOCHS,
         "rounds": rounds,

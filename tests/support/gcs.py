@@ -120,6 +120,7 @@ class Gcs:
         self.emulator = f"http://127.0.0.1:{emulator_port}"
         self.api = f"http://127.0.0.1:{api_port}"  # the emulator, or the fault proxy in front of it
         self.faults = faults
+        self.pids: list[int] = []  # the rig's server processes (benchmarks read their CPU time)
         self.env = {
             "https_proxy": f"http://127.0.0.1:{proxy_port}",
             "HTTPS_PROXY": f"http://127.0.0.1:{proxy_port}",
@@ -208,7 +209,9 @@ def start_gcs(folder: Path, faults: bool = False) -> Iterator[Gcs]:
         proxy = Server(folder, "tls-proxy", "tls-proxy", "--upstream", f"127.0.0.1:{api_port}", "--cert", str(cert))
         servers.append(proxy)
         _check_tls_proxy(proxy.port, ca, health)
-        yield Gcs(emulator.port, api_port, proxy.port, ca, control)
+        rig = Gcs(emulator.port, api_port, proxy.port, ca, control)
+        rig.pids = [server.process.pid for server in servers]
+        yield rig
     finally:
         for server in reversed(servers):
             server.stop()
