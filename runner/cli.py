@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -153,6 +154,22 @@ def verify(
     typer.echo(f"{folder}: every shard matches manifest.json")
 
 
+class EarlyNotice:
+    """Holds a SIGTERM that arrives before the job installs its preemption handler (runner/train.py), mostly
+    while TensorFlow imports, so a preemption then ends the run as `preempted` (exit 75), not killed (143)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, *_: object) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
 @app.command()
 def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
     """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
@@ -160,6 +177,7 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
     Re-running a finished job prints its summary and trains nothing. Exit codes: 0, 1 training failed,
     2 spec/data, 3 accelerator/storage, 75 preempted (checkpoint saved: run again to continue).
     """
+    early = EarlyNotice()
     job = _load(spec, overrides)
     loaded_at = time.monotonic()
     _setup_logging(debug)
@@ -170,9 +188,14 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
         choose_keras()
     except RunnerError as error:
         raise _fail(error) from None
+    from runner.errors import Preempted
     from runner.job import run_job
 
-    result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0)
+    if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
+        early.restore()
+        if early.at is not None:
+            raise _fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
+    result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0, early_notice=early.at)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise _fail(result.error, debug)

@@ -53,8 +53,14 @@ def _epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
     return report
 
 
-def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0) -> JobResult:
-    """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any."""
+def run_job(
+    spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0, early_notice: float | None = None
+) -> JobResult:
+    """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any.
+
+    `early_notice`: when a SIGTERM arrived before the job could install its handler (while TensorFlow was
+    importing; see cli.EarlyNotice): the job then stops as preempted before training, having saved nothing.
+    """
     if spec.kind == "matmul_bench":
         from runner import matmul
 
@@ -96,6 +102,9 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
     notice = train.PreemptionNotice(spec.checkpoint.grace_s)
     try:
         notice.install()  # a SIGTERM from here on is a preemption notice: see runner/train.py
+        if early_notice is not None:
+            notice.notify(early_notice)
+        _stop_if_noticed(notice, "while the job was starting")
         with phases.phase("strategy"):
             accelerator = resolve_accelerator(spec.accelerator)
         per_replica_batch(spec, accelerator)
@@ -153,6 +162,7 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             manager.save(checkpoint_number=step)
             phases.add("checkpoint", time.monotonic() - began)
 
+        _stop_if_noticed(notice, "before training began")
         with notice:
             checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
             began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
@@ -231,6 +241,11 @@ def run_job(spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int 
             log.error("could not write the summary to %s: %s", run.path, exc.message.splitlines()[0])
     notice.remove()
     return JobResult(summary, error)
+
+
+def _stop_if_noticed(notice: train.PreemptionNotice, when: str) -> None:
+    if notice.received.is_set():
+        raise Preempted(f"preemption notice received {when}: nothing new was trained or saved; run the same job again")
 
 
 def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess, workers: int = 1) -> tuple[tf.data.Dataset, int]:

@@ -51,7 +51,7 @@ class PreemptionNotice:
         # wakeup fd is written by the C-level handler at once; a watcher thread reads it.
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
-        self._previous = signal.signal(signal.SIGTERM, lambda *_: self._notice())
+        self._previous = signal.signal(signal.SIGTERM, lambda *_: self.notify())
         self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
 
@@ -75,17 +75,19 @@ class PreemptionNotice:
         try:
             while chunk := os.read(read_fd, 64):
                 if signal.SIGTERM in chunk:
-                    self._notice()
+                    self.notify()
         finally:
             os.close(read_fd)
 
-    def _notice(self) -> None:
+    def notify(self, at: float | None = None) -> None:
+        """The notice, received now or at `at` (time.monotonic()): the grace period runs from then."""
+        at = time.monotonic() if at is None else at
         with self._lock:
             if self.received.is_set():
                 return
-            self.received_at = time.monotonic()
+            self.received_at = at
             self.received.set()
-        deadline = threading.Timer(self.grace_s, self._expire)
+        deadline = threading.Timer(max(0.0, self.grace_s - (time.monotonic() - at)), self._expire)
         deadline.daemon = True
         deadline.start()
 
