@@ -26,7 +26,9 @@ How an attempt ends, and what the next one does (tests/test_resume.py, tests/tes
   - SIGTERM, a preemption notice: the job saves at the next step boundary, writes summary.json with
     status `preempted` and exits 75 (EX_TEMPFAIL: run it again), all within `checkpoint.grace_s`
     (default 30 s). A save still stuck at that deadline (storage that does not answer) is abandoned: the
-    process exits 75 without it, and the next attempt resumes from the checkpoint before.
+    process exits 75 without it, and the next attempt resumes from the checkpoint before. A notice
+    that comes before training began (TensorFlow still importing, the model being built) ends the
+    attempt the same way, saving nothing: nothing new was trained.
   - A checkpoint cut short (a kill or the deadline during a save) has data files but no index entry;
     step 3 never chooses it, and a later save of the same step replaces it.
   - A failing attempt (a corrupt or truncated shard: exit 2 naming it; storage unreachable for longer
