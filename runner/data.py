@@ -209,10 +209,9 @@ def make_dataset(
     `preprocess` (data.preprocess) gets each decoded batch as a dict of tensors and returns the dict.
 
     `autotune` (data.autotune) turns on tf.data's model-based autotuner. It is off by default: its thread
-    sleeps between tuning rounds (20 ms doubling up to 60 s) and destroying the iterator waits for that
-    sleep to end, so every `model.fit` and `evaluate` returned up to a minute late; off, AUTOTUNE
-    parallelism means one call per core and prefetch buffers still grow while the consumer waits.
-    Measured in benchmarks/autotune_teardown.py.
+    sleeps between tuning rounds (20 ms doubling up to 60 s) and destroying the iterator waited for that
+    sleep to end, so `model.fit` returned up to a minute after its last epoch. Off, AUTOTUNE parallelism
+    means one call per core; training ran as fast either way (benchmarks/autotune_teardown.py).
     """
     check_columns(shards, inputs, label)
     if preprocess is not None:

@@ -86,8 +86,8 @@ class DataSpec(_Strict):
     global_batch_size: int = Field(1024, ge=1)
     shuffle_buffer: int = Field(10_000, ge=0)
     # tf.data's autotuner (a background thread re-tuning parallelism and buffers). Off: every AUTOTUNE
-    # parallelism is the machine's core count and prefetching still grows on demand. On, tearing down an
-    # input iterator waits out the tuner's sleep, up to 60 s at the end of every fit or evaluation.
+    # parallelism is the machine's core count. On, tearing down an input iterator waits out the tuner's
+    # current sleep (up to 60 s), so model.fit returns late (runner/data.py).
     autotune: bool = False
     # Features fed to the model, in order; the label feature.
     inputs: tuple[str, ...] = ("image",)
