@@ -6,10 +6,10 @@ TensorFlow is imported, so `configure_tensorflow` sets them from `storage.timeou
 are internal (logged at VLOG 1 only), so a run's summary cannot count them. google-cloud-storage does
 `runner prepare --out gs://...` uploads: parallel, retried, counted, and bounded by the same timeout.
 
-Reads: TensorFlow fetches a gs:// file in blocks of GCS_READ_CACHE_BLOCK_SIZE_MB (64 by default) into a
-buffer of that size allocated for every file it opens, even a smaller one, and training reopens every
-shard each epoch. Over MNIST's 8 MB shards the training input pipeline spent 3.3 CPU-seconds per 250 MB
-with 64 MB blocks, 2.25 with 8 MB, and 1.9 reading local files (benchmarks/RESULTS.md, gcs_read). The
+Reads: TensorFlow fetches a gs:// file in ranged requests of GCS_READ_CACHE_BLOCK_SIZE_MB (64 by default),
+and training reopens every shard each epoch. Its CPU cost grew with the block size even for shards smaller
+than one block: over MNIST's 8 MB shards the training input pipeline spent 3.3 CPU-seconds per 250 MB with
+64 MB blocks, 2.25 with 8 MB, and 1.9 reading local files (benchmarks/RESULTS.md, gcs_read). The
 runner sets 8 MB unless the environment already names a size: a 200 MB shard then takes 25 requests, and
 the interleaved shards keep several requests in flight.
 
