@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the repository root, the batch they measure at, the prepared MNIST
-TFRecords, and a Keras callback that times epochs. Importing it loads no TensorFlow."""
+TFRecords, a fresh MNIST model, and a Keras callback that times epochs. Importing it loads no TensorFlow."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def prepared(folder: str | Path) -> Path:
     if not (folder / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "runner", "prepare", "mnist", "--out", str(folder)], cwd=REPO, check=True)
     return folder
+
+
+def fresh_model(features):
+    """The runner's MNIST Basic CNN, built and compiled for the CPU from seed 0: a new one for every fit."""
+    import tensorflow as tf
+
+    from runner import models
+    from runner.spec import JobSpec
+
+    tf.keras.utils.set_random_seed(0)
+    spec = JobSpec()  # steps_per_execution auto: 1 on a CPU
+    model = models.build_model(spec, features)
+    models.compile_model(model, spec, "cpu")
+    return model
 
 
 def epoch_clock():

@@ -19,12 +19,11 @@ import json
 import statistics
 import time
 
-from _common import BATCH, MNIST, epoch_clock, prepared  # first: puts the repository on sys.path
+from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
 import tensorflow as tf
 
-from runner import data, models
-from runner.spec import JobSpec
+from runner import data
 
 
 class TrainEnd(tf.keras.callbacks.Callback):
@@ -42,12 +41,9 @@ def main() -> None:
     args = parser.parse_args()
     rounds, epochs, steps = (2, 2, 10) if args.quick else (args.rounds, 3, 30)
     shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
-    spec = JobSpec(train={"steps_per_execution": 1})
 
     def fit(autotune: bool) -> tuple[float, float]:
-        tf.keras.utils.set_random_seed(0)
-        model = models.build_model(spec, shards.features)
-        models.compile_model(model, spec, "cpu")
+        model = fresh_model(shards.features)
         dataset = data.make_dataset(
             shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0, autotune=autotune
         )

@@ -14,12 +14,11 @@ import argparse
 import json
 import statistics
 
-from _common import BATCH, MNIST, epoch_clock, prepared  # first: puts the repository on sys.path
+from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
 import tensorflow as tf
 
-from runner import data, models, observe
-from runner.spec import JobSpec
+from runner import data, observe
 from runner.strategy import Accelerator
 
 
@@ -31,12 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     rounds, epochs, steps = (1, 2, 10) if args.quick else (args.rounds, 3, 30)
     shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
-    spec = JobSpec(train={"steps_per_execution": 1})
 
     def rate(with_clock: bool) -> tuple[float, float | None]:
-        tf.keras.utils.set_random_seed(0)
-        model = models.build_model(spec, shards.features)
-        models.compile_model(model, spec, "cpu")
+        model = fresh_model(shards.features)
         dataset = data.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
         clock = observe.InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)) if with_clock else None
         if clock:

@@ -13,21 +13,10 @@ import argparse
 import json
 import statistics
 
-from _common import BATCH, MNIST, epoch_clock, prepared  # first: puts the repository on sys.path
+from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
-import tensorflow as tf
-
-from runner import data, models
+from runner import data
 from runner.datasets import load_dataset
-from runner.spec import JobSpec
-
-
-def fresh_model(features):
-    tf.keras.utils.set_random_seed(0)
-    spec = JobSpec()
-    model = models.build_model(spec, features)
-    models.compile_model(model, spec)
-    return model
 
 
 def steady_rate(fit, examples_per_epoch: int, epochs: int) -> float:
