@@ -165,9 +165,11 @@ def test_a_real_run_accounts_for_every_second(timed_run) -> None:
     assert timing["import_s"] > 0.5, "loading TensorFlow is its own phase"
     assert timing["checkpoint_s"] > 0 and timing["eval_s"] > 0 and timing["export_s"] > 0
     # Saves inside an epoch (every 8 steps) are counted once, in checkpoint_s, not in the epoch times.
-    assert sum(e["checkpoint_s"] for e in summary["epochs"]) <= timing["checkpoint_s"]
-    assert all(e["checkpoint_s"] > 0 for e in summary["epochs"])
-    epochs_s = sum(e["seconds"] for e in summary["epochs"])
+    # Each figure is rounded to 0.1 ms, so the epochs' sum may pass the total by half of that per epoch.
+    epochs = summary["epochs"]
+    assert sum(e["checkpoint_s"] for e in epochs) <= timing["checkpoint_s"] + 0.5e-4 * (len(epochs) + 1)
+    assert all(e["checkpoint_s"] > 0 for e in epochs)
+    epochs_s = sum(e["seconds"] for e in epochs)
     assert timing["fit_overhead_s"] == pytest.approx(timing["train_s"] - epochs_s, abs=1e-3)
     assert timing["steady_train_s"] == pytest.approx(timing["train_s"] - timing["first_epoch_s"], abs=1e-3)
 
