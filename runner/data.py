@@ -192,6 +192,35 @@ def check_columns(shards: Shards, inputs: tuple[str, ...], label: str) -> None:
             )
 
 
+MAX_OPEN_SHARDS = 16
+# Records a shard reader hands over at a time (at most): see block_for.
+MAX_READ_BLOCK = 64
+
+
+def block_for(batch_size: int, cycle: int) -> int:
+    """How many consecutive records each shard reader hands to the interleave at a time.
+
+    Handing records over one by one costs a cross-thread handoff each, which was half the CPU of the input
+    pipeline (MNIST, batch 1024: 0.49 s per 5 epochs with blocks of 64 vs 1.05 s one by one;
+    benchmarks/input_pipeline.py). A batch still draws on every open shard about equally as long as a
+    block is at most batch_size / cycle records, so that bounds it.
+    """
+    return max(1, min(MAX_READ_BLOCK, batch_size // max(cycle, 1)))
+
+
+def _interleave_records(files: tf.data.Dataset, cycle: int, block: int, deterministic: bool) -> tf.data.Dataset:
+    """Serialized records of `cycle` shards read in parallel, `block` consecutive records of one shard at a time."""
+    if block == 1:
+        read = tf.data.TFRecordDataset
+    else:
+
+        def read(path: tf.Tensor) -> tf.data.Dataset:
+            return tf.data.TFRecordDataset(path).batch(block)
+
+    records = files.interleave(read, cycle_length=cycle, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    return records if block == 1 else records.unbatch()
+
+
 def make_dataset(
     shards: Shards,
     batch_size: int,
@@ -203,6 +232,7 @@ def make_dataset(
     preprocess: Callable[[dict[str, tf.Tensor]], dict[str, tf.Tensor]] | None = None,
     workers: int = 1,
     autotune: bool = False,
+    block: int | None = None,
 ) -> tf.data.Dataset:
     """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
 
@@ -212,6 +242,9 @@ def make_dataset(
     sleeps between tuning rounds (20 ms doubling up to 60 s) and destroying the iterator waited for that
     sleep to end, so `model.fit` returned up to a minute after its last epoch. Off, AUTOTUNE parallelism
     means one call per core; training ran as fast either way (benchmarks/autotune_teardown.py).
+
+    `block`: records each shard reader hands over at a time, block_for(batch_size, shards open) unless
+    given; 1 hands them over one by one.
     """
     check_columns(shards, inputs, label)
     if preprocess is not None:
@@ -219,12 +252,8 @@ def make_dataset(
     files = tf.data.Dataset.from_tensor_slices(list(shards.files))
     if training:
         files = files.shuffle(len(shards.files), seed=seed, reshuffle_each_iteration=True)
-    records = files.interleave(
-        tf.data.TFRecordDataset,
-        cycle_length=min(len(shards.files), 16),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=not training,
-    )
+    cycle = min(len(shards.files), MAX_OPEN_SHARDS)
+    records = _interleave_records(files, cycle, block or block_for(batch_size, cycle), deterministic=not training)
     if training:
         if shuffle_buffer > 1:
             records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)

@@ -277,6 +277,7 @@ def run_doctor(
     found = [
         _timed(checks.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),
+        _timed(checks.check_allocator),
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
         _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
     ]

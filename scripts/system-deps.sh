@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs: installed once, skipped when present.
 set -euo pipefail
-packages=(dataset-fashion-mnist)
+# libtcmalloc-minimal4: the allocator the runner image preloads (tests/test_doctor.py checks its detection).
+packages=(dataset-fashion-mnist libtcmalloc-minimal4)
 missing=()
 for package in "${packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -65,7 +65,7 @@ def test_doctor_on_a_machine_without_tpu_says_so_within_its_bound(env) -> None:
     code, report = doctor("--timeout", TIMEOUT, env=env)
     checks_ = named(report)
     assert code == 0 and report["exit_code"] == 0, report
-    assert list(checks_) == ["versions", "devices", "lockfile", "credentials", "gcs", "tensorflow", "tpu"]
+    assert list(checks_) == ["versions", "devices", "allocator", "lockfile", "credentials", "gcs", "tensorflow", "tpu"]
     assert checks_["versions"]["status"] == "ok" and "tensorflow-cpu 2.21.0" in checks_["versions"]["evidence"]
     assert checks_["tensorflow"]["status"] == "ok" and checks_["tensorflow"]["data"]["version"] == "2.21.0"
     assert checks_["tpu"]["status"] == "warn" and checks_["tpu"]["evidence"].startswith("no TPU")
@@ -284,6 +284,37 @@ def test_devices_follow_what_is_asked(tmp_path: Path) -> None:
     (tmp_path / "accel0").write_bytes(b"")  # a TPU VM's device file, as far as a listing goes
     present = checks.check_devices(AcceleratorSpec(kind="tpu"), nothing, dev_root=str(tmp_path))
     assert present.status == "ok" and present.data["tpu_devices"] == [str(tmp_path / "accel0")]
+
+
+def allocator_of_a_process(preload: str | None) -> dict[str, Any]:
+    """check_allocator as run by a fresh Python process started with (or without) LD_PRELOAD."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
+    code = "import json; from runner.doctor_checks import check_allocator; print(json.dumps(check_allocator().to_dict()))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_allocator_names_a_preloaded_tcmalloc_and_warns_on_glibc() -> None:
+    assert Path(checks.TCMALLOC_PRELOAD).exists(), "scripts/system-deps.sh installs libtcmalloc-minimal4"
+    preloaded = allocator_of_a_process(checks.TCMALLOC_PRELOAD)
+    mapped = os.path.realpath(checks.TCMALLOC_PRELOAD)  # the file behind the .so.4 link
+    assert preloaded["status"] == "ok" and preloaded["data"] == {"allocator": "tcmalloc", "library": mapped}
+    plain = allocator_of_a_process(None)
+    assert plain["status"] == "warn" and plain["data"]["allocator"] == "glibc"
+    assert f"LD_PRELOAD={checks.TCMALLOC_PRELOAD}" in plain["action"]
+
+
+def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f10 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
+        "7f10-7f20 rw-p 00000000 00:00 0 \n"
+        "7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    )
+    assert checks.check_allocator(str(maps)).data == {"allocator": "jemalloc", "library": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+    maps.write_text("7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert checks.check_allocator(str(maps)).status == "warn"
 
 
 def test_named_tpu_follows_strategy_order() -> None:

@@ -52,18 +52,21 @@ def test_image_runs_runner_as_an_unprivileged_user(docker_engine: Engine, runner
 
 @pytest.mark.slow
 @pytest.mark.host
-def test_image_imports_the_pinned_tensorflow(docker_engine: Engine, runner_image: str):
+def test_image_imports_the_pinned_tensorflow_with_tcmalloc(docker_engine: Engine, runner_image: str):
     probe = (
         "import importlib.metadata as m, tensorflow as tf;"
-        "print(tf.__version__, m.version('tensorflow-cpu'), m.version('keras'), m.version('tf-keras'))"
+        "from runner.doctor_checks import check_allocator;"
+        "print(tf.__version__, m.version('tensorflow-cpu'), m.version('keras'), m.version('tf-keras'),"
+        " check_allocator().data['allocator'])"
     )
     result = docker_engine.docker(
         "run", "--rm", "--network", "none", "--entrypoint", "python3", runner_image, "-c", probe, check=True, timeout=180
     )
-    tf_version, cpu_wheel, keras, tf_keras = result.stdout.split()
+    tf_version, cpu_wheel, keras, tf_keras, allocator = result.stdout.split()
     assert tf_version == cpu_wheel == _locked("tensorflow-cpu")
     assert keras == _locked("keras")
     assert tf_keras == tf_version  # tf-keras must match the TensorFlow minor it runs under
+    assert allocator == "tcmalloc", "the image preloads tcmalloc (Dockerfile: PRELOAD)"
 
 
 @pytest.mark.slow
