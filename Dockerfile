@@ -22,7 +22,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/runner/bin:$PATH
 # Jobs run as an unprivileged user (uid 1000). /app/runs, the default output.dir, is theirs to write;
 # /app/data is where a prepared dataset is mounted for jobs/mnist_cnn.yaml.
-# tcmalloc in place of glibc's malloc: TensorFlow's input pipeline ran 1.3x faster with it
+# tcmalloc in place of glibc's malloc: TensorFlow's input pipeline ran 1.33-1.38x faster with it
 # (benchmarks/input_pipeline.py; `runner doctor` shows the allocator). `--build-arg PRELOAD=` keeps glibc's.
 ARG TCMALLOC_VERSION=2.10-1
 ARG PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4

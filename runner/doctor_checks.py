@@ -194,7 +194,7 @@ TCMALLOC_PRELOAD = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 def check_allocator(maps: str = "/proc/self/maps") -> Check:
     """Which malloc this process (and so a `runner run` started the same way) uses: tcmalloc is faster here.
 
-    The input pipeline ran 1.3x faster with tcmalloc than with glibc's malloc (benchmarks/input_pipeline.py);
+    The input pipeline ran 1.33-1.38x faster with tcmalloc than with glibc's malloc (benchmarks/input_pipeline.py);
     the runner image preloads it.
     """
     mapped = {line.split()[-1] for line in Path(maps).read_text().splitlines() if len(line.split()) >= 6}
@@ -204,7 +204,7 @@ def check_allocator(maps: str = "/proc/self/maps") -> Check:
         return Check("allocator", "ok", f"{name} ({found[0]})", data={"allocator": name, "library": found[0]})
     return Check(
         "allocator", "warn",
-        "glibc's malloc: TensorFlow's input pipeline ran 1.3x faster with tcmalloc (benchmarks/input_pipeline.py)",
+        "glibc's malloc: TensorFlow's input pipeline ran 1.33-1.38x faster with tcmalloc (benchmarks/input_pipeline.py)",
         f"apt-get install libtcmalloc-minimal4, then export LD_PRELOAD={TCMALLOC_PRELOAD} (the runner image does)",
         data={"allocator": "glibc", "library": None},
     )
