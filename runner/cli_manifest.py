@@ -27,8 +27,8 @@ def manifest(
     """Write manifest.json beside your own TFRecords, from the spec's `data.features` schema.
 
     Counts the records of every shard that data.train and data.eval match, records each shard's sha256
-    (for `runner verify`), and checks the first record of each shard against the schema.
-    Exit 2, naming the shard and the feature, when the records do not fit it.
+    (for `runner verify`), and parses and decodes every record as training will.
+    Exit 2, naming the shard, the record and the feature, when a record does not fit the schema.
     """
     from runner.cli import _fail, _load, _setup_logging
 

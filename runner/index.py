@@ -2,8 +2,9 @@
 
 The job spec says where the shards are (`data.train`, `data.eval`) and what each record holds
 (`data.features`). Every shard is read once: its records are counted, its sha256 is recorded (so
-`runner verify` works), and its first record is checked against the schema, so a schema that does not
-fit the records fails here, naming the shard and the feature, rather than in the middle of training.
+`runner verify` works), and every record is parsed and decoded as training will, so a record that does not
+fit the schema fails here, naming the shard, the record and the feature, rather than in the middle of
+training.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import posixpath
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from runner import data, schema
@@ -82,20 +82,46 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
     return folders
 
 
+# Records parsed at a time while indexing: a batch that fails is then checked record by record.
+_CHECK_BATCH = 256
+
+
 def _index_shard(path: str, features: dict[str, schema.StoredFeature]) -> dict[str, Any]:
-    records = tf.data.TFRecordDataset(path)
+    return {"file": posixpath.basename(path), "records": _check_records(path, features), "sha256": data.sha256_of(path)}
+
+
+def _check_records(path: str, features: dict[str, schema.StoredFeature]) -> int:
+    """Counts the shard's records, parsing and decoding all of them with the training pipeline's own parser.
+
+    A batch that fails is read again record by record (schema.record_problems), so the error names the
+    record and the feature. The first record also gets that check up front: it sees what decoding forgives
+    (a PNG where JPEG is declared decodes all the same).
+    """
+    batches = tf.data.TFRecordDataset(path).batch(_CHECK_BATCH)
+    count = 0
     try:
-        first = next(iter(records.take(1)), None)
-        count = int(records.reduce(np.int64(0), lambda n, _: n + 1))
+        head = next(iter(batches.take(1)), None)
+        if head is not None and schema.record_problems(head.numpy()[0], features):
+            raise _misfit(path, head.numpy(), 0, None, features)
+        for size, _ in batches.map(lambda serialized: (tf.shape(serialized)[0], schema.parse_batch(serialized, features))):
+            count += int(size)
     except tf.errors.DataLossError as exc:
         raise DataError(
             f"{path} is not a readable TFRecord file ({exc.message.splitlines()[0]}); "
             "write uncompressed TFRecords of tf.train.Example"
         ) from None
-    if first is not None:
-        problems = schema.record_problems(first.numpy(), features)
+    except tf.errors.InvalidArgumentError as exc:
+        batch = next(iter(batches.skip(count // _CHECK_BATCH).take(1))).numpy()
+        raise _misfit(path, batch, count, exc, features) from None
+    return count
+
+
+def _misfit(path: str, records, first: int, exc: tf.errors.OpError | None, features: dict) -> DataError:
+    """The DataError for the first of `records` (record `first` of the shard onwards) that does not fit."""
+    for offset, record in enumerate(records):
+        problems = schema.record_problems(record, features)
         if problems:
-            raise DataError(
-                f"{path}: the first record does not fit data.features:\n  " + "\n  ".join(problems)
-            )
-    return {"file": posixpath.basename(path), "records": count, "sha256": data.sha256_of(path)}
+            where = "the first record" if first + offset == 0 else f"record {first + offset} (counting from 0)"
+            return DataError(f"{path}: {where} does not fit data.features:\n  " + "\n  ".join(problems))
+    why = exc.message.splitlines()[0] if exc is not None else "TensorFlow gave no reason"
+    return DataError(f"{path}: records {first} to {first + len(records) - 1} do not parse with data.features ({why})")

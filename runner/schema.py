@@ -153,7 +153,7 @@ def _decode_images(encoded: tf.Tensor, feature: StoredFeature, batch: int | None
         encoded,
         fn_output_signature=tf.TensorSpec((None, None, channels), tf.uint8),
     )
-    # Every image must have the declared size; `runner manifest` checks the first record of each shard.
+    # Every image must have the declared size; `runner manifest` checks every record of every shard.
     return tf.ensure_shape(images, (batch, *feature.shape))
 
 

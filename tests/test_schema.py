@@ -160,6 +160,29 @@ def test_runner_manifest_names_the_shard_and_feature_that_do_not_fit(tmp_path, r
     assert not (tmp_path / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("bad_at", [0, 300, 599])
+def test_a_misfit_record_deep_in_a_shard_is_named_by_its_number(tmp_path, bad_at):
+    """Every record is decoded, not only the first: one PNG of another size among 600 is found and named."""
+    good = tf.io.encode_png(np.zeros((5, 5, 1), np.uint8)).numpy()
+    bad = tf.io.encode_png(np.zeros((6, 5, 1), np.uint8)).numpy()
+    write_records(tmp_path / "train-0.tfrecord", [{"x": good, "label": [0]}] * 3)
+    rows = [{"x": bad if i == bad_at else good, "label": [i % 2]} for i in range(600)]
+    write_records(tmp_path / "train-1.tfrecord", rows)
+    declared = {"x": {"dtype": "uint8", "shape": [5, 5, 1], "decode": "png"}, "label": {"dtype": "int64"}}
+    spec = job(tmp_path, declared, inputs=["x"])
+    with pytest.raises(DataError) as caught:
+        index.write_user_manifests(spec, "schema.yaml")
+    where = "the first record" if bad_at == 0 else f"record {bad_at} (counting from 0)"
+    assert str(caught.value).startswith(f"{tmp_path}/train-1.tfrecord: {where} does not fit data.features")
+    assert "feature 'x' decodes to an image of shape [6, 5, 1], but the schema says [5, 5, 1]" in str(caught.value)
+    assert not (tmp_path / "manifest.json").exists()
+
+    write_records(tmp_path / "train-1.tfrecord", [{**row, "x": good} for row in rows])
+    index.write_user_manifests(spec, "schema.yaml")
+    counted = json.loads((tmp_path / "manifest.json").read_text())["splits"]["train"]
+    assert counted["records"] == 603 and [e["records"] for e in counted["shards"]] == [3, 600]
+
+
 def test_a_file_that_is_not_a_tfrecord_is_named(tmp_path):
     (tmp_path / "train-0.tfrecord").write_bytes(b"x,y\n1,2\n" * 10)
     spec = job(tmp_path, {"x": {"dtype": "float32"}, "label": {"dtype": "int64"}}, inputs=["x"])
