@@ -183,6 +183,20 @@ def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, 
     return decode
 
 
+def example_inputs(features: dict[str, Feature], inputs: tuple[str, ...], preprocess: Callable | None = None):
+    """serialized Examples -> the model's inputs, as in training but without a label (the SavedModel's
+    `serve_examples`, runner/serving.py)."""
+    used = {n: features[n] for n in inputs}
+
+    def to_inputs(serialized: tf.Tensor):
+        parsed = schema.parse_batch(serialized, used)
+        if preprocess is not None:
+            parsed = preprocess(parsed)
+        return parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}
+
+    return to_inputs
+
+
 def check_columns(shards: Shards, inputs: tuple[str, ...], label: str) -> None:
     for key, name in [*(("data.inputs", n) for n in inputs), ("data.label", label)]:
         if name not in shards.features:

@@ -206,7 +206,8 @@ def run_job(
             if scalars and recorder.epochs:
                 scalars.evaluation(metrics, recorder.epochs[-1].epoch)
         with phases.phase("export"):
-            extra["model"] = run.save_model(model, accelerator.worker_index)
+            serve_examples = data.example_inputs(train_shards.features, spec.data.inputs, preprocess)
+            extra["model"] = run.save_model(model, accelerator.worker_index, serve_examples)
         status = "succeeded"
     except Preempted as exc:
         status, error = "preempted", exc

@@ -38,27 +38,20 @@ How an attempt ends, and what the next one does (tests/test_resume.py, tests/tes
 
 from __future__ import annotations
 
-import inspect
 import json
 import posixpath
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
-from runner import storage
+from runner import serving, storage
 from runner.errors import SpecError, StorageError
 from runner.spec import JobSpec
 
 # Spec sections that decide what the checkpoints mean; a resumed run must not change them.
 _PINNED_SECTIONS = ("data", "model", "train")
 _FREE_KEYS = {("train", "epochs")}
-
-
-def _export_saved_model(model: Any, path: str) -> None:
-    # Keras 3 prints the exported endpoints unless told not to; tf-keras has no such argument.
-    kwargs = {"verbose": False} if "verbose" in inspect.signature(model.export).parameters else {}
-    model.export(path, **kwargs)
 
 
 class RunFolder:
@@ -152,8 +145,9 @@ class RunFolder:
         """The newest complete checkpoint in the run folder (every worker restores from the chief's)."""
         return tf.train.latest_checkpoint(self.checkpoints)
 
-    def save_model(self, model: Any, worker_index: int = 0) -> str | None:
-        """Writes model.keras whole-or-nothing; other workers take part in the save into scratch space."""
+    def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:
+        """Writes model.keras whole-or-nothing, then saved_model/ (runner/serving.py: `examples_to_inputs`
+        gives it the `serve_examples` endpoint); other workers take part in the save into scratch space."""
         if worker_index:
             scratch = self._worker_scratch(worker_index, "model.keras")
             model.save(scratch)
@@ -165,7 +159,7 @@ class RunFolder:
         tf.io.gfile.rename(partial, path, overwrite=True)
         # A SavedModel too, for TF Serving and TensorFlow without Keras (written after model.keras, so an
         # interrupted export never leaves a run without its .keras file).
-        _export_saved_model(model, self.file("saved_model"))
+        serving.export(model, self.file("saved_model"), examples_to_inputs)
         return path
 
     def _worker_scratch(self, worker_index: int, name: str) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+import yaml
 
 from runner.datasets import load_dataset
 from tests.conftest import last_json, run_cli
@@ -46,10 +47,28 @@ def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(mnist_job
     expected = np.argmax(model.predict(images.astype("float32"), verbose=0), axis=1)
     assert [r["class"] for r in rows] == expected.tolist()
 
+    # The SavedModel answers the same from the model's inputs (`serve`, the serving default) and from the
+    # shards' own serialized records (`serve_examples`: the runner's parser inside the export).
+    loaded = tf.saved_model.load(str(run_dir / "saved_model"))
+    assert {"serving_default", "serve", "serve_examples"} <= set(loaded.signatures)
+    test_shards = tf.io.gfile.glob(yaml.safe_load(Path(trained_on_two).read_text())["data"]["eval"])
+    records = [r.numpy() for r in tf.data.TFRecordDataset(test_shards).take(7)]
+    pixels = np.stack([_image_of(record) for record in records])
+    reference = model.predict(pixels, verbose=0)
+    np.testing.assert_allclose(loaded.serve(tf.constant(pixels)).numpy(), reference, atol=1e-5)
+    np.testing.assert_allclose(loaded.serve_examples(tf.constant(records)).numpy(), reference, atol=1e-5)
+
     # Predicting on two replicas works with the odd count too (padding, not a divisibility error).
     on_two = run_cli("predict", trained_on_two, "--input", tmp_path / "seven.npy", "--output", tmp_path / "p.npy")
     assert on_two.returncode == 0, on_two.stderr
     assert np.load(tmp_path / "p.npy").argmax(axis=1).tolist() == expected.tolist()
+
+
+def _image_of(record: bytes) -> np.ndarray:
+    """The 28x28x1 image of a serialized MNIST Example, read without the runner's parser, as float32."""
+    feature = tf.train.Example.FromString(record).features.feature["image"]
+    values = np.frombuffer(feature.bytes_list.value[0], np.uint8) if feature.bytes_list.value else np.array(feature.int64_list.value)
+    return values.reshape(28, 28, 1).astype(np.float32)
 
 
 def test_predict_refuses_inputs_of_the_wrong_shape(mnist_job, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ start-up error with exit code 2 that names the path and what was found.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,7 +16,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from runner.errors import SpecError
 from runner.userimport import load_callable
@@ -57,6 +60,27 @@ def fashion_data(tmp_path_factory) -> Path:
     return out
 
 
+def standardize(pixels: np.ndarray) -> np.ndarray:
+    """The example's own data.preprocess, loaded from its file (the package is not installed here)."""
+    spec = importlib.util.spec_from_file_location("fashion_preprocess", EXAMPLE / "src" / "fashionnet" / "preprocess.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.standardize({"image": tf.constant(pixels)})["image"].numpy()
+
+
+def served_examples(summary: dict, data: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The run's SavedModel fed the eval shards' own PNG records: `serve_examples` decodes and preprocesses them
+    as training did, so it answers as `serve` does on the standardized pixels (and not on the raw ones)."""
+    loaded = tf.saved_model.load(str(Path(summary["model"]).parent / "saved_model"))
+    records = [r.numpy() for r in tf.data.TFRecordDataset(sorted(map(str, data.glob("eval-*.tfrecord")))).take(6)]
+    pngs = [tf.train.Example.FromString(r).features.feature["image"].bytes_list.value[0] for r in records]
+    pixels = np.stack([tf.io.decode_png(png, channels=1).numpy() for png in pngs]).astype(np.float32)
+    from_records = loaded.serve_examples(tf.constant(records)).numpy()
+    np.testing.assert_allclose(from_records, loaded.serve(tf.constant(standardize(pixels))).numpy(), atol=1e-5)
+    assert not np.allclose(from_records, loaded.serve(tf.constant(pixels)).numpy(), atol=1e-3)
+    return pixels, from_records
+
+
 @pytest.mark.slow
 def test_example_trains_through_the_cli(fashion_data: Path, tmp_path: Path):
     result = run_cli(
@@ -76,6 +100,8 @@ def test_example_trains_through_the_cli(fashion_data: Path, tmp_path: Path):
     model = keras.models.load_model(summary["model"], compile=False)
     assert model.name == "fashionnet"
     assert model.output_shape == (None, 10)
+    pixels, from_records = served_examples(summary, fashion_data)
+    np.testing.assert_allclose(from_records, model.predict(standardize(pixels), verbose=0), atol=1e-4)
 
 
 @pytest.mark.slow
@@ -90,6 +116,7 @@ def test_example_trains_under_tf_keras_as_on_tpu_images(fashion_data: Path, tmp_
     summary = last_json(result.stdout)
     assert summary["accelerator"]["keras"].startswith("tf-keras")
     assert summary["metrics"]["accuracy"] > 0.3
+    served_examples(summary, fashion_data)
 
 
 @pytest.mark.slow
