@@ -174,6 +174,10 @@ def run_job(
                 train.fit(model, train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=validation)
             except tf.errors.DataLossError as exc:
                 raise _name_corrupt_shard(spec, exc) from None
+            except tf.errors.InvalidArgumentError as exc:
+                if not _from_input(exc):
+                    raise
+                raise _input_misfit(spec, exc, "data.train") from None
             finally:
                 if profiler:
                     profiler.close()
@@ -200,6 +204,10 @@ def run_job(
                     results = model.evaluate(eval_ds, steps=eval_steps, return_dict=True, verbose=verbose)
                 except tf.errors.DataLossError as exc:
                     raise _name_corrupt_shard(spec, exc, pattern=spec.data.eval) from None
+                except tf.errors.InvalidArgumentError as exc:
+                    if not _from_input(exc):
+                        raise
+                    raise _input_misfit(spec, exc, "data.eval") from None
             metrics = {k: float(v) for k, v in results.items()}
             metrics["examples"] = eval_steps * spec.data.global_batch_size
             log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -260,6 +268,27 @@ def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess,
         workers=workers, autotune=spec.data.autotune,
     )
     return dataset, data.steps_in(shards, spec.data.global_batch_size, key)
+
+
+def _from_input(exc: tf.errors.OpError) -> bool:
+    """Whether a training or evaluation error came out of the input pipeline (Keras tags the iterator's op)."""
+    return "IteratorGetNext" in exc.message
+
+
+def _input_misfit(spec: JobSpec, exc: tf.errors.OpError, key: str) -> DataError:
+    """A batch the pipeline could not decode: a record that does not fit data.features, or data.preprocess."""
+    pattern = spec.data.train if key == "data.train" else spec.data.eval
+    changed = data.corrupt_shards(pattern)
+    # TensorFlow's line ends "...transformation with iterator: Iterator::Root::ParallelMapV2: <the reason>."
+    lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
+    reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
+    reason = reason.rsplit(": ", 1)[-1]
+    where = f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"
+    return DataError(
+        f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
+        "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
+        "or `runner prepare` for a built-in dataset; the run stopped, checkpoints kept"
+    )
 
 
 def _name_corrupt_shard(spec: JobSpec, exc: tf.errors.DataLossError, pattern: str | None = None) -> DataError:

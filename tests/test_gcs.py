@@ -193,6 +193,32 @@ def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mn
     assert not list((tmp_path / "runs" / "flipped").glob("checkpoints/ckpt-*"))  # it failed before any save
 
 
+@pytest.mark.slow
+def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path):
+    """A readable shard swapped in after `runner prepare`, one image 10 bytes short: exit 2, not a traceback."""
+    import tensorflow as tf
+
+    folder = tmp_path / "mnist"
+    shutil.copytree(tiny_mnist, folder)
+    shard = folder / "train-00003-of-00004.tfrecord"
+    records = [r.numpy() for r in tf.data.TFRecordDataset(str(shard))]
+    short = tf.train.Example.FromString(records[100])
+    image = short.features.feature["image"].bytes_list.value
+    image[0] = image[0][:-10]
+    records[100] = short.SerializeToString()
+    with tf.io.TFRecordWriter(str(shard)) as writer:
+        for record in records:
+            writer.write(record)
+    spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None}, train={"epochs": 1})
+    result = run_cli("run", spec)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "data.train: a batch could not be decoded" in result.stderr
+    assert f"shards that differ from their manifest: {shard}: sha256" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert last_json(result.stdout)["status"] == "failed"
+    assert not list((tmp_path / "runs" / "misfit").glob("checkpoints/ckpt-*"))
+
+
 def test_run_into_a_missing_output_bucket_fails_fast_naming_it(gcs, mnist_job):
     spec = mnist_job(
         "nobucket", output={"dir": "gs://no-such-output-bucket/runs"},
