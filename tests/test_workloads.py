@@ -82,6 +82,20 @@ def test_image_workloads_train_on_real_images(job: str, prepared, tmp_path: Path
     assert (tmp_path / job / "model.keras").exists()
 
 
+def serves_records_like_the_model(run_dir: Path, pattern: str, model) -> None:
+    """The run's SavedModel, given the test shards' serialized records (`serve_examples`), answers as the
+    trained Keras model does on the same records decoded by the runner's parser."""
+    import tensorflow as tf
+
+    from runner.data import example_inputs, find_shards
+
+    shards = find_shards(pattern)
+    records = tf.constant([r.numpy() for r in tf.data.TFRecordDataset(list(shards.files)).take(32)])
+    inputs = example_inputs(shards.features, tuple(shards.manifest["inputs"]))(records)
+    loaded = tf.saved_model.load(str(run_dir / "saved_model"))
+    np.testing.assert_allclose(loaded.serve_examples(records).numpy(), model.predict(inputs, verbose=0), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_path: Path) -> None:
     import keras
@@ -100,6 +114,7 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
     assert tokens.shape == (256, 250) and tokens.dtype == np.int64
     predicted = model.predict(tokens, verbose=0)[:, 0] > 0.5
     assert summary["metrics"]["accuracy"] == pytest.approx(np.mean(predicted == labels), abs=1e-6)
+    serves_records_like_the_model(tmp_path / "imdb_lstm", f"{data}/test-*.tfrecord", model)
 
 
 @pytest.mark.slow
@@ -125,6 +140,7 @@ def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) 
     predicted = model.predict(windows, verbose=0)[:, 0]
     assert summary["metrics"]["mae"] == pytest.approx(np.mean(np.abs(predicted - targets)), rel=1e-4)
     assert summary["metrics"]["loss"] == pytest.approx(np.mean((predicted - targets) ** 2), rel=1e-4)
+    serves_records_like_the_model(tmp_path / "weather_rnn", f"{data}/test-*.tfrecord", model)
 
 
 @pytest.mark.slow
