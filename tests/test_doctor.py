@@ -1,7 +1,8 @@
-"""`runner doctor`: every check's ok and fail paths on this machine (no TPU), with real processes, real
-files, a real GCS emulator, a real held lockfile and a tampered shard. Only what cannot exist here is
-stood in for: a TPU device file (a plain file), Google's metadata server (a local HTTP server), and a
+"""`runner doctor` as a user runs it on this machine (no TPU): the whole report, the TensorFlow and TPU
+checks in their child process, and buckets on a real GCS emulator, with real processes, a real held
+lockfile and a tampered shard. Only what cannot exist here is stood in for: a TPU that never answers and a
 TensorFlow that aborts or hangs at import (a package that does just that, as a mismatched libtpu does).
+The host checks one by one (versions, devices, allocator, lockfile, credentials): test_doctor_checks.py.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,8 +21,9 @@ import pytest
 
 from runner import doctor as doctor_module
 from runner import doctor_checks as checks
-from runner.spec import AcceleratorSpec, JobSpec
+from runner.spec import JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
+from tests.test_doctor_checks import HOLD_LOCK, spawn, stop
 
 TIMEOUT = 30
 
@@ -42,20 +42,6 @@ def named(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def env(tmp_path: Path) -> dict[str, str]:
     """The CLI's environment, with libtpu's lockfile moved out of the real /tmp."""
     return cli_env(RUNNER_LIBTPU_LOCKFILE=str(tmp_path / "libtpu_lockfile"))
-
-
-def spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A helper process that prints one line once it is ready; the test stops it by PID."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE, text=True, env=env,
-    )
-    assert process.stdout.readline().strip() == "ready"
-    return process
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait(timeout=10)
 
 
 # --- the whole doctor, as a user runs it ------------------------------------------------------
@@ -207,260 +193,6 @@ def test_tensorflow_that_hangs_at_import_is_killed_by_pid_and_tabled(env, tmp_pa
     pid = int(re.search(r"killed the probe \(pid (\d+)\)", tensorflow["evidence"]).group(1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-
-
-# --- versions ----------------------------------------------------------------------------------
-
-
-def installed(folder: Path, **versions: str) -> list[str]:
-    """Distribution metadata, as pip writes it, for the versions check to find."""
-    for name, version in versions.items():
-        info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    return [str(folder)]
-
-
-def test_versions_of_this_machine_are_known_good() -> None:
-    check = checks.check_versions(tpu_wanted=False)
-    assert check.status == "ok", check
-    assert check.data["known_good"][0] == "tensorflow-cpu==2.21.0"
-
-
-def test_tensorflow_tpu_with_a_libtpu_that_aborts_its_import_fails(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.52", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=True, paths=paths)
-    assert check.status == "fail"
-    assert "libtpu 0.0.52 (wants libtpu>=0.0.14,<=0.0.31)" in check.evidence and "aborts" in check.evidence
-    assert check.action.startswith("pip install tensorflow-tpu==2.20.0 libtpu==0.0.19")
-
-
-def test_tensorflow_tpu_without_libtpu_fails_and_an_untried_libtpu_warns(tmp_path: Path) -> None:
-    bare = installed(tmp_path / "bare", **{"tensorflow-tpu": "2.20.0", "keras": "3.15.1"})
-    assert checks.check_versions(tpu_wanted=True, paths=bare).status == "fail"
-    older = installed(tmp_path / "older", **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.13", "keras": "3.15.1"})
-    untried = checks.check_versions(tpu_wanted=True, paths=older)
-    assert untried.status == "warn" and "nobody has tried" in untried.evidence
-
-
-@pytest.mark.parametrize("libtpu", ["0.0.14", "0.0.19", "0.0.31"])
-def test_tensorflow_tpu_with_a_libtpu_that_loads_is_known_good(tmp_path: Path, libtpu: str) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": libtpu, "keras": "3.15.1"})
-    assert checks.check_versions(tpu_wanted=True, paths=paths).status == "ok"
-
-
-def test_two_tensorflows_in_one_environment_fail(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow": "2.21.0", "tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=False, paths=paths)
-    assert check.status == "fail" and "2 TensorFlow distributions" in check.evidence
-
-
-def test_the_cpu_wheel_where_a_tpu_is_wanted_fails(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=True, paths=paths)
-    assert check.status == "fail" and "no TPU kernels" in check.evidence
-    assert "pip install tensorflow-tpu==2.20.0 libtpu==0.0.19" in check.action
-
-
-def test_known_good_rows_carry_their_source_and_date() -> None:
-    rows = json.loads(checks.KNOWN_GOOD.read_text())["combos"]
-    assert {row["platform"] for row in rows} == {"tpu", "cpu"}
-    for row in rows:
-        assert row["requires"][0].split("==")[0] in checks.TENSORFLOW_DISTRIBUTIONS
-        assert row["source"] and row["checked"] and row["verified"] and row["install"]
-
-
-# --- devices -----------------------------------------------------------------------------------
-
-
-def test_devices_follow_what_is_asked(tmp_path: Path) -> None:
-    nothing = {}
-    assert checks.check_devices(AcceleratorSpec(), nothing).status == "warn"
-    assert checks.check_devices(AcceleratorSpec(kind="tpu"), nothing).status == "fail"
-    assert checks.check_devices(AcceleratorSpec(kind="gpu"), nothing).status == "fail"
-    local = checks.check_devices(AcceleratorSpec(), {"TPU_NAME": "local"})
-    assert local.status == "fail" and "--privileged" in local.action
-    assert checks.check_devices(AcceleratorSpec(kind="tpu"), {"TPU_NAME": "my-tpu"}).status == "ok"
-    (tmp_path / "accel0").write_bytes(b"")  # a TPU VM's device file, as far as a listing goes
-    present = checks.check_devices(AcceleratorSpec(kind="tpu"), nothing, dev_root=str(tmp_path))
-    assert present.status == "ok" and present.data["tpu_devices"] == [str(tmp_path / "accel0")]
-
-
-def allocator_of_a_process(preload: str | None) -> dict[str, Any]:
-    """check_allocator as run by a fresh Python process started with (or without) LD_PRELOAD."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
-    code = "import json; from runner.doctor_checks import check_allocator; print(json.dumps(check_allocator().to_dict()))"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def test_allocator_names_a_preloaded_tcmalloc_and_warns_on_glibc() -> None:
-    assert Path(checks.TCMALLOC_PRELOAD).exists(), "scripts/system-deps.sh installs libtcmalloc-minimal4"
-    preloaded = allocator_of_a_process(checks.TCMALLOC_PRELOAD)
-    mapped = os.path.realpath(checks.TCMALLOC_PRELOAD)  # the file behind the .so.4 link
-    assert preloaded["status"] == "ok" and preloaded["data"] == {"allocator": "tcmalloc", "library": mapped}
-    plain = allocator_of_a_process(None)
-    assert plain["status"] == "warn" and plain["data"]["allocator"] == "glibc"
-    assert f"LD_PRELOAD={checks.TCMALLOC_PRELOAD}" in plain["action"]
-
-
-def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
-    maps = tmp_path / "maps"
-    maps.write_text(
-        "7f00-7f10 r-xp 00000000 08:01 42   /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
-        "7f10-7f20 rw-p 00000000 00:00 0 \n"
-        "7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n"
-    )
-    assert checks.check_allocator(str(maps)).data == {"allocator": "jemalloc", "library": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
-    maps.write_text("7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n")
-    assert checks.check_allocator(str(maps)).status == "warn"
-
-
-def test_named_tpu_follows_strategy_order() -> None:
-    from runner.strategy import tpu_target
-
-    cases = [
-        (AcceleratorSpec(tpu="spec-tpu"), {"TPU_NAME": "env-tpu"}),
-        (AcceleratorSpec(), {"TPU_NAME": "env-tpu", "COLAB_TPU_ADDR": "10.0.0.2:8470"}),
-        (AcceleratorSpec(), {"COLAB_TPU_ADDR": "10.0.0.2:8470"}),
-        (AcceleratorSpec(), {}),
-    ]
-    for spec, environ in cases:
-        assert checks.named_tpu(spec, environ) == tpu_target(spec, environ)
-
-
-# --- libtpu lockfile ---------------------------------------------------------------------------
-
-HOLD_LOCK = """
-    import os, sys, time
-    fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
-    os.lockf(fd, os.F_TLOCK, 0)  # what libtpu does (tpu_initialize_util.cc)
-    print("ready", flush=True)
-    time.sleep(120)
-"""
-
-
-def test_lockfile_absent_held_then_left_behind(tmp_path: Path) -> None:
-    lockfile = str(tmp_path / "libtpu_lockfile")
-    assert checks.check_lockfile(lockfile).status == "ok"
-    holder = spawn(HOLD_LOCK, lockfile)
-    try:
-        held = checks.check_lockfile(lockfile)
-        assert held.status == "fail" and held.data["holder"] == holder.pid
-        assert f"locked by pid {holder.pid}" in held.evidence and f"kill {holder.pid}" in held.action
-        assert checks.check_lockfile(lockfile, tpu_wanted=False).status == "warn"
-    finally:
-        stop(holder)
-    left = checks.check_lockfile(lockfile)
-    assert left.status == "warn" and "killed" in left.evidence and left.data["holder"] is None
-
-
-def test_an_flock_on_the_lockfile_is_found_too(tmp_path: Path) -> None:
-    lockfile = tmp_path / "libtpu_lockfile"
-    code = "import fcntl, sys, time\nf = open(sys.argv[1], 'w')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
-    holder = spawn(code + "print('ready', flush=True)\ntime.sleep(120)\n", str(lockfile))
-    try:
-        check = checks.check_lockfile(str(lockfile))
-        assert check.status == "fail" and check.data["holder"] == holder.pid
-    finally:
-        stop(holder)
-
-
-def test_a_process_with_the_tpu_device_open_is_named(tmp_path: Path) -> None:
-    device = tmp_path / "accel0"
-    device.write_bytes(b"")
-    code = "import sys, time\nf = open(sys.argv[1], 'rb')\nprint('ready', flush=True)\ntime.sleep(120)\n"
-    user = spawn(code, str(device))
-    try:
-        check = checks.check_lockfile(str(tmp_path / "libtpu_lockfile"), dev_root=str(tmp_path))
-        assert check.status == "fail" and f"pid {user.pid}" in check.evidence and str(device) in check.evidence
-    finally:
-        stop(user)
-
-
-# --- credentials -------------------------------------------------------------------------------
-
-METADATA_SERVER = """
-    import http.server, json, sys, threading
-    email, scopes, log = sys.argv[1], sys.argv[2], sys.argv[3]
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            with open(log, "a") as out:
-                out.write(json.dumps({"path": self.path, "flavor": self.headers.get("Metadata-Flavor")}) + "\\n")
-            answers = {"email": email, "scopes": scopes.replace(",", "\\n")}
-            body = answers.get(self.path.rsplit("/", 1)[-1], "").encode()
-            self.send_response(200 if body else 404)
-            self.send_header("Metadata-Flavor", "Google")
-            self.end_headers()
-            self.wfile.write(body)
-        def log_message(self, *args):
-            pass
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Timer(120, server.shutdown).start()
-    print("ready", flush=True)
-    print(server.server_address[1], flush=True)
-    server.serve_forever()
-"""
-
-
-@pytest.fixture
-def metadata_server(tmp_path: Path):
-    """Google's metadata server as a local HTTP server that records requests; stopped by PID."""
-    started = []
-
-    def start(email: str, scopes: str) -> tuple[str, Path]:
-        log = tmp_path / f"metadata-{len(started)}.log"
-        process = spawn(METADATA_SERVER, email, scopes, str(log))
-        started.append(process)
-        return f"127.0.0.1:{process.stdout.readline().strip()}", log
-
-    yield start
-    for process in started:
-        stop(process)
-
-
-def test_credentials_from_the_metadata_server(metadata_server) -> None:
-    scopes = "https://www.googleapis.com/auth/cloud-platform,https://www.googleapis.com/auth/userinfo.email"
-    host, log = metadata_server("runner@project.iam.gserviceaccount.com", scopes)
-    check = checks.check_credentials({"GCE_METADATA_HOST": host}, needs_gcs=True)
-    assert check.status == "ok" and "service account runner@project.iam.gserviceaccount.com" in check.evidence
-    requests = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {r["flavor"] for r in requests} == {"Google"} and len(requests) == 2
-
-
-def test_a_vm_without_storage_scope_fails_for_a_gcs_job(metadata_server) -> None:
-    host, _ = metadata_server("runner@project.iam.gserviceaccount.com", "https://www.googleapis.com/auth/logging.write")
-    check = checks.check_credentials({"GCE_METADATA_HOST": host}, needs_gcs=True)
-    assert check.status == "fail" and "scopes do not include storage" in check.evidence
-    assert checks.check_credentials({"GCE_METADATA_HOST": host}, needs_gcs=False).status == "warn"
-
-
-def test_service_account_file_is_named_without_its_secret(tmp_path: Path) -> None:
-    key = tmp_path / "key.json"
-    key.write_text(json.dumps({
-        "type": "service_account", "client_email": "job@p.iam.gserviceaccount.com",
-        "private_key": "-----BEGIN PRIVATE KEY-----\nSECRET-KEY-MATERIAL\n", "private_key_id": "SECRET-ID",
-    }))
-    environ = {"GOOGLE_APPLICATION_CREDENTIALS": str(key), "NO_GCE_CHECK": "true"}
-    check = checks.check_credentials(environ, needs_gcs=True)
-    assert check.status == "ok" and "service_account job@p.iam.gserviceaccount.com" in check.evidence
-    assert "SECRET" not in json.dumps(check.to_dict())
-
-
-def test_proxy_password_is_not_shown() -> None:
-    environ = {"https_proxy": "http://user:hunter2@127.0.0.1:9", "CURL_CA_BUNDLE": ""}
-    check = checks.check_gcs_endpoint(environ, needs_gcs=True, timeout=2)
-    assert check.status == "fail" and "user:***@127.0.0.1:9" in check.evidence and "hunter2" not in check.evidence
-
-
-def test_missing_credentials_fail_only_a_gcs_job(tmp_path: Path) -> None:
-    environ = {
-        "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "gone.json"), "NO_GCE_CHECK": "true", "HOME": str(tmp_path)
-    }
-    check = checks.check_credentials(environ, needs_gcs=True)
-    assert check.status == "fail" and "gone.json does not exist" in check.evidence
-    assert checks.check_credentials(environ, needs_gcs=False).status == "warn"
 
 
 # --- buckets on the GCS emulator ---------------------------------------------------------------
