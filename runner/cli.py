@@ -19,7 +19,8 @@ from typing import Annotated, Optional
 import typer
 
 from runner.errors import EXIT_USAGE, RunnerError, SpecError
-from runner.spec import JobSpec, load_spec
+from runner.spec import JobSpec
+from runner.specfile import load_spec
 from runner.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
 
 app = typer.Typer(

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from runner.errors import EXIT_USAGE, RunnerError
-from runner.spec import load_spec
+from runner.specfile import load_spec
 
 app = typer.Typer()
 

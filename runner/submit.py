@@ -29,7 +29,8 @@ import yaml
 
 from runner import pricing, storage
 from runner.errors import AcceleratorError, RunnerError, SpecError
-from runner.spec import JobSpec, load_spec
+from runner.spec import JobSpec
+from runner.specfile import load_spec
 
 API_HOST = "https://tpu.googleapis.com"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"

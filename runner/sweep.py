@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import EXIT_PREEMPTED, SpecError
-from runner.spec import JobSpec, load_spec, parse_override
+from runner.spec import JobSpec
+from runner.specfile import load_spec, parse_override
 
 log = logging.getLogger(__name__)
 

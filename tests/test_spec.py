@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from runner.errors import SpecError
-from runner.spec import JobSpec, load_spec
+from runner.spec import JobSpec
+from runner.specfile import load_spec
 from tests.conftest import REPO, run_cli
 
 BAD = sorted((Path(__file__).parent / "specs" / "bad").glob("*.yaml"))

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from runner.spec import load_spec
+from runner.specfile import load_spec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
