@@ -41,6 +41,7 @@ class Row:
     accuracy: float | None
     input_wait_fraction: float | None
     speedup: float | None = None
+    software: tuple[tuple[str, str], ...] = ()  # (TensorFlow | Keras | malloc, version), as far as recorded
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -154,7 +155,24 @@ def to_row(source: str, doc: dict[str, Any]) -> Row:
         goodput=timing.get("goodput"),
         accuracy=metrics.get("accuracy"),
         input_wait_fraction=timing.get("input_wait_fraction"),
+        software=tuple((name, accelerator[key]) for key, name in _SOFTWARE if accelerator.get(key)),
     )
+
+
+_SOFTWARE = (("tensorflow", "TensorFlow"), ("keras", "Keras"), ("allocator", "malloc"))
+
+
+def _software_text(row: Row) -> str:
+    return ", ".join(value if name == "Keras" else f"{name} {value}" for name, value in row.software)  # "keras 3.15.1"
+
+
+def _software_differs(rows: list[Row]) -> bool:
+    """Whether two runs record different versions of the same thing (a summary without one is no evidence)."""
+    seen: dict[str, set[str]] = {}
+    for row in rows:
+        for name, value in row.software:
+            seen.setdefault(name, set()).add(value)
+    return any(len(values) > 1 for values in seen.values())
 
 
 def pick_baseline(rows: list[Row], baseline: str | None) -> Row:
@@ -233,6 +251,9 @@ def notes(rows: list[Row], baseline: Row) -> list[str]:
     old = [r.job for r in rows if r.schema_version < 2]
     if old:
         lines.append(f"read from schema_version 1 (no input wait recorded): {', '.join(old)}")
+    if _software_differs(rows):  # a speed-up then measures the software too (tcmalloc alone: up to 1.38x input)
+        runs = "; ".join(f"{r.job}: {_software_text(r)}" for r in rows if r.software)
+        lines.append(f"the runs differ in software, which the speed-up includes: {runs}")
     return lines
 
 

@@ -94,6 +94,7 @@ def test_image_trains_the_mnist_job_on_a_mounted_folder(
     assert summary["status"] == "succeeded"
     assert summary["job"] == "mnist_cnn"
     assert summary["accelerator"]["kind"] == "cpu"
+    assert summary["accelerator"]["allocator"] == "tcmalloc"
     assert summary["epochs"][0]["steps"] == 4
     assert summary["metrics"]["examples"] == 512  # the whole eval split, 8 batches of 64
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import last_json, run_cli
+from runner.doctor_checks import TCMALLOC_PRELOAD
+from tests.conftest import cli_env, last_json, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,8 @@ def checkpoint_files(run_dir: Path) -> dict[str, float]:
 
 def test_run_trains_then_reruns_as_complete_then_extends(mnist_job, tmp_path: Path) -> None:
     spec = mnist_job("tiny")
-    first = run_cli("run", spec)
+    glibc = {k: v for k, v in cli_env().items() if k != "LD_PRELOAD"}
+    first = run_cli("run", spec, env=glibc)
     assert first.returncode == 0, first.stderr
     # Not a terminal: no progress bars, so the summary is the only stdout line.
     assert len(first.stdout.strip().splitlines()) == 1
@@ -27,6 +29,7 @@ def test_run_trains_then_reruns_as_complete_then_extends(mnist_job, tmp_path: Pa
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["status"] == "succeeded"
     assert summary["accelerator"]["kind"] == "cpu" and summary["accelerator"]["replicas"] == 1
+    assert summary["accelerator"]["allocator"] == "glibc"
     assert summary["steps_per_epoch"] == 2048 // 128
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
     assert [e["steps"] for e in summary["epochs"]] == [16, 16]
@@ -50,9 +53,11 @@ def test_run_trains_then_reruns_as_complete_then_extends(mnist_job, tmp_path: Pa
     assert last_json(again.stdout) == summary
     assert checkpoint_files(run_dir) == saved, "a finished job re-run writes nothing"
 
-    longer = run_cli("run", spec, "--set", "train.epochs=3")
+    # The third epoch on tcmalloc: the summary says which malloc the run had (runs compared side by side).
+    longer = run_cli("run", spec, "--set", "train.epochs=3", env=cli_env(LD_PRELOAD=TCMALLOC_PRELOAD))
     assert longer.returncode == 0, longer.stderr
     extended = last_json(longer.stdout)
+    assert extended["accelerator"]["allocator"] == "tcmalloc"
     assert extended["resumed_from_step"] == 32
     assert [e["epoch"] for e in extended["epochs"]] == [3]
     assert extended["final_step"] == 48

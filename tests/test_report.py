@@ -88,6 +88,24 @@ def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_pat
     assert wrong.returncode == 2 and "--baseline 'nope' names no run; use a job name (b256)" in wrong.stderr
 
 
+def test_runs_on_different_software_are_flagged_beside_the_speed_up() -> None:
+    doc = report.read_summary(str(V1))
+
+    def run(job: str, allocator: str) -> report.Row:
+        accelerator = {**doc["accelerator"], "tensorflow": "2.21.0", "keras": "keras 3.15.1", "allocator": allocator}
+        return report.to_row(job, {**doc, "job": job, "accelerator": accelerator})
+
+    same = [run("a", "tcmalloc"), run("b", "tcmalloc"), report.to_row("v1", doc)]
+    assert same[0].software == (("TensorFlow", "2.21.0"), ("Keras", "keras 3.15.1"), ("malloc", "tcmalloc"))
+    assert same[2].software == (("TensorFlow", "2.21.0"), ("Keras", "keras 3.15.1")), "version 1 recorded no malloc"
+    assert not any("differ in software" in line for line in report.notes(same, same[0])), "unknown is not different"
+    mixed = [run("image", "tcmalloc"), run("laptop", "glibc")]
+    assert report.notes(mixed, mixed[0])[-1] == (
+        "the runs differ in software, which the speed-up includes: image: TensorFlow 2.21.0, keras 3.15.1, "
+        "malloc tcmalloc; laptop: TensorFlow 2.21.0, keras 3.15.1, malloc glibc"
+    )
+
+
 def test_a_plot_needs_steady_timing(tmp_path: Path) -> None:
     row = report.to_row("x", {**report.read_summary(str(V1)), "timing": {"steady_epoch_s": None, "examples_per_sec": None}})
     with pytest.raises(report.SummaryError, match="train 2 or more epochs"):
