@@ -1,0 +1,253 @@
+"""The run folder's rules (runner/outputs.py, docs/resume.md), on real runs: what is pinned and when, storage
+faults (a read-only folder, a full disk, a file where checkpoints/ belongs) ending in exit 3 naming the path,
+leftovers of a save cut short removed by the next attempt, and train.epochs never shrinking a job.
+
+Every refused or failing run is checked to leave the earlier good run's checkpoints, model.keras and
+summary byte for byte. The tests run as root, which ignores permission bits: a read-only folder is a
+read-only bind mount and a full disk a small tmpfs (both need CAP_SYS_ADMIN; without it they are skipped
+and say why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import cli_env, last_json, run_cli
+from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run folder, byte for byte."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def good_run(mnist_job, name: str, epochs: int = 1, **sections) -> tuple[Path, dict[str, bytes]]:
+    spec = mnist_job(name, data={"eval": None}, train={"epochs": epochs}, output={"tensorboard": False}, **sections)
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = Path(json.loads(result.stdout.splitlines()[-1])["run_dir"])
+    files = snapshot(run_dir)
+    assert {"model.keras", "summary.json", "checkpoints/checkpoint", "attempts/001.json"} <= set(files)
+    return spec, files
+
+
+@contextlib.contextmanager
+def mounted(target: Path, *options: str) -> Iterator[None]:
+    """`mount OPTIONS TARGET`, unmounted afterwards; skips the test where this machine cannot mount."""
+    result = subprocess.run(["mount", *options, str(target)], capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount here (`mount {' '.join(options)}`: {result.stderr.strip()}); needs CAP_SYS_ADMIN")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    with mounted(folder, "--bind", str(folder)):
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        probe = folder / "probe"
+        with pytest.raises(OSError):  # root too: the mount, not the permission bits, refuses
+            probe.write_text("x")
+        yield
+
+
+def assert_no_traceback(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+# --- what is pinned, and when --------------------------------------------------------------------
+
+
+def test_a_start_that_failed_does_not_lock_the_job_name(mnist_job, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec = mnist_job("fixed", data={"eval": None}, train={"epochs": 1}, output={"tensorboard": False})
+    run_dir = tmp_path / "runs" / "fixed"
+    typo = run_cli("run", spec, "--set", f"data.train={tiny_mnist}/trian-*.tfrecord")
+    assert typo.returncode == 2 and "no files match" in typo.stderr, typo.stderr[-3000:]
+    model = run_cli("run", spec, "--set", "model.name=mnist_cnnn")
+    assert model.returncode == 2 and "mnist_cnnn" in model.stderr, model.stderr[-3000:]
+    batch = run_cli("run", spec, "--set", "data.global_batch_size=4096")
+    assert batch.returncode == 2 and "no full batch" in batch.stderr, batch.stderr[-3000:]
+    assert not (run_dir / "spec.json").exists(), "nothing is pinned before a checkpoint exists"
+    assert not (run_dir / "checkpoints").exists()
+
+    fixed = run_cli("run", spec)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert last_json(fixed.stdout)["status"] == "succeeded"
+    pinned = json.loads((run_dir / "spec.json").read_text())["pinned"]
+    assert pinned["data.global_batch_size"] == 128 and pinned["model.name"] == "mnist_cnn"
+    assert len(pinned["data.fingerprint"]) == 64
+
+
+def test_the_checkpoints_pin_what_they_mean_and_nothing_else(mnist_job, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec, before = good_run(mnist_job, "pinned")
+    run_dir = tmp_path / "runs" / "pinned"
+    # Data copied elsewhere, the tf.data tuner, the shuffle buffer, the checkpoint cadence and the epochs may change.
+    copy = shutil.copytree(tiny_mnist, tmp_path / "elsewhere")
+    moved = run_cli(
+        "run", spec, "--set", "train.epochs=2", "--set", f"data.train={copy}/train-*.tfrecord",
+        "--set", "data.autotune=true", "--set", "data.shuffle_buffer=64", "--set", "checkpoint.every_steps=8",
+    )
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert last_json(moved.stdout)["resumed_from_step"] == 16
+    after = snapshot(run_dir)
+
+    lr = run_cli("run", spec, "--set", "train.epochs=3", "--set", "train.learning_rate=0.01")
+    assert lr.returncode == 2, lr.stderr[-3000:]
+    assert "train.learning_rate: 0.001 -> 0.01" in lr.stderr
+    assert "--set name=pinned-2" in lr.stderr and f"delete {run_dir} " in lr.stderr
+    assert_no_traceback(lr.stderr)
+    assert snapshot(run_dir) == after, "a refused run writes nothing, not even its summary"
+
+    # Three of the four shards: another data set, though the path's folder and manifest are the same.
+    fewer = run_cli("run", spec, "--set", "train.epochs=3", "--set", f"data.train={tiny_mnist}/train-0000[012]-*.tfrecord")
+    assert fewer.returncode == 2, fewer.stderr[-3000:]
+    assert "data.fingerprint: " in fewer.stderr and "choose a new job name" in fewer.stderr
+    assert snapshot(run_dir) == after
+    assert before["checkpoints/ckpt-16.index"] == after["checkpoints/ckpt-16.index"]
+
+
+# --- train.epochs never shrinks a job -----------------------------------------------------------------
+
+
+def test_fewer_epochs_than_a_finished_job_holds_is_refused(mnist_job, tmp_path: Path) -> None:
+    spec, before = good_run(mnist_job, "shrunk", epochs=2)
+    run_dir = tmp_path / "runs" / "shrunk"
+    result = run_cli("run", spec, "--set", "train.epochs=1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "finished after 2 epochs" in result.stderr and "train.epochs (1) is lower" in result.stderr
+    assert "--set name=shrunk-1ep" in result.stderr
+    assert_no_traceback(result.stderr)
+    assert snapshot(run_dir) == before
+
+
+def test_fewer_epochs_than_the_checkpoints_hold_is_refused(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("partial", data={"eval": None}, train={"epochs": 4}, output={"tensorboard": False})
+    run_dir = tmp_path / "runs" / "partial"
+    process = start_run(spec)
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= 32 or None, process)
+    process.send_signal(signal.SIGTERM)
+    code, _, err = finish(process)
+    assert code == 75, err[-3000:]
+    before = snapshot(run_dir)
+    step = indexed_step(local_index(run_dir))
+
+    result = run_cli("run", spec, "--set", "train.epochs=1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"already holds {step / 16:g} epochs (ckpt-{step}: step {step}, 16 steps per epoch)" in result.stderr
+    assert "train.epochs (1) is lower" in result.stderr
+    assert snapshot(run_dir) == before
+
+
+# --- storage faults: exit 3, naming the path ------------------------------------------------------------
+
+
+def test_a_read_only_run_folder_exits_3_naming_it(mnist_job, tmp_path: Path) -> None:
+    spec, before = good_run(mnist_job, "readonly")
+    run_dir = tmp_path / "runs" / "readonly"
+    with read_only(run_dir):
+        result = run_cli("run", spec, "--set", "train.epochs=2")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"cannot write the run folder {run_dir}" in result.stderr and "Read-only file system" in result.stderr
+    assert_no_traceback(result.stderr)
+    assert last_json(result.stdout)["status"] == "failed"
+    assert snapshot(run_dir) == before
+
+
+def test_a_file_in_place_of_checkpoints_exits_3_naming_it(mnist_job, tmp_path: Path) -> None:
+    spec, _ = good_run(mnist_job, "blocked")
+    run_dir = tmp_path / "runs" / "blocked"
+    (run_dir / "checkpoints").rename(tmp_path / "checkpoints-aside")
+    (run_dir / "checkpoints").write_bytes(b"not a folder\n")
+    before = snapshot(run_dir)
+    result = run_cli("run", spec, "--set", "train.epochs=2")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"{run_dir}/checkpoints is a file, not a folder" in result.stderr
+    assert_no_traceback(result.stderr)
+    assert snapshot(run_dir) == before
+
+
+def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cut_save(mnist_job, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with mounted(disk, "-t", "tmpfs", "-o", "size=256m", "tmpfs"):
+        spec, before = good_run(mnist_job, "full", output={"dir": str(disk), "tensorboard": False})
+        run_dir = disk / "full"
+        checkpoint_bytes = sum(len(v) for k, v in before.items() if k.startswith("checkpoints/ckpt-16."))
+        # Fill the disk but for half a checkpoint: room for the lease and spec.json, not for the save.
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        with open(disk / "filler", "wb") as filler:
+            left = free - max(checkpoint_bytes // 2, 256 << 10)
+            while left > 0:
+                left -= filler.write(b"\0" * min(left, 8 << 20))
+
+        full = run_cli("run", spec, "--set", "train.epochs=2")
+        assert full.returncode == 3, full.stderr[-3000:]
+        assert "No space left on device" in full.stderr and f"{run_dir}/checkpoints/ckpt-32_temp" in full.stderr
+        assert_no_traceback(full.stderr)
+        after = snapshot(run_dir)
+        kept = {k: v for k, v in before.items() if k != "spec.json"}
+        assert {k: after.get(k) for k in kept} == kept, "the good run's checkpoints, model and summary are intact"
+        assert (run_dir / "checkpoints" / "ckpt-32_temp").is_dir(), "the save that was cut short left its folder"
+
+        (disk / "filler").unlink()
+        again = run_cli("run", spec, "--set", "train.epochs=2")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"removed 1 leftover(s) of a checkpoint save that was cut short from {run_dir}/checkpoints: ckpt-32_temp" in again.stderr
+        assert last_json(again.stdout)["resumed_from_step"] == 16
+        assert not list((run_dir / "checkpoints").glob("*_temp*"))
+
+
+# --- leftovers of a save cut short ---------------------------------------------------------------------
+
+
+def test_leftovers_of_a_save_killed_in_a_bucket_are_removed_and_the_checkpoints_kept(gcs_faults, tiny_mnist, mnist_job) -> None:
+    """kill -9 while a save to the bucket waits on its .index: the part files under ckpt-16_temp/ and the
+    merged data file without its index are paid-for objects; the next attempt removes them, logs it, and
+    resumes from the complete checkpoint before."""
+    bucket = gcs_faults.bucket()
+    spec = mnist_job(
+        "cut",
+        data={"eval": None},
+        train={"epochs": 2, "steps_per_epoch": 24},
+        checkpoint={"every_steps": 8},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+    )
+    hang = {"match": r"^POST /upload/.*name=runs/cut/checkpoints/ckpt-16\.index", "action": "stall", "delay_s": 60}
+    gcs_faults.faults.set([hang])
+    process = start_run(spec, env=cli_env(**gcs_faults.env))
+    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    process.send_signal(signal.SIGKILL)
+    finish(process)
+    prefix = "runs/cut/checkpoints/"
+    left = set(gcs_faults.objects(bucket, prefix))
+    temp = {n for n in left if n.startswith(prefix + "ckpt-16_temp/")}
+    assert temp, f"the killed save left no temp objects: {sorted(left)}"
+    assert prefix + "ckpt-16.data-00000-of-00001" in left and prefix + "ckpt-16.index" not in left
+    complete = {n: gcs_faults.read(bucket, n) for n in left if n.startswith(prefix + "ckpt-8.")}
+    assert len(complete) == 2
+
+    gcs_faults.faults.clear()
+    result = run_cli("run", spec, "--set", "checkpoint.keep=10", env=cli_env(**gcs_faults.env))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "removed 2 leftover(s) of a checkpoint save that was cut short from "
+        f"gs://{bucket}/{prefix[:-1]}: ckpt-16.data-00000-of-00001, ckpt-16_temp" in result.stderr
+    )
+    assert "taking over a stale lease (its process" in result.stderr
+    assert last_json(result.stdout)["resumed_from_step"] == 8
+    now = set(gcs_faults.objects(bucket, prefix))
+    assert not temp & now and not any("_temp" in n for n in now)
+    assert {n: gcs_faults.read(bucket, n) for n in complete} == complete, "the complete checkpoint is untouched"
