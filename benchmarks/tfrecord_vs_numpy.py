@@ -16,7 +16,7 @@ import statistics
 from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
 from runner import data
-from runner.datasets import load_dataset
+from runner.prepare.datasets import load_dataset
 
 
 def steady_rate(fit, examples_per_epoch: int, epochs: int) -> float:

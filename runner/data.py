@@ -1,4 +1,5 @@
-"""TFRecord shards: writing them (`prepare`), checking them (`verify`) and reading them (`make_dataset`).
+"""TFRecord shards: checking them against their manifest (`verify`) and reading them (`make_dataset`).
+Writing them is `runner prepare`'s (runner/prepare/shards.py).
 
 A prepared dataset is a folder (local or gs://) of `<split>-NNNNN-of-MMMMM.tfrecord` shards of
 tf.train.Example plus `manifest.json`: the feature schema, and per shard its record count and sha256.
@@ -11,60 +12,17 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
-import math
 import posixpath
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import tensorflow as tf
 
 from runner import schema
-from runner.datasets import Dataset, Feature
+from runner.schema import Feature
 from runner.errors import DataError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-_TARGET_SHARD_BYTES = 8 << 20
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-def _example(features: dict[str, Feature], row: dict[str, np.ndarray]) -> bytes:
-    fields = {}
-    for name, feature in features.items():
-        value = row[name]
-        if feature.dtype == "uint8":
-            fields[name] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[value.tobytes()]))
-        elif feature.dtype == "int64":
-            fields[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=np.ravel(value)))
-        else:
-            fields[name] = tf.train.Feature(float_list=tf.train.FloatList(value=np.ravel(value)))
-    return tf.train.Example(features=tf.train.Features(feature=fields)).SerializeToString()
-
-
-def shard_count(dataset: Dataset, split: str) -> int:
-    arrays = dataset.splits[split]
-    size = sum(array.nbytes for array in arrays.values())
-    return max(1, min(1024, math.ceil(size / _TARGET_SHARD_BYTES)))
-
-
-def write_split(
-    dataset: Dataset, split: str, out_dir: str, shards: int, progress: Callable[[int], None] = lambda n: None
-) -> list[dict[str, Any]]:
-    """Writes one split as `shards` TFRecord files; returns the manifest entries (file, records, sha256)."""
-    arrays = dataset.splits[split]
-    count = len(next(iter(arrays.values())))
-    entries = []
-    for index, rows in enumerate(np.array_split(np.arange(count), shards)):
-        name = f"{split}-{index:05d}-of-{shards:05d}.tfrecord"
-        path = posixpath.join(out_dir, name)
-        with tf.io.TFRecordWriter(path) as writer:
-            for row in rows:
-                writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
-                progress(1)
-        entries.append({"file": name, "records": int(len(rows)), "sha256": sha256_of(path)})
-    return entries
 
 
 def sha256_of(path: str) -> str:
@@ -74,28 +32,6 @@ def sha256_of(path: str) -> str:
             digest.update(chunk)
     return digest.hexdigest()
 
-
-def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    return {
-        "manifest_version": MANIFEST_VERSION,
-        "dataset": dataset.name,
-        "source": dataset.source,
-        "license": dataset.license,
-        "features": {name: feature.to_dict() for name, feature in dataset.features.items()},
-        "inputs": list(dataset.inputs),
-        "label": dataset.label,
-        **({"preprocessing": dataset.preprocessing} if dataset.preprocessing else {}),
-        "splits": {
-            split: {"records": sum(e["records"] for e in entries), "shards": entries} for split, entries in splits.items()
-        },
-    }
-
-
-def write_manifest(out_dir: str, manifest: dict[str, Any]) -> str:
-    path = posixpath.join(out_dir, MANIFEST)
-    with tf.io.gfile.GFile(path, "w") as handle:
-        handle.write(json.dumps(manifest, indent=2) + "\n")
-    return path
 
 
 # --- reading the manifest ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import tensorflow as tf
 from runner import PROCESS_START, data, models, observe, schema, storage, train, userimport
 from runner.errors import DataError, Preempted, RunnerError, SpecError
 from runner.outputs import RunFolder
+from runner.preemption import PreemptionNotice
 from runner.spec import JobSpec
 from runner.strategy import Accelerator, cluster_from_env, resolve_accelerator
 from runner.timing import EpochRecord, Phases, build_summary
@@ -59,7 +60,7 @@ def run_job(
     """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any.
 
     `early_notice`: when a SIGTERM arrived before the job could install its handler (while TensorFlow was
-    importing; see cli.EarlyNotice): the job then stops as preempted before training, having saved nothing.
+    importing; see runner/preemption.py): the job then stops as preempted before training, having saved nothing.
     """
     if spec.kind == "matmul_bench":
         from runner import matmul
@@ -99,7 +100,7 @@ def run_job(
     metrics: dict[str, float] = {}
     status, error = "failed", None
     extra: dict = {"attempt": attempt, "run_dir": run.path, "train_epochs": spec.train.epochs}
-    notice = train.PreemptionNotice(spec.checkpoint.grace_s)
+    notice = PreemptionNotice(spec.checkpoint.grace_s)
     try:
         notice.install()  # a SIGTERM from here on is a preemption notice: see runner/train.py
         if early_notice is not None:
@@ -252,7 +253,7 @@ def run_job(
     return JobResult(summary, error)
 
 
-def _stop_if_noticed(notice: train.PreemptionNotice, when: str) -> None:
+def _stop_if_noticed(notice: PreemptionNotice, when: str) -> None:
     if notice.received.is_set():
         raise Preempted(f"preemption notice received {when}: nothing new was trained or saved; run the same job again")
 

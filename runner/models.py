@@ -12,7 +12,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from runner import userimport
-from runner.datasets import Feature
+from runner.schema import Feature
 from runner.errors import SpecError
 from runner.spec import JobSpec
 

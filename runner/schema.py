@@ -20,12 +20,22 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 from pydantic import ValidationError
 
-from runner.datasets import Feature
 from runner.errors import DataError, SpecError
 from runner.spec import FeatureSpec
 
 if TYPE_CHECKING:  # data imports this module
     from runner.data import Shards
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """What the model gets for one example: dtype and static shape."""
+
+    dtype: str  # uint8 | int64 | float32
+    shape: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
 
 # The tf.train.Example list each kind of feature is stored in.
 _LIST_OF = {"int64": "int64_list", "float32": "float_list", "string": "bytes_list", "uint8": "bytes_list"}

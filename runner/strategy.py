@@ -14,7 +14,6 @@ Every TPU step runs under `accelerator.timeout_s`.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.metadata
 import json
 import logging
@@ -27,13 +26,11 @@ from urllib.parse import urlparse
 
 import tensorflow as tf
 
-from runner.doctor_checks import allocator_in_use
+from runner import host
 from runner.errors import AcceleratorError
 from runner.spec import AcceleratorSpec
 
 log = logging.getLogger(__name__)
-
-LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +58,7 @@ class Accelerator:
             "tensorflow": tf.__version__,
             "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
-            "allocator": allocator_in_use()[0],
+            "allocator": host.allocator_in_use()[0],
         }
 
 
@@ -73,17 +70,8 @@ def _version(distribution: str) -> str:
 
 
 def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:
-    """The TPU to try, from the spec or the environment; None when nothing points at a TPU."""
-    environ = os.environ if environ is None else environ
-    if spec.tpu:
-        return spec.tpu
-    if environ.get("TPU_NAME"):
-        return environ["TPU_NAME"]
-    if environ.get("COLAB_TPU_ADDR"):
-        return f"grpc://{environ['COLAB_TPU_ADDR']}"
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return "local"
-    return None
+    """The TPU to try, from the spec or the environment (runner/host.py); None when nothing points at a TPU."""
+    return host.tpu_target(spec.tpu, environ)
 
 
 def _bounded(what: str, seconds: float, fn: Callable[[], Any]) -> Any:
@@ -125,8 +113,8 @@ def _tpu_hints(target: str) -> str:
         "the TPU runtime version matches the TensorFlow in the image (tensorflow-tpu and its pinned libtpu)",
         "the container runs with --privileged --net=host so /dev/accel* and the TPU driver are visible",
     ]
-    if target == "local" and os.path.exists(LIBTPU_LOCKFILE):
-        hints.append(f"a stale {LIBTPU_LOCKFILE} left by a killed run (`runner doctor` tells whether a process holds it)")
+    if target == "local" and os.path.exists(host.LIBTPU_LOCKFILE):
+        hints.append(f"a stale {host.LIBTPU_LOCKFILE} left by a killed run (`runner doctor` tells whether a process holds it)")
     if target.startswith("grpc://"):
         hints.append("the address and port of the TPU node, and that this machine can reach it")
     return "; ".join(hints)

@@ -16,7 +16,7 @@ import time
 from typing import Any, Iterator
 
 # 2: adds import_s, run_folder_s, unaccounted_s, input wait, per-epoch checkpoint_s and input_wait_s;
-# epoch `seconds` no longer include checkpoint saves. runner/report.py reads 1 and 2.
+# epoch `seconds` no longer include checkpoint saves. runner/compare/report.py reads 1 and 2.
 SCHEMA_VERSION = 2
 
 # Phases in the order a job passes through them; `total_s` is their sum plus `unaccounted_s`.

@@ -54,8 +54,8 @@ def tiny_mnist(tmp_path_factory) -> Path:
     """Real MNIST, cut to 2,048 training and 512 test images, as 4 + 1 TFRecord shards with a manifest."""
     import numpy as np
 
-    from runner import data
-    from runner.datasets import Dataset, load_dataset
+    from runner.prepare import shards
+    from runner.prepare.datasets import Dataset, load_dataset
 
     full = load_dataset("mnist")
     splits = {
@@ -65,10 +65,10 @@ def tiny_mnist(tmp_path_factory) -> Path:
     small = Dataset(full.name, splits, full.features, full.inputs, full.label, full.source, full.license)
     out = tmp_path_factory.mktemp("mnist")
     entries = {
-        "train": data.write_split(small, "train", str(out), 4),
-        "test": data.write_split(small, "test", str(out), 1),
+        "train": shards.write_split(small, "train", str(out), 4),
+        "test": shards.write_split(small, "test", str(out), 1),
     }
-    data.write_manifest(str(out), data.manifest_for(small, entries))
+    shards.write_manifest(str(out), shards.manifest_for(small, entries))
     assert np.sum(splits["train"]["label"] == 0) > 0
     return out
 

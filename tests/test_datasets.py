@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner import series, text
-from runner.datasets import load_dataset
+from runner.prepare import series
+from runner.prepare import text
+from runner.prepare.datasets import load_dataset
 from runner.errors import DataError
 from tests.conftest import cli_env, run_cli
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from runner import doctor as doctor_module
-from runner import doctor_checks as checks
+from runner.doctor import report as doctor_module
+from runner.doctor import checks
 from runner.spec import JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.test_doctor_checks import HOLD_LOCK, spawn, stop

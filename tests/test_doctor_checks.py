@@ -1,4 +1,4 @@
-"""The host checks of `runner doctor` (runner/doctor_checks.py), each on its own: installed versions,
+"""The host checks of `runner doctor` (runner/doctor/checks.py), each on its own: installed versions,
 devices, the memory allocator, libtpu's lockfile and credentials, with real processes and files. Only what
 cannot exist here is stood in for: a TPU device file (a plain file) and Google's metadata server (a local
 HTTP server). The whole doctor, as a user runs it, is in test_doctor.py.
@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from runner import doctor_checks as checks
+from runner.doctor import checks
+from runner.host import TCMALLOC_PRELOAD
 from runner.spec import AcceleratorSpec
 
 
@@ -114,20 +115,20 @@ def test_devices_follow_what_is_asked(tmp_path: Path) -> None:
 def allocator_of_a_process(preload: str | None) -> dict[str, Any]:
     """check_allocator as run by a fresh Python process started with (or without) LD_PRELOAD."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
-    code = "import json; from runner.doctor_checks import check_allocator; print(json.dumps(check_allocator().to_dict()))"
+    code = "import json; from runner.doctor.checks import check_allocator; print(json.dumps(check_allocator().to_dict()))"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def test_allocator_names_a_preloaded_tcmalloc_and_warns_on_glibc() -> None:
-    assert Path(checks.TCMALLOC_PRELOAD).exists(), "scripts/system-deps.sh installs libtcmalloc-minimal4"
-    preloaded = allocator_of_a_process(checks.TCMALLOC_PRELOAD)
-    mapped = os.path.realpath(checks.TCMALLOC_PRELOAD)  # the file behind the .so.4 link
+    assert Path(TCMALLOC_PRELOAD).exists(), "scripts/system-deps.sh installs libtcmalloc-minimal4"
+    preloaded = allocator_of_a_process(TCMALLOC_PRELOAD)
+    mapped = os.path.realpath(TCMALLOC_PRELOAD)  # the file behind the .so.4 link
     assert preloaded["status"] == "ok" and preloaded["data"] == {"allocator": "tcmalloc", "library": mapped}
     plain = allocator_of_a_process(None)
     assert plain["status"] == "warn" and plain["data"]["allocator"] == "glibc"
-    assert f"LD_PRELOAD={checks.TCMALLOC_PRELOAD}" in plain["action"]
+    assert f"LD_PRELOAD={TCMALLOC_PRELOAD}" in plain["action"]
 
 
 def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
@@ -142,17 +143,16 @@ def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
     assert checks.check_allocator(str(maps)).status == "warn"
 
 
-def test_named_tpu_follows_strategy_order() -> None:
-    from runner.strategy import tpu_target
+def test_tpu_precedence_spec_then_tpu_name_then_colab_then_device_files(tmp_path: Path) -> None:
+    from runner import host
 
-    cases = [
-        (AcceleratorSpec(tpu="spec-tpu"), {"TPU_NAME": "env-tpu"}),
-        (AcceleratorSpec(), {"TPU_NAME": "env-tpu", "COLAB_TPU_ADDR": "10.0.0.2:8470"}),
-        (AcceleratorSpec(), {"COLAB_TPU_ADDR": "10.0.0.2:8470"}),
-        (AcceleratorSpec(), {}),
-    ]
-    for spec, environ in cases:
-        assert checks.named_tpu(spec, environ) == tpu_target(spec, environ)
+    assert host.named_tpu("spec-tpu", {"TPU_NAME": "env-tpu"}) == "spec-tpu"
+    assert host.named_tpu(None, {"TPU_NAME": "env-tpu", "COLAB_TPU_ADDR": "10.0.0.2:8470"}) == "env-tpu"
+    assert host.named_tpu(None, {"COLAB_TPU_ADDR": "10.0.0.2:8470"}) == "grpc://10.0.0.2:8470"
+    assert host.tpu_target(None, {}, dev_root=str(tmp_path)) is None, "nothing names a TPU: no TPU attempt"
+    (tmp_path / "accel0").touch()
+    assert host.tpu_target(None, {}, dev_root=str(tmp_path)) == "local"
+    assert host.tpu_target(None, {"TPU_NAME": "env-tpu"}, dev_root=str(tmp_path)) == "env-tpu"
 
 
 # --- libtpu lockfile ---------------------------------------------------------------------------

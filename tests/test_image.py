@@ -55,7 +55,7 @@ def test_image_runs_runner_as_an_unprivileged_user(docker_engine: Engine, runner
 def test_image_imports_the_pinned_tensorflow_with_tcmalloc(docker_engine: Engine, runner_image: str):
     probe = (
         "import importlib.metadata as m, tensorflow as tf;"
-        "from runner.doctor_checks import check_allocator;"
+        "from runner.doctor.checks import check_allocator;"
         "print(tf.__version__, m.version('tensorflow-cpu'), m.version('keras'), m.version('tf-keras'),"
         " check_allocator().data['allocator'])"
     )

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from runner.datasets import load_dataset
+from runner.prepare.datasets import load_dataset
 from tests.conftest import last_json, run_cli
 
 pytestmark = pytest.mark.slow

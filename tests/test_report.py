@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import report
+from runner.compare import report
 from tests.conftest import REPO, cli_env, last_json, run_cli
 
 V1 = REPO / "tests" / "data" / "summary_v1.json"  # written by the runner at schema_version 1

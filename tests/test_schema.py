@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner import data, index, schema
+from runner import data, schema
+from runner.prepare import manifest as index
 from runner.errors import DataError
 from runner.spec import JobSpec
 from tests.conftest import last_json, run_cli, write_spec

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from runner import data, serving
-from runner.datasets import Feature
+from runner.schema import Feature
 
 FEATURES = {"x": Feature("float32", (3,)), "label": Feature("int64", ())}
 

@@ -348,7 +348,7 @@ def test_a_multi_host_slice_is_driven_from_worker_0_with_the_slice_name(api, tpu
 
 
 def test_logs_and_the_summary_with_its_cost_come_from_the_bucket(api, tpu_api, gcs, tmp_path):
-    from runner import pricing
+    from runner.cloud import pricing
 
     bucket = gcs.bucket()
     spec = write_spec(tmp_path, {
@@ -380,7 +380,7 @@ def test_logs_and_the_summary_with_its_cost_come_from_the_bucket(api, tpu_api, g
 
 
 def test_the_cost_is_chips_times_hours_times_the_price(tmp_path):
-    from runner import joblogs
+    from runner.cloud import logs as joblogs
 
     record = {"worker": 0, "exit_code": 0, "started_at": "2026-11-22T10:00:00Z", "finished_at": "2026-11-22T11:30:00Z",
               "accelerator_type": "v5p-8", "spot": False, "usd_per_chip_hour": 4.2}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import SpecError
-from runner.sweep import plan_variants, split_values
+from runner.compare.sweep import plan_variants, split_values
 from tests.conftest import REPO, cli_env, run_cli
 
 

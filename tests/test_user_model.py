@@ -242,7 +242,7 @@ def test_a_build_function_that_returns_no_model_stops_the_run_at_start_up(user_p
 
 def test_a_build_function_that_refuses_its_params_is_a_start_up_error(monkeypatch):
     from runner import models
-    from runner.datasets import Feature
+    from runner.schema import Feature
     from runner.spec import JobSpec
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
@@ -324,7 +324,7 @@ _UNSAFE_MODULES = {"pickle", "marshal", "dill", "cloudpickle", "shelve", "joblib
 def test_the_runner_never_evaluates_or_unpickles():
     """No eval/exec, no pickle-family import, no `allow_pickle=True`/`safe_mode=False`: only named imports run code."""
     found = []
-    for path in sorted((REPO / "runner").glob("*.py")):
+    for path in sorted((REPO / "runner").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             where = f"{path.name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _UNSAFE_CALLS:

@@ -169,7 +169,7 @@ def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, t
 
 
 def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
-    from runner.datasets import Feature
+    from runner.schema import Feature
     from runner.models import weather_rnn
 
     model = weather_rnn({"target_feature": 2, "units": 8}, {"window": Feature("float32", (24, 5))}, ("window",))
@@ -179,7 +179,7 @@ def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
 
 
 def test_workload_models_check_their_params_and_inputs() -> None:
-    from runner.datasets import Feature
+    from runner.schema import Feature
     from runner.errors import SpecError
     from runner.models import imdb_lstm, weather_rnn
 

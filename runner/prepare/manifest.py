@@ -16,6 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from runner import data, schema
+from runner.prepare.shards import write_manifest
 from runner.errors import DataError, SpecError
 from runner.spec import JobSpec
 
@@ -50,7 +51,7 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
                 for split, shards in entries.items()
             },
         }
-        written.append(data.write_manifest(folder, manifest))
+        written.append(write_manifest(folder, manifest))
         for split, shards in entries.items():
             log.info("%s: %s: %d records in %d shards", path, split, sum(e["records"] for e in shards), len(shards))
     return written

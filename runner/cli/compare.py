@@ -43,15 +43,15 @@ def sweep(
     Exit 0 when every variant succeeded, 75 when one was preempted (run the sweep again), else the first
     failing variant's code.
     """
-    from runner import sweep as sweep_mod
-    from runner.cli import _fail, _setup_logging
+    from runner.compare import sweep as sweep_mod
+    from runner.cli.common import fail, setup_logging
     from runner.errors import RunnerError
 
-    _setup_logging(debug)
+    setup_logging(debug)
     try:
         variants = sweep_mod.plan_variants(spec, sets)
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
     outcomes = sweep_mod.run_variants(spec, variants, debug=debug)
     finished = [o.run_dir for o in outcomes if o.summary is not None]
     if finished:
@@ -85,8 +85,8 @@ def report(
 
 
 def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool) -> None:
-    from runner import report as report_mod
-    from runner.cli import _fail
+    from runner.compare import report as report_mod
+    from runner.cli.common import fail
     from runner.errors import EXIT_USAGE, RunnerError
 
     try:
@@ -100,6 +100,6 @@ def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, 
         if plot_path:
             typer.echo(f"plot: {report_mod.plot(rows, plot_path)}", err=True)
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
     if problems:
         raise typer.Exit(EXIT_USAGE)

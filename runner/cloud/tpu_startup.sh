@@ -1,4 +1,4 @@
-# The body of a TPU VM startup script written by `runner submit` (runner/submit.py puts the job's settings,
+# The body of a TPU VM startup script written by `runner submit` (runner/cloud/submit.py puts the job's settings,
 # RUNNER_*, above it). It runs as root on every worker of the TPU VM at boot:
 #   1. pulls the runner image (Artifact Registry credentials come from the VM's service account);
 #   2. runs `runner doctor` (its report goes to RUN_DIR/doctor.json), then the job: `--net=host --privileged`

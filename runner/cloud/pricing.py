@@ -1,6 +1,6 @@
 """TPU types and what they cost: the accelerator behind `runner submit --tpu-type` and its cost estimate.
 
-The price table lives in one file, runner/tpu_prices.json, with the date and source of its prices. An
+The price table lives in one file, runner/cloud/tpu_prices.json, with the date and source of its prices. An
 estimate is chips x hours x the list price per chip-hour; `estimate` says which price it used, so a reader
 can redo the sum. This module imports no cloud client and no TensorFlow.
 """

@@ -50,8 +50,8 @@ def submit(
     --keep. Prints one JSON line: name, zone, run folder, operation. Exit 2 on a bad flag or spec (before
     any call), 3 when the Cloud TPU API cannot be reached or refuses.
     """
-    from runner import submit as submit_mod
-    from runner.cli import _fail
+    from runner.cloud import submit as submit_mod
+    from runner.cli.common import fail
     from runner.errors import RunnerError
 
     try:
@@ -64,7 +64,7 @@ def submit(
             return
         result = submit_mod.create(sub)
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
     typer.secho(
         f"queued {sub.name} ({sub.tpu.name}{', spot' if spot else ''}) in {sub.zone}; "
         f"watch: runner status {sub.name} --zone {sub.zone}; logs: runner logs {sub.spec.run_dir}",
@@ -77,8 +77,8 @@ def submit(
 def status(name: Name, zone: Zone, project: Project = None) -> None:
     """Show a submitted job's queued resource: its state (ACCEPTED, PROVISIONING, ACTIVE, ...), its VM's state
     and health, and the run folder. Exit 2 if there is no such queued resource (its job may have ended)."""
-    from runner import submit as submit_mod
-    from runner.cli import _fail
+    from runner.cloud import submit as submit_mod
+    from runner.cli.common import fail
     from runner.errors import RunnerError, SpecError
 
     try:
@@ -86,7 +86,7 @@ def status(name: Name, zone: Zone, project: Project = None) -> None:
             raise SpecError("missing --project (or GOOGLE_CLOUD_PROJECT)")
         _print(submit_mod.status(name, project, zone))
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
 
 
 @app.command()
@@ -94,8 +94,8 @@ def cancel(name: Name, zone: Zone, project: Project = None) -> None:
     """Delete a submitted job's queued resource and its TPU VM, even while the job runs.
 
     Checkpoints already in the bucket stay: submitting the same job again resumes from the newest one."""
-    from runner import submit as submit_mod
-    from runner.cli import _fail
+    from runner.cloud import submit as submit_mod
+    from runner.cli.common import fail
     from runner.errors import RunnerError, SpecError
 
     try:
@@ -103,7 +103,7 @@ def cancel(name: Name, zone: Zone, project: Project = None) -> None:
             raise SpecError("missing --project (or GOOGLE_CLOUD_PROJECT)")
         _print(submit_mod.cancel(name, project, zone))
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
 
 
 @app.command()
@@ -115,11 +115,11 @@ def logs(
     interval: Annotated[float, typer.Option(min=1.0, help="Seconds between reads with --follow.")] = 15.0,
 ) -> None:
     """Read a submitted job's output from its run folder: a worker's log, or (--summary) the JSON summary
-    with `cost`: TPU chips x hours x the list price per chip-hour (runner/tpu_prices.json, dated).
+    with `cost`: TPU chips x hours x the list price per chip-hour (runner/cloud/tpu_prices.json, dated).
 
     With --follow the exit status is the job's own (0 done, 75 preempted, ...)."""
-    from runner import joblogs
-    from runner.cli import _fail
+    from runner.cloud import logs as joblogs
+    from runner.cli.common import fail
     from runner.errors import RunnerError
 
     try:
@@ -131,5 +131,5 @@ def logs(
             return
         record = joblogs.follow(run_dir, worker, lambda text: (sys.stdout.write(text), sys.stdout.flush()), interval)
     except RunnerError as error:
-        raise _fail(error) from None
+        raise fail(error) from None
     raise typer.Exit(int(record.get("exit_code", 1)))

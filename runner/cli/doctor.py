@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from runner.errors import EXIT_USAGE, RunnerError
-from runner.specfile import load_spec
+from runner.cli.common import fail, load
+from runner.errors import SpecError
 
 app = typer.Typer()
 
@@ -68,13 +68,8 @@ def doctor(
     from runner.doctor import run_doctor
 
     if save and spec is None:
-        typer.secho("error: --save needs a SPEC: the report goes to its run folder", err=True, fg=typer.colors.RED)
-        raise typer.Exit(EXIT_USAGE)
-    try:
-        job = load_spec(spec, overrides or []) if spec is not None else None
-    except RunnerError as error:
-        typer.secho(f"error: {error}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(error.exit_code) from None
+        raise fail(SpecError("--save needs a SPEC: the report goes to its run folder"))
+    job = load(spec, overrides) if spec is not None else None
     report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), separators=(",", ":")))

@@ -2,7 +2,7 @@
 
 TensorFlow is never imported here. With a libtpu that does not match tensorflow-tpu, `import tensorflow`
 aborts the whole process, and the doctor must outlive exactly that; the checks that need TensorFlow run
-in a child process (runner/doctor_probe.py). Each check returns a `Check`: a status (ok, warn, fail),
+in a child process (runner/doctor/probe.py). Each check returns a `Check`: a status (ok, warn, fail),
 the evidence it saw and what to do about it. No check prints a secret.
 """
 
@@ -28,12 +28,11 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
+from runner.host import TCMALLOC_PRELOAD, allocator_in_use, named_tpu, tpu_devices
 from runner.spec import AcceleratorSpec
 
 KNOWN_GOOD = Path(__file__).with_name("known_good.json")
-# libtpu's own path (xla/stream_executor/tpu/tpu_initialize_util.cc); runner.strategy.LIBTPU_LOCKFILE holds
-# the same value but imports TensorFlow. The variable points the check elsewhere (tests, odd setups only).
-LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+# The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
 LOCKFILE_ENV = "RUNNER_LIBTPU_LOCKFILE"
 TENSORFLOW_DISTRIBUTIONS = (
     "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu", "tensorflow-intel",
@@ -41,7 +40,6 @@ TENSORFLOW_DISTRIBUTIONS = (
 )
 _WATCHED = (*TENSORFLOW_DISTRIBUTIONS, "keras", "libtpu", "libtpu-nightly", "tf-keras")
 _STORAGE_SCOPES = ("devstorage", "cloud-platform")
-_SECRET_KEYS = ("private_key", "private_key_id", "refresh_token", "client_secret")
 
 
 @dataclasses.dataclass
@@ -133,25 +131,10 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
 # --- devices -----------------------------------------------------------------------------------
 
 
-def named_tpu(accelerator: AcceleratorSpec, environ: dict[str, str]) -> str | None:
-    """The TPU a spec or the environment names, in runner.strategy.tpu_target's order (device files aside)."""
-    if accelerator.tpu:
-        return accelerator.tpu
-    if environ.get("TPU_NAME"):
-        return environ["TPU_NAME"]
-    if environ.get("COLAB_TPU_ADDR"):
-        return f"grpc://{environ['COLAB_TPU_ADDR']}"
-    return None
-
-
-def tpu_devices(dev_root: str = "/dev") -> list[str]:
-    return sorted(glob.glob(f"{dev_root}/accel*")) + sorted(glob.glob(f"{dev_root}/vfio/[0-9]*"))
-
-
 def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_root: str = "/dev") -> Check:
     """Accelerator device files this process can open, against what the spec and the environment ask for."""
     tpus, gpus = tpu_devices(dev_root), sorted(glob.glob(f"{dev_root}/nvidia[0-9]*"))
-    named, kind = named_tpu(accelerator, environ), accelerator.kind
+    named, kind = named_tpu(accelerator.tpu, environ), accelerator.kind
     data = {"tpu_devices": tpus, "gpu_devices": gpus, "tpu_named": named}
     shown = ", ".join(tpus + gpus) or f"no {dev_root}/accel*, {dev_root}/vfio/N or {dev_root}/nvidiaN"
     closed = [d for d in tpus + gpus if not os.access(d, os.R_OK | os.W_OK)]
@@ -185,21 +168,6 @@ def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_roo
 
 
 # --- memory allocator --------------------------------------------------------------------------
-
-# Libraries that replace glibc's malloc when preloaded, by the file name they are mapped under.
-_ALLOCATORS = {"libtcmalloc": "tcmalloc", "libjemalloc": "jemalloc"}
-TCMALLOC_PRELOAD = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-
-
-def allocator_in_use(maps: str = "/proc/self/maps") -> tuple[str, str | None]:
-    """(tcmalloc | jemalloc | glibc, the library mapped for it): the malloc this process runs on."""
-    mapped = {line.split()[-1] for line in Path(maps).read_text().splitlines() if len(line.split()) >= 6}
-    for path in sorted(mapped):
-        for prefix, name in _ALLOCATORS.items():
-            if Path(path).name.startswith(prefix):
-                return name, path
-    return "glibc", None
-
 
 def check_allocator(maps: str = "/proc/self/maps") -> Check:
     """Which malloc this process (and so a `runner run` started the same way) uses: tcmalloc is faster here.

@@ -2,7 +2,7 @@
 
     RUN_DIR/summary.json                 written by the job itself (runner/outputs.py)
     RUN_DIR/logs/worker-N.log            the container's stdout and stderr, copied every 30 s by the
-                                         startup script (runner/tpu_startup.sh) and once more at the end
+                                         startup script (runner/cloud/tpu_startup.sh) and once more at the end
     RUN_DIR/logs/worker-N.exit.json      the container's exit code, the script's start and end times, the TPU
                                          type and the price per chip-hour it was submitted at
 
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from runner import pricing, storage
+from runner import storage
+from runner.cloud import pricing
 from runner.errors import DataError, StorageError
 
 

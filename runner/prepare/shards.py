@@ -7,10 +7,16 @@ manifest goes up last, so a manifest in the bucket always lists shards that are 
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import posixpath
 import sys
 import tempfile
+from typing import Any, Callable
+
+import numpy as np
 
 import tensorflow as tf
 from rich.progress import (
@@ -18,9 +24,11 @@ from rich.progress import (
 )
 
 from runner import data, storage
-from runner.datasets import load_dataset
+from runner.prepare.datasets import Dataset, load_dataset
+from runner.schema import Feature
 
 log = logging.getLogger(__name__)
+_TARGET_SHARD_BYTES = 8 << 20
 
 
 def prepare(
@@ -74,7 +82,67 @@ def _write(dataset, out: str, shards: int | None) -> str:
     ) as progress:
         task = progress.add_task(f"writing {dataset.name} to {out}", total=total)
         for split in dataset.splits:
-            count = shards or data.shard_count(dataset, split)
-            entries[split] = data.write_split(dataset, split, out, count, lambda n: progress.advance(task, n))
+            count = shards or shard_count(dataset, split)
+            entries[split] = write_split(dataset, split, out, count, lambda n: progress.advance(task, n))
             log.info("%s: %d records in %d shards", split, sum(e["records"] for e in entries[split]), count)
-    return data.write_manifest(out, data.manifest_for(dataset, entries))
+    return write_manifest(out, manifest_for(dataset, entries))
+
+
+def _example(features: dict[str, Feature], row: dict[str, np.ndarray]) -> bytes:
+    fields = {}
+    for name, feature in features.items():
+        value = row[name]
+        if feature.dtype == "uint8":
+            fields[name] = tf.train.Feature(bytes_list=tf.train.BytesList(value=[value.tobytes()]))
+        elif feature.dtype == "int64":
+            fields[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=np.ravel(value)))
+        else:
+            fields[name] = tf.train.Feature(float_list=tf.train.FloatList(value=np.ravel(value)))
+    return tf.train.Example(features=tf.train.Features(feature=fields)).SerializeToString()
+
+
+def shard_count(dataset: Dataset, split: str) -> int:
+    arrays = dataset.splits[split]
+    size = sum(array.nbytes for array in arrays.values())
+    return max(1, min(1024, math.ceil(size / _TARGET_SHARD_BYTES)))
+
+
+def write_split(
+    dataset: Dataset, split: str, out_dir: str, shards: int, progress: Callable[[int], None] = lambda n: None
+) -> list[dict[str, Any]]:
+    """Writes one split as `shards` TFRecord files; returns the manifest entries (file, records, sha256)."""
+    arrays = dataset.splits[split]
+    count = len(next(iter(arrays.values())))
+    entries = []
+    for index, rows in enumerate(np.array_split(np.arange(count), shards)):
+        name = f"{split}-{index:05d}-of-{shards:05d}.tfrecord"
+        path = posixpath.join(out_dir, name)
+        with tf.io.TFRecordWriter(path) as writer:
+            for row in rows:
+                writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
+                progress(1)
+        entries.append({"file": name, "records": int(len(rows)), "sha256": data.sha256_of(path)})
+    return entries
+
+
+def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "manifest_version": data.MANIFEST_VERSION,
+        "dataset": dataset.name,
+        "source": dataset.source,
+        "license": dataset.license,
+        "features": {name: feature.to_dict() for name, feature in dataset.features.items()},
+        "inputs": list(dataset.inputs),
+        "label": dataset.label,
+        **({"preprocessing": dataset.preprocessing} if dataset.preprocessing else {}),
+        "splits": {
+            split: {"records": sum(e["records"] for e in entries), "shards": entries} for split, entries in splits.items()
+        },
+    }
+
+
+def write_manifest(out_dir: str, manifest: dict[str, Any]) -> str:
+    path = posixpath.join(out_dir, data.MANIFEST)
+    with tf.io.gfile.GFile(path, "w") as handle:
+        handle.write(json.dumps(manifest, indent=2) + "\n")
+    return path

@@ -3,11 +3,11 @@
     runner submit SPEC --tpu-type v5litepod-8 --zone us-central1-a --image IMAGE [--spot] [--keep]
         checks the flags and the spec before any call (data and outputs must be in gs://: the VM's disk goes
         with the VM), then asks the Cloud TPU API for a queued resource NAME (default: the job name). When
-        capacity allows, the VM boots and its startup script (runner/tpu_startup.sh) runs
+        capacity allows, the VM boots and its startup script (runner/cloud/tpu_startup.sh) runs
         `docker run --net=host --privileged -e TPU_NAME=local IMAGE run spec.yaml` on every worker, copies
         the output to RUN_DIR/logs/, and on worker 0 deletes the queued resource when the job ends.
     runner status NAME / runner cancel NAME     the queued resource's state / delete it and its VM
-    runner logs RUN_DIR [--summary]             a worker's log, or the summary with its cost (runner/joblogs.py)
+    runner logs RUN_DIR [--summary]             a worker's log, or the summary with its cost (runner/cloud/logs.py)
 
 `--dry-run` prints the request and a bash script sending the same request with gcloud, and sends nothing.
 The API client honours gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN, so both
@@ -27,7 +27,8 @@ from typing import Any
 
 import yaml
 
-from runner import pricing, storage
+from runner import storage
+from runner.cloud import pricing
 from runner.errors import AcceleratorError, RunnerError, SpecError
 from runner.spec import JobSpec
 from runner.specfile import load_spec
@@ -180,7 +181,7 @@ def prepare_submission(
 
 
 def startup_script(sub: Submission) -> str:
-    """The job's settings as shell variables, then the fixed body (runner/tpu_startup.sh)."""
+    """The job's settings as shell variables, then the fixed body (runner/cloud/tpu_startup.sh)."""
     # What the spec sets (overrides included), not every default: the image's runner fills those in.
     spec_yaml = yaml.safe_dump(json.loads(sub.spec.model_dump_json(exclude_unset=True)), sort_keys=False)
     settings = {

@@ -1,6 +1,6 @@
 """`runner doctor`: the classic ways a TPU job dies, checked in seconds before the job spends accelerator time.
 
-    versions      Python/TensorFlow/Keras/libtpu against runner/known_good.json
+    versions      Python/TensorFlow/Keras/libtpu against runner/doctor/known_good.json
     devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
     lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
     credentials   where gs:// credentials come from (never printing a secret)
@@ -14,7 +14,7 @@
     batch         data.global_batch_size against the replica count the tpu/tensorflow checks found
 
 Each check is bounded by `timeout` seconds (the TPU's start also by the spec's accelerator.timeout_s, as in
-`runner run`). The TensorFlow checks run in one child process (runner/doctor_probe.py), killed by its PID
+`runner run`). The TensorFlow checks run in one child process (runner/doctor/probe.py), killed by its PID
 when a step outlives its bound; the steps it had not done yet run in a fresh child with libtpu not loaded,
 so a TPU that hangs or aborts hides nothing else.
 Exit code: 0 when nothing fails; 3 when an infrastructure check fails; 2 when only data/batch checks fail.
@@ -36,8 +36,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from runner import doctor_checks as checks
-from runner.doctor_checks import Check
+from runner import host
+from runner.doctor import checks
+from runner.doctor.checks import Check
 from runner.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE
 from runner.spec import JobSpec
 from runner.storage import buckets_in, tensorflow_env
@@ -53,7 +54,7 @@ _STEP_WHAT = {
 _STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
 _STEP_ACTIONS = {
     "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and "
-    "runner/known_good.json",
+    "runner/doctor/known_good.json",
     "tpu": "check TPU_NAME / accelerator.tpu, the lockfile check, and that the TPU is READY "
     "(gcloud compute tpus tpu-vm describe)",
     "storage": "see the gcs and credentials checks",
@@ -140,7 +141,7 @@ class _Probe:
         self.stderr = tempfile.TemporaryFile()
         self.buffer = b""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runner.doctor_probe"],
+            [sys.executable, "-m", "runner.doctor.probe"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env, start_new_session=True,
         )
         # Only what was set: a full dump may carry defaults that the spec refuses when written out.
@@ -271,9 +272,9 @@ def run_doctor(
     environ = dict(os.environ if environ is None else environ)
     job = spec or JobSpec()
     needs_gcs = spec is not None and bool(buckets_in(job.data.train, job.data.eval, job.output.dir))
-    tpu_here = bool(checks.named_tpu(job.accelerator, environ) or checks.tpu_devices(dev_root))
+    tpu_here = bool(host.named_tpu(job.accelerator.tpu, environ) or host.tpu_devices(dev_root))
     tpu_wanted = job.accelerator.kind == "tpu" or (job.accelerator.kind == "auto" and tpu_here)
-    lockfile = lockfile or environ.get(checks.LOCKFILE_ENV) or checks.LIBTPU_LOCKFILE
+    lockfile = lockfile or environ.get(checks.LOCKFILE_ENV) or host.LIBTPU_LOCKFILE
     found = [
         _timed(checks.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),

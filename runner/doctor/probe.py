@@ -1,4 +1,4 @@
-"""The checks of `runner doctor` that import TensorFlow, run as `python -m runner.doctor_probe` in a child
+"""The checks of `runner doctor` that import TensorFlow, run as `python -m runner.doctor.probe` in a child
 process that the doctor kills by its PID when a step outlives its bound (a hung TPU initialisation, an
 `import tensorflow` that aborts on a mismatched libtpu, a bucket that never answers).
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from runner.doctor_checks import Check
+from runner.doctor.checks import Check
 from runner.spec import JobSpec
 from runner.storage import is_gcs, split_gcs
 
@@ -77,7 +77,7 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
         # doctor's kill.
         accelerator = connect_tpu(target, bound * 0.8)
     except AcceleratorError as exc:
-        action = "see runner/known_good.json for the libtpu that matches the TensorFlow wheel; the lockfile check"
+        action = "see runner/doctor/known_good.json for the libtpu that matches the TensorFlow wheel; the lockfile check"
         yield Check("tpu", "fail", str(exc), action, data={"target": target})
         return
     seconds = time.monotonic() - began

@@ -1,0 +1,108 @@
+"""`runner validate`, `run`, `evaluate` and `predict`: a job spec checked, trained, and its model used."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from runner.cli.common import Debug, Overrides, SpecPath, fail, load, setup_logging, trained_command_setup
+from runner.errors import RunnerError
+from runner.preemption import EarlyNotice
+from runner.storage import configure_tensorflow
+
+app = typer.Typer()
+
+@app.command()
+def validate(spec: SpecPath, overrides: Overrides = None) -> None:
+    """Check a job spec (and `--set` overrides) without importing TensorFlow; print the resolved spec.
+
+    Exit 0 when valid, 2 with every problem (file:line, dotted key, what to change) when not.
+    """
+    job = load(spec, overrides)
+    typer.echo(json.dumps(job.to_dict(), indent=2))
+
+
+@app.command()
+def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
+
+    Re-running a finished job prints its summary and trains nothing. Exit codes: 0, 1 training failed,
+    2 spec/data, 3 accelerator/storage, 75 preempted (checkpoint saved: run again to continue).
+    """
+    early = EarlyNotice()
+    job = load(spec, overrides)
+    loaded_at = time.monotonic()
+    setup_logging(debug)
+    configure_tensorflow(job.storage.timeout_s)  # before TensorFlow loads: it reads them once
+    from runner.flavour import choose_keras
+
+    try:
+        choose_keras()
+    except RunnerError as error:
+        raise fail(error) from None
+    from runner.errors import Preempted
+    from runner.job import run_job
+
+    if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
+        early.restore()
+        if early.at is not None:
+            raise fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
+    result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0, early_notice=early.at)
+    typer.echo(json.dumps(result.summary, separators=(",", ":")))
+    if result.error is not None:
+        raise fail(result.error, debug)
+
+
+@app.command()
+def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
+    """Evaluate the job's newest checkpoint on `data.eval`, on whatever device this machine has.
+
+    Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU.
+    """
+    job = trained_command_setup(spec, overrides, debug)
+    from runner import predict as predict_mod
+
+    try:
+        report = predict_mod.evaluate(job)
+    except RunnerError as error:
+        raise fail(error, debug) from None
+    typer.echo(json.dumps(report, separators=(",", ":")))
+
+
+@app.command()
+def predict(
+    spec: SpecPath,
+    input: Annotated[str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")] = None,
+    overrides: Overrides = None,
+    debug: Debug = False,
+) -> None:
+    """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
+
+    Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
+    """
+    job = trained_command_setup(spec, overrides, debug)
+    import numpy as np
+
+    from runner import predict as predict_mod
+
+    try:
+        outputs, trained = predict_mod.predict(job, input)
+    except RunnerError as error:
+        raise fail(error, debug) from None
+    if output is not None:
+        np.save(output, outputs)
+        typer.echo(f"{len(outputs)} predictions from {trained.checkpoint} -> {output}")
+        return
+    for index, row in enumerate(outputs):
+        line = {"index": index, "output": np.atleast_1d(row).round(6).tolist()}
+        if np.ndim(row) == 1 and len(row) > 1:
+            line["class"] = int(np.argmax(row))
+        typer.echo(json.dumps(line))
+
+
