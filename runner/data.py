@@ -244,3 +244,34 @@ def split_of(pattern: str, manifest: dict[str, Any]) -> str | None:
         if any(fnmatch.fnmatch(e["file"], base) for e in info["shards"]):
             return split
     return None
+
+
+# --- naming the shard behind an input error ----------------------------------------------------
+
+
+def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
+    """The DataError for a TensorFlow error that came out of the input pipeline of `key` (data.train,
+    data.eval, data.validation: shards matching `pattern`), naming the shards that differ from their
+    manifest; None for an error that did not come from the input."""
+    if isinstance(exc, tf.errors.DataLossError):
+        bad = corrupt_shards(pattern)
+        where = "; ".join(bad) if bad else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
+        # Keras wraps the reader's error in "Graph execution error:" and a stack: keep the line about the record.
+        lines = exc.message.splitlines()
+        detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
+        what = {"data.train": "training", "data.eval": "evaluation", "data.validation": "validation"}.get(key, key)
+        return DataError(f"corrupt {what} data in {where}: {detail}; the run stopped, checkpoints kept")
+    # Keras tags the input iterator's op: only such errors are about a batch that could not be decoded.
+    if not isinstance(exc, tf.errors.InvalidArgumentError) or "IteratorGetNext" not in exc.message:
+        return None
+    changed = corrupt_shards(pattern)
+    # TensorFlow's line ends "...transformation with iterator: Iterator::Root::ParallelMapV2: <the reason>."
+    lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
+    reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
+    reason = reason.rsplit(": ", 1)[-1]
+    where = f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"
+    return DataError(
+        f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
+        "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
+        "or `runner prepare` for a built-in dataset; the run stopped, checkpoints kept"
+    )

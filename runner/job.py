@@ -1,4 +1,8 @@
-"""run_job(spec): the one top-to-bottom story of a job, from a validated spec to a summary."""
+"""run_job(spec): the one top-to-bottom story of a job, from a validated spec to a summary.
+
+open the attempt (run folder) -> device -> inputs -> model (restored) -> fit -> evaluate -> export,
+and the summary written whatever happened (runner/attempt.py). Each step is a function below.
+"""
 
 from __future__ import annotations
 
@@ -6,52 +10,20 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
 
 import tensorflow as tf
 
-from runner import PROCESS_START, data, models, observe, schema, storage, train, userimport
-from runner.errors import DataError, Preempted, RunnerError, SpecError
-from runner.outputs import RunFolder
+from runner import data, models, observe, schema, train, userimport
+from runner.attempt import Attempt, JobResult, error_of
+from runner.errors import Preempted, RunnerError
 from runner.preemption import PreemptionNotice
 from runner.spec import JobSpec
-from runner.strategy import Accelerator, cluster_from_env, resolve_accelerator
-from runner.timing import EpochRecord, Phases, build_summary
+from runner.strategy import Accelerator, cluster_from_env, per_replica_batch, resolve_accelerator
 
 log = logging.getLogger(__name__)
 keras = tf.keras
 
-
-@dataclasses.dataclass
-class JobResult:
-    summary: dict
-    error: RunnerError | None = None
-    already_complete: bool = False
-
-
-def per_replica_batch(spec: JobSpec, accelerator: Accelerator) -> int:
-    batch, replicas = spec.data.global_batch_size, accelerator.replicas
-    if batch % replicas:
-        raise SpecError(
-            f"data.global_batch_size ({batch}) must be divisible by the number of replicas ({replicas}); "
-            f"try {max(replicas, batch // replicas * replicas)}"
-        )
-    per_replica = batch // replicas
-    if accelerator.kind == "tpu" and per_replica % 8:
-        log.warning("per-replica batch %d is not a multiple of 8: TPU cores pad it (128 per core is best)", per_replica)
-    return per_replica
-
-
-def _epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
-    def report(record: EpochRecord) -> None:
-        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
-        loss = "" if record.loss is None else f" loss {record.loss:.4f}"
-        log.info(
-            "epoch %d/%d: %.2f s, %d steps, %.0f examples/s,%s %s",
-            record.epoch, total_epochs, record.seconds, record.steps, record.examples_per_sec, loss, metrics,
-        )
-
-    return report
+__all__ = ["JobResult", "run_job"]
 
 
 def run_job(
@@ -65,238 +37,202 @@ def run_job(
     if spec.kind == "matmul_bench":
         from runner import matmul
 
-        return JobResult(*matmul.run_bench(spec, spec_loaded_at=spec_loaded_at))
-    phases = Phases(start=PROCESS_START)
-    entered = time.monotonic()
-    phases.add("startup", (spec_loaded_at or entered) - PROCESS_START)
-    phases.add("import", entered - (spec_loaded_at or entered))  # TensorFlow loads after the spec is checked
-    run = RunFolder(spec.run_dir)
+        return matmul.run_bench(spec, spec_loaded_at=spec_loaded_at)
+    attempt = Attempt.begin(spec, spec_loaded_at)
     try:
-        run.check_spec(spec)
-    except RunnerError as exc:
-        return JobResult(build_summary(status="failed", job=spec.name, accelerator=None, phases=phases, epochs=[],
-                                       global_batch=spec.data.global_batch_size, metrics={}, error=str(exc)), exc)
-    done = run.completed_summary(spec.train.epochs)
+        done = _open(attempt)
+    except RunnerError as exc:  # nothing was written: the run folder is refused or unreachable
+        return JobResult(attempt.summary("failed", exc, global_batch=spec.data.global_batch_size), exc)
     if done is not None:
-        log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, run.path)
+        log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, attempt.run.path)
         return JobResult(done, already_complete=True)
-    worker_index = cluster_from_env(os.environ)[1]
-    if worker_index == 0:
-        run.record_spec(spec)
-    attempt = run.next_attempt()
-    phases.add("run_folder", time.monotonic() - entered)
 
-    accelerator: Accelerator | None = None
-    clock, input_method = None, "not measured: the job stopped before its input pipeline was built"
-    scalars = observe.ScalarLog(run.file("tensorboard")) if spec.output.tensorboard and worker_index == 0 else None
-    profiler = observe.ProfileWindow(run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
-    epoch_line = _epoch_line(spec.train.epochs)
+    scalars = observe.ScalarLog(attempt.run.file("tensorboard")) if spec.output.tensorboard and attempt.worker_index == 0 else None
     recorder = train.Recorder(
         spec.data.global_batch_size,
-        lambda record: (epoch_line(record), scalars and scalars.epoch(record)),
-        checkpoint_clock=lambda: phases.seconds.get("checkpoint", 0.0),
-        input_clock=lambda: clock.seconds() if clock else None,
+        lambda record: (observe.epoch_line(spec.train.epochs)(record), scalars and scalars.epoch(record)),
+        checkpoint_clock=lambda: attempt.phases.seconds.get("checkpoint", 0.0),
+        input_clock=lambda: inputs.clock.seconds() if inputs and inputs.clock else None,
     )
-    metrics: dict[str, float] = {}
+    inputs: Inputs | None = None
+    metrics: dict = {}
     status, error = "failed", None
-    extra: dict = {"attempt": attempt, "run_dir": run.path, "train_epochs": spec.train.epochs}
     notice = PreemptionNotice(spec.checkpoint.grace_s)
     try:
-        notice.install()  # a SIGTERM from here on is a preemption notice: see runner/train.py
+        notice.install()  # a SIGTERM from here on is a preemption notice: see runner/preemption.py
         if early_notice is not None:
             notice.notify(early_notice)
         _stop_if_noticed(notice, "while the job was starting")
-        with phases.phase("strategy"):
-            accelerator = resolve_accelerator(spec.accelerator)
-        per_replica_batch(spec, accelerator)
+        with attempt.phases.phase("strategy"):
+            attempt.accelerator = resolve_accelerator(spec.accelerator)
+        per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
         if spec.train.mixed_precision != "float32":
             keras.mixed_precision.set_global_policy(f"mixed_{spec.train.mixed_precision}")
         keras.utils.set_random_seed(spec.train.seed)
-
-        with phases.phase("data_init"):
-            train_shards = data.find_shards(spec.data.train)
-            schema.check_declared(spec.data.features, train_shards)
-            preprocess = (
-                userimport.load_callable(spec.data.preprocess, "data.preprocess", ("features",))
-                if spec.data.preprocess else None
-            )
-            steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(
-                train_shards, spec.data.global_batch_size, "data.train"
-            )
-            train_ds = data.make_dataset(
-                train_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label,
-                training=True, shuffle_buffer=spec.data.shuffle_buffer, seed=spec.train.seed, preprocess=preprocess,
-                workers=accelerator.workers, autotune=spec.data.autotune,
-            )
-            clock, input_method = observe.input_clock_for(accelerator)
-            if clock is not None:
-                train_ds = clock.wrap(train_ds)
-            eval_shards = data.find_shards(spec.data.eval) if spec.data.eval else None
-            if eval_shards is not None:
-                schema.check_declared(spec.data.features, eval_shards)
-                eval_steps = data.steps_in(eval_shards, spec.data.global_batch_size, "data.eval")
-                eval_ds = data.make_dataset(
-                    eval_shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False,
-                    preprocess=preprocess, workers=accelerator.workers, autotune=spec.data.autotune,
-                )
-            validation = _validation_data(spec, eval_shards, preprocess, accelerator.workers) if spec.train.validate_every_epoch else None
-        plan = train.Plan(steps_per_epoch, spec.train.epochs)
-        extra["steps_per_epoch"] = steps_per_epoch
-        extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)
-
-        with phases.phase("build"), accelerator.strategy.scope():
-            model = models.build_model(spec, train_shards.features)
-            models.compile_model(model, spec, accelerator.kind)
-            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-            manager = run.checkpoint_manager(checkpoint, spec.checkpoint.keep, worker_index)
-
-        with phases.phase("restore"):
-            latest = run.latest_checkpoint()
-            if latest:
-                checkpoint.restore(latest).expect_partial()
-                plan.start_step = int(model.optimizer.iterations.numpy())
-                log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
-        extra["resumed_from_step"] = plan.start_step
-
-        def save(step: int) -> None:
-            began = time.monotonic()
-            manager.save(checkpoint_number=step)
-            phases.add("checkpoint", time.monotonic() - began)
-
+        with attempt.phases.phase("data_init"):
+            inputs = _inputs(spec, attempt.accelerator)
+        model, checkpoint, plan = _build_and_restore(spec, attempt, inputs)
         _stop_if_noticed(notice, "before training began")
-        with notice:
-            checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
-            began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
-            try:
-                plateau = train.plateau_callbacks(
-                    spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor
-                )
-                watchers = [*plateau, *([profiler] if profiler else [])]
-                train.fit(model, train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=validation)
-            except tf.errors.DataLossError as exc:
-                raise _name_corrupt_shard(spec, exc) from None
-            except tf.errors.InvalidArgumentError as exc:
-                if not _from_input(exc):
-                    raise
-                raise _input_misfit(spec, exc, "data.train") from None
-            finally:
-                if profiler:
-                    profiler.close()
-                    extra["profile"] = profiler.to_dict()
-                saved = phases.seconds.get("checkpoint", 0.0) - saved_before
-                phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
-                phases.add("eval", recorder.validation_s)
-        if checkpointer.preempted or notice.received.is_set():
-            extra["preemption"] = {"grace_s": spec.checkpoint.grace_s, "saved_after_notice_s": checkpointer.saved_after_notice_s}
-            raise Preempted(
-                f"preemption notice received: saved step {int(model.optimizer.iterations.numpy())} to "
-                f"{run.checkpoints}; run the same job again to continue"
-            )
-        extra["final_step"] = int(model.optimizer.iterations.numpy())
-        stopped = [c.stopped_epoch + 1 for c in plateau if getattr(c, "stopped_epoch", 0)]
-        if stopped:
-            extra["stopped_early_after_epoch"] = stopped[0]
-        if spec.train.reduce_lr_patience is not None:
-            extra["final_learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-
-        if eval_shards is not None:
-            with phases.phase("eval"):
-                try:
-                    results = model.evaluate(eval_ds, steps=eval_steps, return_dict=True, verbose=verbose)
-                except tf.errors.DataLossError as exc:
-                    raise _name_corrupt_shard(spec, exc, pattern=spec.data.eval) from None
-                except tf.errors.InvalidArgumentError as exc:
-                    if not _from_input(exc):
-                        raise
-                    raise _input_misfit(spec, exc, "data.eval") from None
-            metrics = {k: float(v) for k, v in results.items()}
-            metrics["examples"] = eval_steps * spec.data.global_batch_size
-            log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if scalars and recorder.epochs:
-                scalars.evaluation(metrics, recorder.epochs[-1].epoch)
-        with phases.phase("export"):
-            serve_examples = data.example_inputs(train_shards.features, spec.data.inputs, preprocess)
-            extra["model"] = run.save_model(model, accelerator.worker_index, serve_examples)
+        _train(spec, attempt, model, checkpoint, inputs, plan, recorder, notice, verbose)
+        metrics = _evaluate(spec, attempt, model, inputs, verbose)
+        if scalars and metrics and recorder.epochs:
+            scalars.evaluation(metrics, recorder.epochs[-1].epoch)
+        with attempt.phases.phase("export"):
+            serve_examples = data.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
+            attempt.extra["model"] = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples)
         status = "succeeded"
     except Preempted as exc:
         status, error = "preempted", exc
-    except RunnerError as exc:
-        error = exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
-        log.debug("job failed", exc_info=True)
-        paths = (spec.data.train, spec.data.eval, spec.output.dir)
-        error = storage.storage_error(exc, paths, spec.storage.timeout_s) or RunnerError(
-            f"training failed: {type(exc).__name__}: {exc}"
-        )
-        error.__cause__ = exc
-    summary = build_summary(
-        status=status,
-        job=spec.name,
-        accelerator=None if accelerator is None else accelerator.to_dict(),
-        phases=phases,
-        epochs=recorder.epochs,
-        global_batch=spec.data.global_batch_size,
-        metrics=metrics,
-        error=None if error is None else str(error),
-        extra=extra,
-        input_wait_method=input_method,
+        error = error_of(exc, spec)
+    summary = attempt.summary(
+        status, error, epochs=recorder.epochs, metrics=metrics, global_batch=spec.data.global_batch_size,
+        input_wait_method=inputs.input_method if inputs else "not measured: the job stopped before its input pipeline was built",
     )
     if scalars:
         scalars.close()
         summary["tensorboard"] = scalars.folder
-    if accelerator is None or accelerator.is_chief:
-        try:
-            run.write_summary(summary, attempt)
-        except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
-            log.error("could not write the summary to %s: %s", run.path, exc.message.splitlines()[0])
+    attempt.finish(summary)
     notice.remove()
     return JobResult(summary, error)
+
+
+def _open(attempt: Attempt) -> dict | None:
+    """Checks the run folder against the spec and gives the attempt its number; returns the summary of a job
+    that is already complete (nothing to do), else None. Resume rules: runner/outputs.py."""
+    spec, run = attempt.spec, attempt.run
+    entered = time.monotonic()
+    run.check_spec(spec)
+    done = run.completed_summary(spec.train.epochs)
+    if done is not None:
+        return done
+    attempt.worker_index = cluster_from_env(os.environ)[1]
+    if attempt.worker_index == 0:
+        run.record_spec(spec)
+    attempt.number = run.next_attempt()
+    attempt.extra.update(attempt=attempt.number, run_dir=run.path, train_epochs=spec.train.epochs)
+    attempt.phases.add("run_folder", time.monotonic() - entered)
+    return None
+
+
+@dataclasses.dataclass
+class Inputs:
+    """The job's input pipelines, built once: training batches, and (dataset, steps) for evaluation and
+    per-epoch validation when the spec asks for them."""
+
+    train: data.Shards
+    train_ds: tf.data.Dataset
+    steps_per_epoch: int
+    eval: tuple[tf.data.Dataset, int] | None
+    validation: tuple[tf.data.Dataset, int] | None
+    preprocess: object
+    clock: observe.InputClock | None
+    input_method: str
+
+
+def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
+    batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
+    preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",)) if d.preprocess else None
+
+    def evaluation(pattern: str, key: str) -> tuple[tf.data.Dataset, int]:
+        shards = data.find_shards(pattern)
+        schema.check_declared(d.features, shards)
+        dataset = data.make_dataset(
+            shards, batch, d.inputs, d.label, training=False, preprocess=preprocess, workers=workers, autotune=d.autotune
+        )
+        return dataset, data.steps_in(shards, batch, key)
+
+    train_shards = data.find_shards(d.train)
+    schema.check_declared(d.features, train_shards)
+    steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(train_shards, batch, "data.train")
+    train_ds = data.make_dataset(
+        train_shards, batch, d.inputs, d.label, training=True, shuffle_buffer=d.shuffle_buffer, seed=spec.train.seed,
+        preprocess=preprocess, workers=workers, autotune=d.autotune,
+    )
+    clock, input_method = observe.input_clock_for(accelerator)
+    if clock is not None:
+        train_ds = clock.wrap(train_ds)
+    eval_ = evaluation(d.eval, "data.eval") if d.eval else None
+    validation = None
+    if spec.train.validate_every_epoch:  # data.validation, else the eval shards (spec.py checks one is set)
+        validation = evaluation(d.validation, "data.validation") if d.validation else eval_
+    return Inputs(train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method)
+
+
+def _build_and_restore(spec: JobSpec, attempt: Attempt, inputs: Inputs) -> tuple[keras.Model, tf.train.Checkpoint, train.Plan]:
+    """The model built under the strategy, restored from the newest complete checkpoint if there is one."""
+    accelerator = attempt.accelerator
+    plan = train.Plan(inputs.steps_per_epoch, spec.train.epochs)
+    attempt.extra["steps_per_epoch"] = inputs.steps_per_epoch
+    attempt.extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)
+    with attempt.phases.phase("build"):
+        model, checkpoint = models.build_compiled(spec, inputs.train.features, accelerator)
+    with attempt.phases.phase("restore"):
+        latest = attempt.run.latest_checkpoint()
+        if latest:
+            plan.start_step = models.restore(checkpoint, latest)
+            log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
+    attempt.extra["resumed_from_step"] = plan.start_step
+    return model, checkpoint, plan
+
+
+def _train(
+    spec: JobSpec, attempt: Attempt, model: keras.Model, checkpoint: tf.train.Checkpoint, inputs: Inputs,
+    plan: train.Plan, recorder: train.Recorder, notice: PreemptionNotice, verbose: int,
+) -> None:
+    """fit from the plan's start step, saving every checkpoint interval; raises Preempted after a notice."""
+    phases, extra = attempt.phases, attempt.extra
+    manager = attempt.run.checkpoint_manager(checkpoint, spec.checkpoint.keep, attempt.accelerator.worker_index)
+
+    def save(step: int) -> None:
+        with phases.phase("checkpoint"):
+            manager.save(checkpoint_number=step)
+
+    profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
+    plateau = train.plateau_callbacks(spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor)
+    checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
+    began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
+    with notice:
+        try:
+            watchers = [*plateau, *([profiler] if profiler else [])]
+            train.fit(model, inputs.train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=inputs.validation)
+        except tf.errors.OpError as exc:
+            raise data.input_error(exc, spec.data.train, "data.train") or exc from None
+        finally:
+            if profiler:
+                profiler.close()
+                extra["profile"] = profiler.to_dict()
+            saved = phases.seconds.get("checkpoint", 0.0) - saved_before
+            phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
+            phases.add("eval", recorder.validation_s)
+    step = int(model.optimizer.iterations.numpy())
+    if checkpointer.preempted or notice.received.is_set():
+        extra["preemption"] = {"grace_s": spec.checkpoint.grace_s, "saved_after_notice_s": checkpointer.saved_after_notice_s}
+        raise Preempted(f"preemption notice received: saved step {step} to {attempt.run.checkpoints}; run the same job again to continue")
+    extra["final_step"] = step
+    stopped = [c.stopped_epoch + 1 for c in plateau if getattr(c, "stopped_epoch", 0)]
+    if stopped:
+        extra["stopped_early_after_epoch"] = stopped[0]
+    if spec.train.reduce_lr_patience is not None:
+        extra["final_learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+
+
+def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs, verbose: int) -> dict:
+    """Metrics on data.eval after training ({} when the spec names no eval shards)."""
+    if inputs.eval is None:
+        return {}
+    dataset, steps = inputs.eval
+    with attempt.phases.phase("eval"):
+        try:
+            results = model.evaluate(dataset, steps=steps, return_dict=True, verbose=verbose)
+        except tf.errors.OpError as exc:
+            raise data.input_error(exc, spec.data.eval, "data.eval") or exc from None
+    metrics = {k: float(v) for k, v in results.items()}
+    metrics["examples"] = steps * spec.data.global_batch_size
+    log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
 
 
 def _stop_if_noticed(notice: PreemptionNotice, when: str) -> None:
     if notice.received.is_set():
         raise Preempted(f"preemption notice received {when}: nothing new was trained or saved; run the same job again")
-
-
-def _validation_data(spec: JobSpec, eval_shards: data.Shards | None, preprocess, workers: int = 1) -> tuple[tf.data.Dataset, int]:
-    """The per-epoch validation batches: data.validation, else the eval shards (spec.py checks one is set)."""
-    key = "data.validation" if spec.data.validation else "data.eval"
-    shards = data.find_shards(spec.data.validation) if spec.data.validation else eval_shards
-    if spec.data.validation:
-        schema.check_declared(spec.data.features, shards)
-    dataset = data.make_dataset(
-        shards, spec.data.global_batch_size, spec.data.inputs, spec.data.label, training=False, preprocess=preprocess,
-        workers=workers, autotune=spec.data.autotune,
-    )
-    return dataset, data.steps_in(shards, spec.data.global_batch_size, key)
-
-
-def _from_input(exc: tf.errors.OpError) -> bool:
-    """Whether a training or evaluation error came out of the input pipeline (Keras tags the iterator's op)."""
-    return "IteratorGetNext" in exc.message
-
-
-def _input_misfit(spec: JobSpec, exc: tf.errors.OpError, key: str) -> DataError:
-    """A batch the pipeline could not decode: a record that does not fit data.features, or data.preprocess."""
-    pattern = spec.data.train if key == "data.train" else spec.data.eval
-    changed = data.corrupt_shards(pattern)
-    # TensorFlow's line ends "...transformation with iterator: Iterator::Root::ParallelMapV2: <the reason>."
-    lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
-    reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
-    reason = reason.rsplit(": ", 1)[-1]
-    where = f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"
-    return DataError(
-        f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
-        "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
-        "or `runner prepare` for a built-in dataset; the run stopped, checkpoints kept"
-    )
-
-
-def _name_corrupt_shard(spec: JobSpec, exc: tf.errors.DataLossError, pattern: str | None = None) -> DataError:
-    pattern = pattern or spec.data.train
-    bad = data.corrupt_shards(pattern)
-    where = "; ".join(bad) if bad else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
-    # Keras wraps the reader's error in "Graph execution error:" and a stack: keep the line about the record.
-    lines = exc.message.splitlines()
-    detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
-    return DataError(f"corrupt training data in {where}: {detail}; the run stopped, checkpoints kept")

@@ -18,12 +18,10 @@ import time
 
 import tensorflow as tf
 
-from runner import PROCESS_START
+from runner.attempt import Attempt, JobResult, error_of
 from runner.errors import RunnerError
-from runner.outputs import RunFolder
 from runner.spec import JobSpec, MatmulSpec
-from runner.strategy import Accelerator, resolve_accelerator
-from runner.timing import Phases, build_summary
+from runner.strategy import resolve_accelerator
 
 log = logging.getLogger(__name__)
 
@@ -91,49 +89,32 @@ def _significant(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> tuple[dict, RunnerError | None]:
+def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> JobResult:
     """Runs a matmul_bench job; returns its summary and the error that ended it, if any.
 
     A benchmark is measured afresh on every run: each run is a new attempt and replaces summary.json.
     """
-    phases = Phases(start=PROCESS_START)
-    phases.add("startup", (spec_loaded_at or time.monotonic()) - PROCESS_START)
-    run = RunFolder(spec.run_dir)
-    attempt = run.next_attempt()
-    run.write_json("spec.json", spec.to_dict())
-    accelerator: Accelerator | None = None
-    status, error, result = "failed", None, {}
+    attempt = Attempt.begin(spec, spec_loaded_at)
+    attempt.number = attempt.run.next_attempt()
+    attempt.run.write_json("spec.json", spec.to_dict())
+    attempt.extra.update(kind="matmul_bench", attempt=attempt.number, run_dir=attempt.run.path)
+    status, error = "failed", None
     try:
-        with phases.phase("strategy"):
-            accelerator = resolve_accelerator(spec.accelerator)
-        with phases.phase("build"):
+        with attempt.phases.phase("strategy"):
+            attempt.accelerator = accelerator = resolve_accelerator(spec.accelerator)
+        with attempt.phases.phase("build"):
             call = chain_call(accelerator.strategy, spec.matmul)
-        with phases.phase("train"):
+        with attempt.phases.phase("train"):
             result = measure(call, spec.matmul, accelerator.replicas)
+        attempt.extra.update(result)
         log.info(
             "matmul %d x %d, chain %d, %s on %s: %.4g TFLOPS cold, %.4g TFLOPS warm",
             spec.matmul.size, spec.matmul.size, spec.matmul.chain, spec.matmul.dtype, accelerator.kind,
             result["tflops"]["cold"], result["tflops"]["warm"],
         )
         status = "succeeded"
-    except RunnerError as exc:
-        error = exc
     except Exception as exc:  # the summary must still be written
-        log.debug("matmul_bench failed", exc_info=True)
-        error = RunnerError(f"matmul_bench failed: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-    summary = build_summary(
-        status=status,
-        job=spec.name,
-        accelerator=None if accelerator is None else accelerator.to_dict(),
-        phases=phases,
-        epochs=[],
-        global_batch=None,  # no batches: a benchmark of the device alone
-        metrics={},
-        error=None if error is None else str(error),
-        extra={"kind": "matmul_bench", "attempt": attempt, "run_dir": run.path, **result},
-    )
-    if accelerator is None or accelerator.is_chief:
-        run.write_json(f"attempts/{attempt:03d}.json", summary)
-        run.write_json("summary.json", summary)
-    return summary, error
+        error = error_of(exc, spec, "matmul_bench")
+    summary = attempt.summary(status, error)  # no batches: a benchmark of the device alone
+    attempt.finish(summary, keep_succeeded=False)
+    return JobResult(summary, error)

@@ -194,3 +194,19 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
         metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
         steps_per_execution=steps_per_execution(spec, accelerator_kind),
     )
+
+
+def build_compiled(spec: JobSpec, features: dict[str, Feature], accelerator: Any) -> tuple[keras.Model, tf.train.Checkpoint]:
+    """The spec's model, built and compiled under the accelerator's strategy, and the checkpoint object that
+    saves and restores its weights, optimizer state and step (training, evaluation and prediction share it)."""
+    with accelerator.strategy.scope():
+        model = build_model(spec, features)
+        compile_model(model, spec, accelerator.kind)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    return model, checkpoint
+
+
+def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
+    """Restores a checkpoint (weights, optimizer, step); returns the optimizer step it was saved at."""
+    checkpoint.restore(path).expect_partial()
+    return int(checkpoint.optimizer.iterations.numpy())

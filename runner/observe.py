@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -171,3 +171,17 @@ class ProfileWindow(keras.callbacks.Callback):
             "traced_steps": self.traced or None,
             "error": self.error,
         }
+
+
+def epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
+    """Logs one line per epoch: time, steps, throughput, loss and metrics."""
+
+    def report(record: EpochRecord) -> None:
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
+        loss = "" if record.loss is None else f" loss {record.loss:.4f}"
+        log.info(
+            "epoch %d/%d: %.2f s, %d steps, %.0f examples/s,%s %s",
+            record.epoch, total_epochs, record.seconds, record.steps, record.examples_per_sec, loss, metrics,
+        )
+
+    return report

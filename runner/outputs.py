@@ -127,11 +127,13 @@ class RunFolder:
         numbers = [int(n.split(".")[0]) for n in tf.io.gfile.listdir(folder) if n.split(".")[0].isdigit()]
         return max(numbers, default=0) + 1
 
-    def write_summary(self, summary: dict[str, Any], attempt: int) -> None:
+    def write_summary(self, summary: dict[str, Any], attempt: int, keep_succeeded: bool = True) -> None:
+        """attempts/<n>.json, then summary.json; with `keep_succeeded`, an attempt that did not succeed never
+        replaces a finished job's summary (a benchmark, measured afresh each time, passes False)."""
         self.write_json(f"attempts/{attempt:03d}.json", summary)
-        previous = self.read_json("summary.json")
+        previous = self.read_json("summary.json") if keep_succeeded else None
         if previous and previous.get("status") == "succeeded" and summary.get("status") != "succeeded":
-            return  # a failing attempt never replaces a finished job's summary
+            return
         self.write_json("summary.json", summary)
 
     def checkpoint_manager(

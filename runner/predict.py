@@ -41,12 +41,8 @@ def load_trained(spec: JobSpec) -> Trained:
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
     accelerator = resolve_accelerator(spec.accelerator)
     shards = data.find_shards(spec.data.train)
-    with accelerator.strategy.scope():
-        model = models.build_model(spec, shards.features)
-        models.compile_model(model, spec, accelerator.kind)
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-        checkpoint.restore(latest).expect_partial()
-    step = int(model.optimizer.iterations.numpy())
+    model, checkpoint = models.build_compiled(spec, shards.features, accelerator)
+    step = models.restore(checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
     return Trained(model, accelerator, latest, step, shards.features)
 

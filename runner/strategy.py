@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import tensorflow as tf
 
 from runner import host
-from runner.errors import AcceleratorError
+from runner.errors import AcceleratorError, SpecError
 from runner.spec import AcceleratorSpec
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,20 @@ class Accelerator:
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
             "allocator": host.allocator_in_use()[0],
         }
+
+
+def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
+    """The global batch split evenly across the replicas; refused when it does not divide."""
+    replicas = accelerator.replicas
+    if global_batch % replicas:
+        raise SpecError(
+            f"data.global_batch_size ({global_batch}) must be divisible by the number of replicas ({replicas}); "
+            f"try {max(replicas, global_batch // replicas * replicas)}"
+        )
+    per_replica = global_batch // replicas
+    if accelerator.kind == "tpu" and per_replica % 8:
+        log.warning("per-replica batch %d is not a multiple of 8: TPU cores pad it (128 per core is best)", per_replica)
+    return per_replica
 
 
 def _version(distribution: str) -> str:

@@ -135,15 +135,13 @@ def test_batch_arithmetic_for_eight_tpu_cores(caplog) -> None:
     import tensorflow as tf
 
     from runner.errors import SpecError
-    from runner.job import per_replica_batch
-    from runner.spec import JobSpec
-    from runner.strategy import Accelerator
+    from runner.strategy import Accelerator, per_replica_batch
 
     # What a v5litepod-8 presents: the arithmetic needs only the replica count and the device kind.
     eight_cores = Accelerator(tf.distribute.get_strategy(), "tpu", 8)
-    assert per_replica_batch(JobSpec(data={"global_batch_size": 1024}), eight_cores) == 128
+    assert per_replica_batch(1024, eight_cores) == 128
     assert "not a multiple of 8" not in caplog.text
-    assert per_replica_batch(JobSpec(data={"global_batch_size": 96}), eight_cores) == 12
+    assert per_replica_batch(96, eight_cores) == 12
     assert "per-replica batch 12 is not a multiple of 8" in caplog.text
     with pytest.raises(SpecError, match=r"data.global_batch_size \(1001\) must be divisible by the number of replicas \(8\); try 1000"):
-        per_replica_batch(JobSpec(data={"global_batch_size": 1001}), eight_cores)
+        per_replica_batch(1001, eight_cores)
