@@ -84,6 +84,10 @@ class DataSpec(_Strict):
     # parallelism is the machine's core count. On, tearing down an input iterator waits out the tuner's
     # current sleep (up to 60 s), so model.fit returns late (runner/data.py).
     autotune: bool = False
+    # Checked before the run folder is touched (docs/data.md): size: every shard the manifest lists for
+    # train/eval/validation is there with its listed size (one stat each); sha256: also reads every byte
+    # and compares its hash (cost in the summary's data_verify); off: neither (the manifest is still checked).
+    verify: Literal["size", "sha256", "off"] = "size"
     # Features fed to the model, in order; the label feature.
     inputs: tuple[str, ...] = ("image",)
     label: str = "label"
