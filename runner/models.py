@@ -28,6 +28,7 @@ def _image_input(features: dict[str, Feature], inputs: tuple[str, ...]) -> tuple
 
 def mnist_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
     """The Basic CNN of the classic Colab TPU MNIST example."""
+    params = _params(params, {"classes": 10}, "mnist_cnn")
     layers = keras.layers
     inp, x = _image_input(features, inputs)
     x = layers.Conv2D(64, 2, padding="same", activation="relu")(x)
@@ -40,7 +41,7 @@ def mnist_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tupl
     x = layers.Dense(256, activation="relu")(x)
     x = layers.Dropout(0.5)(x)
     # The output stays float32 under mixed precision: softmax in bfloat16 loses the small probabilities.
-    out = layers.Dense(params.get("classes", 10), activation="softmax", dtype="float32")(x)
+    out = layers.Dense(params["classes"], activation="softmax", dtype="float32")(x)
     return keras.Model(inp, out, name="mnist_cnn")
 
 

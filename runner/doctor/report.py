@@ -2,6 +2,7 @@
 
     versions      Python/TensorFlow/Keras/libtpu against runner/doctor/known_good.json
     devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
+    tpu_runtime   (a TPU job) the device API its generation needs (PJRT from v5e on) and what is set for it
     lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
     credentials   where gs:// credentials come from (never printing a secret)
     gcs           whether the storage endpoint answers
@@ -32,11 +33,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
 from runner import host
+from runner.bounded import Bounded
 from runner.doctor import checks
 from runner.doctor.checks import Check
 from runner.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE
@@ -55,8 +56,9 @@ _STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
 _STEP_ACTIONS = {
     "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and "
     "runner/doctor/known_good.json",
-    "tpu": "check TPU_NAME / accelerator.tpu, the lockfile check, and that the TPU is READY "
-    "(gcloud compute tpus tpu-vm describe)",
+    "tpu": "check TPU_NAME / accelerator.tpu, the devices, tpu_runtime and lockfile checks, and that the TPU is "
+    "READY (gcloud compute tpus tpu-vm describe); a crash here (SIGSEGV) is how libtpu can fail under PJRT when it "
+    "finds no usable TPU, and `runner run` would die the same way",
     "storage": "see the gcs and credentials checks",
     "data": "see the storage checks; `runner verify FOLDER` checks every shard",
 }
@@ -101,23 +103,21 @@ def _timed(fn: Callable[..., Check], *args: Any, **kwargs: Any) -> Check:
     return check
 
 
-class _Bounded(threading.Thread):
+class _Bounded:
     """A host check in a daemon thread: DNS lookups ignore socket timeouts, so the bound is kept out here."""
 
     def __init__(self, name: str, seconds: float, fn: Callable[..., Check], *args: Any):
-        super().__init__(daemon=True, name=f"doctor-{name}")
-        self.check_name, self.seconds, self.call, self.result = name, seconds, lambda: _timed(fn, *args), None
-        self.start()
-
-    def run(self) -> None:
-        self.result = self.call()
+        self.check_name, self.seconds = name, seconds
+        self._call = Bounded(f"doctor-{name}", lambda: _timed(fn, *args))
 
     def outcome(self) -> Check:
-        self.join(self.seconds)
-        if self.result is None:
+        try:
+            return self._call.result(self.seconds)
+        except TimeoutError:
             evidence = f"no answer within {self.seconds:g} s"
             return Check(self.check_name, "fail", evidence, "check DNS and the network", self.seconds)
-        return self.result
+        except Exception as exc:  # a check that broke is reported, not a doctor that breaks
+            return Check(self.check_name, "fail", f"the check itself failed: {type(exc).__name__}: {exc}", "run with --debug")
 
 
 class _Probe:
@@ -278,6 +278,7 @@ def run_doctor(
     found = [
         _timed(checks.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),
+        *([_timed(checks.check_tpu_runtime, job.accelerator, environ, dev_root)] if tpu_wanted else []),
         _timed(checks.check_allocator),
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
         _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
