@@ -1,8 +1,8 @@
 # The runner image: `runner` is the entrypoint, so `docker run IMAGE run jobs/mnist_cnn.yaml` trains a job.
 #
 #   DOCKER_BUILDKIT=1 docker build -t runner .                                  CPU: tensorflow-cpu, Keras 3
-#   DOCKER_BUILDKIT=1 docker build --build-arg ACCELERATOR=tpu -t runner:tpu .  Cloud TPU VM: tensorflow-tpu,
-#                                                                               its libtpu, tf-keras
+#   DOCKER_BUILDKIT=1 docker build --build-arg ACCELERATOR=tpu -t runner:tpu .  Cloud TPU VM: tensorflow-tpu
+#                                                                               2.19.1, libtpu 0.0.10, Keras 3
 #   DOCKER_BUILDKIT=1 docker build --target test -t runner:test .               runtime + test dependencies
 #
 # Behind a TLS-inspecting proxy, hand its CA to pip as a BuildKit secret (it never lands in a layer):
@@ -59,21 +59,23 @@ RUN --mount=type=secret,id=pip_cert,required=false \
 
 
 FROM base AS tf-tpu
-# tensorflow-tpu asks for libtpu~=0.0.14, which pip resolves to the newest libtpu: TensorFlow 2.20 then aborts
-# at import ("ConfigureDistributedTpuOp_DoWork not available in this library"). libtpu 0.0.19, the newest
-# release before tensorflow-tpu 2.20.0rc0, loads (0.0.17 to 0.0.21 import; 0.0.52 aborts).
-ARG TENSORFLOW="tensorflow-tpu==2.20.0"
-ARG LIBTPU="libtpu==0.0.19"
-ARG TF_KERAS="tf-keras==2.20.1"
-# TPU jobs train with tf-keras (Keras 2), as Google's TensorFlow TPU images do: see runner/flavour.py.
-# Build with --build-arg TF_USE_LEGACY_KERAS=0 for Keras 3.
-ARG TF_USE_LEGACY_KERAS=1
+# TensorFlow, libtpu and Keras from Keras's TensorFlow TPU example, the one documented PJRT recipe for a
+# tensorflow-tpu from PyPI (https://keras.io/keras_rs/examples/distributed_embedding_tf): tensorflow-tpu
+# 2.19.1, whose wheel pins libtpu==0.0.10, and Keras 3. Google's runtime table stops at TF 2.18.0 (libtpu
+# 1.12.0, tpu-vm-tf-2.18.0-pjrt), whose libtpu is only on Google's own index. docs/tpu.md has the sources.
+# Its versions are pinned by requirements-tpu.lock (TF 2.19 wants protobuf<6, numpy<2.2: not the CPU lock).
+ARG TENSORFLOW="tensorflow-tpu==2.19.1"
+ARG LIBTPU="libtpu==0.0.10"
+# tf-keras for TF_USE_LEGACY_KERAS=1 (Keras 2, as Google's own TensorFlow TPU CI runs); Keras 3 by default.
+ARG TF_KERAS="tf-keras==2.19.0"
+ARG TF_USE_LEGACY_KERAS=0
 ENV TF_USE_LEGACY_KERAS=${TF_USE_LEGACY_KERAS}
-COPY requirements.lock ./
+COPY requirements-tpu.lock ./
 COPY --from=requirements /requirements-runtime.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
-    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" "$LIBTPU" \
-    && image-install.sh nodeps "$TF_KERAS"
+    LOCK=requirements-tpu.lock image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" "$LIBTPU" \
+    && image-install.sh nodeps "$TF_KERAS" \
+    && image-install.sh check-libtpu "$LIBTPU"
 
 
 # hadolint ignore=DL3006
@@ -93,6 +95,8 @@ RUN --mount=type=secret,id=pip_cert,required=false \
     && pip install --no-cache-dir --no-deps ./src \
     && rm -rf src \
     && runner --help >/dev/null
+# The TPU variant: the PJRT settings `runner run` makes for a v5e/v5p/v6e load libtpu as TensorFlow's plugin.
+RUN if [ "$ACCELERATOR" = tpu ]; then image-install.sh check-pjrt; fi
 USER 1000:1000
 ENTRYPOINT ["runner"]
 CMD ["--help"]

@@ -8,6 +8,7 @@ Order for `accelerator.kind: auto`:
      several workers);
   3. the CPU (MirroredStrategy over `accelerator.cpu_devices` logical devices when more than one).
 `kind: tpu|gpu|cpu` asks for exactly that and fails (exit 3) when it is not there.
+A TPU's device API (PJRT or stream executor, per generation) is set before TensorFlow loads: runner/tpu_env.py.
 Every TPU step runs under `accelerator.timeout_s`.
 """
 
@@ -29,6 +30,7 @@ import tensorflow as tf
 from runner import host
 from runner.errors import AcceleratorError, SpecError
 from runner.spec import AcceleratorSpec
+from runner.tpu_env import TpuRuntime, applied_tpu_env, apply_tpu_env
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class Accelerator:
     workers: int = 1
     worker_index: int = 0
     detail: str = ""
+    tpu_runtime: TpuRuntime | None = None  # the TPU device API and its settings (runner/tpu_env.py)
 
     @property
     def is_chief(self) -> bool:
@@ -59,6 +62,7 @@ class Accelerator:
             "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
             "allocator": host.allocator_in_use()[0],
+            "tpu_runtime": self.tpu_runtime.to_dict() if self.tpu_runtime else None,
         }
 
 
@@ -135,7 +139,12 @@ def _tpu_hints(target: str) -> str:
 
 
 def connect_tpu(target: str, timeout_s: float) -> Accelerator:
-    steps = []
+    # The device API was chosen before TensorFlow loaded (`runner run`); a caller that skipped that gets the
+    # choice recorded here, and a problem if TensorFlow loaded too early for it.
+    runtime = applied_tpu_env() or apply_tpu_env(target)
+    steps = [f"device API: {runtime.describe()}"]
+    if runtime.problem:
+        raise AcceleratorError(f"could not start the TPU {target!r} (device API {runtime.describe()}): {runtime.problem}")
     try:
         if target.startswith("grpc://"):
             steps.append(f"probe {target}")
@@ -159,7 +168,7 @@ def connect_tpu(target: str, timeout_s: float) -> Accelerator:
     workers = getattr(topology, "num_tasks", 1)
     cores = strategy.num_replicas_in_sync
     detail = f"{target}: {cores} cores, {workers} worker(s), mesh {list(getattr(topology, 'mesh_shape', []))}"
-    return Accelerator(strategy, "tpu", cores, workers=workers, detail=detail)
+    return Accelerator(strategy, "tpu", cores, workers=workers, detail=detail, tpu_runtime=runtime)
 
 
 def _split_cpu(devices: int) -> None:

@@ -4,10 +4,16 @@
 #   image-install.sh list GROUP               print pyproject.toml's requirements: GROUP is `runtime` (the
 #                                            project's dependencies) or an extra such as `test`
 #   image-install.sh pinned FILE [REQ...]     install FILE's requirements (and REQ...) at the versions
-#                                            requirements.lock pins
+#                                            requirements.lock pins ($LOCK: another lock, e.g. the TPU
+#                                            image's requirements-tpu.lock)
 #   image-install.sh nodeps REQ...            install without dependencies: tf-keras (it requires the
 #                                            `tensorflow` wheel, which would pull a second TensorFlow) and
 #                                            requirements-data.txt's offline-data packages (old pins)
+#   image-install.sh check-libtpu libtpu==V   the installed libtpu is V and its libtpu.so is where
+#                                            libtpu.get_library_path() says (what PJRT loads)
+#   image-install.sh check-pjrt               with the runner installed: the device API settings
+#                                            runner/tpu_env.py makes for a v5e are complete, and TensorFlow
+#                                            registers libtpu as its PJRT plugin when it imports
 #
 # A CA certificate handed over as the BuildKit secret `pip_cert` is trusted by pip (for a TLS-inspecting
 # proxy); without it pip uses its own bundle.
@@ -28,13 +34,46 @@ EOF
   pinned)
     file="$1"
     shift
-    pip install --constraint requirements.lock --requirement "$file" "$@"
+    pip install --constraint "${LOCK:-requirements.lock}" --requirement "$file" "$@"
     ;;
   nodeps)
     pip install --no-deps "$@"
     ;;
+  check-libtpu)
+    python3 - "$1" <<'EOF'
+import importlib.metadata, os, sys
+want, have = sys.argv[1].split("==", 1)[1], importlib.metadata.version("libtpu")
+if have != want:
+    raise SystemExit(f"libtpu {have} is installed, but the image pins {want}")
+import libtpu
+path = libtpu.get_library_path()
+if not os.path.isfile(path):
+    raise SystemExit(f"libtpu.get_library_path() gives {path}, which does not exist")
+print("libtpu", have, path)
+EOF
+    ;;
+  check-pjrt)
+    # Off a TPU VM: no metadata server to ask (it would take minutes), and a v5e's generation given instead.
+    log="$(mktemp)"
+    TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5litepod-8 TF_CPP_MIN_LOG_LEVEL=0 python3 - >"$log" 2>&1 <<'EOF' || { cat "$log" >&2; exit 1; }
+from runner.tpu_env import apply_tpu_env
+runtime = apply_tpu_env("local")
+if runtime.device_api != "pjrt" or runtime.problem:
+    raise SystemExit(f"device API for a v5e: {runtime.device_api}, {runtime.problem}")
+import tensorflow as tf
+print("settings:", runtime.settings)
+print("devices:", [d.device_type for d in tf.config.list_physical_devices()])
+EOF
+    if ! grep -q "PJRT_Api is set for device type tpu" "$log"; then
+      cat "$log" >&2
+      echo "image-install.sh: TensorFlow did not register libtpu as its PJRT plugin" >&2
+      exit 1
+    fi
+    grep -E "^(settings|devices):|PJRT_Api is set" "$log"
+    rm -f "$log"
+    ;;
   *)
-    echo "image-install.sh: unknown command '$what' (list, pinned or nodeps)" >&2
+    echo "image-install.sh: unknown command '$what' (list, pinned, nodeps, check-libtpu or check-pjrt)" >&2
     exit 2
     ;;
 esac

@@ -45,6 +45,9 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
         choose_keras()
     except RunnerError as error:
         raise fail(error) from None
+    from runner.tpu_env import prepare_tpu_env
+
+    prepare_tpu_env(job.accelerator.kind, job.accelerator.tpu)  # PJRT or not: TensorFlow reads it while loading
     from runner.errors import Preempted
     from runner.job import run_job
 

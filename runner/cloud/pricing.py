@@ -1,82 +1,94 @@
-"""TPU types and what they cost: the accelerator behind `runner submit --tpu-type` and its cost estimate.
+"""What a TPU costs: list prices per chip-hour by generation and region, on demand and Spot apart.
 
-The price table lives in one file, runner/cloud/tpu_prices.json, with the date and source of its prices. An
-estimate is chips x hours x the list price per chip-hour; `estimate` says which price it used, so a reader
-can redo the sum. This module imports no cloud client and no TensorFlow.
+The table is runner/cloud/tpu_prices.json: every row names its source and the date it was read, and says
+whether the figure was found in that source (`confirmed`). A price is looked up by TPU type and region; a
+region the table has no row for has no price (v4, for one, is sold in us-central2 only), and the answer says
+so instead of borrowing another region's figure. An estimate is chips x hours x the price per chip-hour,
+with everything needed to redo the sum. The hours are the caller's: Google bills while the TPU exists, so
+they should run from the queued resource's creation to its deletion. No cloud client, no TensorFlow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from runner.errors import SpecError
+from runner.cloud.tpu_types import TpuType, parse_tpu_type  # noqa: F401  (re-exported for callers)
 
-_TABLE = Path(__file__).with_name("tpu_prices.json")
-# Names people type for a generation, mapped to the name the Cloud TPU API uses.
-_ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "trillium": "v6e"}
+TABLE = Path(__file__).with_name("tpu_prices.json")
+_ZONE = re.compile(r"([a-z]+-[a-z]+\d+)-[a-z0-9]+")
 
 
-@lru_cache(maxsize=1)
-def price_table() -> dict[str, Any]:
-    return json.loads(_TABLE.read_text())
+@lru_cache(maxsize=4)
+def price_table(path: Path = TABLE) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def region_of(zone_or_region: str) -> str:
+    """us-central2-b -> us-central2; a region comes back as it is."""
+    match = _ZONE.fullmatch(zone_or_region.strip())
+    return match.group(1) if match else zone_or_region.strip()
 
 
 @dataclasses.dataclass(frozen=True)
-class TpuType:
-    name: str  # as the API wants it, e.g. v5litepod-8
+class Price:
+    """One generation's price per chip-hour in one region, on demand or Spot, and where it comes from."""
+
     generation: str
-    chips: int
-    runtime_version: str  # the default TPU VM software for this generation
-    usd_per_chip_hour: float
+    region: str
+    spot: bool
+    usd: float | None  # per chip-hour; None: no price known for this generation, region and kind
+    confirmed: bool = False
+    source: str | None = None
+    date: str | None = None
+    note: str = ""  # said wherever the price is shown: unconfirmed, or why there is none
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
-def _sizes_text(sizes: Any) -> str:
-    return sizes if isinstance(sizes, str) else ", ".join(map(str, sizes))
+def price_per_chip_hour(tpu_type: str, region: str, spot: bool = False, table: Path = TABLE) -> Price:
+    """The list price of one chip-hour of `tpu_type` (e.g. v5litepod-8) in `region` (a zone is accepted)."""
+    generation = parse_tpu_type(tpu_type).generation
+    region = region_of(region)
+    doc = price_table(table)
+    kind = "Spot" if spot else "on-demand"
+    rows = [r for r in doc["prices"] if r["generation"] == generation]
+    row = next((r for r in rows if r["region"] == region), None)
+    if row is None:
+        known = ", ".join(sorted(r["region"] for r in rows)) or "none"
+        note = f"no {kind} price for {generation} in {region} in {Path(table).name} (priced regions: {known})"
+        return Price(generation, region, spot, None, note=note)
+    usd = row["spot"] if spot else row["on_demand"]
+    source = doc["sources"].get(row["source"], row["source"])
+    if usd is None:
+        note = f"the source gives no {kind} price for {generation} in {region}"
+        return Price(generation, region, spot, None, source=source, date=row["date"], note=note)
+    note = "" if row["confirmed"] else (
+        f"unconfirmed: ${usd} per chip-hour for {generation} {kind} in {region} was not found in its source"
+    )
+    if spot and not note:
+        note = "Spot prices change often; this is the list price on the date shown"
+    return Price(generation, region, spot, float(usd), bool(row["confirmed"]), source, row["date"], note)
 
 
-def parse_tpu_type(text: str) -> TpuType:
-    """`v5litepod-8` -> TpuType; a wrong generation or size is refused with the accepted ones."""
-    generations = price_table()["generations"]
-    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text.strip().lower())
-    if not match:
-        raise SpecError(
-            f"--tpu-type {text!r} must look like GENERATION-SIZE, e.g. v5litepod-8 or v6e-8 "
-            f"(generations: {', '.join(generations)})"
-        )
-    generation, size = match.group(1), int(match.group(2))
-    if generation not in generations:
-        if generation in _ALIASES:
-            raise SpecError(f"--tpu-type {text!r}: the Cloud TPU API calls it {_ALIASES[generation]}-{size}")
-        close = difflib.get_close_matches(generation, list(generations), n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]}-{size}?" if close else ""
-        raise SpecError(f"--tpu-type {text!r}: unknown TPU generation {generation!r}{hint} (known: {', '.join(generations)})")
-    info = generations[generation]
-    sizes = info["sizes"]
-    valid = size >= 8 and size % 8 == 0 if isinstance(sizes, str) else size in sizes
-    if not valid:
-        raise SpecError(f"--tpu-type {text!r}: {generation} comes in sizes {_sizes_text(sizes)}, not {size}")
-    chips = size if info["counts"] == "chips" else size // 2
-    return TpuType(f"{generation}-{size}", generation, chips, info["runtime_version"], float(info["usd_per_chip_hour"]))
-
-
-def estimate(tpu_type: str, hours: float, spot: bool = False) -> dict[str, Any]:
-    """The cost of `hours` of a TPU type at the table's list price, with everything needed to check it."""
+def estimate(tpu_type: str, hours: float, region: str, spot: bool = False, table: Path = TABLE) -> dict[str, Any]:
+    """The cost of `hours` of a TPU type: chips x hours x the price per chip-hour, or `usd: null` with
+    the reason when no price is known."""
     tpu = parse_tpu_type(tpu_type)
-    table = price_table()
-    usd = tpu.chips * hours * tpu.usd_per_chip_hour
+    price = price_per_chip_hour(tpu.name, region, spot, table)
+    usd = None if price.usd is None else round(tpu.chips * hours * price.usd, 4)
     return {
         "accelerator_type": tpu.name,
         "chips": tpu.chips,
         "hours": round(hours, 4),
-        "usd_per_chip_hour": tpu.usd_per_chip_hour,
-        "usd": round(usd, 4),
+        "region": price.region,
         "spot": spot,
-        "basis": "on-demand list price" + (" (an upper bound: Spot VMs cost less)" if spot else ""),
-        "price_table": {"date": table["date"], "source": table["source"]},
+        "usd_per_chip_hour": price.usd,
+        "usd": usd,
+        "price": {"confirmed": price.confirmed, "source": price.source, "date": price.date, "note": price.note},
     }

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from runner import storage
-from runner.cloud import pricing
+from runner.cloud import pricing, tpu_types
 from runner.errors import AcceleratorError, RunnerError, SpecError
 from runner.spec import JobSpec
 from runner.specfile import load_spec
@@ -143,7 +143,7 @@ def prepare_submission(
     problems: list[str] = []
     checked: dict[str, Any] = {}
     for key, check, value in (
-        ("tpu", pricing.parse_tpu_type, tpu_type),
+        ("tpu", tpu_types.single_host_type, tpu_type),
         ("zone", check_zone, zone),
         ("image", _check_image, image),
         ("name", check_name, name),
@@ -193,7 +193,7 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_KEEP": "1" if sub.keep else "0",
         "RUNNER_TPU_TYPE": sub.tpu.name,
         "RUNNER_SPOT": "true" if sub.spot else "false",
-        "RUNNER_USD_PER_CHIP_HOUR": repr(sub.tpu.usd_per_chip_hour),
+        "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
         "RUNNER_SPEC_B64": base64.b64encode(spec_yaml.encode()).decode(),
     }
     header = ["#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]

@@ -140,3 +140,9 @@ def refuse_multi_host(tpu_type: str) -> None:
         "TPU worker service on every host and cloud-tpu-client on worker 0, and no documented recipe runs that "
         f"from this image. Single-host types work: {', '.join(single_host_types())} (see {DOCS})"
     )
+
+
+def single_host_type(text: str) -> TpuType:
+    """`parse_tpu_type`, after `refuse_multi_host`: what `runner submit` accepts."""
+    refuse_multi_host(text)
+    return parse_tpu_type(text)

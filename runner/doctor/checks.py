@@ -28,8 +28,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from runner.host import TCMALLOC_PRELOAD, allocator_in_use, named_tpu, tpu_devices
+from runner.host import TCMALLOC_PRELOAD, allocator_in_use, named_tpu, tpu_devices, tpu_target
 from runner.spec import AcceleratorSpec
+from runner.tpu_env import choose_tpu_env
 
 KNOWN_GOOD = Path(__file__).with_name("known_good.json")
 # The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
@@ -165,6 +166,42 @@ def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_roo
         return Check("devices", "ok", evidence, data=data)
     evidence = f"{shown}: a job here runs on the CPU"
     return Check("devices", "warn", evidence, "nothing, unless this should be a TPU VM", data=data)
+
+
+# --- TPU device API ----------------------------------------------------------------------------
+
+
+def check_tpu_runtime(accelerator: AcceleratorSpec, environ: dict[str, str], dev_root: str = "/dev") -> Check:
+    """The device API the TPU's generation needs (runner/tpu_env.py), what is set for it here, and what
+    `runner run` sets itself before TensorFlow loads."""
+    target = tpu_target(accelerator.tpu, environ, dev_root) if accelerator.kind in ("auto", "tpu") else None
+    if target is None:
+        return Check("tpu_runtime", "ok", f"not used: no TPU is named or found (accelerator.kind {accelerator.kind!r}; "
+                     "see the devices check)")
+    chosen = choose_tpu_env(target, dict(environ))
+    data = {"target": target, **chosen.to_dict()}
+    shown = lambda values: ", ".join(f"{k}={v}" for k, v in values.items())  # noqa: E731
+    if chosen.accelerator_type:
+        parts = [f"{chosen.accelerator_type} ({chosen.generation_from}) needs {chosen.api}"]
+    elif chosen.generation_from == "the TPU address":
+        parts = [f"a remote TPU ({target}): {chosen.api}, TensorFlow's default"]
+    else:
+        parts = [f"TPU generation unknown (TPU_ACCELERATOR_TYPE unset, the metadata server silent): {chosen.api} is chosen"]
+    if chosen.problem:
+        return Check("tpu_runtime", "fail", f"{parts[0]}; {chosen.problem}", "see docs/tpu.md (TPU image)", data=data)
+    if chosen.settings:
+        parts.append(f"`runner run` sets, before TensorFlow loads: {shown(chosen.settings)}")
+    if chosen.found:
+        parts.append(f"already set here: {shown(chosen.found)}")
+    if not chosen.settings and not chosen.found:
+        parts.append("nothing to set")
+    if chosen.libtpu:
+        parts.append(f"libtpu {chosen.libtpu}")
+    evidence = "; ".join(parts)
+    if chosen.generation_from == "unknown" and chosen.device_api == "pjrt":
+        action = "set TPU_ACCELERATOR_TYPE to this TPU's type (e.g. v5litepod-8) to choose by generation"
+        return Check("tpu_runtime", "warn", evidence, action, data=data)
+    return Check("tpu_runtime", "ok", evidence, data=data)
 
 
 # --- memory allocator --------------------------------------------------------------------------

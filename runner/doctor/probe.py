@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 from runner.doctor.checks import Check
 from runner.spec import JobSpec
+from runner.tpu_env import prepare_tpu_env
 from runner.storage import is_gcs, split_gcs
 
 Step = Callable[[JobSpec, float], Iterator[Check]]
@@ -50,6 +51,7 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
     """What `runner run` would do about a TPU: the same target and the same connect_tpu, bounded."""
     from runner.errors import AcceleratorError
     from runner.strategy import connect_tpu, tpu_target
+    from runner.tpu_env import applied_tpu_env
 
     kind, target = spec.accelerator.kind, tpu_target(spec.accelerator)
     if target is None:
@@ -78,12 +80,16 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
         accelerator = connect_tpu(target, bound * 0.8)
     except AcceleratorError as exc:
         action = "see runner/doctor/known_good.json for the libtpu that matches the TensorFlow wheel; the lockfile check"
-        yield Check("tpu", "fail", str(exc), action, data={"target": target})
+        runtime = applied_tpu_env()
+        data = {"target": target, "tpu_runtime": runtime.to_dict() if runtime else None}
+        yield Check("tpu", "fail", str(exc), action, data=data)
         return
     seconds = time.monotonic() - began
+    runtime = accelerator.tpu_runtime
     yield Check(
-        "tpu", "ok", f"{accelerator.detail}; initialised in {seconds:.1f} s",
-        data={"target": target, "replicas": accelerator.replicas, "init_s": round(seconds, 2)},
+        "tpu", "ok", f"{accelerator.detail}; device API {runtime.describe()}; initialised in {seconds:.1f} s",
+        data={"target": target, "replicas": accelerator.replicas, "init_s": round(seconds, 2),
+              "tpu_runtime": runtime.to_dict() if runtime else None},
     )
 
 
@@ -228,6 +234,8 @@ def main() -> None:
     os.dup2(2, 1)  # whatever TensorFlow prints must not mix with the events
     request = json.loads(sys.stdin.readline())
     spec = JobSpec.model_validate(request["spec"])
+    # The device API `runner run` would set, set the same way before TensorFlow loads here.
+    prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
     for step in request["steps"]:
         _emit(out, {"begin": step})
         began = time.monotonic()
