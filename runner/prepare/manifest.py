@@ -1,10 +1,12 @@
 """`runner manifest`: a manifest.json for TFRecords written outside the runner (your own data).
 
 The job spec says where the shards are (`data.train`, `data.eval`) and what each record holds
-(`data.features`). Every shard is read once: its records are counted, its sha256 is recorded (so
-`runner verify` works), and every record is parsed and decoded as training will, so a record that does not
-fit the schema fails here, naming the shard, the record and the feature, rather than in the middle of
-training.
+(`data.features`). Every shard is read once: its records are counted, its size and sha256 are recorded (so
+`runner run` can check the shards before training, data.verify, and `runner verify` works), and every
+record is parsed and decoded as training will, so a record that does not fit the schema fails here, naming
+the shard, the record and the feature, rather than in the middle of training. For class-id labels (int64,
+one per record) the lowest and highest label of each shard is recorded too (`label_range`), so a label
+outside the model's classes stops the job before it starts. Format: docs/data.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from runner import data, schema
-from runner.prepare.shards import write_manifest
+from runner.prepare.shards import holds_class_ids, label_range, write_manifest
 from runner.errors import DataError, SpecError
 from runner.spec import JobSpec
 
@@ -37,7 +39,7 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
         path = posixpath.join(folder, data.MANIFEST)
         if tf.io.gfile.exists(path) and not force:
             raise DataError(f"{path} exists; pass --force to replace it with one made from {spec_path}")
-        entries = {split: [_index_shard(f, features) for f in files] for split, files in splits.items()}
+        entries = {split: [_index_shard(f, features, spec.data.label) for f in files] for split, files in splits.items()}
         manifest: dict[str, Any] = {
             "manifest_version": data.MANIFEST_VERSION,
             "dataset": spec.name,
@@ -87,25 +89,32 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
 _CHECK_BATCH = 256
 
 
-def _index_shard(path: str, features: dict[str, schema.StoredFeature]) -> dict[str, Any]:
-    return {"file": posixpath.basename(path), "records": _check_records(path, features), "sha256": data.sha256_of(path)}
+def _index_shard(path: str, features: dict[str, schema.StoredFeature], label: str) -> dict[str, Any]:
+    records, labels = _check_records(path, features, label)
+    entry = {"file": posixpath.basename(path), "records": records, "bytes": tf.io.gfile.stat(path).length}
+    entry["sha256"] = data.sha256_of(path)
+    return {**entry, **({"label_range": labels} if labels else {})}
 
 
-def _check_records(path: str, features: dict[str, schema.StoredFeature]) -> int:
-    """Counts the shard's records, parsing and decoding all of them with the training pipeline's own parser.
+def _check_records(path: str, features: dict[str, schema.StoredFeature], label: str) -> tuple[int, list[int] | None]:
+    """Counts the shard's records, parsing and decoding all of them with the training pipeline's own parser;
+    returns the count and the label_range of class-id labels.
 
     A batch that fails is read again record by record (schema.record_problems), so the error names the
     record and the feature. The first record also gets that check up front: it sees what decoding forgives
     (a PNG where JPEG is declared decodes all the same).
     """
     batches = tf.data.TFRecordDataset(path).batch(_CHECK_BATCH)
-    count = 0
+    count, ranges = 0, []
+    class_ids = label in features and holds_class_ids(features[label])
     try:
         head = next(iter(batches.take(1)), None)
         if head is not None and schema.record_problems(head.numpy()[0], features):
             raise _misfit(path, head.numpy(), 0, None, features)
-        for size, _ in batches.map(lambda serialized: (tf.shape(serialized)[0], schema.parse_batch(serialized, features))):
+        for size, parsed in batches.map(lambda serialized: (tf.shape(serialized)[0], schema.parse_batch(serialized, features))):
             count += int(size)
+            if class_ids and int(size):
+                ranges.append(label_range(parsed[label].numpy().reshape(-1), features[label]))
     except tf.errors.DataLossError as exc:
         raise DataError(
             f"{path} is not a readable TFRecord file ({exc.message.splitlines()[0]}); "
@@ -114,7 +123,7 @@ def _check_records(path: str, features: dict[str, schema.StoredFeature]) -> int:
     except tf.errors.InvalidArgumentError as exc:
         batch = next(iter(batches.skip(count // _CHECK_BATCH).take(1))).numpy()
         raise _misfit(path, batch, count, exc, features) from None
-    return count
+    return count, [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None
 
 
 def _misfit(path: str, records, first: int, exc: tf.errors.OpError | None, features: dict) -> DataError:
@@ -126,3 +135,16 @@ def _misfit(path: str, records, first: int, exc: tf.errors.OpError | None, featu
             return DataError(f"{path}: {where} does not fit data.features:\n  " + "\n  ".join(problems))
     why = exc.message.splitlines()[0] if exc is not None else "TensorFlow gave no reason"
     return DataError(f"{path}: records {first} to {first + len(records) - 1} do not parse with data.features ({why})")
+
+
+def record_sizes(folder: str, manifest: dict[str, Any], found: dict[str, int]) -> tuple[str, int]:
+    """Adds each shard's size (`bytes`) to a manifest written before sizes were recorded, from the sizes
+    `runner verify` found after every shard matched its sha256; returns the manifest's path and how many
+    sizes were added."""
+    added = 0
+    for info in manifest["splits"].values():
+        for entry in info["shards"]:
+            if entry.get("bytes") is None:
+                entry["bytes"] = found[posixpath.join(folder, entry["file"])]
+                added += 1
+    return write_manifest(folder, manifest), added

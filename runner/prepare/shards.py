@@ -110,7 +110,8 @@ def shard_count(dataset: Dataset, split: str) -> int:
 def write_split(
     dataset: Dataset, split: str, out_dir: str, shards: int, progress: Callable[[int], None] = lambda n: None
 ) -> list[dict[str, Any]]:
-    """Writes one split as `shards` TFRecord files; returns the manifest entries (file, records, sha256)."""
+    """Writes one split as `shards` TFRecord files; returns the manifest entries (file, records, bytes, sha256,
+    and label_range for class-id labels: docs/data.md)."""
     arrays = dataset.splits[split]
     count = len(next(iter(arrays.values())))
     entries = []
@@ -121,8 +122,23 @@ def write_split(
             for row in rows:
                 writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
                 progress(1)
-        entries.append({"file": name, "records": int(len(rows)), "sha256": data.sha256_of(path)})
+        entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length, "sha256": data.sha256_of(path)}
+        labels = label_range(arrays[dataset.label][rows], dataset.features[dataset.label])
+        entries.append({**entry, **({"label_range": labels} if labels else {})})
     return entries
+
+
+def holds_class_ids(feature: Feature) -> bool:
+    """Whether a label feature holds one class id per record (int64, a single value)."""
+    return feature.dtype == "int64" and int(np.prod(feature.shape)) == 1
+
+
+def label_range(labels: np.ndarray, feature: Feature) -> list[int] | None:
+    """[lowest, highest] of class-id labels, for checking them against a model's classes before training;
+    None for other labels and for no records."""
+    if not holds_class_ids(feature) or not len(labels):
+        return None
+    return [int(np.min(labels)), int(np.max(labels))]
 
 
 def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -142,7 +158,10 @@ def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> d
 
 
 def write_manifest(out_dir: str, manifest: dict[str, Any]) -> str:
+    """Writes manifest.json whole or not at all (a temporary name, then a rename), so a reader never sees half."""
     path = posixpath.join(out_dir, data.MANIFEST)
-    with tf.io.gfile.GFile(path, "w") as handle:
+    partial = f"{path}.partial"
+    with tf.io.gfile.GFile(partial, "w") as handle:
         handle.write(json.dumps(manifest, indent=2) + "\n")
+    tf.io.gfile.rename(partial, path, overwrite=True)
     return path
