@@ -75,13 +75,15 @@ class Attempt:
 
     def finish(self, summary: dict[str, Any], *, keep_succeeded: bool = True) -> None:
         """Writes the summary (the chief only): attempts/<n>.json and summary.json. With `keep_succeeded`, a
-        summary that did not succeed never replaces a succeeded one (runner/outputs.py)."""
-        if self.accelerator is not None and not self.accelerator.is_chief:
-            return
+        summary that did not succeed never replaces a succeeded one (runner/outputs.py). Then the run folder's
+        lease is released, whatever the status."""
         try:
-            self.run.write_summary(summary, self.number, keep_succeeded=keep_succeeded)
+            if self.accelerator is None or self.accelerator.is_chief:
+                self.run.write_summary(summary, self.number, keep_succeeded=keep_succeeded)
         except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
             log.error("could not write the summary to %s: %s", self.run.path, exc.message.splitlines()[0])
+        finally:
+            self.run.close()
 
 
 def error_of(exc: Exception, spec: JobSpec, what: str = "training") -> RunnerError:

@@ -100,18 +100,15 @@ def run_job(
 
 
 def _open(attempt: Attempt) -> dict | None:
-    """Checks the run folder against the spec and gives the attempt its number; returns the summary of a job
-    that is already complete (nothing to do), else None. Resume rules: runner/outputs.py."""
+    """Opens the run folder (its lease taken by the chief) and gives the attempt its number; returns the
+    summary of a job that is already complete (nothing to do), else None. Resume rules: runner/outputs.py."""
     spec, run = attempt.spec, attempt.run
     entered = time.monotonic()
-    run.check_spec(spec)
-    done = run.completed_summary(spec.train.epochs)
+    attempt.worker_index = cluster_from_env(os.environ)[1]
+    done = run.open(spec, attempt.worker_index)
     if done is not None:
         return done
-    attempt.worker_index = cluster_from_env(os.environ)[1]
-    if attempt.worker_index == 0:
-        run.record_spec(spec)
-    attempt.number = run.next_attempt()
+    attempt.number = run.attempt
     attempt.extra.update(attempt=attempt.number, run_dir=run.path, train_epochs=spec.train.epochs)
     attempt.phases.add("run_folder", time.monotonic() - entered)
     return None
@@ -164,6 +161,7 @@ def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
 def _build_and_restore(spec: JobSpec, attempt: Attempt, inputs: Inputs) -> tuple[keras.Model, tf.train.Checkpoint, train.Plan]:
     """The model built under the strategy, restored from the newest complete checkpoint if there is one."""
     accelerator = attempt.accelerator
+    attempt.run.check_checkpoints(spec, inputs.train, inputs.steps_per_epoch)  # what they mean must not change
     plan = train.Plan(inputs.steps_per_epoch, spec.train.epochs)
     attempt.extra["steps_per_epoch"] = inputs.steps_per_epoch
     attempt.extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)

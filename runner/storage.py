@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import http.client
 import logging
 import os
@@ -98,13 +99,25 @@ def configure_tensorflow(timeout_s: float) -> None:
         os.environ.setdefault(name, value)
 
 
-def storage_error(exc: Exception, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
-    """A StorageError naming the bucket when `exc` is TensorFlow giving up on GCS; None for other errors."""
+# A disk or folder that refuses a write, as the OS words it (OSError.strerror, and TensorFlow's C++ filesystem
+# quotes the same text), with what to do about it.
+_LOCAL_FAULTS = {
+    errno.ENOSPC: "free space on that disk, or set output.dir to another",
+    errno.EDQUOT: "free space within the quota, or set output.dir to another disk",
+    errno.EROFS: "make it writable, or set output.dir to a folder this machine can write",
+    errno.EACCES: "give this user write access, or set output.dir to a folder this machine can write",
+    errno.ENOTDIR: "a file stands where a folder is needed: move that file away",
+}
+
+
+def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
+    """A StorageError naming the bucket when `exc` is TensorFlow giving up on GCS, or naming the path when a
+    disk refused a write (full, read-only, a file where a folder belongs); None for other errors."""
     message = str(getattr(exc, "message", exc))
     kind = type(exc).__name__
     retried_out = kind == "AbortedError" and "retry attempts failed" in message
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
-        return None
+        return _local_fault(exc, message)
     named = re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message)
     buckets = sorted(set(named)) or buckets_in(*paths)
     where = ", ".join(f"gs://{b}" for b in buckets) or "the bucket"
@@ -112,6 +125,25 @@ def storage_error(exc: Exception, paths: Iterable[str | None], timeout_s: float)
     return StorageError(
         f"storage unreachable: {where} did not answer within storage.timeout_s ({timeout_s:g} s): {first_line}; "
         "complete checkpoints are kept; run the same job again when the bucket answers"
+    )
+
+
+def _local_fault(exc: BaseException, message: str) -> StorageError | None:
+    code = getattr(exc, "errno", None)
+    if code not in _LOCAL_FAULTS:  # TensorFlow's errors and h5py's carry only the text
+        code = next((c for c in _LOCAL_FAULTS if os.strerror(c) in message), None)
+        if code is None and " is not a directory" in message:
+            code = errno.ENOTDIR
+    if code is None:
+        return None
+    path = getattr(exc, "filename", None)
+    if not path:  # "{{function_node ...}} /run/checkpoints/ckpt-32_temp/part-...tempstate123; No space left on device"
+        found = re.search(r"(gs://[^\s;,'\"]+|/[^\s;,'\"]+)", re.sub(r"\{\{.*?\}\}", "", message))
+        path = found.group(1) if found else "the run folder"
+    path = re.sub(r"\.tempstate\d+$", "", str(path))
+    return StorageError(
+        f"storage fault: {path}: {os.strerror(code)}; {_LOCAL_FAULTS[code]}. Complete checkpoints are kept: "
+        "run the same job again to continue"
     )
 
 

@@ -16,6 +16,7 @@ smooths what the emulator does not speak: TensorFlow's upload PUTs are chunked a
 (de-chunked here), the upload session `Location` is an http:// URL (rewritten to https:// so the PUT comes
 back through this proxy), and an empty upload (a "directory marker") is finished as an empty multipart upload.
 The emulator process itself answers the status query of an empty resumable upload as GCS does (no Range).
+It also honours `ifGenerationMatch` on uploads, downloads and deletes (412 when it does not hold), as GCS does.
 """
 
 from __future__ import annotations
@@ -374,6 +375,47 @@ def _answer_empty_upload_status_like_gcs() -> None:
     objects._resumable_incomplete = answer
 
 
+def _honour_generation_preconditions() -> None:
+    """GCS refuses an upload, download or delete whose `ifGenerationMatch` does not hold with 412 (0: the object
+    must not exist yet); the emulator ignores the parameter, so its object handlers are wrapped to check it.
+    The emulator serves one request at a time, so the check and the write cannot interleave."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator import server as emulator_server
+    from gcp_storage_emulator.exceptions import NotFound
+
+    def generation(storage, bucket: str, name: str) -> int:
+        try:
+            return int(storage.get_file_obj(bucket, name)["generation"])
+        except NotFound:
+            return 0
+
+    def upload_name(request) -> str | None:
+        if "name" in request.query:
+            return request.query["name"][0]
+        meta = request.data.get("meta") if request.query.get("uploadType") == ["multipart"] else request.data
+        return (meta or {}).get("name")
+
+    def guard(handler, name_of):
+        def checked(request, response, storage, *args, **kwargs):
+            wanted = request.query.get("ifGenerationMatch")
+            name = name_of(request) if wanted else None
+            if name is not None and generation(storage, request.params["bucket_name"], name) != int(wanted[0]):
+                response.status = HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold."}})
+                return None
+            return handler(request, response, storage, *args, **kwargs)
+
+        return checked
+
+    for _, handlers in emulator_server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler.__name__ == "insert":
+                handlers[method] = guard(handler, upload_name)
+            elif handler.__name__ in ("delete", "download"):
+                handlers[method] = guard(handler, lambda request: request.params["object_id"])
+
+
 def _upstream(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
@@ -402,6 +444,7 @@ def main(argv: list[str]) -> None:
         # It writes headers and body separately: with Nagle on, each answer waits 40 ms for a delayed ACK.
         emulator_server.RequestHandler.disable_nagle_algorithm = True
         _answer_empty_upload_status_like_gcs()
+        _honour_generation_preconditions()
         server = emulator_server.create_server("127.0.0.1", 0, in_memory=True, default_bucket=args.health_bucket)
         server.start()
         _ready(server._api._httpd.server_address[1])
