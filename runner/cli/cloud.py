@@ -1,135 +1,306 @@
-"""`runner submit`, `status`, `cancel` and `logs`: a job on a Cloud TPU VM, from launch to its summary and cost."""
+"""`runner submit`, `status`, `logs`, `cancel` and `watch`: a job on a Cloud TPU VM, by one name, from launch
+through its restarts to its summary and cost (docs/cloud.md)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 app = typer.Typer()
 
 Project = Annotated[
-    Optional[str],
-    typer.Option(envvar=["GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"], help="Google Cloud project of the TPU."),
+    str | None,
+    typer.Option(envvar=["GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"],
+                 help="Google Cloud project of the TPU (default: gcloud's core/project)."),
 ]
-Zone = Annotated[str, typer.Option(help="Zone of the TPU, e.g. us-central1-a (a v5litepod or v6e zone for those types).")]
-Name = Annotated[str, typer.Argument(help="The queued resource: the job name as `runner submit` printed it.")]
+Zone = Annotated[
+    str | None,
+    typer.Option(envvar="CLOUDSDK_COMPUTE_ZONE",
+                 help="Zone of the TPU, e.g. us-central1-a (default: gcloud's compute/zone)."),
+]
+Name = Annotated[str, typer.Argument(help="The job's name as `runner submit` printed it (or its run folder).")]
+Interval = Annotated[float, typer.Option(min=0.2, help="Seconds between the watcher's polls.")]
+MaxRestarts = Annotated[
+    int | None,
+    typer.Option("--max-restarts", min=0, help="Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0)."),
+]
 
 
-def _print(doc: dict) -> None:
+def _print(doc) -> None:
     typer.echo(json.dumps(doc, separators=(",", ":")))
+
+
+def _say(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _where(project: str | None, zone: str | None, need: bool = True) -> tuple[str | None, str | None]:
+    """--project and --zone, else gcloud's configuration (read from its files: no gcloud run, no network)."""
+    from runner.cloud import gcloud_config
+    from runner.errors import SpecError
+
+    project = project or gcloud_config.default_project()
+    zone = zone or gcloud_config.default_zone()
+    if need and not (project and zone):
+        missing = [text for text, value in (("--project (or gcloud config set project P)", project),
+                                            ("--zone (or gcloud config set compute/zone Z)", zone)) if not value]
+        raise SpecError("missing " + " and ".join(missing))
+    return project, zone
+
+
+def _watch(job: dict, interval: float) -> int:
+    """Runs the watcher in the foreground; prints the final summary; returns the job's exit code."""
+    from runner.cloud import record, recovery, tpu_api
+
+    record.remember(job["name"], job["project"], job["zone"], job["run_dir"])
+    watcher = recovery.Watcher(job, tpu_api.make_client(), interval_s=interval, emit=_say)
+    try:
+        final = watcher.run()
+    except KeyboardInterrupt:
+        _say(f"stopped watching; the job goes on without restarts: `runner watch {job['name']}` picks it up again")
+        return 130
+    _print(final)
+    return int((final.get("outcome") or {}).get("exit_code", 1))
 
 
 @app.command()
 def submit(
     spec: Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.", exists=True, dir_okay=False, readable=True)],
     tpu_type: Annotated[str, typer.Option("--tpu-type", help="Accelerator type, e.g. v5litepod-8, v6e-8, v5p-8, v4-8.")],
-    zone: Zone,
+    zone: Zone = None,
     image: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(envvar="RUNNER_IMAGE", help="The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu."),
     ] = None,
     project: Project = None,
-    spot: Annotated[bool, typer.Option("--spot", help="Spot capacity: cheaper, may be preempted (run again to resume).")] = False,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot capacity: cheaper, may be preempted (a watcher restarts it).")] = False,
     runtime_version: Annotated[
-        Optional[str], typer.Option("--runtime-version", help="TPU VM software (default: the base image of the TPU generation).")
+        str | None, typer.Option("--runtime-version", help="TPU VM software (default: the base image of the TPU generation).")
     ] = None,
-    name: Annotated[Optional[str], typer.Option(help="Queued resource name (default: the job name, lowercased, '_' -> '-').")] = None,
+    name: Annotated[str | None, typer.Option(help="Queued resource name (default: the job name, lowercased, '_' -> '-').")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the TPU VM after the job ends (it bills until `runner cancel`).")] = False,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a spec key, e.g. `--set output.dir=gs://b/runs`.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Stay in the foreground: restart the job after preemptions until it is complete.")] = False,
+    max_restarts: MaxRestarts = None,
+    interval: Interval = 30.0,
+    network: Annotated[str | None, typer.Option(help="VPC network of the TPU VM (default: default).")] = None,
+    subnetwork: Annotated[str | None, typer.Option(help="Subnetwork of the TPU VM.")] = None,
+    service_account: Annotated[str | None, typer.Option("--service-account", help="The VM's service account email (default: Compute Engine's default).")] = None,
+    reservation: Annotated[str | None, typer.Option(help="Use reserved capacity of this project (its own: the job's project).")] = None,
+    valid_until: Annotated[str | None, typer.Option("--valid-until", help="Give up waiting for capacity after a duration (6h) or at a time (2026-12-01T00:00:00Z).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a spec key, e.g. `--set output.dir=gs://b/runs`.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the request and the same request as gcloud commands; send nothing.")] = False,
+    submission_id: Annotated[str | None, typer.Option("--submission-id", hidden=True)] = None,
+    on: Annotated[str, typer.Option("--on", help="Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or vertex (a CustomJob); docs/engines.md.")] = "tpu-vm",
+    queue: Annotated[str | None, typer.Option(help="--on gke: the Kueue LocalQueue (kueue.x-k8s.io/queue-name).")] = None,
+    namespace: Annotated[str | None, typer.Option(help="--on gke: the namespace (default: default).")] = None,
+    cluster: Annotated[str | None, typer.Option(help="--on gke --format xpk: the xpk cluster.")] = None,
+    output_format: Annotated[str | None, typer.Option("--format", help="--on gke: manifest (the JobSet) or xpk (the `xpk workload create` line).")] = None,
 ) -> None:
-    """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on every worker.
+    """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on the VM.
 
-    The VM boots when capacity allows (`runner status NAME`); each worker runs
-    `docker run --net=host --privileged -e TPU_NAME=local IMAGE run SPEC` and copies its output to
-    RUN_DIR/logs/ (`runner logs RUN_DIR`). When the job ends, worker 0 deletes the queued resource unless
-    --keep. Prints one JSON line: name, zone, run folder, operation. Exit 2 on a bad flag or spec (before
-    any call), 3 when the Cloud TPU API cannot be reached or refuses.
+    The VM boots when capacity allows (`runner status NAME`); the job runs in
+    `docker run --net=host --privileged IMAGE run SPEC`, its lines reach Cloud Logging within seconds and
+    RUN_DIR/logs/ every 30 s (`runner logs NAME --follow`). When the job ends, worker 0 deletes the queued
+    resource unless --keep. With --watch (or later `runner watch NAME`) a preempted job is created again
+    and resumes from its newest checkpoint, up to --max-restarts times. Prints one JSON line: name,
+    submission, zone, run folder, operation (with --watch: the final summary). Exit 2 on a bad flag or
+    spec (before any call), 3 when the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
+
+    **Examples**
+
+    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --project my-project --image us-central1-docker.pkg.dev/my-project/runner/runner:tpu --set output.dir=gs://my-bucket/runs --dry-run`
+    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --image IMAGE`
     """
-    from runner.cloud import submit as submit_mod
     from runner.cli.common import fail
+    from runner.cloud import record
+    from runner.cloud import submit as submit_mod
+    from runner.cloud import tpu_api
     from runner.errors import RunnerError
 
+    from runner.cloud import engines
+
     try:
+        options = engines.Options(queue=queue, namespace=namespace or "default", cluster=cluster,
+                                  output_format=output_format or "manifest")
+        engines.check_options(on, {
+            "--keep": keep, "--watch": watch, "--network": network is not None, "--subnetwork": subnetwork is not None,
+            "--service-account": service_account is not None, "--reservation": reservation is not None,
+            "--valid-until": valid_until is not None, "--runtime-version": runtime_version is not None,
+            "--max-restarts": max_restarts is not None, "--queue": queue is not None,
+            "--namespace": namespace is not None, "--cluster": cluster is not None, "--format": output_format is not None,
+        }, options)
+        project, zone = _where(project, zone, need=False)
         sub = submit_mod.prepare_submission(
             spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
-            spot=spot, keep=keep, runtime_version=runtime_version, name=name,
+            spot=spot, keep=keep, runtime_version=runtime_version, name=name, max_restarts=max_restarts,
+            network=network, subnetwork=subnetwork, service_account=service_account, reservation=reservation,
+            valid_until=valid_until, submission_id=submission_id,
         )
+        if on != "tpu-vm":
+            text, sent = engines.submit(on, sub, options, dry_run=dry_run)
+            typer.echo(text, nl=False) if text else _print(sent)
+            return
         if dry_run:
             typer.echo(submit_mod.gcloud_script(sub), nl=False)
             return
-        result = submit_mod.create(sub)
+        result = tpu_api.create(sub)
+        job = submit_mod.job_record(sub, result["operation"])
+        record.remember(sub.name, sub.project, sub.zone, sub.spec.run_dir)
+        try:
+            record.save_job(job)
+        except RunnerError as error:
+            _say(f"warning: the job record was not written ({error}); `runner watch {sub.name}` rebuilds it "
+                 "from the queued resource")
     except RunnerError as error:
         raise fail(error) from None
-    typer.secho(
-        f"queued {sub.name} ({sub.tpu.name}{', spot' if spot else ''}) in {sub.zone}; "
-        f"watch: runner status {sub.name} --zone {sub.zone}; logs: runner logs {sub.spec.run_dir}",
-        err=True,
-    )
+    _say(f"queued {sub.name} (submission {sub.submission_id}, {sub.tpu.name}{', spot' if spot else ''}) in {sub.zone}; "
+         f"logs: runner logs {sub.name} --follow; status: runner status {sub.name}"
+         + ("" if watch else f"; restarts after preemption: runner watch {sub.name}"))
+    if not watch:
+        _print(result)
+        return
     _print(result)
+    try:
+        code = _watch(job, interval)
+    except RunnerError as error:
+        raise fail(error) from None
+    raise typer.Exit(code)
 
 
 @app.command()
-def status(name: Name, zone: Zone, project: Project = None) -> None:
-    """Show a submitted job's queued resource: its state (ACCEPTED, PROVISIONING, ACTIVE, ...), its VM's state
-    and health, and the run folder. Exit 2 if there is no such queued resource (its job may have ended)."""
-    from runner.cloud import submit as submit_mod
+def watch(
+    name: Name,
+    zone: Zone = None,
+    project: Project = None,
+    interval: Interval = 30.0,
+    max_restarts: MaxRestarts = None,
+) -> None:
+    """Watch a submitted job until it is complete, restarting it after preemptions (docs/cloud.md, Recovery).
+
+    Safe to start again after it was stopped or killed: it picks up the same job (and a restart it had
+    begun), and never creates a second queued resource. Prints the final summary with `restarts`; the
+    exit status is the job's (0 complete, 1/2 the job failed, 75 restarts spent, 130 cancelled).
+
+    **Examples**
+
+    * `runner watch mnist-cnn --zone us-central1-a`
+    """
     from runner.cli.common import fail
-    from runner.errors import RunnerError, SpecError
+    from runner.cloud import jobs
+    from runner.errors import RunnerError
 
     try:
-        if not project:
-            raise SpecError("missing --project (or GOOGLE_CLOUD_PROJECT)")
-        _print(submit_mod.status(name, project, zone))
+        project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
+        job = jobs.locate(name, project, zone)
+        if max_restarts is not None:
+            job["max_restarts"] = max_restarts
+        code = _watch(job, interval)
+    except RunnerError as error:
+        raise fail(error) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    name: Annotated[str | None, typer.Argument(help="A job's name (or run folder); none: list every runner job in the zone.")] = None,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Show a job: its queued resource's state (ACCEPTED, PROVISIONING, ACTIVE, SUSPENDED, ...), its VM's
+    state and health, its restarts, newest checkpoint step and cost so far. Without a name: one JSON line per
+    runner job in the zone (queued resources labelled runner-job, and jobs this machine submitted).
+
+    **Examples**
+
+    * `runner status mnist-cnn --zone us-central1-a --project my-project`
+    * `runner status`
+    """
+    from runner.cli.common import fail
+    from runner.cloud import jobs
+    from runner.errors import RunnerError
+
+    try:
+        if name is None:
+            project, zone = _where(project, zone)
+            for row in jobs.list_jobs(project, zone):
+                _print(row)
+            return
+        project, zone = _where(project, zone, need=False)
+        _print(jobs.status(name, project, zone))
     except RunnerError as error:
         raise fail(error) from None
 
 
 @app.command()
-def cancel(name: Name, zone: Zone, project: Project = None) -> None:
-    """Delete a submitted job's queued resource and its TPU VM, even while the job runs.
+def cancel(name: Name, zone: Zone = None, project: Project = None) -> None:
+    """Delete a job's queued resource and its TPU VM, even while the job runs; a watcher stops instead of
+    restarting it. Checkpoints already in the bucket stay: submitting the same job again resumes.
 
-    Checkpoints already in the bucket stay: submitting the same job again resumes from the newest one."""
-    from runner.cloud import submit as submit_mod
+    **Examples**
+
+    * `runner cancel mnist-cnn --zone us-central1-a`
+    """
     from runner.cli.common import fail
-    from runner.errors import RunnerError, SpecError
+    from runner.cloud import jobs
+    from runner.errors import RunnerError
 
     try:
-        if not project:
-            raise SpecError("missing --project (or GOOGLE_CLOUD_PROJECT)")
-        _print(submit_mod.cancel(name, project, zone))
+        project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
+        _print(jobs.cancel(name, project, zone))
     except RunnerError as error:
         raise fail(error) from None
 
 
 @app.command()
 def logs(
-    run_dir: Annotated[str, typer.Argument(help="The job's run folder, e.g. gs://BUCKET/runs/mnist_cnn (`runner status` prints it).")],
+    name: Name,
     worker: Annotated[int, typer.Option(min=0, help="Which TPU VM worker's log.")] = 0,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing the log as it grows until the job ends.")] = False,
-    summary: Annotated[bool, typer.Option("--summary", help="Print the job's summary with its cost estimate instead.")] = False,
-    interval: Annotated[float, typer.Option(min=1.0, help="Seconds between reads with --follow.")] = 15.0,
+    submission: Annotated[str | None, typer.Option(help="Which submission (default: the newest).")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing the job's lines as they come until it ends.")] = False,
+    summary: Annotated[bool, typer.Option("--summary", help="Print the job's summary with its restarts and cost instead.")] = False,
+    interval: Annotated[float, typer.Option(min=0.2, help="Seconds between reads with --follow.")] = 5.0,
+    source: Annotated[str, typer.Option(help="With --follow: auto (Cloud Logging when the job logs there, else the bucket), cloud-logging or bucket.")] = "auto",
+    zone: Zone = None,
+    project: Project = None,
 ) -> None:
-    """Read a submitted job's output from its run folder: a worker's log, or (--summary) the JSON summary
-    with `cost`: TPU chips x hours x the list price per chip-hour (runner/cloud/tpu_prices.json, dated).
+    """Read a submitted job's output: a worker's log (the bucket copy, RUN_DIR/logs/SUB/), its lines as they
+    come (--follow: Cloud Logging, seconds behind the job), or the summary with restarts and `cost` (chips x
+    hours the node existed, from the API's timestamps, x the price per chip-hour).
 
-    With --follow the exit status is the job's own (0 done, 75 preempted, ...)."""
-    from runner.cloud import logs as joblogs
+    With --follow the exit status is the job's own (0 done, 75 preempted, ...).
+
+    **Examples**
+
+    * `runner logs mnist-cnn --follow`
+    * `runner logs mnist-cnn --summary`
+    * `runner logs gs://my-bucket/runs/mnist_cnn --worker 1`
+    """
     from runner.cli.common import fail
-    from runner.errors import RunnerError
+    from runner.cloud import jobs
+    from runner.cloud import logs as joblogs
+    from runner.errors import RunnerError, SpecError
 
     try:
+        if source not in ("auto", "cloud-logging", "bucket"):
+            raise SpecError(f"--source {source!r}: choose auto, cloud-logging or bucket")
+        if jobs.is_run_dir(name):
+            run_dir = name.rstrip("/")
+        else:
+            project, zone = _where(project, zone, need=False)
+            run_dir = jobs.locate(name, project, zone)["run_dir"]
         if summary:
             _print(joblogs.summary_with_cost(run_dir))
             return
+        chosen = submission or joblogs.newest_submission(run_dir)
         if not follow:
-            typer.echo(joblogs.worker_log(run_dir, worker), nl=False)
+            typer.echo(joblogs.worker_log(run_dir, chosen, worker), nl=False)
             return
-        record = joblogs.follow(run_dir, worker, lambda text: (sys.stdout.write(text), sys.stdout.flush()), interval)
+        ended = joblogs.follow(run_dir, lambda text: (sys.stdout.write(text), sys.stdout.flush()), worker=worker,
+                               submission=submission, interval_s=interval, source=source, note=_say)
     except RunnerError as error:
         raise fail(error) from None
-    raise typer.Exit(int(record.get("exit_code", 1)))
+    raise typer.Exit(int(ended.get("exit_code", 1)))

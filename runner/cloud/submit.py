@@ -1,13 +1,14 @@
 """Cloud TPU VM jobs: a queued resource whose startup script runs the runner image on every worker.
 
-    runner submit SPEC --tpu-type v5litepod-8 --zone us-central1-a --image IMAGE [--spot] [--keep]
+    runner submit SPEC --tpu-type v5litepod-8 [--zone Z] [--project P] --image IMAGE [--spot] [--keep] [--watch]
         checks the flags and the spec before any call (data and outputs must be in gs://: the VM's disk goes
-        with the VM), then asks the Cloud TPU API for a queued resource NAME (default: the job name). When
-        capacity allows, the VM boots and its startup script (runner/cloud/tpu_startup.sh) runs
-        `docker run --net=host --privileged -e TPU_NAME=local IMAGE run spec.yaml` on every worker, copies
-        the output to RUN_DIR/logs/, and on worker 0 deletes the queued resource when the job ends.
-    runner status NAME / runner cancel NAME     the queued resource's state / delete it and its VM
-    runner logs RUN_DIR [--summary]             a worker's log, or the summary with its cost (runner/cloud/logs.py)
+        with the VM), then asks the Cloud TPU API for a queued resource NAME (default: the job name) labelled
+        runner-job=NAME and runner-submission=SUB (a new id for every submission). When capacity allows, the
+        VM boots and its startup script (runner/cloud/tpu_startup.sh) runs `docker run --net=host
+        --privileged -e TPU_NAME=local IMAGE run spec.yaml`, writes RUN_DIR/logs/SUB/, and on worker 0
+        deletes the queued resource when the job ends. RUN_DIR/job.json records the submission, so a
+        watcher (runner/cloud/recovery.py) can create it again after a preemption.
+    runner status [NAME] / cancel NAME / logs NAME / watch NAME     (runner/cloud/jobs.py finds NAME)
 
 `--dry-run` prints the request and a bash script sending the same request with gcloud, and sends nothing.
 The API client honours gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN, so both
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import datetime
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -28,26 +29,27 @@ from typing import Any
 import yaml
 
 from runner import storage
-from runner.cloud import pricing, tpu_types
-from runner.errors import AcceleratorError, RunnerError, SpecError
+from runner.cloud import pricing, record, tpu_types
+from runner.errors import RunnerError, SpecError
 from runner.spec import JobSpec
 from runner.specfile import load_spec
 
 API_HOST = "https://tpu.googleapis.com"
-SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+SCOPE = "https://www.googleapis.com/auth/cloud-platform"  # the VM's scopes; Cloud Logging and Storage included
 _STARTUP_BODY = Path(__file__).with_name("tpu_startup.sh")
 _HEREDOC_END = "RUNNER_STARTUP_SCRIPT"
-_CALL_TIMEOUT_S = 60.0
 _ZONE = re.compile(r"[a-z]+-[a-z]+\d+-[a-z]")
 _REGION = re.compile(r"[a-z]+-[a-z]+\d+")
 _RESOURCE_ID = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+_PROJECT = re.compile(r"[a-z][-a-z0-9.:]{4,61}[a-z0-9]")
+_EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[a-z]+")
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 # registry[:port]/path[:tag][@digest]; the registry part has a dot or a port, or is localhost.
 _IMAGE = re.compile(r"(?P<registry>[a-z0-9.-]+\.[a-z0-9.-]+(:\d+)?|localhost(:\d+)?)/[a-z0-9._/-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?")
 _IMAGE_EXAMPLE = "us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu"
-
-
-class TpuApiError(AcceleratorError):
-    """The Cloud TPU API could not be reached, refused the credentials, or failed the request (exit 3)."""
+# Restarts after a preemption when --max-restarts is not given: Spot capacity is preempted as a matter of
+# course; on-demand capacity is not, so there a failure is worth a look before paying for another VM.
+DEFAULT_SPOT_RESTARTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +63,21 @@ class Submission:
     keep: bool
     runtime_version: str
     spec: JobSpec
+    submission_id: str
+    max_restarts: int = 0
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None
+    reservation: str | None = None  # the project whose reservations the TPU may use
+    valid_until: str | None = None  # a duration (6h, 1h30m) or an RFC 3339 time, as given
 
     @property
     def parent(self) -> str:
         return f"projects/{self.project}/locations/{self.zone}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"runner-job": self.name, "runner-submission": self.submission_id}
 
 
 # --- checks (before any call) -------------------------------------------------------------------
@@ -96,13 +109,59 @@ def check_name(name: str) -> str:
 
 def _check_image(image: str | None) -> str:
     if not image:
-        raise SpecError(f"missing --image: build and push the TPU image first (README, 'cloud'), e.g. --image {_IMAGE_EXAMPLE}")
+        raise SpecError(f"missing --image: build and push the TPU image first (docs/cloud.md), e.g. --image {_IMAGE_EXAMPLE}")
     if not _IMAGE.fullmatch(image):
         raise SpecError(
             f"--image {image!r} names no registry the TPU VM can pull from; push the image and give its full name, "
             f"e.g. {_IMAGE_EXAMPLE}"
         )
     return image
+
+
+def parse_valid_until(text: str) -> tuple[str, Any]:
+    """`6h`, `1h30m`, `2d` -> ("duration", seconds); `2026-12-01T00:00:00Z` -> ("time", datetime)."""
+    value = text.strip()
+    match = _DURATION.fullmatch(value.lower())
+    if value and match and any(match.groups()):
+        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        return "duration", ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    when = record.parse_time(value) if "T" in value else None
+    if when is None:
+        raise SpecError(f"--valid-until {text!r} is neither a duration (6h, 1h30m, 2d) nor a time "
+                        "(2026-12-01T00:00:00Z)")
+    return "time", when
+
+
+def valid_until_passed(request: dict[str, Any], now: datetime.datetime | None = None) -> bool:
+    """Whether a job's time bound has passed (a duration counts again from each new queued resource)."""
+    if not request.get("valid_until"):
+        return False
+    kind, value = parse_valid_until(request["valid_until"])
+    return kind == "time" and value <= (now or datetime.datetime.now(datetime.timezone.utc))
+
+
+def _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts) -> list[str]:
+    problems = []
+    for flag, value in (("--network", network), ("--subnetwork", subnetwork)):
+        if value is not None and not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?|projects/[^ ]+", value):
+            problems.append(f"{flag} {value!r} is not a network name (lowercase letters, digits, '-'; or a full "
+                            "projects/.../networks/NAME path)")
+    if service_account is not None and not _EMAIL.fullmatch(service_account):
+        problems.append(f"--service-account {service_account!r} is not a service account's email, e.g. "
+                        "runner@PROJECT.iam.gserviceaccount.com")
+    if reservation is not None and not _PROJECT.fullmatch(reservation):
+        problems.append(f"--reservation {reservation!r} must name the project that holds the reservation "
+                        "(the TPU v2 API takes any reservation of that project, as `gcloud ... --reserved` does)")
+    if valid_until is not None:
+        try:
+            kind, value = parse_valid_until(valid_until)
+            if kind == "time" and value <= datetime.datetime.now(datetime.timezone.utc):
+                problems.append(f"--valid-until {valid_until!r} has already passed")
+        except SpecError as error:
+            problems.append(str(error))
+    if max_restarts is not None and max_restarts < 0:
+        problems.append(f"--max-restarts {max_restarts} must be 0 or more")
+    return problems
 
 
 def _check_spec(spec: JobSpec) -> list[str]:
@@ -131,13 +190,20 @@ def prepare_submission(
     overrides: list[str] | tuple[str, ...] = (),
     *,
     tpu_type: str,
-    zone: str,
+    zone: str | None,
     image: str | None,
     project: str | None,
     spot: bool = False,
     keep: bool = False,
     runtime_version: str | None = None,
     name: str | None = None,
+    max_restarts: int | None = None,
+    network: str | None = None,
+    subnetwork: str | None = None,
+    service_account: str | None = None,
+    reservation: str | None = None,
+    valid_until: str | None = None,
+    submission_id: str | None = None,
 ) -> Submission:
     """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing."""
     problems: list[str] = []
@@ -150,12 +216,18 @@ def prepare_submission(
     ):
         if value is None and key == "name":
             continue
+        if value is None and key == "zone":
+            problems.append("missing --zone (and gcloud has no compute/zone): the zone to create the TPU in, "
+                            "e.g. --zone us-central1-a")
+            continue
         try:
             checked[key] = check(value)
         except SpecError as error:
             problems.append(str(error))
     if not project:
-        problems.append("missing --project (or GOOGLE_CLOUD_PROJECT): the Google Cloud project to create the TPU in")
+        problems.append("missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
+                        "project to create the TPU in")
+    problems += _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts)
     spec = load_spec(spec_path, overrides)
     if spec.accelerator.kind == "auto":
         # On the VM the TPU must be found: a job that fell back to the CPU would still bill TPU hours.
@@ -167,14 +239,114 @@ def prepare_submission(
     return Submission(
         name=checked.get("name") or resource_id(spec.name),
         project=str(project),
-        zone=zone,
+        zone=str(zone),
         tpu=tpu,
         image=str(image),
         spot=spot,
         keep=keep,
         runtime_version=runtime_version or tpu.runtime_version,
         spec=spec,
+        submission_id=submission_id or record.new_submission_id(),
+        max_restarts=(DEFAULT_SPOT_RESTARTS if spot else 0) if max_restarts is None else max_restarts,
+        network=network,
+        subnetwork=subnetwork,
+        service_account=service_account,
+        reservation=reservation,
+        valid_until=valid_until,
     )
+
+
+# --- the job record: what a watcher needs to create the same request again -------------------------
+
+
+def spec_yaml(spec: JobSpec) -> str:
+    # What the spec sets (overrides included), not every default: the image's runner fills those in.
+    return yaml.safe_dump(json.loads(spec.model_dump_json(exclude_unset=True)), sort_keys=False)
+
+
+def job_record(sub: Submission, operation: str | None = None) -> dict[str, Any]:
+    """RUN_DIR/job.json for a new submission (runner/cloud/record.py)."""
+    return {
+        "schema_version": 1,
+        "name": sub.name,
+        "project": sub.project,
+        "zone": sub.zone,
+        "run_dir": sub.spec.run_dir,
+        "max_restarts": sub.max_restarts,
+        "request": {
+            "tpu_type": sub.tpu.name,
+            "image": sub.image,
+            "spot": sub.spot,
+            "keep": sub.keep,
+            "runtime_version": sub.runtime_version,
+            "network": sub.network,
+            "subnetwork": sub.subnetwork,
+            "service_account": sub.service_account,
+            "reservation": sub.reservation,
+            "valid_until": sub.valid_until,
+            "spec_yaml": spec_yaml(sub.spec),
+        },
+        "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
+        "restarts": [],
+        "outcome": None,
+    }
+
+
+def submission_from_job(job: dict[str, Any], submission_id: str) -> Submission:
+    """The same request as the job's first, under a new submission id."""
+    request = job["request"]
+    spec = JobSpec.model_validate(yaml.safe_load(request["spec_yaml"]))
+    return Submission(
+        name=job["name"], project=job["project"], zone=job["zone"], tpu=pricing.parse_tpu_type(request["tpu_type"]),
+        image=request["image"], spot=bool(request["spot"]), keep=bool(request["keep"]),
+        runtime_version=request["runtime_version"], spec=spec, submission_id=submission_id,
+        max_restarts=int(job["max_restarts"]), network=request.get("network"), subnetwork=request.get("subnetwork"),
+        service_account=request.get("service_account"), reservation=request.get("reservation"),
+        valid_until=request.get("valid_until"),
+    )
+
+
+def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
+    """A job record rebuilt from a queued resource's own request (when job.json could not be written)."""
+    node_spec = resource.tpu.node_spec[0]
+    node = node_spec.node
+    settings = settings_of(node.metadata.get("startup-script", ""))
+    if "RUNNER_RUN_DIR" not in settings:
+        raise SpecError(f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)")
+    reservation = None
+    if resource.reservation_name:
+        reservation = resource.reservation_name.split("/")[1]
+    valid_until = None
+    if resource.queueing_policy and resource.queueing_policy.valid_until_duration:
+        valid_until = f"{int(resource.queueing_policy.valid_until_duration.total_seconds())}s"
+    elif resource.queueing_policy and resource.queueing_policy.valid_until_time:
+        valid_until = resource.queueing_policy.valid_until_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+    network = node.network_config.network or None
+    return {
+        "schema_version": 1,
+        "name": node_spec.node_id,
+        "project": project,
+        "zone": zone,
+        "run_dir": settings["RUNNER_RUN_DIR"],
+        "max_restarts": int(settings.get("RUNNER_MAX_RESTARTS", "0")),
+        "request": {
+            "tpu_type": node.accelerator_type,
+            "image": settings["RUNNER_IMAGE"],
+            "spot": "spot" in resource,
+            "keep": settings.get("RUNNER_KEEP") == "1",
+            "runtime_version": node.runtime_version,
+            "network": None if network == "default" else network,
+            "subnetwork": node.network_config.subnetwork or None,
+            "service_account": node.service_account.email or None,
+            "reservation": reservation,
+            "valid_until": valid_until,
+            "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
+        },
+        "submissions": [{"id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
+                         "requested_at": None, "rebuilt_from_queued_resource": True}],
+        "restarts": [],
+        "outcome": None,
+    }
 
 
 # --- the request ---------------------------------------------------------------------------------
@@ -182,19 +354,21 @@ def prepare_submission(
 
 def startup_script(sub: Submission) -> str:
     """The job's settings as shell variables, then the fixed body (runner/cloud/tpu_startup.sh)."""
-    # What the spec sets (overrides included), not every default: the image's runner fills those in.
-    spec_yaml = yaml.safe_dump(json.loads(sub.spec.model_dump_json(exclude_unset=True)), sort_keys=False)
     settings = {
         "RUNNER_NAME": sub.name,
+        "RUNNER_SUBMISSION": sub.submission_id,
         "RUNNER_PROJECT": sub.project,
         "RUNNER_ZONE": sub.zone,
         "RUNNER_IMAGE": sub.image,
         "RUNNER_RUN_DIR": sub.spec.run_dir,
         "RUNNER_KEEP": "1" if sub.keep else "0",
+        "RUNNER_MAX_RESTARTS": str(sub.max_restarts),
         "RUNNER_TPU_TYPE": sub.tpu.name,
         "RUNNER_SPOT": "true" if sub.spot else "false",
         "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
-        "RUNNER_SPEC_B64": base64.b64encode(spec_yaml.encode()).decode(),
+        # The startup script skips a job whose summary is complete for these epochs (none for a benchmark).
+        "RUNNER_EPOCHS": str(sub.spec.train.epochs) if sub.spec.kind == "train" else "",
+        "RUNNER_SPEC_B64": base64.b64encode(spec_yaml(sub.spec).encode()).decode(),
     }
     header = ["#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]
     header += [f"{key}={shlex.quote(value)}" for key, value in settings.items()]
@@ -212,21 +386,42 @@ def settings_of(script: str) -> dict[str, str]:
 
 
 def build_request(sub: Submission):
-    """The QueuedResource to create: one node, this job's startup script, the VM's default service account."""
+    """The QueuedResource to create: one node, this job's startup script and labels, the chosen network,
+    service account, reservation and valid-until bound."""
     from google.cloud import tpu_v2
+    from google.protobuf import duration_pb2, timestamp_pb2
 
+    network = tpu_v2.NetworkConfig(network=sub.network or "default", enable_external_ips=True)
+    if sub.subnetwork:
+        network.subnetwork = sub.subnetwork
+    account = tpu_v2.ServiceAccount(scope=[SCOPE])
+    if sub.service_account:
+        account.email = sub.service_account
     node = tpu_v2.Node(
         accelerator_type=sub.tpu.name,
         runtime_version=sub.runtime_version,
-        network_config=tpu_v2.NetworkConfig(network="default", enable_external_ips=True),
-        service_account=tpu_v2.ServiceAccount(scope=[SCOPE]),
+        network_config=network,
+        service_account=account,
         metadata={"startup-script": startup_script(sub)},
-        labels={"runner-job": sub.name},
+        labels=sub.labels,
     )
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(parent=sub.parent, node_id=sub.name, node=node)
     request = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]))
     if sub.spot:
         request.spot = tpu_v2.QueuedResource.Spot()
+    if sub.reservation:
+        # What `gcloud ... --reservation-host-project` (and --reserved, for the job's own project) sends.
+        request.reservation_name = f"projects/{sub.reservation}/locations/{sub.zone}/reservations/-"
+    if sub.valid_until:
+        kind, value = parse_valid_until(sub.valid_until)
+        policy = tpu_v2.QueuedResource.QueueingPolicy()
+        if kind == "duration":
+            policy.valid_until_duration = duration_pb2.Duration(seconds=value)
+        else:
+            stamp = timestamp_pb2.Timestamp()
+            stamp.FromDatetime(value.astimezone(datetime.timezone.utc).replace(tzinfo=None))
+            policy.valid_until_time = stamp
+        request.queueing_policy = policy
     return request
 
 
@@ -245,14 +440,23 @@ def gcloud_script(sub: Submission) -> str:
     node = shown["tpu"]["nodeSpec"][0]["node"]
     node["metadata"]["startup-script"] = f"<the startup script below, {len(script.encode())} bytes>"
     where = f"--project={sub.project} --zone={sub.zone}"
+    valid = []
+    if sub.valid_until:
+        kind, _ = parse_valid_until(sub.valid_until)
+        valid = [f"--valid-until-{kind}={sub.valid_until}"]
     flags = [
         f"gcloud compute tpus queued-resources create {sub.name} {where}",
         f"--node-id={sub.name}",
         f"--accelerator-type={sub.tpu.name}",
         f"--runtime-version={sub.runtime_version}",
         *(["--spot"] if sub.spot else []),
+        *([f"--network={sub.network}"] if sub.network else []),
+        *([f"--subnetwork={sub.subnetwork}"] if sub.subnetwork else []),
+        *([f"--service-account={sub.service_account}"] if sub.service_account else []),
+        *([f"--reservation-host-project={sub.reservation}"] if sub.reservation else []),
+        *valid,
         '--metadata-from-file="startup-script=$startup"',
-        f"--labels=runner-job={sub.name}",
+        "--labels=" + ",".join(f"{k}={v}" for k, v in sub.labels.items()),
         f"--scopes={SCOPE}",
         "--async",
     ]
@@ -269,121 +473,8 @@ def gcloud_script(sub: Submission) -> str:
         _HEREDOC_END,
         " \\\n  ".join(flags),
         f"# Watch:   gcloud compute tpus queued-resources describe {sub.name} {where}",
-        f"# Logs:    runner logs {sub.spec.run_dir}     (summary and cost: add --summary)",
+        f"# Logs:    runner logs {sub.name}     (summary and cost: add --summary)",
         f"# Cancel:  gcloud compute tpus queued-resources delete {sub.name} {where} --force --quiet",
+        "# (without `runner submit`, no RUN_DIR/job.json is written: `runner watch` rebuilds it from the queued resource)",
     ]
     return "\n".join(lines) + "\n"
-
-
-# --- the API -------------------------------------------------------------------------------------
-
-
-def make_client():
-    """A Cloud TPU v2 client: ADC credentials, or gcloud's access token and endpoint override when set."""
-    import google.auth
-    from google.api_core.client_options import ClientOptions
-    from google.auth import exceptions as auth_exceptions
-    from google.cloud import tpu_v2
-    from google.oauth2.credentials import Credentials
-
-    token = os.environ.get("CLOUDSDK_AUTH_ACCESS_TOKEN")
-    if token:
-        credentials = Credentials(token)
-    else:
-        try:
-            credentials, _ = google.auth.default(scopes=[SCOPE])
-        except auth_exceptions.DefaultCredentialsError:
-            raise TpuApiError(
-                "no Google Cloud credentials found; run `gcloud auth application-default login` "
-                "(or use --dry-run to see the request without sending it)"
-            ) from None
-    endpoint = os.environ.get("CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU", "").rstrip("/")
-    options = ClientOptions(api_endpoint=endpoint) if endpoint else None
-    return tpu_v2.TpuClient(credentials=credentials, transport="rest", client_options=options)
-
-
-def _api_error(exc: Exception, action: str, name: str, project: str, zone: str) -> RunnerError:
-    from google.api_core import exceptions as api
-
-    where = f"in {zone} (project {project})"
-    # The REST transport maps HTTP 409 to Conflict; the body's ALREADY_EXISTS says which conflict it is.
-    if isinstance(exc, api.AlreadyExists) or (isinstance(exc, api.Conflict) and "already exists" in str(exc.message)):
-        return SpecError(
-            f"a queued resource {name!r} already exists {where}: see `runner status {name} --zone {zone}`, "
-            f"free the name with `runner cancel {name} --zone {zone}`, or pick another with --name"
-        )
-    if isinstance(exc, api.NotFound):
-        return SpecError(
-            f"no queued resource {name!r} {where}: it was never submitted there, or its job ended and it was "
-            "deleted (read the job's output with `runner logs RUN_DIR`)"
-        )
-    if isinstance(exc, (api.PermissionDenied, api.Unauthenticated)):
-        return TpuApiError(f"the Cloud TPU API refused to {action} {name!r} {where}: {exc.message}; check the "
-                           "credentials and that the TPU API is enabled (gcloud services enable tpu.googleapis.com)")
-    if isinstance(exc, api.GoogleAPICallError):
-        return TpuApiError(f"the Cloud TPU API failed to {action} {name!r} {where}: {exc.code} {exc.message}")
-    return TpuApiError(f"could not reach the Cloud TPU API to {action} {name!r}: {type(exc).__name__}: {exc}")
-
-
-def create(sub: Submission, client=None) -> dict[str, Any]:
-    """Sends the create request; returns what was asked for and the operation that tracks it."""
-    client = client or make_client()
-    try:
-        operation = client.create_queued_resource(
-            parent=sub.parent, queued_resource_id=sub.name, queued_resource=build_request(sub),
-            retry=None, timeout=_CALL_TIMEOUT_S,
-        )
-    except Exception as exc:  # every failure of the call becomes an error the CLI can print
-        raise _api_error(exc, "create", sub.name, sub.project, sub.zone) from exc
-    return {
-        "name": sub.name,
-        "project": sub.project,
-        "zone": sub.zone,
-        "accelerator_type": sub.tpu.name,
-        "spot": sub.spot,
-        "image": sub.image,
-        "run_dir": sub.spec.run_dir,
-        "operation": operation.operation.name,
-    }
-
-
-def status(name: str, project: str, zone: str, client=None) -> dict[str, Any]:
-    """The queued resource's state, its node's state and health, and the job's run folder."""
-    client = client or make_client()
-    full = f"projects/{project}/locations/{check_zone(zone)}/queuedResources/{name}"
-    try:
-        resource = client.get_queued_resource(name=full, timeout=_CALL_TIMEOUT_S)
-    except Exception as exc:
-        raise _api_error(exc, "read", name, project, zone) from exc
-    specs = list(resource.tpu.node_spec)
-    node_doc = None
-    settings: dict[str, str] = {}
-    if specs:
-        settings = settings_of(specs[0].node.metadata.get("startup-script", ""))
-        try:
-            node = client.get_node(name=f"{specs[0].parent}/nodes/{specs[0].node_id}", timeout=_CALL_TIMEOUT_S)
-            node_doc = {"state": node.state.name, "health": node.health.name, "health_description": node.health_description}
-        except Exception:  # no node until the queued resource is provisioned
-            node_doc = None
-    return {
-        "name": name,
-        "project": project,
-        "zone": zone,
-        "state": resource.state.state.name,
-        "node": node_doc,
-        "accelerator_type": specs[0].node.accelerator_type if specs else None,
-        "spot": "spot" in resource,
-        "created": resource.create_time.isoformat() if resource.create_time else None,
-        "run_dir": settings.get("RUNNER_RUN_DIR"),
-    }
-
-
-def cancel(name: str, project: str, zone: str, client=None) -> dict[str, Any]:
-    """Deletes the queued resource and its VM (force: even while the job runs)."""
-    client = client or make_client()
-    full = f"projects/{project}/locations/{check_zone(zone)}/queuedResources/{name}"
-    try:
-        operation = client.delete_queued_resource(request={"name": full, "force": True}, timeout=_CALL_TIMEOUT_S)
-    except Exception as exc:
-        raise _api_error(exc, "delete", name, project, zone) from exc
-    return {"name": name, "project": project, "zone": zone, "deleting": True, "operation": operation.operation.name}

@@ -1,66 +1,137 @@
-"""A local fake of the Cloud TPU v2 REST API (and of Cloud Build's submit) that records every request.
+"""A local fake of the Cloud TPU v2 REST API (with Cloud Logging's entries and Cloud Build's submit) that
+records every request, moves queued resources through their states, and boots a simulated TPU VM.
 
 Run as its own process (the fixture `tpu_api` does that and stops it by PID):
 
     python tests/support/tpu_fake.py --port 0 --ttl 900     prints `PORT <n>` once it serves on 127.0.0.1
 
-What it serves, in the JSON form of the real API (proto3 JSON, camelCase):
+What it serves, in the JSON form of the real APIs (proto3 JSON, camelCase):
     POST   /v2/projects/P/locations/Z/queuedResources?queuedResourceId=ID   -> Operation (done)
     GET    /v2/projects/P/locations/Z/queuedResources[/ID]
     DELETE /v2/projects/P/locations/Z/queuedResources/ID[?force=true]     -> Operation (done)
     GET    /v2/projects/P/locations/Z/nodes/ID                              (the node a queued resource made)
-    GET    /v2/projects/P/locations/Z/operations/OP
+    GET    /v2/projects/P/locations/Z/operations[/OP]                       (metadata: createTime, endTime)
+    POST   /v2/entries:write, /v2/entries:list                              Cloud Logging (a filter subset)
     POST   /v1/projects/P[/locations/L]/builds                             -> Operation carrying the Build
-Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS.
-A queued resource starts in state ACCEPTED with no node. Control endpoints for the tests:
+Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS,
+400 FAILED_PRECONDITION (a delete without force of a queued resource whose node is up, as the API refuses).
+
+States, as the API names them (QueuedResourceState.State, Node.State). A queued resource starts ACCEPTED
+with no node. With a lifecycle configured it moves on by itself: ACCEPTED -> PROVISIONING (after
+`provisioning_s`) -> ACTIVE with a READY, HEALTHY node (after `active_s`); a delete passes DELETING for
+`deleting_s` before the resource is gone. Preemption (of an ACTIVE node): node PREEMPTED, queued resource
+SUSPENDING (initiator SERVICE), the VM's processes get SIGTERM, then SIGKILL after `grace_s`, and the queued
+resource is SUSPENDED. FAILED is set through /_fake/state.
+
+The simulated VM: with `boot` configured, a node that becomes READY runs its startup script (from the
+request's metadata) with bash, once per worker, each in its own process group, with the configured
+environment plus FAKE_BOOT (a fresh folder per boot), FAKE_NODE and RUNNER_WORKDIR; its output goes to
+FAKE_BOOT/console.log. Deleting or failing the queued resource kills those processes (deleting after
+`vm_linger_s`, so the VM's own delete request gets its answer first).
+
+Control endpoints for the tests:
     GET  /_fake/requests            every API request so far: method, path, query, body (parsed JSON)
     POST /_fake/state               {"name": ID, "state": "ACTIVE", "node_state": "READY"} moves a resource on
-    POST /_fake/reset               forgets requests and resources
+    POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N}}
+    POST /_fake/preempt             {"name": ID, "grace_s": 20}
+    GET  /_fake/boots               every VM boot so far: queued resource, node, folder, pids, exit codes
+    GET  /_fake/entries             every Cloud Logging entry written
+    POST /_fake/reset               forgets requests, resources, entries and configuration (kills VMs)
     GET  /_fake/health              "ok"
-The process exits by itself after --ttl seconds, so a lost fixture never leaves it running.
+The process exits by itself after --ttl seconds (killing its VMs), so a lost fixture never leaves it running.
 
 From a test: `with start_tpu_fake(log_folder) as api:` gives `api.endpoint` (for
-CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU), `api.requests()`, `api.set_state(...)` and `api.reset()`; the
-process is stopped by its PID when the block ends.
+CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and _LOGGING), `api.requests()`, `api.set_state(...)`, `api.configure(...)`,
+`api.preempt(...)`, `api.boots()`, `api.entries()` and `api.reset()`; the process is stopped by its PID when
+the block ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import http.server
 import itertools
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import threading
 import time
-import subprocess
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _BUILDS = re.compile(r"^/v1/projects/([^/]+)(?:/locations/([^/]+))?/builds$")
 _RESOURCE = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(queuedResources|nodes|operations)(?:/([^/:]+))?$")
+# The Cloud Logging filter subset the fake understands: `FIELD OP "VALUE"` terms joined by AND.
+_TERM = re.compile(r'^\s*(logName|jsonPayload\.container\.name|timestamp)\s*(=|>=|>)\s*"([^"]*)"\s*$')
+_DEFAULT_LIFECYCLE = {"provisioning_s": None, "active_s": None, "deleting_s": 0.0, "vm_linger_s": 1.0}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Vm:
+    """One boot of a node: a startup script per worker, each in its own process group."""
+
+    def __init__(self, resource: str, node: str, folder: Path, processes: list[subprocess.Popen]):
+        self.resource, self.node, self.folder, self.processes = resource, node, folder, processes
+
+    def signal(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signum)
+
+    def doc(self) -> dict[str, Any]:
+        return {"queued_resource": self.resource, "node": self.node, "folder": str(self.folder),
+                "pids": [p.pid for p in self.processes], "exit_codes": [p.poll() for p in self.processes]}
 
 
 class Fake:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.requests: list[dict[str, Any]] = []
         self.queued: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.operations: dict[str, dict[str, Any]] = {}
+        self.entries: list[dict[str, Any]] = []
         self.ids = itertools.count(1)
+        self.lifecycle: dict[str, Any] = dict(_DEFAULT_LIFECYCLE)
+        self.boot: dict[str, Any] | None = None
+        self.vms: list[Vm] = []
+        self.timers: list[tuple[float, Any]] = []  # (due, callable), run by tick()
+
+    # --- time ---------------------------------------------------------------------------------
+
+    def later(self, delay_s: float, action: Any) -> None:
+        self.timers.append((time.monotonic() + delay_s, action))
+
+    def tick(self) -> None:
+        with self.lock:
+            now = time.monotonic()
+            due = [t for t in self.timers if t[0] <= now]
+            self.timers = [t for t in self.timers if t[0] > now]
+            for _, action in due:
+                action()
+
+    # --- resources ----------------------------------------------------------------------------
 
     def operation(self, parent: str, verb: str, target: str, response: dict[str, Any] | None) -> dict[str, Any]:
         name = f"{parent}/operations/operation-{next(self.ids)}"
+        stamp = _now()
         op: dict[str, Any] = {
             "name": name,
             "metadata": {
                 "@type": "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata",
-                "target": target, "verb": verb, "apiVersion": "v2",
+                "createTime": stamp, "endTime": stamp, "target": target, "verb": verb, "apiVersion": "v2",
             },
             "done": True,
         }
@@ -70,18 +141,173 @@ class Fake:
         self.operations[name] = op
         return op
 
-    def set_state(self, short: str, state: str, node_state: str | None) -> dict[str, Any]:
+    def find(self, short: str) -> dict[str, Any]:
         resource = next((r for n, r in self.queued.items() if n.endswith(f"/queuedResources/{short}")), None)
         if resource is None:
             raise KeyError(short)
-        resource["state"] = {"state": state}
+        return resource
+
+    def node_names(self, resource: dict[str, Any]) -> list[str]:
+        return [f"{spec['parent']}/nodes/{spec['nodeId']}" for spec in resource.get("tpu", {}).get("nodeSpec", [])]
+
+    def set_state(self, short: str, state: str, node_state: str | None, initiator: str | None = None) -> dict[str, Any]:
+        resource = self.find(short)
+        resource["state"] = {"state": state, **({"stateInitiator": initiator} if initiator else {})}
+        if state in ("FAILED", "SUSPENDED"):
+            self.stop_vms(resource["name"], signal.SIGKILL)
         if node_state:
             for spec in resource.get("tpu", {}).get("nodeSpec", []):
                 node_name = f"{spec['parent']}/nodes/{spec['nodeId']}"
+                old = self.nodes.get(node_name)
                 node = dict(spec.get("node", {}))
-                node.update({"name": node_name, "state": node_state, "queuedResource": resource["name"]})
+                node.update({"name": node_name, "state": node_state, "health": "HEALTHY", "queuedResource": resource["name"],
+                             "createTime": old["createTime"] if old else _now()})
                 self.nodes[node_name] = node
+                if node_state == "READY" and (old is None or old["state"] != "READY"):
+                    self.start_vm(resource, node_name, spec)
         return resource
+
+    def advance(self, full: str, state: str, node_state: str | None = None) -> None:
+        """A timed transition: skipped when the resource is gone or has moved on in the meantime."""
+        resource = self.queued.get(full)
+        expected = {"PROVISIONING": "ACCEPTED", "ACTIVE": "PROVISIONING"}[state]
+        if resource is not None and resource["state"]["state"] == expected:
+            self.set_state(full.rsplit("/", 1)[1], state, node_state)
+            if state == "PROVISIONING" and self.lifecycle.get("active_s") is not None:
+                self.later(self.lifecycle["active_s"], lambda: self.advance(full, "ACTIVE", "READY"))
+
+    def created(self, full: str) -> None:
+        if self.lifecycle.get("provisioning_s") is not None:
+            self.later(self.lifecycle["provisioning_s"], lambda: self.advance(full, "PROVISIONING"))
+
+    def delete(self, name: str, force: bool) -> tuple[int, Any]:
+        resource = self.queued.get(name)
+        if resource is None or resource["state"]["state"] == "DELETING":
+            return _error(404, "NOT_FOUND", f"Resource '{name}' was not found") if resource is None else (
+                200, self.operation(name.split("/queuedResources/")[0], "delete", name, None))
+        nodes_up = [n for n in self.node_names(resource) if n in self.nodes]
+        if nodes_up and not force and resource["state"]["state"] not in ("ACCEPTED", "FAILED", "SUSPENDED"):
+            return _error(400, "FAILED_PRECONDITION",
+                          f"Queued resource {name} has nodes ({', '.join(nodes_up)}); delete them first or set force")
+        resource["state"] = {"state": "DELETING", "stateInitiator": "USER"}
+        linger = float(self.lifecycle.get("vm_linger_s") or 0.0)
+        self.later(linger, lambda: self.stop_vms(name, signal.SIGKILL))
+
+        def gone() -> None:
+            gone_resource = self.queued.pop(name, None)
+            for node_name in self.node_names(gone_resource or {}):
+                self.nodes.pop(node_name, None)
+
+        deleting = float(self.lifecycle.get("deleting_s") or 0.0)
+        if deleting > 0:
+            self.later(max(deleting, linger), gone)
+        else:
+            gone()
+        return 200, self.operation(name.split("/queuedResources/")[0], "delete", name, None)
+
+    def preempt(self, short: str, grace_s: float) -> dict[str, Any]:
+        resource = self.find(short)
+        if resource["state"]["state"] != "ACTIVE":
+            raise ValueError(f"only an ACTIVE queued resource can be preempted, {short} is {resource['state']['state']}")
+        for node_name in self.node_names(resource):
+            if node_name in self.nodes:
+                self.nodes[node_name]["state"] = "PREEMPTED"
+        resource["state"] = {"state": "SUSPENDING", "stateInitiator": "SERVICE"}
+        self.stop_vms(resource["name"], signal.SIGTERM)
+
+        def suspended() -> None:
+            self.stop_vms(resource["name"], signal.SIGKILL)
+            if resource["name"] in self.queued and resource["state"]["state"] == "SUSPENDING":
+                resource["state"] = {"state": "SUSPENDED", "stateInitiator": "SERVICE"}
+
+        self.later(grace_s, suspended)
+        return resource
+
+    # --- the simulated VM -----------------------------------------------------------------------
+
+    def start_vm(self, resource: dict[str, Any], node_name: str, spec: dict[str, Any]) -> None:
+        if not self.boot:
+            return
+        script = spec.get("node", {}).get("metadata", {}).get("startup-script")
+        if not script:
+            return
+        base = Path(self.boot["folder"])
+        processes = []
+        count = len(self.vms) + 1
+        folder = base / f"boot-{count}-{spec['nodeId']}"
+        for worker in range(int(self.boot.get("workers", 1))):
+            worker_folder = folder / f"w{worker}"
+            worker_folder.mkdir(parents=True, exist_ok=True)
+            env = {**self.boot.get("env", {}), "FAKE_BOOT": str(worker_folder), "FAKE_NODE": node_name,
+                   "FAKE_WORKER": str(worker), "RUNNER_WORKDIR": str(worker_folder / "work")}
+            with open(worker_folder / "console.log", "ab") as console:
+                processes.append(subprocess.Popen(["bash", "-c", script], env=env, stdout=console, stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd=worker_folder))
+        self.vms.append(Vm(resource["name"], node_name, folder, processes))
+
+    def stop_vms(self, resource_name: str, signum: int) -> None:
+        for vm in self.vms:
+            if vm.resource == resource_name:
+                vm.signal(signum)
+
+    def reap(self) -> None:
+        for vm in self.vms:
+            for process in vm.processes:
+                process.poll()
+
+    # --- Cloud Logging -------------------------------------------------------------------------
+
+    def write_entries(self, body: dict[str, Any]) -> tuple[int, Any]:
+        for entry in body.get("entries", []):
+            entry = {"logName": body.get("logName"), "resource": body.get("resource"), **entry}
+            entry.setdefault("timestamp", _now())
+            entry["receiveTimestamp"] = _now()
+            entry["insertId"] = entry.get("insertId") or f"fake-{next(self.ids)}"
+            self.entries.append(entry)
+        return 200, {}
+
+    def list_entries(self, body: dict[str, Any]) -> tuple[int, Any]:
+        terms = []
+        for text in re.split(r"\s+AND\s+", (body.get("filter") or "").strip()) if body.get("filter") else []:
+            match = _TERM.match(text)
+            if not match:
+                return _error(400, "INVALID_ARGUMENT", f"this fake does not understand the filter term {text!r}")
+            terms.append(match.groups())
+        if body.get("orderBy", "timestamp asc") != "timestamp asc":
+            return _error(400, "INVALID_ARGUMENT", f"orderBy {body.get('orderBy')!r} is not supported by this fake")
+
+        def field(entry: dict[str, Any], name: str) -> str:
+            if name == "jsonPayload.container.name":
+                return ((entry.get("jsonPayload") or {}).get("container") or {}).get("name", "")
+            return entry.get(name, "")
+
+        def keep(entry: dict[str, Any]) -> bool:
+            for name, op, value in terms:
+                have = field(entry, name)
+                if op == "=" and have != value:
+                    return False
+                if op in (">", ">=") and name == "timestamp":
+                    if (op == ">" and not have > value) or (op == ">=" and not have >= value):
+                        return False
+            return True
+
+        resources = body.get("resourceNames") or []
+        found = [e for e in self.entries if keep(e) and any((e.get("logName") or "").startswith(r + "/") for r in resources)]
+        found.sort(key=lambda e: e["timestamp"])
+        start = int(body.get("pageToken") or 0)
+        size = int(body.get("pageSize") or 50)
+        page = found[start:start + size]
+        doc: dict[str, Any] = {"entries": page} if page else {}
+        if start + size < len(found):
+            doc["nextPageToken"] = str(start + size)
+        return 200, doc
+
+    def reset(self) -> None:
+        for vm in self.vms:
+            vm.signal(signal.SIGKILL)
+        self.requests.clear(), self.queued.clear(), self.nodes.clear(), self.operations.clear()
+        self.entries.clear(), self.vms.clear(), self.timers.clear()
+        self.lifecycle, self.boot = dict(_DEFAULT_LIFECYCLE), None
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -105,6 +331,10 @@ def handle_build(fake: Fake, method: str, path: str, body: Any) -> tuple[int, An
 def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[int, Any]:
     if path.startswith("/v1/"):
         return handle_build(fake, method, path, body)
+    if path == "/v2/entries:write" and method == "POST":
+        return fake.write_entries(body or {})
+    if path == "/v2/entries:list" and method == "POST":
+        return fake.list_entries(body or {})
     match = _RESOURCE.match(path)
     if not match:
         return _error(404, "NOT_FOUND", f"no such API path {path}")
@@ -122,28 +352,24 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
             resource = dict(body or {})
             resource.update({"name": full, "state": {"state": "ACCEPTED"}, "createTime": _now()})
             fake.queued[full] = resource
+            fake.created(full)
             return 200, fake.operation(parent, "create", full, resource)
         if method == "GET" and short is None:
             items = [r for n, r in fake.queued.items() if n.startswith(parent + "/")]
-            return 200, {"queuedResources": items}
+            return 200, ({"queuedResources": items} if items else {})
         if method == "GET":
             return (200, fake.queued[name]) if name in fake.queued else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
         if method == "DELETE":
-            resource = fake.queued.pop(name, None)
-            if resource is None:
-                return _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
-            for spec in resource.get("tpu", {}).get("nodeSpec", []):
-                fake.nodes.pop(f"{spec['parent']}/nodes/{spec['nodeId']}", None)
-            return 200, fake.operation(parent, "delete", name, None)
+            force = [v.lower() for v in query.get("force", [])] == ["true"]
+            return fake.delete(name, force)
     if collection == "nodes" and method == "GET" and short:
         return (200, fake.nodes[name]) if name in fake.nodes else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
     if collection == "operations" and method == "GET" and short:
         return (200, fake.operations[name]) if name in fake.operations else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+    if collection == "operations" and method == "GET":
+        items = [op for n, op in fake.operations.items() if n.startswith(parent + "/")]
+        return 200, ({"operations": items} if items else {})
     return _error(405, "UNIMPLEMENTED", f"{method} {path} is not part of this fake")
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def make_handler(fake: Fake) -> type[http.server.BaseHTTPRequestHandler]:
@@ -172,28 +398,45 @@ def make_handler(fake: Fake) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             with fake.lock:
                 if url.path.startswith("/_fake/"):
-                    self._control(method, url.path, body)
-                    return
-                query = urllib.parse.parse_qs(url.query)
-                fake.requests.append({"method": method, "path": url.path, "query": query, "body": body})
-                code, doc = handle(fake, method, url.path, query, body)
+                    code, doc = self._control(method, url.path, body)
+                else:
+                    query = urllib.parse.parse_qs(url.query)
+                    if url.path != "/v2/entries:write":  # the VM's log lines are not requests under test
+                        fake.requests.append({"method": method, "path": url.path, "query": query, "body": body})
+                    code, doc = handle(fake, method, url.path, query, body)
             self._reply(code, doc)
 
-        def _control(self, method: str, path: str, body: Any) -> None:
+        def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
             if path == "/_fake/health":
-                self._reply(200, "ok")
-            elif path == "/_fake/requests" and method == "GET":
-                self._reply(200, fake.requests)
-            elif path == "/_fake/reset" and method == "POST":
-                fake.requests.clear(), fake.queued.clear(), fake.nodes.clear(), fake.operations.clear()
-                self._reply(200, {})
-            elif path == "/_fake/state" and method == "POST":
+                return 200, "ok"
+            if path == "/_fake/requests" and method == "GET":
+                return 200, fake.requests
+            if path == "/_fake/entries" and method == "GET":
+                return 200, fake.entries
+            if path == "/_fake/boots" and method == "GET":
+                fake.reap()
+                return 200, [vm.doc() for vm in fake.vms]
+            if path == "/_fake/reset" and method == "POST":
+                fake.reset()
+                return 200, {}
+            if path == "/_fake/config" and method == "POST":
+                fake.lifecycle.update(body.get("lifecycle") or {})
+                if "boot" in body:
+                    fake.boot = body["boot"]
+                return 200, {"lifecycle": fake.lifecycle, "boot": fake.boot}
+            if path == "/_fake/state" and method == "POST":
                 try:
-                    self._reply(200, fake.set_state(body["name"], body["state"], body.get("node_state")))
+                    return 200, fake.set_state(body["name"], body["state"], body.get("node_state"), body.get("initiator"))
                 except KeyError:
-                    self._reply(404, {"error": f"no queued resource {body.get('name')!r}"})
-            else:
-                self._reply(404, {"error": f"no control endpoint {method} {path}"})
+                    return 404, {"error": f"no queued resource {body.get('name')!r}"}
+            if path == "/_fake/preempt" and method == "POST":
+                try:
+                    return 200, fake.preempt(body["name"], float(body.get("grace_s", 30)))
+                except KeyError:
+                    return 404, {"error": f"no queued resource {body.get('name')!r}"}
+                except ValueError as error:
+                    return 409, {"error": str(error)}
+            return 404, {"error": f"no control endpoint {method} {path}"}
 
         def do_GET(self) -> None:
             self._serve("GET")
@@ -227,8 +470,23 @@ class TpuFake:
     def requests(self) -> list[dict[str, Any]]:
         return self._call("GET", "/_fake/requests")
 
-    def set_state(self, name: str, state: str, node_state: str | None = None) -> dict[str, Any]:
-        return self._call("POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state})
+    def set_state(self, name: str, state: str, node_state: str | None = None, initiator: str | None = None) -> dict[str, Any]:
+        return self._call("POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state, "initiator": initiator})
+
+    def configure(self, lifecycle: dict[str, Any] | None = None, boot: dict[str, Any] | None = None) -> dict[str, Any]:
+        doc: dict[str, Any] = {"lifecycle": lifecycle or {}}
+        if boot is not None:
+            doc["boot"] = boot
+        return self._call("POST", "/_fake/config", doc)
+
+    def preempt(self, name: str, grace_s: float = 30.0) -> dict[str, Any]:
+        return self._call("POST", "/_fake/preempt", {"name": name, "grace_s": grace_s})
+
+    def boots(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/_fake/boots")
+
+    def entries(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/_fake/entries")
 
     def reset(self) -> None:
         self._call("POST", "/_fake/reset", {})
@@ -250,7 +508,7 @@ def start_tpu_fake(folder: Path, ttl_s: float = 900.0, start_timeout_s: float = 
                 raise RuntimeError(f"port {fake.port} answers, but not as the TPU API fake")
         yield fake
     finally:
-        process.terminate()
+        process.terminate()  # the fake kills its VMs as it stops
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -264,13 +522,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--ttl", type=float, default=900.0, help="exit after this many seconds")
     args = parser.parse_args(argv)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(Fake()))
+    fake = Fake()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(fake))
     server.daemon_threads = True
-    timer = threading.Timer(args.ttl, server.shutdown)
-    timer.daemon = True
-    timer.start()
+    stopping = threading.Event()
+
+    def stop(*_: Any) -> None:
+        stopping.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    deadline = time.monotonic() + args.ttl
+
+    def clock() -> None:
+        while not stopping.wait(0.1):
+            fake.tick()
+            if time.monotonic() > deadline:
+                stop()
+
+    threading.Thread(target=clock, daemon=True).start()
     print(f"PORT {server.server_address[1]}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        with fake.lock:
+            for vm in fake.vms:
+                vm.signal(signal.SIGKILL)
 
 
 if __name__ == "__main__":

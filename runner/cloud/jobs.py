@@ -1,0 +1,160 @@
+"""One name for a job: `runner status|logs|cancel|watch NAME` find it by the name `runner submit` printed;
+`runner status` without a name lists every runner job in the zone.
+
+A name leads to the job's run folder through, in order:
+  1. its queued resource (the Cloud TPU API, while it exists): the startup script's RUNNER_RUN_DIR;
+  2. this machine's pointer, written by `runner submit` and `runner watch` (runner/cloud/record.py);
+and the run folder's job.json holds the rest. A gs:// or local run folder is accepted in place of a name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner import storage
+from runner.cloud import record, submit, tpu_api, usage
+from runner.errors import RunnerError, SpecError
+
+
+def is_run_dir(text: str) -> bool:
+    return storage.is_gcs(text) or "/" in text or text.startswith(".")
+
+
+def locate(name: str, project: str | None, zone: str | None, client=None) -> dict[str, Any]:
+    """The job.json of a job given by name (or run folder); rebuilt from its queued resource when missing."""
+    if is_run_dir(name):
+        job = record.load_job(name)
+        if job is None:
+            raise SpecError(f"{name} holds no job.json: not the run folder of a job `runner submit` started")
+        return job
+    tried = []
+    if project and zone:
+        resource = tpu_api.get_queued_resource(name, project, zone, client)
+        if resource is not None:
+            run_dir = tpu_api.run_dir_of(resource)
+            try:
+                job = record.load_job(run_dir) if run_dir else None
+            except RunnerError:  # the bucket does not answer: the queued resource still says what the job is
+                job = None
+            if job is None:
+                job = submit.job_from_resource(resource, project, zone)
+            record.remember(name, project, zone, job["run_dir"])
+            return job
+        tried.append(f"no queued resource {name!r} in {zone} (project {project})")
+    pointer = record.recall(name)
+    if pointer is not None:
+        job = record.load_job(pointer["run_dir"])
+        if job is not None:
+            return job
+        tried.append(f"this machine's pointer leads to {pointer['run_dir']}, which holds no job.json")
+    else:
+        tried.append("this machine has not submitted or watched a job of that name")
+    raise SpecError(f"cannot find job {name!r}: " + "; ".join(tried)
+                    + ". Give its run folder instead (e.g. gs://BUCKET/runs/JOB), or the --zone and --project it runs in")
+
+
+def row(job: dict[str, Any], state: str | None) -> dict[str, Any]:
+    """One line of `runner status`: state, restarts, step, cost so far."""
+    try:
+        step = record.checkpoint_step(job["run_dir"])
+    except RunnerError:
+        step = None
+    cost = usage.job_cost(job)
+    outcome = job.get("outcome") or {}
+    return {
+        "name": job["name"],
+        "state": state or (outcome.get("outcome") or "gone"),
+        "submission": record.current_submission(job),
+        "restarts": sum(1 for r in job.get("restarts", []) if r.get("to")),
+        "max_restarts": job.get("max_restarts"),
+        "step": step,
+        "usd": cost["usd"],
+        "accelerator_type": job["request"]["tpu_type"],
+        "spot": bool(job["request"].get("spot")),
+        "run_dir": job["run_dir"],
+    }
+
+
+def list_jobs(project: str, zone: str, client=None) -> list[dict[str, Any]]:
+    """Every runner job in the zone: queued resources labelled runner-job, and jobs this machine remembers."""
+    rows, names = [], set()
+    for resource in tpu_api.list_queued_resources(project, zone, client):
+        name = tpu_api.job_name_of(resource)
+        if name is None:
+            continue  # not a runner job
+        names.add(name)
+        seen = tpu_api.describe(resource, client)
+        run_dir = tpu_api.run_dir_of(resource)
+        try:
+            job = (record.load_job(run_dir) if run_dir else None) or submit.job_from_resource(resource, project, zone)
+        except RunnerError as error:
+            rows.append({"name": name, "state": seen["state"], "error": str(error)})
+            continue
+        rows.append(row(job, seen["state"]))
+    for pointer in record.remembered():
+        if pointer["name"] in names or pointer.get("project") != project or pointer.get("zone") != zone:
+            continue
+        try:
+            job = record.load_job(pointer["run_dir"])
+        except RunnerError as error:
+            rows.append({"name": pointer["name"], "state": None, "error": str(error)})
+            continue
+        if job is not None:
+            rows.append(row(job, None))
+    return sorted(rows, key=lambda r: r["name"])
+
+
+def status(name: str, project: str | None, zone: str | None, client=None) -> dict[str, Any]:
+    """One job: its queued resource and node as the API has them now, and its record: restarts, step, cost."""
+    job = locate(name, project, zone, client)
+    resource = tpu_api.get_queued_resource(job["name"], job["project"], job["zone"], client)
+    seen = tpu_api.describe(resource, client) if resource is not None else None
+    state = seen["state"] if seen else _ended_state(job)
+    doc = row(job, state)
+    doc.update({
+        "project": job["project"],
+        "zone": job["zone"],
+        "queued_resource": None if seen is None else {"state": seen["state"], "initiator": seen["initiator"],
+                                                      "submission": seen["submission"], "created": seen["created_at"]},
+        "node": None if not seen or seen["node_state"] is None else {"state": seen["node_state"], "health": seen["node_health"]},
+        "restarts": job.get("restarts", []),
+        "outcome": job.get("outcome"),
+        "cost": usage.job_cost(job),
+    })
+    return doc
+
+
+def _ended_state(job: dict[str, Any]) -> str:
+    """What a job whose queued resource is gone left behind: the watcher's outcome, a cancel, or an exit."""
+    if job.get("outcome"):
+        return job["outcome"]["outcome"]
+    current = record.current_submission(job)
+    try:
+        if record.read_text(record.cancelled_path(job["run_dir"], current)) is not None:
+            return "cancelled"
+        ended = record.exit_record(job["run_dir"], current, 0) or record.exit_record(job["run_dir"], current, "unknown")
+    except RunnerError:
+        return "gone"
+    return f"exited {ended['exit_code']}" if ended else "gone"
+
+
+def cancel(name: str, project: str | None, zone: str | None, client=None) -> dict[str, Any]:
+    """Marks the current submission cancelled (a watcher stops instead of restarting), then deletes the
+    queued resource and its VM (force)."""
+    job = locate(name, project, zone, client)
+    note = None
+    current = record.current_submission(job)
+    try:
+        record.write_text(record.cancelled_path(job["run_dir"], current),
+                          f'{{"submission": "{current}", "at": "{record.now_text()}"}}\n')
+    except RunnerError as error:
+        note = f"the cancel was not recorded in the run folder ({error}): a running watcher would restart the job"
+    try:
+        result = tpu_api.cancel(job["name"], job["project"], job["zone"], client)
+    except SpecError:  # no queued resource: nothing bills; the mark still stops a watcher
+        result = {"name": job["name"], "project": job["project"], "zone": job["zone"], "deleting": False,
+                  "note": "no queued resource to delete (the job had ended or was never created)"}
+    result["submission"] = current
+    if note:
+        result["warning"] = note
+    return result

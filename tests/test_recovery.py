@@ -1,0 +1,302 @@
+"""The recovery loop (runner/cloud/recovery.py) driven end to end: `runner submit --watch` and `runner watch`
+against the TPU API fake, whose queued resources move through their states by themselves and whose READY
+nodes boot the real startup script as a simulated VM (tests/support/tpu_vm.py: a fake metadata server,
+stand-ins for docker and gcloud, the GCS emulator as the bucket, the real gcloud for the VM's own delete).
+
+What each job does on its VM is set per run: exit codes, a sleep, or real training on this machine's CPU."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from runner.cloud.recovery import Decision, Seen, decide
+from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.metadata_fake import MetadataFake, start_metadata_fake
+from tests.support.tpu_fake import TpuFake, start_tpu_fake
+from tests.support.tpu_vm import vm_env
+
+pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
+
+PROJECT, ZONE = "runner-test", "us-central1-a"
+IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
+LIFECYCLE = {"provisioning_s": 0.3, "active_s": 0.3, "deleting_s": 1.0, "vm_linger_s": 1.0}
+
+
+# --- the decision table ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seen, action, code", [
+    (Seen("ACCEPTED"), "wait", 0),
+    (Seen("PROVISIONING"), "wait", 0),
+    (Seen("WAITING_FOR_RESOURCES"), "wait", 0),
+    (Seen("ACTIVE", node_state="READY"), "wait", 0),
+    (Seen("ACTIVE", node_state="READY", exit={"exit_code": 0}), "done", 0),
+    (Seen(None, exit={"exit_code": 0, "ran": False, "reason": "already complete"}), "done", 0),
+    (Seen(None, exit={"exit_code": 75}), "restart", 75),
+    (Seen("ACTIVE", exit={"exit_code": 3, "ran": False}), "restart", 3),
+    (Seen(None, exit={"exit_code": 1}), "stop", 1),
+    (Seen(None, exit={"exit_code": 2}), "stop", 2),
+    (Seen(None, exit={"exit_code": 137}), "stop", 137),
+    (Seen("SUSPENDING", initiator="SERVICE"), "restart", 75),
+    (Seen("SUSPENDED", initiator="SERVICE"), "restart", 75),
+    (Seen("ACTIVE", node_state="PREEMPTED"), "restart", 75),
+    (Seen("ACTIVE", node_state="TERMINATED"), "restart", 75),
+    (Seen("FAILED", failure="valid until time passed"), "restart", 3),
+    (Seen(None), "stop", 3),
+    (Seen(None, cancelled=True), "stop", 130),
+    (Seen("ACTIVE", node_state="READY", cancelled=True, exit={"exit_code": 75}), "stop", 130),
+])
+def test_what_the_watcher_does_in_each_state(seen, action, code):
+    decision = decide(seen)
+    assert (decision.action, decision.exit_code) == (action, code), decision.reason
+    assert isinstance(decision, Decision) and decision.reason
+
+
+# --- the loop, end to end ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tpu_fake(tmp_path_factory) -> Iterator[TpuFake]:
+    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def metadata(tmp_path_factory) -> Iterator[MetadataFake]:
+    with start_metadata_fake(tmp_path_factory.mktemp("metadata")) as fake:
+        yield fake
+
+
+class Cloud:
+    """One job's world: the fakes, a bucket, the VM's behaviour, and the environment the CLI runs in."""
+
+    def __init__(self, api: TpuFake, metadata: MetadataFake, gcs, folder: Path):
+        self.api, self.metadata, self.gcs, self.folder = api, metadata, gcs, folder
+        self.bucket = gcs.bucket()
+        self.env = cli_env(
+            **gcs.env,
+            CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{api.endpoint}/",
+            CLOUDSDK_API_ENDPOINT_OVERRIDES_LOGGING=f"{api.endpoint}/",
+            CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
+            CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
+            CLOUDSDK_CONFIG=str(folder / "gcloud"),
+            CLOUDSDK_CORE_DISABLE_PROMPTS="1",
+            RUNNER_STATE_DIR=str(folder / "state"),
+        )
+        self.run_dir = f"gs://{self.bucket}/runs/mnist_cnn"
+
+    def vm(self, job: str, **extra: str) -> None:
+        """What the next VMs do (see tests/support/tpu_vm.py), and the queued resources' timing."""
+        env = vm_env(self.folder / "vm", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint, job=job,
+                     gcs_env=self.gcs.env, logging_endpoint=self.api.endpoint,
+                     **{"RUNNER_UPLOAD_EVERY_S": "1", "RUNNER_FAKE_PROJECT": PROJECT, **extra})
+        self.api.configure(lifecycle=LIFECYCLE, boot={"env": env, "folder": str(self.folder / "boots"), "workers": 1})
+
+    def spec(self, data: str | None = None, **sections: Any) -> Path:
+        doc = {
+            "name": "mnist_cnn",
+            "data": {"train": data or f"gs://{self.bucket}/data/train-*.tfrecord", "eval": None},
+            "train": {"epochs": 2},
+            "output": {"dir": f"gs://{self.bucket}/runs"},
+        }
+        doc["data"].update(sections.pop("batch", {}))
+        for section, values in sections.items():
+            doc.setdefault(section, {}).update(values)
+        return write_spec(self.folder, doc)
+
+    def submit_args(self, spec: Path, *extra: str) -> list[str]:
+        return ["submit", str(spec), "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
+                "--watch", "--interval", "0.5", *extra]
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "runner", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=self.env, cwd=REPO)
+
+    def creates(self) -> list[dict]:
+        return [r for r in self.api.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
+
+    def job(self) -> dict | None:
+        try:
+            return json.loads(self.gcs.read(self.bucket, "runs/mnist_cnn/job.json"))
+        except Exception:  # not written yet
+            return None
+
+    def object(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.gcs.read(self.bucket, f"runs/mnist_cnn/{name}"))
+        except Exception:
+            return None
+
+
+@pytest.fixture
+def cloud(tpu_fake, metadata, gcs, tmp_path) -> Cloud:
+    tpu_fake.reset()
+    metadata.recover()
+    metadata.set(agent_worker_number=0, worker_network_endpoints="unknown:unknown:10.0.0.2")
+    return Cloud(tpu_fake, metadata, gcs, tmp_path)
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"the watcher did not end within {timeout} s; stderr: {err[-3000:]}") from None
+    return process.returncode, out, err
+
+
+def wait_until(probe, process: subprocess.Popen | None = None, timeout: float = 120, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"the process ended ({process.returncode}) first: {err[-3000:]}")
+        time.sleep(every)
+    raise AssertionError(f"not reached within {timeout} s")
+
+
+def test_a_bad_spec_exit_2_is_not_restarted(cloud):
+    cloud.vm("exit:2")
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "3")))
+    assert code == 2, err[-3000:]
+    assert "exit 2 is not retryable" in err
+    final = last_json(out)
+    assert final["outcome"]["outcome"] == "failed" and final["restarts"] == []
+    assert len(cloud.creates()) == 1, "a job that fails on its spec is never created again"
+    assert cloud.job()["outcome"]["exit_code"] == 2
+
+
+def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud):
+    cloud.vm("exit:75")
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")))
+    assert code == 75, err[-3000:]
+    assert "gave up" in err and "2 of 2 restarts spent (--max-restarts 2)" in err
+    creates = cloud.creates()
+    assert len(creates) == 3, "the first submission and two restarts"
+    ids = [c["body"]["tpu"]["nodeSpec"][0]["node"]["labels"]["runner-submission"] for c in creates]
+    assert len(set(ids)) == 3, "every submission has its own id"
+    final = last_json(out)
+    assert final["outcome"]["outcome"] == "gave_up"
+    assert [r["from"] for r in final["restarts"]] == ids[:2] and [r["to"] for r in final["restarts"]] == ids[1:]
+    assert all("preempted (exit 75)" in r["cause"] for r in final["restarts"])
+    assert final["submissions"] == ids
+    assert tpu_fake_has_no_queued_resource(cloud)
+
+
+def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_duplicates_it(cloud):
+    cloud.vm("sleep:6:75,sleep:1:0")
+    cloud.api.configure(lifecycle={**LIFECYCLE, "deleting_s": 4.0})  # a slow delete: time to kill mid-restart
+    spec = cloud.spec()
+    first = cloud.start(*cloud.submit_args(spec, "--spot"))
+    wait_until(lambda: cloud.job() and cloud.object(f"logs/{cloud.job()['submissions'][0]['id']}/worker-0.started.json"), first)
+    first.send_signal(signal.SIGKILL)  # the laptop's lid closes while the job runs
+    finish(first)
+
+    again = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
+    # The job exits 75; the watcher records the restart, then deletes; killed in between, it must resume it.
+    wait_until(lambda: (job := cloud.job()) and job["restarts"] and job["restarts"][-1]["to"] is None, again, every=0.05)
+    again.send_signal(signal.SIGKILL)
+    finish(again)
+    assert len(cloud.creates()) == 1
+
+    last = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
+    code, out, err = finish(last)
+    assert code == 0, err[-3000:]
+    assert "finishing the restart begun at" in err
+    creates = cloud.creates()
+    assert len(creates) == 2, "one restart, made once"
+    final = last_json(out)
+    assert final["outcome"]["outcome"] == "complete" and len(final["restarts"]) == 1
+    restart = final["restarts"][0]
+    assert restart["to"] == creates[1]["body"]["tpu"]["nodeSpec"][0]["node"]["labels"]["runner-submission"]
+    assert restart["time_lost_s"] is not None and restart["time_lost_s"] >= 0
+
+    status = run_cli("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    assert status.returncode == 0, status.stderr
+    shown = last_json(status.stdout)
+    assert (shown["state"], shown["restarts"][0]["cause"]) == ("complete", restart["cause"])
+
+    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    [row] = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+    assert (row["name"], row["restarts"], row["state"]) == ("mnist-cnn", 1, "complete")
+    assert row["usd"] is not None and row["usd"] >= 0
+
+
+def test_logs_follow_streams_through_cloud_logging_within_seconds(cloud):
+    cloud.vm("sleep:20:0", RUNNER_UPLOAD_EVERY_S="600")  # the bucket copy comes only at the end
+    submitted = run_cli(*cloud.submit_args(cloud.spec())[:-3], env=cloud.env, timeout=120)  # no --watch
+    assert submitted.returncode == 0, submitted.stderr
+    follower = cloud.start("logs", "mnist-cnn", "--follow", "--interval", "0.5", "--zone", ZONE, "--project", PROJECT)
+    started = time.monotonic()
+    line = wait_until(lambda: _read_line(follower), follower, timeout=60)
+    assert "epoch 1/2: training" in line
+    sub = cloud.job()["submissions"][0]["id"]
+    assert cloud.object(f"logs/{sub}/worker-0.exit.json") is None, "seen while the job still runs"
+    listed = [r for r in cloud.api.requests() if r["path"] == "/v2/entries:list"]
+    assert listed and f'jsonPayload.container.name="/runner-mnist-cnn-{sub}-w0"' in listed[-1]["body"]["filter"]
+    code, out, err = finish(follower, timeout=120)
+    assert code == 0, err
+    assert '"status": "succeeded"' in out
+    assert time.monotonic() - started < 60
+
+
+def _read_line(process: subprocess.Popen) -> str | None:
+    import select
+
+    ready, _, _ = select.select([process.stdout], [], [], 0.1)
+    return process.stdout.readline() if ready else None
+
+
+def tpu_fake_has_no_queued_resource(cloud: Cloud) -> bool:
+    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+    return all(row["state"] not in ("ACTIVE", "SUSPENDED", "FAILED", "ACCEPTED") for row in rows)
+
+
+@pytest.mark.slow
+def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_final_step(cloud, tiny_mnist):
+    data = cloud.gcs.upload_folder(tiny_mnist, cloud.bucket, "data")
+    steps, epochs = 40, 3
+    spec = cloud.spec(data=f"{data}/train-*.tfrecord", train={"epochs": epochs, "steps_per_epoch": steps},
+                      checkpoint={"grace_s": 20}, output={"tensorboard": False},
+                      batch={"global_batch_size": 128, "shuffle_buffer": 512})
+    cloud.vm("real")
+    watcher = cloud.start(*cloud.submit_args(spec, "--spot", "--max-restarts", "2"))
+
+    def indexed() -> int | None:
+        try:
+            text = cloud.gcs.read(cloud.bucket, "runs/mnist_cnn/checkpoints/checkpoint").decode()
+        except Exception:
+            return None
+        from tests.support.runs import indexed_step
+
+        return indexed_step(text)
+
+    wait_until(lambda: (s := indexed()) is not None and s >= steps, watcher, timeout=300, every=0.1)
+    time.sleep(0.3)  # a few steps into epoch 2
+    cloud.api.preempt("mnist-cnn", grace_s=20)  # Spot preemption: SIGTERM on the VM, then it is gone
+    code, out, err = finish(watcher, timeout=600)
+    assert code == 0, err[-4000:]
+    final = last_json(out)
+    assert final["status"] == "succeeded" and final["outcome"]["outcome"] == "complete"
+    [restart] = final["restarts"]
+    assert "SUSPEND" in restart["cause"] and "SERVICE" in restart["cause"]
+    saved = restart["step_reached"]
+    assert steps < saved < epochs * steps and saved % steps, f"the notice's save is mid-epoch, got step {saved}"
+    assert final["resumed_from_step"] == saved
+    assert final["final_step"] == epochs * steps, "no step trained twice, none skipped"
+    assert restart["time_lost_s"] is not None
+    assert len(cloud.creates()) == 2
