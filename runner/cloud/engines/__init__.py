@@ -1,0 +1,145 @@
+"""The same job on the engines TPU teams already run: SkyPilot managed jobs, GKE (JobSet, as xpk makes it) and
+Vertex AI CustomJob. `runner submit --on ENGINE` checks the spec and flags as for a TPU VM
+(runner/cloud/submit.py: `prepare_submission`, the image and TPU type checks), then hands the job to the
+engine in the form it takes; the runner schedules and retries nothing itself there.
+
+What every engine runs is the runner image with one command: the spec travels base64-encoded in
+RUNNER_SPEC_B64 (as on a TPU VM), is written to a file and run with `runner run`. The exit codes decide what
+the engine does next (docs/engines.md):
+
+    75  preempted, checkpoint saved: run again             -> the engine restarts the job
+    3   infrastructure (accelerator, storage)              -> restarted where the engine can bound it (GKE)
+    1 2 training failed / bad spec or data                 -> never restarted
+
+Each engine's client library is imported only when a job is sent; none is needed for --dry-run.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any
+
+import yaml
+
+from runner.cloud import tpu_types
+from runner.cloud.submit import Submission, spec_yaml
+from runner.errors import (
+    EXIT_INFRA,
+    EXIT_PREEMPTED,
+    EXIT_TRAINING,
+    EXIT_USAGE,
+    SpecError,
+)
+
+TARGETS = ("tpu-vm", "skypilot", "gke", "vertex")
+CONTAINER = "runner"  # the container's name where an engine names it (GKE's pod failure policy does)
+SPEC_FILE = "/tmp/runner-spec.yaml"
+# The one command every engine runs in the image: the spec from the environment to a file, then the job.
+# One line, so that xpk can inline it in its own wrapper script.
+COMMAND = f'printf %s "$RUNNER_SPEC_B64" | base64 -d >{SPEC_FILE} && exec runner run {SPEC_FILE}'
+RETRY_UNBOUNDED = (EXIT_PREEMPTED,)
+RETRY_BOUNDED = (EXIT_INFRA, EXIT_PREEMPTED)
+NEVER_RETRY = (EXIT_TRAINING, EXIT_USAGE)
+
+
+# Which targets each flag of `runner submit` means something to; any other target refuses it.
+FLAG_TARGETS = {
+    "--keep": ("tpu-vm",), "--watch": ("tpu-vm",), "--network": ("tpu-vm",), "--subnetwork": ("tpu-vm",),
+    "--service-account": ("tpu-vm",), "--reservation": ("tpu-vm",), "--valid-until": ("tpu-vm",),
+    "--runtime-version": ("tpu-vm", "skypilot"),
+    "--max-restarts": ("tpu-vm", "gke"),
+    "--queue": ("gke",), "--namespace": ("gke",), "--cluster": ("gke",), "--format": ("gke",),
+}
+_WHY = {
+    "--max-restarts": {"skypilot": "SkyPilot relaunches a preempted job (and exit 75) without limit and never "
+                                   "retries exits 1, 2 and 3",
+                       "vertex": "Vertex AI restarts a preempted worker itself and has no restart count"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The flags that only some engines take (FLAG_TARGETS says which)."""
+
+    queue: str | None = None  # gke: the Kueue LocalQueue
+    namespace: str = "default"  # gke
+    cluster: str | None = None  # gke --format xpk: the xpk cluster
+    output_format: str = "manifest"  # gke: manifest | xpk
+
+
+def check_options(on: str, given: dict[str, bool], options: Options) -> None:
+    """A flag the chosen target would not use is an error, never silently dropped."""
+    if on not in TARGETS:
+        raise SpecError(f"--on {on!r}: choose one of {', '.join(TARGETS)}")
+    problems = []
+    for flag, used in given.items():
+        if used and on not in FLAG_TARGETS[flag]:
+            why = _WHY.get(flag, {}).get(on)
+            problems.append(f"{flag} does not apply to --on {on}" + (f": {why}" if why else
+                            f" (only to --on {' or '.join(FLAG_TARGETS[flag])})"))
+    if options.output_format not in ("manifest", "xpk"):
+        problems.append(f"--format {options.output_format!r}: choose manifest or xpk")
+    if problems:
+        raise SpecError(f"cannot submit --on {on}:\n  " + "\n  ".join(problems))
+
+
+def container_env(sub: Submission) -> dict[str, str]:
+    """The environment of the job's container: the spec, and the TPU as this host's own."""
+    return {
+        "TPU_NAME": "local",
+        "RUNNER_SPEC_B64": base64.b64encode(spec_yaml(sub.spec).encode()).decode(),
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Scripts as `|` literals, lists of numbers or short words on one line, no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+def _list(dumper: yaml.SafeDumper, value: list) -> yaml.Node:
+    short = all(isinstance(v, (int, float)) or (isinstance(v, str) and len(v) < 24) for v in value)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=short)
+
+
+_Dumper.add_representer(str, _text)
+_Dumper.add_representer(list, _list)
+
+
+def dump_yaml(doc: dict[str, Any]) -> str:
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def refuse_multi_host(sub: Submission) -> None:
+    """Every engine refuses what a TPU VM refuses, in the same words (runner/cloud/tpu_types.py)."""
+    tpu_types.refuse_multi_host(sub.tpu.name)
+
+
+def submit(on: str, sub: Submission, options: Options, *, dry_run: bool) -> tuple[str, dict | None]:
+    """What to print (the engine's own document with --dry-run) and, when sent, the engine's answer."""
+    refuse_multi_host(sub)
+    if on == "skypilot":
+        from runner.cloud.engines import skypilot
+
+        task = skypilot.task(sub)
+        return (skypilot.task_yaml(task), None) if dry_run else ("", skypilot.launch(sub, task))
+    if on == "gke":
+        from runner.cloud.engines import gke
+
+        if options.output_format == "xpk":
+            return gke.xpk_command(sub, options) + "\n", None
+        manifest = gke.jobset(sub, options)
+        return (gke.manifest_yaml(manifest), None) if dry_run else ("", gke.apply(sub, manifest))
+    if on == "vertex":
+        from runner.cloud.engines import vertex
+
+        if dry_run:
+            return vertex.request_text(sub), None
+        return "", vertex.create(sub)
+    raise SpecError(f"--on {on!r}: choose one of {', '.join(TARGETS)}")

@@ -1,0 +1,232 @@
+"""The job on GKE: the JobSet that xpk creates for a TPU type (`xpk workload create`), or the `xpk workload
+create` command line itself (--format xpk). Applied with the kubernetes Python client when not --dry-run
+(`pip install 'runner[gke]'`; the cluster is kubeconfig's current context).
+
+The manifest follows xpk's (xpk/commands/workload.py, WORKLOAD_CREATE_YAML): one replicated job `slice-job`
+with one replica per slice and one pod per host, `backoffLimit: 0`, a pod failure policy that fails the Job
+(FailJob) on every exit code but the restartable ones, a JobSet rule that fails the whole JobSet when that
+happens (FailJobSet on PodFailurePolicy), and `failurePolicy.maxRestarts` for the rest. The restartable exit
+codes are xpk's defaults (42, 127-255: signals) plus the runner's 75 (preempted) and 3 (infrastructure), so
+1 and 2 end the job at once; a preempted node also restarts it, up to --max-restarts times.
+
+Only single-host slices run (runner/cloud/tpu_types.py). GKE names the host's TPU by accelerator and topology;
+the table below is GKE's (https://cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus, "TPU
+configurations"). xpk's own catalog runs v5litepod-8 and v6e-8 as two hosts of 4 chips, so for those two
+types the manifest asks for the single 8-chip host GKE also offers, and --format xpk is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from typing import Any
+
+from runner.cloud.engines import (
+    COMMAND,
+    CONTAINER,
+    RETRY_BOUNDED,
+    Options,
+    container_env,
+    dump_yaml,
+)
+from runner.cloud.submit import Submission
+from runner.errors import AcceleratorError, SpecError
+
+GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+# xpk restarts on these unless told otherwise (`xpk workload create --help`, --restart-on-exit-codes).
+XPK_RESTART_CODES = (42, *range(127, 256))
+RESTART_CODES = tuple(sorted({*XPK_RESTART_CODES, *RETRY_BOUNDED}))
+XPK_QUEUE = "multislice-queue"  # the LocalQueue xpk labels every workload with
+NAME_LIMIT = 40  # xpk's limit for a workload: pod names add "-slice-job-0-0-" and a suffix within 63
+TTL_SECONDS = 12 * 3600  # xpk's default: a finished JobSet is deleted after 12 hours
+INSTALL = "pip install 'runner[gke]'   (or: pip install kubernetes)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    accelerator: str  # cloud.google.com/gke-tpu-accelerator
+    topology: str  # cloud.google.com/gke-tpu-topology
+    machine_type: str
+    chips: int  # google.com/tpu per host
+    xpk_hosts: int  # how many hosts xpk's catalog gives the same type name
+
+
+HOSTS = {
+    "v6e-1": Host("tpu-v6e-slice", "1x1", "ct6e-standard-1t", 1, 1),
+    "v6e-4": Host("tpu-v6e-slice", "2x2", "ct6e-standard-4t", 4, 1),
+    "v6e-8": Host("tpu-v6e-slice", "2x4", "ct6e-standard-8t", 8, 2),
+    "v5litepod-1": Host("tpu-v5-lite-podslice", "1x1", "ct5lp-hightpu-1t", 1, 0),
+    "v5litepod-4": Host("tpu-v5-lite-podslice", "2x2", "ct5lp-hightpu-4t", 4, 0),
+    "v5litepod-8": Host("tpu-v5-lite-podslice", "2x4", "ct5lp-hightpu-8t", 8, 2),
+    "v5p-8": Host("tpu-v5p-slice", "2x2x1", "ct5p-hightpu-4t", 4, 1),
+    "v4-8": Host("tpu-v4-podslice", "2x2x1", "ct4p-hightpu-4t", 4, 1),
+}
+
+
+def host_of(sub: Submission) -> Host:
+    host = HOSTS.get(sub.tpu.name)
+    if host is None:
+        raise SpecError(f"--tpu-type {sub.tpu.name} has no GKE node type (GKE runs TPU v4, v5e, v5p and v6e); "
+                        f"single-host types on GKE: {', '.join(HOSTS)}")
+    return host
+
+
+def check_name(name: str) -> str:
+    if len(name) > NAME_LIMIT:
+        raise SpecError(f"--name {name!r} is {len(name)} characters; a JobSet's pods need it within {NAME_LIMIT} "
+                        f"(xpk's limit): give a shorter --name, e.g. {name[:NAME_LIMIT].rstrip('-')}")
+    return name
+
+
+def pod_template(sub: Submission, host: Host) -> dict[str, Any]:
+    """The pod xpk's template makes, for the runner image (no xpk priority class or pull secret: a cluster
+    without them would refuse the pod)."""
+    chips = {"google.com/tpu": host.chips}
+    selector = {"cloud.google.com/gke-tpu-accelerator": host.accelerator,
+                "cloud.google.com/gke-tpu-topology": host.topology}
+    if sub.spot:
+        selector["cloud.google.com/gke-spot"] = "true"
+    return {
+        "metadata": {"labels": {"runner-job": sub.name}},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": selector,
+            "hostNetwork": True,
+            "dnsPolicy": "ClusterFirstWithHostNet",
+            "terminationGracePeriodSeconds": 30,
+            "tolerations": [{"key": "google.com/tpu", "operator": "Exists"}],
+            "containers": [{
+                "name": CONTAINER,
+                "image": sub.image,
+                "command": ["bash", "-c", COMMAND],
+                "env": [{"name": key, "value": value} for key, value in container_env(sub).items()],
+                # Root and privileged, as on a TPU VM (runner/cloud/tpu_startup.sh): libtpu opens the TPU
+                # devices; the image's own user is uid 1000.
+                "securityContext": {"privileged": True, "runAsUser": 0},
+                "resources": {"limits": chips, "requests": chips},
+            }],
+        },
+    }
+
+
+def jobset(sub: Submission, options: Options) -> dict[str, Any]:
+    """The JobSet for one single-host slice."""
+    host = host_of(sub)
+    labels = {"runner-job": check_name(sub.name)}
+    if options.queue:
+        labels["kueue.x-k8s.io/queue-name"] = options.queue
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "JobSet",
+        "metadata": {
+            "name": sub.name,
+            "namespace": options.namespace,
+            "labels": labels,
+            # One slice per node pool, as xpk asks.
+            "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
+        },
+        "spec": {
+            "ttlSecondsAfterFinished": TTL_SECONDS,
+            "failurePolicy": {
+                "maxRestarts": sub.max_restarts,
+                "rules": [{"name": "FailOnNonRetryableExit", "action": "FailJobSet",
+                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+            },
+            "replicatedJobs": [{
+                "name": "slice-job",
+                "replicas": 1,
+                "template": {"spec": {
+                    "parallelism": 1,
+                    "completions": 1,
+                    "backoffLimit": 0,
+                    "podFailurePolicy": {"rules": [{
+                        "action": "FailJob",
+                        "onPodConditions": [],
+                        "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": list(RESTART_CODES)},
+                    }]},
+                    "template": pod_template(sub, host),
+                }},
+            }],
+        },
+    }
+
+
+def manifest_yaml(doc: dict[str, Any]) -> str:
+    name = doc["metadata"]["name"]
+    header = [
+        f"# JobSet for runner job {name!r}: kubectl apply -f THIS_FILE (JobSet and, for the queue label, Kueue",
+        "# installed). Exit 75 (preempted) and 3 (infrastructure) restart it up to failurePolicy.maxRestarts;",
+        "# 1 and 2 end it. The spec is base64 in RUNNER_SPEC_B64.",
+    ]
+    return "\n".join(header) + "\n" + dump_yaml(doc)
+
+
+def xpk_command(sub: Submission, options: Options) -> str:
+    """`xpk workload create` for the same job. xpk makes its own manifest, with these differences: its
+    container is not run as root (xpk has no flag for it) and its priority class is xpk's `medium`."""
+    host = host_of(sub)
+    if host.xpk_hosts != 1:
+        why = ("is not in xpk's catalog" if host.xpk_hosts == 0 else
+               f"is {host.xpk_hosts} hosts of {host.chips // host.xpk_hosts} chips in xpk's catalog")
+        one_host = [name for name, h in HOSTS.items() if h.xpk_hosts == 1]
+        raise SpecError(f"--format xpk: {sub.tpu.name} {why}, and this runner runs single-host slices only; "
+                        f"use the JobSet manifest (--format manifest: one {host.machine_type} host) or a type "
+                        f"xpk runs on one host: {', '.join(one_host)}")
+    if not options.cluster:
+        raise SpecError("--format xpk needs --cluster: the GKE cluster xpk created (xpk cluster create)")
+    if options.queue and options.queue != XPK_QUEUE:
+        raise SpecError(f"--format xpk --queue {options.queue}: xpk submits to its own LocalQueue {XPK_QUEUE!r} and "
+                        "has no flag for another; drop --queue, or use --format manifest")
+    words = [
+        "xpk", "workload", "create",
+        "--cluster", options.cluster, "--project", sub.project, "--zone", sub.zone,
+        "--workload", check_name(sub.name),
+        "--docker-image", sub.image, "--docker-name", CONTAINER,
+        "--tpu-type", sub.tpu.name, "--num-slices", "1",
+        "--command", COMMAND,
+        "--max-restarts", str(sub.max_restarts),
+        "--restart-on-exit-codes", ",".join(map(str, RETRY_BOUNDED)),
+        *(["--spot"] if sub.spot else []),
+        *(["--namespace", options.namespace] if options.namespace != "default" else []),
+    ]
+    for key, value in container_env(sub).items():
+        words += ["--env", f"{key}={value}"]
+    return shlex.join(words)
+
+
+def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Creates the JobSet in kubeconfig's current cluster (KUBECONFIG honoured)."""
+    try:
+        from kubernetes import client, config
+        from kubernetes.client.rest import ApiException
+    except ImportError:
+        raise SpecError(f"the kubernetes client is not installed: {INSTALL}; or print the manifest with --dry-run "
+                        "and `kubectl apply -f` it") from None
+    name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+    try:
+        config.load_kube_config()
+    except Exception as exc:  # no kubeconfig, or no current context
+        raise AcceleratorError(f"no Kubernetes cluster to send JobSet {name!r} to: {exc}; run `gcloud container "
+                               "clusters get-credentials CLUSTER` (or set KUBECONFIG)") from exc
+    api = client.CustomObjectsApi()
+    try:
+        created = api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest, _request_timeout=60)
+    except ApiException as exc:
+        if exc.status == 409:
+            raise SpecError(f"a JobSet {name!r} already exists in namespace {namespace!r}: delete it "
+                            f"(kubectl delete jobset {name} -n {namespace}) or give another --name") from None
+        if exc.status == 404:
+            raise AcceleratorError(f"the cluster has no JobSet API ({GROUP}/{VERSION}): install JobSet "
+                                   "(xpk cluster create does) before submitting") from None
+        raise AcceleratorError(f"the cluster refused JobSet {name!r}: {exc.status} {exc.reason}: {exc.body}") from None
+    except Exception as exc:
+        raise AcceleratorError(f"could not reach the cluster to create JobSet {name!r}: {type(exc).__name__}: {exc}") from exc
+    meta = created.get("metadata", {})
+    return {
+        "on": "gke",
+        "name": name,
+        "namespace": namespace,
+        "uid": meta.get("uid"),
+        "run_dir": sub.spec.run_dir,
+        "follow": f"kubectl get jobset {name} -n {namespace}; kubectl logs -n {namespace} -l runner-job={name} -f",
+    }

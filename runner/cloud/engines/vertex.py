@@ -1,0 +1,152 @@
+"""The job as a Vertex AI CustomJob: one worker pool of one TPU VM running the runner image, the run folder as
+the job's base output directory, Spot scheduling with --spot. Sent with google-cloud-aiplatform's JobService
+(`pip install 'runner[vertex]'`); --dry-run prints the request as JSON (what `POST .../customJobs` takes).
+
+Vertex restarts a worker whose VM is preempted or fails (`restart_job_on_worker_restart` restarts the whole
+job with it); it has no setting for exit codes, so a job that exits 75 ends FAILED there: submit it again
+and it resumes from its newest checkpoint.
+
+The machine types are Vertex AI's for training on TPU VMs
+(https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
+`cloud-tpu` machine with 8 TPU cores). Vertex's page on training with TPU VMs says TensorFlow is not
+supported from TPU v6e on, so v6e is refused here. None of this has run on Vertex from this project.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from runner.cloud import pricing
+from runner.cloud.engines import COMMAND, container_env
+from runner.cloud.submit import Submission
+from runner.errors import AcceleratorError, SpecError
+
+API = "aiplatform.googleapis.com"
+ENDPOINT_OVERRIDE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM"  # gcloud's, honoured here too
+INSTALL = "pip install 'runner[vertex]'   (or: pip install google-cloud-aiplatform)"
+_CALL_TIMEOUT_S = 60.0
+
+# TPU type -> (machine type, TPU topology or None, accelerator type and count for the legacy machine or None)
+MACHINES: dict[str, tuple[str, str | None, tuple[str, int] | None]] = {
+    "v5litepod-1": ("ct5lp-hightpu-1t", "1x1", None),
+    "v5litepod-4": ("ct5lp-hightpu-4t", "2x2", None),
+    "v5litepod-8": ("ct5lp-hightpu-8t", "2x4", None),
+    "v5p-8": ("ct5p-hightpu-4t", "2x2x1", None),
+    "v3-8": ("cloud-tpu", None, ("TPU_V3", 8)),
+    "v2-8": ("cloud-tpu", None, ("TPU_V2", 8)),
+}
+
+
+class VertexApiError(AcceleratorError):
+    """Vertex AI could not be reached, refused the credentials, or failed the request (exit 3)."""
+
+
+def machine_spec(sub: Submission) -> dict[str, Any]:
+    if sub.tpu.generation == "v6e":
+        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: Vertex AI does not support TensorFlow from TPU v6e "
+                        "on (its page on training with TPU VMs); run v6e with --on tpu-vm, skypilot or gke, or pick "
+                        f"one of {', '.join(MACHINES)}")
+    if sub.tpu.name not in MACHINES:
+        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: no Vertex AI training machine for it; Vertex runs "
+                        f"{', '.join(MACHINES)}")
+    machine, topology, accelerator = MACHINES[sub.tpu.name]
+    spec: dict[str, Any] = {"machineType": machine}
+    if topology:
+        spec["tpuTopology"] = topology
+    if accelerator:
+        spec["acceleratorType"], spec["acceleratorCount"] = accelerator
+    return spec
+
+
+def custom_job(sub: Submission) -> dict[str, Any]:
+    """The CustomJob in the API's JSON form (proto3 JSON, camelCase)."""
+    scheduling: dict[str, Any] = {"restartJobOnWorkerRestart": True}
+    if sub.spot:
+        scheduling["strategy"] = "SPOT"
+    return {
+        "displayName": sub.name,
+        "labels": {"runner-job": sub.name},
+        "jobSpec": {
+            "workerPoolSpecs": [{
+                "machineSpec": machine_spec(sub),
+                "replicaCount": "1",
+                "containerSpec": {
+                    "imageUri": sub.image,
+                    "command": ["bash", "-c"],
+                    "args": [COMMAND],
+                    "env": [{"name": key, "value": value} for key, value in container_env(sub).items()],
+                },
+            }],
+            "scheduling": scheduling,
+            "baseOutputDirectory": {"outputUriPrefix": sub.spec.run_dir},
+        },
+    }
+
+
+def parent(sub: Submission) -> str:
+    return f"projects/{sub.project}/locations/{pricing.region_of(sub.zone)}"
+
+
+def request_text(sub: Submission) -> str:
+    """What --dry-run prints: the create request, as JSON a reader can send as it is."""
+    doc = {"parent": parent(sub), "customJob": custom_job(sub)}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def build_job(sub: Submission):
+    """The request as aiplatform_v1's CustomJob; unknown fields or wrong values are refused here."""
+    from google.cloud import aiplatform_v1
+    from google.protobuf import json_format
+
+    message = json_format.ParseDict(custom_job(sub), aiplatform_v1.CustomJob.pb(aiplatform_v1.CustomJob()))
+    return aiplatform_v1.CustomJob.wrap(message)
+
+
+def make_client(region: str):
+    """A JobService client for the job's region: gcloud's access token and endpoint override when set."""
+    from google.api_core.client_options import ClientOptions
+    from google.cloud import aiplatform_v1
+
+    from runner.cloud.tpu_api import credentials
+
+    endpoint = os.environ.get(ENDPOINT_OVERRIDE, "").rstrip("/") or f"{region}-{API}"
+    return aiplatform_v1.JobServiceClient(credentials=credentials(), transport="rest",
+                                          client_options=ClientOptions(api_endpoint=endpoint))
+
+
+def create(sub: Submission, client=None) -> dict[str, Any]:
+    """Sends the CustomJob; returns its name and state as Vertex answered."""
+    try:
+        from google.api_core import exceptions as api
+    except ImportError:
+        raise SpecError(f"google-cloud-aiplatform is not installed: {INSTALL}; or print the request with "
+                        "--dry-run") from None
+    try:
+        job = build_job(sub)
+        client = client or make_client(pricing.region_of(sub.zone))
+    except ImportError:
+        raise SpecError(f"google-cloud-aiplatform is not installed: {INSTALL}; or print the request with "
+                        "--dry-run") from None
+    where = f"in {parent(sub)}"
+    try:
+        created = client.create_custom_job(parent=parent(sub), custom_job=job, retry=None, timeout=_CALL_TIMEOUT_S)
+    except api.InvalidArgument as exc:
+        raise SpecError(f"Vertex AI refused the CustomJob {sub.name!r} {where}: {exc.message}") from None
+    except (api.PermissionDenied, api.Unauthenticated) as exc:
+        raise VertexApiError(f"Vertex AI refused to create {sub.name!r} {where}: {exc.message}; check the "
+                             "credentials and that the API is enabled (gcloud services enable "
+                             f"{API})") from None
+    except api.GoogleAPICallError as exc:
+        raise VertexApiError(f"Vertex AI failed to create {sub.name!r} {where}: {exc.code} {exc.message}") from None
+    except Exception as exc:
+        raise VertexApiError(f"could not reach Vertex AI to create {sub.name!r}: {type(exc).__name__}: {exc}") from exc
+    return {
+        "on": "vertex",
+        "name": sub.name,
+        "job": created.name,
+        "state": created.state.name,
+        "run_dir": sub.spec.run_dir,
+        "follow": f"gcloud ai custom-jobs describe {created.name}; gcloud ai custom-jobs stream-logs {created.name}",
+    }
