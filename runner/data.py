@@ -186,7 +186,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
     return manifest
 
 
-WRITE_AGAIN = "write it again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
+WRITE_AGAIN = "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

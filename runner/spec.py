@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from runner.userimport import check_import_path, is_import_path
 
@@ -87,7 +87,8 @@ class DataSpec(_Strict):
     # Checked before the run folder is touched (docs/data.md): size: every shard the manifest lists for
     # train/eval/validation is there with its listed size (one stat each); sha256: also reads every byte
     # and compares its hash (cost in the summary's data_verify); off: neither (the manifest is still checked).
-    verify: Literal["size", "sha256", "off"] = "size"
+    # A bare `off` in YAML (and --set) reads as false: it means off.
+    verify: Annotated[Literal["size", "sha256", "off"], BeforeValidator(lambda v: "off" if v is False else v)] = "size"
     # Features fed to the model, in order; the label feature.
     inputs: tuple[str, ...] = ("image",)
     label: str = "label"
