@@ -407,8 +407,14 @@ def make_dataset(
     workers: int = 1,
     autotune: bool = False,
     block: int | None = None,
+    weighted: bool = False,
 ) -> tf.data.Dataset:
     """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
+
+    `weighted` (evaluation and validation): batches of (inputs, label, sample weight) holding every record
+    exactly once, in eval_steps() batches: the last batch is padded to the full batch size (TPUs need one
+    static shape) and its padding weighs 0 in every metric and in the loss (see _weighted_records).
+    Without it, the records that do not fill a last batch are left out.
 
     `preprocess` (data.preprocess) gets each decoded batch as a dict of tensors and returns the dict.
 
@@ -432,19 +438,61 @@ def make_dataset(
         if shuffle_buffer > 1:
             records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         records = records.repeat()
-    # TPUs need static shapes: every batch is full, the remainder of an epoch is dropped.
+    decode = _decoder(shards.features, inputs, label, preprocess)
+    if weighted:
+        if training:
+            raise ValueError("weighted batches are for evaluation: training=False")
+        records = _weighted_records(records, shards, batch_size)
+        decode = _weighted(decode)
+    # TPUs need static shapes: every batch is full (evaluation pads its last one, see above).
     batches = records.batch(batch_size, drop_remainder=True)
-    batches = batches.map(_decoder(shards.features, inputs, label, preprocess), num_parallel_calls=tf.data.AUTOTUNE)
+    batches = batches.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
     options = tf.data.Options()
     # Multi-worker: each worker reads its own files when there are enough to go round, else every
-    # worker reads all files and keeps its share of the records.
-    enough = len(shards.files) >= workers
+    # worker reads all files and keeps its share of the records. Weighted (evaluation) batches are
+    # padded for the whole split, so every worker reads all of it and keeps its share of the batches.
+    enough = len(shards.files) >= workers and not weighted
     policy = tf.data.experimental.AutoShardPolicy.FILE if enough else tf.data.experimental.AutoShardPolicy.DATA
     options.experimental_distribute.auto_shard_policy = policy
     options.autotune.enabled = autotune
     if training:
         options.deterministic = False
     return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _weighted_records(records: tf.data.Dataset, shards: Shards, batch_size: int) -> tf.data.Dataset:
+    """(serialized record, sample weight): the split's records, then copies of its first record as padding
+    up to eval_steps() whole batches.
+
+    Real records weigh padded / records, padding 0. Any constant weight gives the weighted metrics (mean of
+    value x weight over the sum of the weights) their exact value over the real records. The loss needs this
+    one: Keras reduces a batch's weighted losses over the batch size, not the sum of the weights, and then
+    averages batches by their size, so the evaluated loss is sum(loss x weight) / padded = the mean over
+    the records. Both hold on any number of replicas: each reduces its share the same way.
+    A split holding more or fewer records than its manifest says fails the read (assert_cardinality)
+    instead of being evaluated on what was there.
+    """
+    padded = eval_steps(shards, batch_size, "evaluation") * batch_size
+    weight = tf.constant(padded / shards.records, tf.float32)
+    real = records.apply(tf.data.experimental.assert_cardinality(shards.records)).map(lambda record: (record, weight))
+    if padded == shards.records:
+        return real
+    padding = records.take(1).repeat(padded - shards.records).map(lambda record: (record, tf.constant(0.0)))
+    return real.concatenate(padding)
+
+
+def _weighted(decode: Callable):
+    def decode_weighted(serialized: tf.Tensor, weight: tf.Tensor):
+        return (*decode(serialized), weight)
+
+    return decode_weighted
+
+
+def eval_steps(shards: Shards, batch_size: int, key: str) -> int:
+    """Batches that evaluate every record of the shards once (the last one padded: make_dataset `weighted`)."""
+    if shards.records == 0:
+        raise DataError(f"{key}: {shards.pattern!r} holds no records to evaluate on (its manifest lists 0)")
+    return -(-shards.records // batch_size)
 
 
 def steps_in(shards: Shards, batch_size: int, key: str) -> int:
@@ -481,6 +529,15 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
         detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
         what = {"data.train": "training", "data.eval": "evaluation", "data.validation": "validation"}.get(key, key)
         return DataError(f"corrupt {what} data in {where}: {detail}; the run stopped, checkpoints kept")
+    # Evaluation batches hold exactly the records the manifest lists (make_dataset `weighted`).
+    counted = re.search(r"expected to contain (\d+) elements but contained (only|at least) (\d+)", getattr(exc, "message", ""))
+    if isinstance(exc, tf.errors.FailedPreconditionError) and counted:
+        listed, how, found = counted.groups()
+        return DataError(
+            f"{key}: the shards matching {pattern!r} hold {how} {found} records, their manifest lists {listed}: "
+            "the manifest does not describe these shards; run `runner manifest` (your own records) or "
+            "`runner prepare` (a built-in dataset) again"
+        )
     # Keras tags the input iterator's op: only such errors are about a batch that could not be decoded.
     if not isinstance(exc, tf.errors.InvalidArgumentError) or "IteratorGetNext" not in exc.message:
         return None

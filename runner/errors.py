@@ -1,6 +1,7 @@
 """Errors a user can act on, each with the exit code the CLI maps it to.
 
-0 ok; 1 training failed; 2 spec or usage; 3 infrastructure (accelerator, storage); 75 preempted (retry).
+0 ok; 1 training failed (a non-finite loss included); 2 spec or usage; 3 infrastructure (accelerator, storage);
+75 preempted (retry); 130 interrupted by Ctrl-C (SIGINT; saved, run again to continue).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ EXIT_USAGE = 2
 EXIT_INFRA = 3
 # EX_TEMPFAIL from sysexits.h: the job was preempted and saved; running it again continues it.
 EXIT_PREEMPTED = 75
+# 128 + SIGINT, what a shell reports for a command ended by Ctrl-C: interrupted, saved; running it again continues it.
+EXIT_INTERRUPTED = 130
 
 
 class RunnerError(Exception):
@@ -62,3 +65,15 @@ class Preempted(RunnerError):
     """A preemption notice arrived; a checkpoint was saved and the job can be run again."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class Interrupted(RunnerError):
+    """Ctrl-C (SIGINT): a checkpoint was saved as on a preemption notice, and the job can be run again."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class Diverged(RunnerError):
+    """The loss (or the weights) became NaN or infinite: training stopped before saving any of it."""
+
+    exit_code = EXIT_TRAINING

@@ -192,7 +192,9 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
     model.compile(
         optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
         loss=_loss_or_metric(spec.train.loss, "train.loss"),
-        metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
+        # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data.py), and
+        # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
+        weighted_metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
         steps_per_execution=steps_per_execution(spec, accelerator_kind),
     )
 

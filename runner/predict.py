@@ -53,16 +53,20 @@ def evaluate(spec: JobSpec) -> dict:
         raise SpecError("data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)")
     shards = data.find_shards(spec.data.eval)
     batch = _batch_for(spec, trained.accelerator)
+    # Every record once: the last batch padded, its padding weighing 0 in the metrics and the loss.
+    steps = data.eval_steps(shards, batch, "data.eval")
     dataset = data.make_dataset(
         shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
-        autotune=spec.data.autotune,
+        autotune=spec.data.autotune, weighted=True,
     )
-    steps = data.steps_in(shards, batch, "data.eval")
-    results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
+    try:
+        results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
+    except tf.errors.OpError as exc:
+        raise data.input_error(exc, spec.data.eval, "data.eval") or exc from None
     metrics = {k: float(v) for k, v in results.items()}
     return {
         "job": spec.name, "checkpoint": trained.checkpoint, "step": trained.step,
-        "accelerator": trained.accelerator.to_dict(), "examples": steps * batch, "metrics": metrics,
+        "accelerator": trained.accelerator.to_dict(), "examples": shards.records, "metrics": metrics,
     }
 
 

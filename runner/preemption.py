@@ -1,5 +1,6 @@
-"""Preemption notices: SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) as a flag the
-training loop reads between steps, with a grace period that ends the process if a save hangs.
+"""Preemption notices and Ctrl-C: SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) and SIGINT
+(Ctrl-C) as a flag the training loop reads between steps, with a grace period that ends the process if a save
+hangs. A second Ctrl-C ends the process at once.
 """
 
 from __future__ import annotations
@@ -11,50 +12,78 @@ import threading
 import time
 from typing import Any
 
-from runner.errors import EXIT_PREEMPTED
+from runner.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+# The signals that stop a job after a save: SIGTERM (preempted, exit 75) and SIGINT (interrupted, exit 130).
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _exit_now(message: str, code: int) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _interrupted_again() -> None:
+    _exit_now(
+        f"interrupted again: exiting now ({EXIT_INTERRUPTED}) without saving; the newest complete checkpoint is "
+        "kept: run the same job again to continue from it",
+        EXIT_INTERRUPTED,
+    )
 
 
 class PreemptionNotice:
-    """Turns SIGTERM (how Cloud TPU VMs and Kubernetes announce preemption) into a flag read between steps.
+    """Turns SIGTERM and SIGINT into a flag read between steps; `interrupted` tells a Ctrl-C from a preemption.
 
     The job installs it for its whole run (training uses it as a context manager inside). The notice opens
     the grace period (`checkpoint.grace_s`): the job saves at the next step boundary, writes its summary
-    and exits 75; a notice during evaluation or export lets the job finish if it can within the period.
-    A step or save stuck past the deadline (storage that does not answer) ends the process with 75 at the
-    deadline, before the platform's SIGKILL would: the cut-short save is never chosen as the latest, so
-    the next attempt resumes from the newest complete checkpoint.
+    and exits 75 (SIGTERM: preempted) or 130 (SIGINT: interrupted); a notice during evaluation or export
+    lets the job finish if it can within the period. A step or save stuck past the deadline (storage that
+    does not answer) ends the process with the same code at the deadline, before the platform's SIGKILL
+    would: the cut-short save is never chosen as the latest, so the next attempt resumes from the newest
+    complete checkpoint. A second SIGINT ends the process at once with 130.
     """
 
     def __init__(self, grace_s: float = 30.0):
         self.grace_s = grace_s
         self.received = threading.Event()
         self.received_at: float | None = None
+        self.signal: int | None = None  # the signal the notice came by
+        self._interrupts = 0
         self._lock = threading.Lock()
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._previous_wakeup = -1
         self._pipe: tuple[int, int] | None = None
         self._depth = 0
 
+    @property
+    def interrupted(self) -> bool:
+        """The notice was a Ctrl-C (SIGINT), not a preemption."""
+        return self.signal == signal.SIGINT
+
     def install(self) -> None:
-        """From here on SIGTERM is a notice, not the end of the process. Nested installs count."""
+        """From here on SIGTERM and SIGINT are notices, not the end of the process. Nested installs count."""
         self._depth += 1
         if self._depth > 1 or threading.current_thread() is not threading.main_thread():
             return
         # Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in
         # a TensorFlow call (a save to storage that does not answer) would never see the notice. The
-        # wakeup fd is written by the C-level handler at once; a watcher thread reads it.
+        # wakeup fd is written by the C-level handler at once, one byte per signal; a watcher thread reads
+        # it and is the only one to act on it (so each signal counts once). The Python-level handlers only
+        # keep the default actions (KeyboardInterrupt, termination) away.
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
-        self._previous = signal.signal(signal.SIGTERM, lambda *_: self.notify())
+        self._previous = {signum: signal.signal(signum, lambda *_: None) for signum in SIGNALS}
         self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
 
     def remove(self) -> None:
-        """Gives SIGTERM back its previous handler. The deadline, once started, stays."""
+        """Gives SIGTERM and SIGINT back their previous handlers. The deadline, once started, stays."""
         self._depth -= 1
         if self._depth == 0 and self._pipe is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
             os.close(self._pipe[1])  # ends the watcher
             self._pipe = None
 
@@ -68,47 +97,70 @@ class PreemptionNotice:
     def _watch(self, read_fd: int) -> None:
         try:
             while chunk := os.read(read_fd, 64):
-                if signal.SIGTERM in chunk:
-                    self.notify()
+                for signum in chunk:
+                    if signum in SIGNALS:
+                        self.notify(signum=signum)
         finally:
             os.close(read_fd)
 
-    def notify(self, at: float | None = None) -> None:
-        """The notice, received now or at `at` (time.monotonic()): the grace period runs from then."""
+    def notify(self, at: float | None = None, signum: int = signal.SIGTERM) -> None:
+        """The notice, received now or at `at` (time.monotonic()): the grace period runs from then.
+        A second SIGINT ends the process at once."""
         at = time.monotonic() if at is None else at
         with self._lock:
+            if signum == signal.SIGINT:
+                self._interrupts += 1
+                if self._interrupts > 1:
+                    _interrupted_again()
             if self.received.is_set():
                 return
-            self.received_at = at
+            self.received_at, self.signal = at, signum
             self.received.set()
         deadline = threading.Timer(max(0.0, self.grace_s - (time.monotonic() - at)), self._expire)
         deadline.daemon = True
         deadline.start()
 
     def _expire(self) -> None:
-        sys.stderr.write(
-            f"error: preempted: the job did not save and stop within checkpoint.grace_s ({self.grace_s:g} s) of "
-            f"the preemption notice; exiting {EXIT_PREEMPTED} now: the next attempt resumes from the newest "
-            "complete checkpoint\n"
+        if self.interrupted:
+            what, status, code = "Ctrl-C", "interrupted", EXIT_INTERRUPTED
+        else:
+            what, status, code = "the preemption notice", "preempted", EXIT_PREEMPTED
+        _exit_now(
+            f"{status}: the job did not save and stop within checkpoint.grace_s ({self.grace_s:g} s) of {what}; "
+            f"exiting {code} now: the next attempt resumes from the newest complete checkpoint",
+            code,
         )
-        sys.stderr.flush()
-        os._exit(EXIT_PREEMPTED)
 
     def seconds_since(self) -> float | None:
         return None if self.received_at is None else time.monotonic() - self.received_at
 
 
 class EarlyNotice:
-    """Holds a SIGTERM that arrives before the job installs its preemption handler (runner/train.py), mostly
-    while TensorFlow imports, so a preemption then ends the run as `preempted` (exit 75), not killed (143)."""
+    """Holds a SIGTERM or SIGINT that arrives before the job installs its PreemptionNotice, mostly while
+    TensorFlow imports, so the run then ends as `preempted` (exit 75) or `interrupted` (exit 130) with its
+    summary, not killed (143) or with a traceback. A second SIGINT exits at once (130)."""
 
     def __init__(self) -> None:
         self.at: float | None = None
-        self._previous = signal.signal(signal.SIGTERM, self._note)
+        self.signal: int | None = None
+        self._interrupts = 0
+        self._previous = {signum: signal.signal(signum, self._note) for signum in SIGNALS}
 
-    def _note(self, *_: object) -> None:
+    def _note(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                _interrupted_again()
         if self.at is None:
-            self.at = time.monotonic()
+            self.at, self.signal = time.monotonic(), signum
+
+    def pass_to(self, notice: PreemptionNotice) -> None:
+        """Hands a signal held here to the job's notice (its grace period runs from when it came)."""
+        if self.at is not None:
+            notice.notify(self.at, self.signal)
+        if self._interrupts and self.signal != signal.SIGINT:  # a Ctrl-C after a SIGTERM: the next one is the second
+            notice.notify(self.at, signal.SIGINT)
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

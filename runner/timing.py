@@ -27,6 +27,11 @@ PHASES = (
 )
 
 
+# How an attempt ended: succeeded (exit 0); failed (1, 2 or 3: `error` says why); preempted (SIGTERM: saved,
+# exit 75); interrupted (Ctrl-C, SIGINT: saved, exit 130). The last two continue when the job is run again.
+STATUSES = ("succeeded", "failed", "preempted", "interrupted")
+
+
 class Phases:
     """Accumulates wall seconds per named phase; a phase may be entered many times (checkpoint saves)."""
 
@@ -122,6 +127,8 @@ def build_summary(
     extra: dict[str, Any] | None = None,
     input_wait_method: str = "not measured",
 ) -> dict[str, Any]:
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; known: {', '.join(STATUSES)}")
     total = phases.elapsed()
     timing: dict[str, Any] = {f"{name}_s": round(phases.seconds.get(name, 0.0), 4) for name in PHASES}
     timing["unaccounted_s"] = round(total - sum(phases.seconds.values()), 4)

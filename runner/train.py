@@ -6,11 +6,13 @@ of its own; checkpoint saves go through the `save` function it is given, and a p
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable
 
 import tensorflow as tf
 
+from runner.errors import Diverged
 from runner.preemption import PreemptionNotice
 from runner.timing import EpochRecord
 
@@ -118,8 +120,51 @@ class Recorder(keras.callbacks.Callback):
         self._on_epoch(record)
 
 
+def _diverged(what: str, epoch: int, step: int) -> Diverged:
+    return Diverged(f"training diverged: {what} at epoch {epoch}, step {step}")
+
+
+def weights_finite(model: keras.Model) -> bool:
+    """Whether every floating-point variable of the model and its optimizer (slots included) is finite."""
+    variables = [*model.weights, *model.optimizer.variables]
+    checks = [tf.reduce_all(tf.math.is_finite(v)) for v in variables if tf.as_dtype(v.dtype).is_floating]
+    return bool(tf.reduce_all(tf.stack(checks))) if checks else True
+
+
+class FiniteLoss(keras.callbacks.Callback):
+    """Stops training at the first step whose loss is NaN or infinite, raising Diverged (exit 1).
+
+    It runs before the other callbacks, so a diverged step is never recorded nor saved. The loss Keras
+    reports at a step is the epoch's running mean, finite until a step's loss is not; with
+    steps_per_execution > 1 it is checked once per execution, naming its last step. Reading it waits for
+    the step to finish (as the progress bar does); the checkpoint saves check the weights themselves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch + 1
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._check(logs, "loss")
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._check(logs, "loss", "val_loss")
+
+    def _check(self, logs: dict | None, *keys: str) -> None:
+        for key in keys:
+            value = (logs or {}).get(key)
+            if value is not None and not math.isfinite(float(value)):
+                what = "the loss" if key == "loss" else "the validation loss"
+                step = int(self.model.optimizer.iterations.numpy())
+                raise _diverged(f"{what} is not finite ({float(value)})", self._epoch, step)
+
+
 class Checkpointer(keras.callbacks.Callback):
-    """Saves every `every_steps` steps and at each epoch end; on a preemption notice, saves and stops."""
+    """Saves every `every_steps` steps and at each epoch end; on a preemption notice, saves and stops.
+    Weights that are not finite are never saved: Diverged (exit 1) instead."""
 
     def __init__(self, save: Callable[[int], None], every_steps: int | None, notice: PreemptionNotice):
         super().__init__()
@@ -127,13 +172,20 @@ class Checkpointer(keras.callbacks.Callback):
         self.preempted = False
         self.saved_after_notice_s: float | None = None
         self._last_saved = -1
+        self._epoch = 0
 
     def _step(self) -> int:
         return int(self.model.optimizer.iterations.numpy())
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch + 1
+
     def _save_once(self) -> None:
         step = self._step()
         if step != self._last_saved:
+            # A step can leave NaN weights behind a finite loss (the loss is computed before the update).
+            if not weights_finite(self.model):
+                raise _diverged("the weights are not finite (the loss before the update was)", self._epoch, step)
             self._save(step)
             self._last_saved = step
 
@@ -178,8 +230,10 @@ def fit(
     validation: tuple[tf.data.Dataset, int] | None = None,
 ) -> None:
     """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice
-    or when a callback (early stopping) ends training. `validation` is (dataset, steps), run after every epoch."""
+    or when a callback (early stopping) ends training, and with Diverged when the loss is NaN or infinite.
+    `validation` is (dataset, steps), run after every epoch."""
     val_data, val_steps = validation if validation is not None else (None, None)
+    finite = FiniteLoss()
     for initial_epoch, epochs, steps in plan.legs():
         model.fit(
             dataset,
@@ -188,8 +242,9 @@ def fit(
             steps_per_epoch=steps,
             validation_data=val_data,
             validation_steps=val_steps,
-            # The checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
-            callbacks=[recorder, checkpointer, *extra_callbacks],
+            # A non-finite loss stops training before any other callback records or saves the step; the
+            # checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
+            callbacks=[finite, recorder, checkpointer, *extra_callbacks],
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself; Keras would only warn
         )

@@ -1,0 +1,153 @@
+"""Ctrl-C (SIGINT) on real `runner run` processes: handled like a preemption notice, but said as an interruption.
+
+The first Ctrl-C saves at the next step boundary, writes the summary with status `interrupted` and exits
+130; running the job again continues it. A second Ctrl-C exits at once, saving nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import jsonschema
+import pytest
+
+from tests.conftest import REPO, cli_env, last_json, run_cli
+from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
+
+SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
+STEPS, EPOCHS = 40, 3
+
+
+def job(mnist_job, name: str, **checkpoint):
+    return mnist_job(
+        name,
+        data={"eval": None},
+        train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
+        checkpoint=checkpoint,
+        output={"tensorboard": False},
+    )
+
+
+def tensorflow_loading(pid: int) -> bool | None:
+    """True once TensorFlow's library is mapped into the process: its Python import runs on for seconds."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return True if "libtensorflow" in maps.read() else None
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_continues(mnist_job, tmp_path):
+    spec = job(mnist_job, "interrupted", grace_s=20)  # epoch-end saves only: the interruption's save is its own
+    run_dir = tmp_path / "runs" / "interrupted"
+    process = start_run(spec)
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS or None, process)
+    time.sleep(0.2)  # a few steps into epoch 2
+    process.send_signal(signal.SIGINT)
+    code, out, err = finish(process)
+    assert code == 130, err[-3000:]
+    saved = indexed_step(local_index(run_dir))
+    assert STEPS < saved < EPOCHS * STEPS and saved % STEPS, f"the interruption's save is mid-epoch, got step {saved}"
+    assert f"interrupted: saved step {saved}; run the same job again to continue" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    summary = last_json(out)
+    jsonschema.validate(summary, SCHEMA)
+    assert summary["status"] == "interrupted"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = last_json(result.stdout)
+    assert resumed["status"] == "succeeded"
+    assert resumed["resumed_from_step"] == saved
+    assert resumed["final_step"] == EPOCHS * STEPS
+    assert sum(e["steps"] for e in resumed["epochs"]) == EPOCHS * STEPS - saved
+    attempts = sorted((run_dir / "attempts").iterdir())
+    assert [json.loads(a.read_text())["status"] for a in attempts] == ["interrupted", "succeeded"]
+
+
+def test_ctrl_c_while_tensorflow_imports_ends_the_run_as_interrupted_having_saved_nothing(mnist_job, tmp_path):
+    spec = job(mnist_job, "early")
+    run_dir = tmp_path / "runs" / "early"
+    process = start_run(spec)
+    wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
+    process.send_signal(signal.SIGINT)
+    code, out, err = finish(process)
+    assert code == 130, err[-3000:]
+    assert "interrupted while the job was starting" in err and "run the same job again" in err
+    assert "Traceback" not in err
+    summary = last_json(out)
+    jsonschema.validate(summary, SCHEMA)
+    assert summary["status"] == "interrupted"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert local_index(run_dir) is None, "nothing was trained, so nothing is saved"
+
+
+def test_a_second_ctrl_c_while_tensorflow_imports_exits_at_once(mnist_job, tmp_path):
+    spec = job(mnist_job, "twice")
+    process = start_run(spec)
+    wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # two signals sent together may reach the process as one
+    second = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    code, out, err = finish(process, timeout=30)
+    assert code == 130, err[-3000:]
+    assert time.monotonic() - second < 2
+    assert "interrupted again: exiting now" in err
+    assert out.strip() == "", "the second Ctrl-C exits before any summary"
+    assert not (tmp_path / "runs" / "twice" / "checkpoints" / "checkpoint").exists()
+
+
+def stalled_save_job(gcs_faults, tiny_mnist, mnist_job, name: str, grace_s: float):
+    """A job on gs:// whose save of step 16 hangs on its .index upload (after its data file is in place)."""
+    bucket = gcs_faults.bucket()
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
+    spec = mnist_job(
+        name,
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
+        train={"epochs": 2, "steps_per_epoch": 24},
+        checkpoint={"every_steps": 8, "grace_s": grace_s},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+    )
+    hang = {"match": rf"^POST /upload/.*name=runs/{name}/checkpoints/ckpt-16\.index", "action": "stall", "delay_s": 60}
+    gcs_faults.faults.set([hang])
+    return spec, bucket
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_a_hung_save_exits_at_once(gcs_faults, tiny_mnist, mnist_job):
+    spec, bucket = stalled_save_job(gcs_faults, tiny_mnist, mnist_job, "hung", grace_s=60)
+    process = start_run(spec, env=cli_env(**gcs_faults.env))
+    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    process.send_signal(signal.SIGINT)  # the save of step 16 is stuck: the first Ctrl-C waits for it
+    time.sleep(1.0)
+    assert process.poll() is None, "the first Ctrl-C waits for the save (grace_s 60)"
+    second = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    code, out, err = finish(process, timeout=30)
+    assert code == 130, err[-3000:]
+    assert time.monotonic() - second < 3
+    assert "interrupted again: exiting now" in err
+    index = gcs_faults.read(bucket, "runs/hung/checkpoints/checkpoint").decode()
+    assert indexed_step(index) == 8, "the save cut short is never the newest checkpoint"
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_save_stuck_past_the_grace_period_exits_130(gcs_faults, tiny_mnist, mnist_job):
+    spec, bucket = stalled_save_job(gcs_faults, tiny_mnist, mnist_job, "stuck", grace_s=3)
+    process = start_run(spec, env=cli_env(**gcs_faults.env))
+    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    noticed = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    code, _, err = finish(process, timeout=60)
+    assert code == 130, err[-3000:]
+    assert 3 <= time.monotonic() - noticed < 3 + 10
+    assert "did not save and stop within checkpoint.grace_s (3 s)" in err
+    assert indexed_step(gcs_faults.read(bucket, "runs/stuck/checkpoints/checkpoint").decode()) == 8
+
+    gcs_faults.faults.clear()
+    result = run_cli("run", spec, env=cli_env(**gcs_faults.env))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["resumed_from_step"] == 8 and summary["final_step"] == 48
