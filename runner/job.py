@@ -131,7 +131,7 @@ class Inputs:
 
 def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
     batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
-    preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",)) if d.preprocess else None
+    preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
 
     def evaluation(pattern: str, key: str) -> tuple[tf.data.Dataset, int]:
         shards = data.find_shards(pattern)

@@ -144,16 +144,16 @@ def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
     variables when imported places them on the strategy's devices too.
     """
     if userimport.is_import_path(spec.model.name):
-        return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs)
+        return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs, spec.code_roots)
     if spec.model.name not in MODELS:
         raise SpecError(f"model.name: unknown model {spec.model.name!r}; built in: {', '.join(sorted(MODELS))}")
     return MODELS[spec.model.name](dict(spec.model.params), features, spec.data.inputs)
 
 
 def _build_user_model(
-    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]
+    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: userimport.CodeRoots
 ) -> keras.Model:
-    build = userimport.load_callable(path, "model.name", ("params", "features", "inputs"))
+    build = userimport.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
@@ -170,10 +170,10 @@ def _build_user_model(
     return model
 
 
-def _loss_or_metric(value: str, key: str) -> Any:
+def _loss_or_metric(value: str, key: str, roots: userimport.CodeRoots) -> Any:
     """A Keras name stays a name; `package.module:function` becomes the imported (y_true, y_pred) function."""
     if userimport.is_import_path(value):
-        return userimport.load_callable(value, key, ("y_true", "y_pred"))
+        return userimport.load_callable(value, key, ("y_true", "y_pred"), roots)
     return value
 
 
@@ -191,10 +191,10 @@ def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
 def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu") -> None:
     model.compile(
         optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
-        loss=_loss_or_metric(spec.train.loss, "train.loss"),
+        loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),
         # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data.py), and
         # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
-        weighted_metrics=[_loss_or_metric(m, "train.metrics") for m in spec.train.metrics],
+        weighted_metrics=[_loss_or_metric(m, "train.metrics", spec.code_roots) for m in spec.train.metrics],
         steps_per_execution=steps_per_execution(spec, accelerator_kind),
     )
 

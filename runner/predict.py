@@ -74,7 +74,7 @@ def _preprocess(spec: JobSpec):
     """data.preprocess, applied to TFRecord inputs exactly as in training."""
     if not spec.data.preprocess:
         return None
-    return userimport.load_callable(spec.data.preprocess, "data.preprocess", ("features",))
+    return userimport.load_callable(spec.data.preprocess, "data.preprocess", ("features",), spec.code_roots)
 
 
 def _batch_for(spec: JobSpec, accelerator: Accelerator) -> int:

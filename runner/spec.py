@@ -3,43 +3,136 @@
 Defaults are declared once, here; a YAML file under `jobs/` holds only what differs.
 `runner.specfile.load_spec` validates the whole file (and any `--set` overrides) before
 TensorFlow is imported, and every error names the file, the line and the dotted key.
+Every field has the range the runner can actually run with: integers are strict (`true` is not 1),
+numbers are finite, and a value that passes here does not overflow or fail to convert later.
 This module must never import TensorFlow.
+
+Paths: a relative local path read from the spec file resolves against the file's folder (as Compose and
+Kubernetes tools do); one given with `--set` resolves against the current directory, like any other
+command-line argument. Validated without that context (`JobSpec(...)` in code), paths stay as written.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
+import os
 import re
+import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from runner.userimport import check_import_path, is_import_path
+from runner.userimport import IDENTIFIER, CodeRoots, check_import_path, is_import_path
+
+# The built-in models (runner/models.py's MODELS, which imports TensorFlow): `model.name` without a colon.
+MODEL_NAMES = ("mnist_cnn", "cifar10_cnn", "imdb_lstm", "weather_rnn")
+
+# Counts TensorFlow holds in int32 (shapes, steps per execution, TPU loop counters).
+INT32_MAX = 2**31 - 1
+# Seconds a timer, a join or a retry loop can wait: Python's timers overflow near 2**31 ms and the gs:// retry
+# schedule (runner/storage.py) near 32,800 s; an hour is more than any of them needs.
+MAX_WAIT_S = 3600.0
+# Characters a glob reads as a pattern: checkpoints and shards are found by globbing the run folder.
+GLOB_CHARACTERS = "[]*?"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("Input should be a number, not true/false")
+    return value
+
+
+# A finite float that is never a bool (pydantic's lax float reads `true` as 1.0; allow_inf_nan is off below).
+Number = Annotated[float, BeforeValidator(_not_a_bool)]
+Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# --- paths -----------------------------------------------------------------------------------------
+
+
+def _base_folder(key: tuple[str, ...], info: ValidationInfo) -> str | None:
+    """The folder a relative path under `key` resolves against: the current directory for `--set` values,
+    the spec file's folder for the file's own (and for defaults); None without a spec file (stays relative)."""
+    context = info.context or {}
+    if any(key[:end] in context.get("from_cli", ()) for end in range(1, len(key) + 1)):
+        return os.getcwd()
+    return context.get("base")
+
+
+def resolve_path(value: str, key: tuple[str, ...], info: ValidationInfo, *, glob: bool = False) -> str:
+    """A local path made absolute against its base folder (`~` expanded), or a gs:// path as written."""
+    if not value.strip():
+        raise ValueError("an empty path: name a folder (relative to the spec file) or gs://BUCKET/...")
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} holds a control character (a newline, tab or NUL): remove it")
+    scheme, sep, rest = value.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        if scheme != "gs":
+            raise ValueError(f"{value!r}: {scheme}:// is not supported; use a local path or gs://BUCKET/...")
+        if not re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*(/|$)", rest):
+            raise ValueError(f"{value!r} names no bucket: write gs://BUCKET/path")
+        return value
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return os.path.normpath(expanded)
+    base = _base_folder(key, info)
+    if base is None:
+        return value
+    if glob and any(c in base for c in GLOB_CHARACTERS):
+        raise ValueError(
+            f"{value!r} is relative to {base}, whose name holds a glob character ({GLOB_CHARACTERS}): "
+            "give an absolute path, or move the spec to a folder without them"
+        )
+    return os.path.normpath(os.path.join(base, expanded))
+
+
+# --- sections ----------------------------------------------------------------------------------------
 
 
 class AcceleratorSpec(_Strict):
     kind: Literal["auto", "tpu", "gpu", "cpu"] = "auto"
     # A TPU VM is "local"; a named TPU is its name; a remote TPU node is "grpc://host:8470".
     # Unset: TPU_NAME, then COLAB_TPU_ADDR, then "local" when /dev/accel* or /dev/vfio exist.
-    tpu: str | None = None
+    tpu: Name | None = None
     # Bound on every TPU step (resolve, connect, initialise); a TPU that is not there must not stall a CPU run.
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: Number = Field(60.0, gt=0, le=MAX_WAIT_S)
     # Split the host CPU into this many logical devices (MirroredStrategy over them): tests and dry runs.
-    cpu_devices: int = Field(1, ge=1, le=64)
+    cpu_devices: StrictInt = Field(1, ge=1, le=64)
+
+    @field_validator("tpu")
+    @classmethod
+    def _tpu_is_one_line(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or _CONTROL.search(value)):
+            raise ValueError(f"{value!r} is not a TPU name: write local, a TPU's name, or grpc://HOST:8470")
+        return value
 
 
 class FeatureSpec(_Strict):
-    """One feature of the tf.train.Example records, as the model receives it (see README "Your own model")."""
+    """One feature of the tf.train.Example records, as the model receives it (see docs/own-model.md)."""
 
     # uint8 pixels arrive as float32 0..255 (models rescale themselves); string stays tf.string.
     dtype: Literal["uint8", "int64", "float32", "string"]
-    shape: tuple[int, ...] = ()
+    shape: tuple[StrictInt, ...] = Field((), max_length=8)
     # A list of any length, padded with zeros (or "") or cut to shape[0]: TPUs need static shapes.
-    var_len: bool = False
+    var_len: StrictBool = False
     # How stored bytes become the uint8 tensor: raw bytes, or a PNG/JPEG image of shape [height, width, channels].
     # Unset: raw for uint8, none for the others.
     decode: Literal["none", "raw", "png", "jpeg"] = "none"
@@ -55,6 +148,11 @@ class FeatureSpec(_Strict):
     def _consistent(self) -> "FeatureSpec":
         if any(size < 1 for size in self.shape):
             raise ValueError(f"shape {list(self.shape)}: every dimension must be at least 1")
+        elements = 1
+        for size in self.shape:
+            elements *= size
+        if elements > INT32_MAX:
+            raise ValueError(f"shape {list(self.shape)} holds {elements:,} values per example; at most {INT32_MAX:,}")
         if (self.dtype == "uint8") != (self.decode != "none"):
             raise ValueError(
                 f"dtype {self.dtype} with decode {self.decode}: uint8 features are decoded from bytes "
@@ -73,30 +171,45 @@ class FeatureSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`.
-    train: str = "data/mnist/train-*.tfrecord"
-    eval: str | None = "data/mnist/test-*.tfrecord"
+    # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`
+    # (built-in datasets) or `runner manifest` (your own TFRecords).
+    train: str = Field("data/mnist/train-*.tfrecord", validate_default=True)
+    eval: str | None = Field("data/mnist/test-*.tfrecord", validate_default=True)
     # Shards checked after every epoch when train.validate_every_epoch is set. Unset: the eval shards.
     validation: str | None = None
-    global_batch_size: int = Field(1024, ge=1)
-    shuffle_buffer: int = Field(10_000, ge=0)
+    global_batch_size: StrictInt = Field(1024, ge=1, le=INT32_MAX)
+    shuffle_buffer: StrictInt = Field(10_000, ge=0, le=INT32_MAX)
     # tf.data's autotuner (a background thread re-tuning parallelism and buffers). Off: every AUTOTUNE
     # parallelism is the machine's core count. On, tearing down an input iterator waits out the tuner's
     # current sleep (up to 60 s), so model.fit returns late (runner/data.py).
-    autotune: bool = False
-    # Checked before the run folder is touched (docs/data.md): size: every shard the manifest lists for
-    # train/eval/validation is there with its listed size (one stat each); sha256: also reads every byte
-    # and compares its hash (cost in the summary's data_verify); off: neither (the manifest is still checked).
+    autotune: StrictBool = False
+    # Before training, every shard the job reads is checked against its manifest (docs/data.md): size (stat:
+    # present, the listed size), sha256 (also reads and hashes every byte), or off.
     # A bare `off` in YAML (and --set) reads as false: it means off.
     verify: Annotated[Literal["size", "sha256", "off"], BeforeValidator(lambda v: "off" if v is False else v)] = "size"
     # Features fed to the model, in order; the label feature.
-    inputs: tuple[str, ...] = ("image",)
-    label: str = "label"
+    inputs: tuple[Name, ...] = Field(("image",), max_length=256)
+    label: Name = "label"
     # Your own TFRecords: the schema of each feature. `runner manifest` writes it into manifest.json and
     # `runner run` refuses to train when the manifest says otherwise. Unset: the manifest's schema is used.
-    features: dict[str, FeatureSpec] | None = None
+    features: dict[Name, FeatureSpec] | None = Field(None, max_length=1024)
     # `package.module:function` called on every decoded batch (a dict of tensors) before the model sees it.
     preprocess: str | None = None
+
+    @field_validator("train", "eval", "validation")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else resolve_path(value, ("data", info.field_name), info, glob=True)
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("no inputs: name the features the model reads, e.g. [image]")
+        twice = sorted({n for n in value if value.count(n) > 1})
+        if twice:
+            raise ValueError(f"{twice[0]!r} is listed twice; name each input once")
+        return value
 
     @field_validator("preprocess")
     @classmethod
@@ -115,10 +228,34 @@ class DataSpec(_Strict):
         return self
 
 
+def _check_json(value: Any, where: str) -> None:
+    """Text keys, finite numbers, text, booleans, null, lists and mappings of them (what JSON can record)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: the key {key!r} is not text")
+            _check_json(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(item, f"{where}[{index}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: use a finite number")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping")
+
+
 class ModelSpec(_Strict):
-    # A built-in model (runner/models.py) or your own build function as `package.module:function`.
+    # A built-in model (MODEL_NAMES, runner/models.py) or your own build function as `package.module:function`
+    # in your code (see `code`).
     name: str = "mnist_cnn"
+    # Handed to the build function as they are: JSON-like values (text keys, finite numbers).
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("params")
+    @classmethod
+    def _params_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_json(value, "params")
+        return value
 
     @field_validator("name")
     @classmethod
@@ -131,32 +268,56 @@ class ModelSpec(_Strict):
                 f"{value!r} looks like an import path: separate module and function with a colon, "
                 f"e.g. {module + ':' + function!r}"
             )
+        if value not in MODEL_NAMES:
+            close = difflib.get_close_matches(value, MODEL_NAMES, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"unknown built-in model {value!r}{hint} (built in: {', '.join(MODEL_NAMES)}; "
+                "your own: `package.module:function`)"
+            )
         return value
 
 
+def _auto_or_steps(value: Any) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT32_MAX):
+        return value
+    raise ValueError(f"{value!r} is neither 'auto' nor a whole number of steps from 1 to {INT32_MAX:,}")
+
+
+def _loss_or_metric(value: str, what: str) -> str:
+    if not value.strip():
+        raise ValueError(f"an empty {what} name: write a Keras name such as 'accuracy' or `package.module:function`")
+    if is_import_path(value):
+        return check_import_path(value)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ValueError(f"{value!r} is not a Keras {what} name (letters, digits and '_'), nor `package.module:function`")
+    return value
+
+
 class TrainSpec(_Strict):
-    epochs: int = Field(12, ge=1)
+    epochs: StrictInt = Field(12, ge=1, le=1_000_000)
     # Unset: derived from the manifest (records // global_batch_size).
-    steps_per_epoch: int | None = Field(None, ge=1)
+    steps_per_epoch: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     # Steps run on the device per host round trip. auto: 32 on a TPU (where each round trip costs
     # milliseconds), 1 on CPU/GPU (measured no faster here: see benchmarks/RESULTS.md).
-    steps_per_execution: int | Literal["auto"] = "auto"
+    steps_per_execution: Annotated[int | Literal["auto"], PlainValidator(_auto_or_steps)] = "auto"
     optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: Number = Field(1e-3, gt=0)
     # bfloat16 is the TPU's native type; the output layer stays float32 either way.
     mixed_precision: Literal["float32", "bfloat16", "float16"] = "float32"
     # Keras names, or your own `package.module:function` taking (y_true, y_pred).
-    loss: str = "sparse_categorical_crossentropy"
-    metrics: tuple[str, ...] = ("accuracy",)
-    seed: int = 0
+    loss: str = Field("sparse_categorical_crossentropy", max_length=256)
+    metrics: tuple[Annotated[str, Field(max_length=256)], ...] = Field(("accuracy",), max_length=64)
+    # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
+    seed: StrictInt = Field(0, ge=0, le=2**32 - 1)
     # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
-    validate_every_epoch: bool = False
+    validate_every_epoch: StrictBool = False
     # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
     # validate_every_epoch. After a resume the count starts again from the resumed epoch.
-    early_stopping_patience: int | None = Field(None, ge=1)
+    early_stopping_patience: StrictInt | None = Field(None, ge=1, le=1_000_000)
     # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
-    reduce_lr_patience: int | None = Field(None, ge=1)
-    reduce_lr_factor: float = Field(0.5, gt=0, lt=1)
+    reduce_lr_patience: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    reduce_lr_factor: Number = Field(0.5, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _plateau_needs_validation(self) -> "TrainSpec":
@@ -169,64 +330,113 @@ class TrainSpec(_Strict):
     @field_validator("loss")
     @classmethod
     def _loss_form(cls, value: str) -> str:
-        return check_import_path(value) if is_import_path(value) else value
+        return _loss_or_metric(value, "loss")
 
     @field_validator("metrics")
     @classmethod
     def _metrics_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(check_import_path(m) if is_import_path(m) else m for m in value)
+        names = tuple(_loss_or_metric(m, "metric") for m in value)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{twice[0]!r} is listed twice; name each metric once")
+        return names
 
 
 class CheckpointSpec(_Strict):
     # Unset: one checkpoint per epoch. Set: also every K steps (must divide steps_per_execution evenly).
-    every_steps: int | None = Field(None, ge=1)
-    keep: int = Field(3, ge=1)
-    # Seconds a preemption notice (SIGTERM) leaves for the final save.
-    grace_s: float = Field(30.0, gt=0)
+    every_steps: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    keep: StrictInt = Field(3, ge=1, le=10_000)
+    # Seconds a preemption notice (SIGTERM) or Ctrl-C leaves for the final save.
+    grace_s: Number = Field(30.0, gt=0, le=MAX_WAIT_S)
 
 
 class StorageSpec(_Strict):
     # An unanswered gs:// operation (outage, 503s, dropped connections) is retried with backoff for about
     # this long, then the job stops with exit 3 naming the bucket. See runner/storage.py.
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: Number = Field(300.0, gt=0, le=MAX_WAIT_S)
 
 
 class MatmulSpec(_Strict):
     """`kind: matmul_bench`: an N x N matrix multiplied `chain` times in one compiled call, on every replica."""
 
-    size: int = Field(4096, ge=1)
-    chain: int = Field(4, ge=1)
+    # 32768 x 32768 is 4 GiB per float32 matrix: the most one accelerator's memory holds three of.
+    size: StrictInt = Field(4096, ge=1, le=32_768)
+    chain: StrictInt = Field(4, ge=1, le=1000)
     # Timed calls after the first (cold) one; the warm figure is their median.
-    iterations: int = Field(5, ge=1)
+    iterations: StrictInt = Field(5, ge=1, le=10_000)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class OutputSpec(_Strict):
-    # The run folder is <dir>/<job name>; local path or gs://.
-    dir: str = "runs"
+    # The run folder is <dir>/<job name>; local path or gs://. No glob characters: checkpoints are found by
+    # pattern, so a folder named `runs[1]` would never be resumed.
+    dir: str = Field("runs", validate_default=True)
     # TensorBoard scalars per epoch (loss, metrics, examples/s, input wait) in <run folder>/tensorboard.
-    tensorboard: bool = True
+    tensorboard: StrictBool = True
+
+    @field_validator("dir")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        path = resolve_path(value, ("output", "dir"), info)
+        found = sorted({c for c in path if c in GLOB_CHARACTERS})
+        if found:
+            raise ValueError(
+                f"{path!r} holds the glob character{'s' if len(found) > 1 else ''} {' '.join(found)}: "
+                "checkpoints are found by pattern, so a run there could never resume; choose a folder without "
+                f"{' '.join(GLOB_CHARACTERS)}"
+            )
+        return path
 
 
 class ProfileSpec(_Strict):
     # Global steps start_step .. start_step + steps - 1 (1-based) are traced into <run folder>/profile.
     # Step 1 compiles: start later to see steady steps.
-    start_step: int = Field(10, ge=1)
-    steps: int = Field(5, ge=1, le=1000)
+    start_step: StrictInt = Field(10, ge=1, le=INT32_MAX)
+    steps: StrictInt = Field(5, ge=1, le=1000)
+
+
+class CodeSpec(_Strict):
+    """Where the spec's import paths (`package.module:function`) may point: a job spec names code, so it must
+    be trusted like a Python script, and it reaches only the code it declares here (docs/specs.md)."""
+
+    # The folder holding your own modules. Unset: the spec file's folder.
+    folder: str | None = Field(None, validate_default=True)
+    # Installed packages (pip install, PYTHONPATH) the spec may also name, by top-level name: [fashionnet].
+    packages: tuple[Annotated[str, Field(pattern=rf"^{IDENTIFIER}$", max_length=128)], ...] = Field((), max_length=64)
+
+    @field_validator("folder")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return (info.context or {}).get("base")
+        path = resolve_path(value, ("code", "folder"), info)
+        if path.startswith("gs://"):
+            raise ValueError(f"{path!r}: code is imported from a local folder, not from a bucket")
+        return path
+
+    @field_validator("packages")
+    @classmethod
+    def _packages_are_yours(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if name in sys.stdlib_module_names or name == "runner":
+                owner = "the runner itself" if name == "runner" else "Python's standard library"
+                raise ValueError(f"{name!r} is {owner}, not a package of yours; list only your own packages")
+        return value
 
 
 class JobSpec(_Strict):
     name: str = "mnist_cnn"
     # train: fit a model on data; matmul_bench: time matrix multiplications (TFLOPS) and train nothing.
     kind: Literal["train", "matmul_bench"] = "train"
-    accelerator: AcceleratorSpec = AcceleratorSpec()
-    data: DataSpec = DataSpec()
-    model: ModelSpec = ModelSpec()
-    train: TrainSpec = TrainSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    output: OutputSpec = OutputSpec()
-    matmul: MatmulSpec = MatmulSpec()
-    storage: StorageSpec = StorageSpec()
+    accelerator: AcceleratorSpec = Field(default_factory=dict, validate_default=True)
+    data: DataSpec = Field(default_factory=dict, validate_default=True)
+    model: ModelSpec = Field(default_factory=dict, validate_default=True)
+    train: TrainSpec = Field(default_factory=dict, validate_default=True)
+    checkpoint: CheckpointSpec = Field(default_factory=dict, validate_default=True)
+    output: OutputSpec = Field(default_factory=dict, validate_default=True)
+    matmul: MatmulSpec = Field(default_factory=dict, validate_default=True)
+    storage: StorageSpec = Field(default_factory=dict, validate_default=True)
+    code: CodeSpec = Field(default_factory=dict, validate_default=True)
     # Unset: no profiler trace.
     profile: ProfileSpec | None = None
 
@@ -243,8 +453,6 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _cadence_fits_execution(self) -> "JobSpec":
         every, spe = self.checkpoint.every_steps, self.train.steps_per_execution
-        if spe != "auto" and spe < 1:
-            raise ValueError(f"train.steps_per_execution ({spe}) must be 'auto' or a positive integer")
         if every is not None and spe != "auto" and every % spe:
             raise ValueError(
                 f"checkpoint.every_steps ({every}) must be a multiple of train.steps_per_execution ({spe}): "
@@ -257,7 +465,7 @@ class JobSpec(_Strict):
         if self.kind == "train" and "matmul" in self.model_fields_set:
             raise ValueError("matmul: is read only by kind: matmul_bench; remove it or set kind: matmul_bench")
         if self.kind == "matmul_bench":
-            unused = [k for k in ("data", "model", "train", "checkpoint") if k in self.model_fields_set]
+            unused = [k for k in ("data", "model", "train", "checkpoint", "code") if k in self.model_fields_set]
             if unused:
                 raise ValueError(f"kind matmul_bench trains nothing: remove {', '.join(unused)}")
         if self.train.validate_every_epoch and not (self.data.validation or self.data.eval):
@@ -267,6 +475,18 @@ class JobSpec(_Strict):
     @property
     def run_dir(self) -> str:
         return f"{self.output.dir.rstrip('/')}/{self.name}"
+
+    @property
+    def import_paths(self) -> dict[str, str]:
+        """Every `package.module:function` the spec names, by the key that names it."""
+        named = {"model.name": self.model.name, "data.preprocess": self.data.preprocess or "", "train.loss": self.train.loss}
+        named.update({f"train.metrics[{i}]": m for i, m in enumerate(self.train.metrics)})
+        return {key: value for key, value in named.items() if is_import_path(value)}
+
+    @property
+    def code_roots(self) -> CodeRoots:
+        """Where import paths may point (runner/userimport.py); without a spec file, the current directory."""
+        return CodeRoots(self.code.folder or os.getcwd(), self.code.packages)
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())

@@ -1,12 +1,25 @@
 """Loading a job spec from YAML: `load_spec` reads the file, applies `--set` overrides and validates the
 whole of it against runner/spec.py's JobSpec before TensorFlow is imported; every error names the file, the
 line and the dotted key (or the `--set` it came from). This module must never import TensorFlow.
+
+Loading is bounded, whatever the input: a file over MAX_BYTES, nesting deeper than MAX_DEPTH, more than
+MAX_VALUES values (aliases count each time they are used, so an alias bomb stops at the bound), several
+documents, keys that are not plain names or binary values end in a SpecError (exit 2) naming the line.
+The YAML is parsed by libyaml, and its event stream is checked for depth and size before anything is built.
+
+`preflight` is what `runner validate` adds: the checks that read the disk but import nothing (user modules
+found inside the spec's code roots, the data's manifest against the batch size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import glob
+import json
+import os
 import re
+import stat
 import typing
 from pathlib import Path
 from typing import Any
@@ -16,48 +29,273 @@ from pydantic import BaseModel, ValidationError
 
 from runner.errors import SpecError
 from runner.spec import JobSpec
+from runner.userimport import find_code
+
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 20
+MAX_VALUES = 10_000
+MAX_OVERRIDES = 256
+MAX_OVERRIDE_CHARS = 64 << 10
+# Problems listed in one error: a spec with thousands of bad keys gets the first ones and a count.
+MAX_PROBLEMS = 20
+_KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-
-class _LineLoader(yaml.SafeLoader):
-    """A SafeLoader that rejects duplicate keys and remembers the line of every dotted key."""
+# --- bounded YAML ------------------------------------------------------------------------------------
 
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+class _Loader(yaml.CSafeLoader):
+    """libyaml's safe loader; keys must be plain scalars and unique, no binary, integers of sane length, and
+    any other failure while building a value becomes a SpecError at that value's line."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (SpecError, yaml.YAMLError):
+            raise
+        except Exception as exc:  # a date such as 2024-13-45, a number Python cannot hold
+            raise SpecError(f"cannot read the value {_shown(str(node.value))}: {exc}", line=_line(node)) from None
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+            raise SpecError(f"a key must be a plain name, not a {kind} (`? [a, b]` keys mean nothing in a job spec)",
+                            line=_line(key_node))
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *defaults`, merged by construct_mapping
         key = loader.construct_object(key_node, deep=True)
-        line = key_node.start_mark.line + 1
+        if not isinstance(key, str):
+            raise SpecError(f"the key {_shown(key_node.value)} reads as {_yaml_type(key)} in YAML, not as a name; "
+                            "quote it if you mean the word", line=_line(key_node))
         if key in seen:
-            raise SpecError(f"duplicate key {key!r} (first at line {seen[key]})", line=line)
-        seen[key] = line
+            raise SpecError(f"duplicate key {_shown(str(key))} (first at line {seen[key]})", line=_line(key_node))
+        seen[key] = _line(key_node)
     return loader.construct_mapping(node, deep=deep)
 
 
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+def _yaml_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number"}.get(type(value), f"a {type(value).__name__}")
 
 
-def _key_lines(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
-    """Maps each dotted key path (as a tuple) to its 1-based line in the YAML source."""
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    digits = sum(c.isalnum() for c in node.value)
+    if digits > 40:
+        raise SpecError(f"an integer of {digits} digits is beyond any range the runner uses", line=_line(node))
+    return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+
+
+def _refuse_binary(loader: _Loader, node: yaml.ScalarNode) -> None:
+    raise SpecError("!!binary values have no place in a job spec: write text", line=_line(node))
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:binary", _refuse_binary)
+
+
+def _line(node: yaml.Node | yaml.Event) -> int:
+    return node.start_mark.line + 1
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` quoted for a message: escaped (control characters, undecodable bytes) and cut to `limit`."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
+def _scan(text: str) -> None:
+    """Walks libyaml's event stream (nothing is built) and stops at the first bound passed."""
+    depth = values = documents = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.DocumentStartEvent):
+            documents += 1
+            if documents > 1:
+                raise SpecError("the file holds several YAML documents (`---`); a job spec is one", line=_line(event))
+        elif isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError(f"nested more than {MAX_DEPTH} levels deep; a job spec needs a few", line=_line(event))
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        if isinstance(event, yaml.NodeEvent):
+            values += 1
+            if values > MAX_VALUES:
+                raise SpecError(f"more than {MAX_VALUES:,} values; a job spec holds far fewer", line=_line(event))
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Aliases reuse a node wherever they point: counted as often as they are used, the values must stay
+    within MAX_VALUES and MAX_DEPTH (an alias bomb would otherwise expand exponentially downstream).
+    Each node is measured once, so this costs the size of the text, not of the expansion."""
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (values, height), expanded
+    open_nodes: set[int] = set()
+
+    def too_deep(node: yaml.Node) -> SpecError:
+        return SpecError(f"aliases nest values more than {MAX_DEPTH} levels deep", line=_line(node))
+
+    def measure(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise too_deep(node)
+        known = measured.get(id(node))
+        if known is not None:
+            if depth + known[1] - 1 > MAX_DEPTH:
+                raise too_deep(node)
+            return known[0]
+        if id(node) in open_nodes:
+            raise SpecError("an alias refers to the mapping or list that holds it (a loop)", line=_line(node))
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        open_nodes.add(id(node))
+        values, height = 1, 1
+        for child in children:
+            values += measure(child, depth + 1)
+            height = max(height, measured[id(child)][1] + 1)
+            if values > MAX_VALUES:
+                raise SpecError(f"aliases expand to more than {MAX_VALUES:,} values; a job spec holds far fewer",
+                                line=_line(node))
+        open_nodes.discard(id(node))
+        measured[id(node)] = (values, height)
+        return values
+
+    measure(root, 1)
+
+
+def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """The YAML text as Python values and its node tree (for key lines), within the module's bounds.
+
+    Raises SpecError carrying the line (no file: the caller knows where the text came from)."""
+    try:
+        _scan(text)
+        loader = _Loader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_expansion(node)
+        return loader.construct_document(node), node
+    except SpecError:
+        raise
+    except yaml.YAMLError as exc:
+        mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if context is not None and getattr(exc, "context", None):
+            problem += f" ({exc.context} that starts at line {context.line + 1})"
+        line = mark.line + 1 if mark else None
+        if line is None and isinstance(exc, yaml.reader.ReaderError):
+            line = text[: exc.position].count("\n") + 1
+        raise SpecError(f"not valid YAML: {problem}", line=line) from None
+    except (RecursionError, MemoryError, ValueError, TypeError, OverflowError) as exc:
+        raise SpecError(f"cannot read as YAML ({type(exc).__name__}: {_shown(str(exc))})") from None
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
+    """Maps each dotted key path (as a tuple) to its 1-based line in the YAML source (bounded: the node tree
+    passed _check_expansion)."""
     lines: dict[tuple, int] = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in merged:
+                    for path, line in _key_lines(source, prefix).items():
+                        lines.setdefault(path, line)
+                continue
             path = prefix + (key_node.value,)
-            lines[path] = key_node.start_mark.line + 1
+            lines[path] = _line(key_node)
             lines.update(_key_lines(value_node, path))
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             path = prefix + (index,)
-            lines[path] = item.start_mark.line + 1
+            lines[path] = _line(item)
             lines.update(_key_lines(item, path))
     return lines
+
+
+# --- reading the file and the overrides ---------------------------------------------------------------
+
+
+def _read(path: Path) -> str:
+    try:
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise SpecError("is a folder; pass the path of a job spec such as jobs/mnist_cnn.yaml", file=path)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError("is not a regular file (a pipe or a device); pass a job spec file", file=path)
+        if info.st_size > MAX_BYTES:
+            raise SpecError(f"is {info.st_size:,} bytes; a job spec is at most {MAX_BYTES:,} (1 MiB)", file=path)
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        folder = path.parent.absolute()
+        near = difflib.get_close_matches(path.name, sorted(p.name for p in folder.glob("*.y*ml")), n=1) if folder.is_dir() else []
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise SpecError(f"no such file in {folder}{hint}; pass the path of a job spec such as jobs/mnist_cnn.yaml",
+                        file=path) from None
+    except PermissionError:
+        raise SpecError("cannot be read (permission denied)", file=path) from None
+    except OSError as exc:
+        raise SpecError(f"cannot be read ({exc.strerror or exc})", file=path) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError(f"is over {MAX_BYTES:,} bytes; a job spec is at most 1 MiB", file=path)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(f"byte {exc.start} is not UTF-8 text; a job spec is a UTF-8 YAML file", file=path, line=line) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` -> (dotted key, YAML-typed value), within the same bounds as a spec file."""
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise SpecError(f"--set {_shown(text)}: {len(text):,} characters; a --set is at most {MAX_OVERRIDE_CHARS:,}")
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(rf"{_KEY}(\.{_KEY})*", key):
+        raise SpecError(f"--set {_shown(text)} must look like key.sub=value (for example train.epochs=3)")
+    if key.count(".") >= MAX_DEPTH:
+        raise SpecError(f"--set {_shown(text)}: the key is nested more than {MAX_DEPTH} levels deep")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(f"--set {_shown(text)}: the value holds bytes that are not UTF-8 text") from None
+    if not raw.strip():
+        return key, ""
+    try:
+        value, _ = parse_yaml(raw)
+    except SpecError as exc:
+        raise SpecError(f"--set {_shown(text)}: the value is not usable YAML ({exc.message})") from None
+    return key, value
+
+
+def _set_dotted(doc: dict, dotted: str, value: Any, text: str) -> None:
+    parts = dotted.split(".")
+    node = doc
+    for index, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SpecError(f"--set {_shown(text)}: {'.'.join(parts[: index + 1])!r} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+# --- validation ----------------------------------------------------------------------------------------
 
 
 def _allowed_keys(path: tuple) -> list[str]:
     model: type[BaseModel] | None = JobSpec
     parts = iter(path)
     for part in parts:
-        field = model.model_fields.get(part) if model else None
+        field = model.model_fields.get(part) if model and isinstance(part, str) else None
         annotation = field.annotation if field else None
         # A section may be optional (`profile: ProfileSpec | None`): its model is the union's model member.
         model = next(
@@ -87,78 +325,17 @@ def _describe(error: dict) -> tuple[tuple, str]:
         allowed = _allowed_keys(parent)
         close = difflib.get_close_matches(unknown, allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return path, f"unknown key {unknown!r}{hint} (allowed here: {', '.join(allowed)})"
+        return path, f"unknown key {_shown(unknown)}{hint} (allowed here: {', '.join(allowed)})"
     message = error["msg"].removeprefix("Value error, ")
-    if "input" in error and error["type"] != "model_type" and not isinstance(error["input"], dict):
-        message += f" (got {error['input']!r})"
+    # Pydantic's own messages do not quote the value; the spec's validators (value_error) do.
+    if "input" in error and error["type"] not in ("model_type", "value_error") and not isinstance(error["input"], dict):
+        message += f" (got {_shown_value(error['input'])})"
     return path, message
 
 
-def _set_dotted(doc: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = doc
-    for index, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise SpecError(f"cannot set {dotted!r}: {'.'.join(parts[: index + 1])!r} is not a mapping")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`key.sub=value` -> (dotted key, YAML-typed value)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip() or not re.fullmatch(r"[A-Za-z_][\w.]*", key.strip()):
-        raise SpecError(f"--set {text!r} must look like key.sub=value (for example train.epochs=3)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise SpecError(f"--set {text!r}: the value is not valid YAML ({exc.problem})") from None
-    return key.strip(), value
-
-
-def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Reads, checks and returns the job spec at `path` with `--set key=value` overrides applied."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError("no such file; pass the path of a job spec such as jobs/mnist_cnn.yaml", file=path) from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read as a YAML text file ({exc.__class__.__name__})", file=path) from None
-    try:
-        node = yaml.compose(text, Loader=_LineLoader)
-        doc = yaml.load(text, Loader=_LineLoader)
-    except SpecError as exc:
-        raise exc.at(path) from None
-    except yaml.YAMLError as exc:
-        mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
-        if context is not None and getattr(exc, "context", None):
-            problem += f" ({exc.context} that starts at line {context.line + 1})"
-        raise SpecError(f"not valid YAML: {problem}", file=path, line=mark.line + 1 if mark else None) from None
-    if doc is None:
-        raise SpecError("the file is empty; a job spec is a mapping such as `name: my_job`", file=path)
-    if not isinstance(doc, dict):
-        raise SpecError(f"a job spec must be a mapping of keys, not a {type(doc).__name__}", file=path, line=1)
-    lines = _key_lines(node)
-    overridden: dict[tuple, str] = {}
-    for text_override in overrides:
-        key, value = parse_override(text_override)
-        _set_dotted(doc, key, value)
-        overridden[tuple(key.split("."))] = text_override
-    try:
-        return JobSpec.model_validate(doc)
-    except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            key_path, message = _describe(error)
-            dotted = ".".join(str(part) for part in key_path) or "(top level)"
-            source = next((f"--set {o}" for p, o in overridden.items() if key_path[: len(p)] == p), None)
-            line = _line_for(lines, key_path)
-            where = source or (f"{path}:{line}" if line else str(path))
-            problems.append(f"{where}: {dotted}: {message}")
-        raise SpecError("\n".join(problems)) from None
+def _shown_value(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:76] + "..."
 
 
 def _line_for(lines: dict[tuple, int], key_path: tuple) -> int | None:
@@ -166,3 +343,161 @@ def _line_for(lines: dict[tuple, int], key_path: tuple) -> int | None:
         if key_path[:end] in lines:
             return lines[key_path[:end]]
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where each key of a loaded spec came from, to name it in an error: the file's line or the `--set`."""
+
+    path: Path
+    lines: dict[tuple, int]
+    overridden: dict[tuple, str]
+
+    def holds(self, key_path: tuple) -> bool:
+        return key_path in self.lines or any(key_path[: len(p)] == p for p in self.overridden)
+
+    def where(self, key_path: tuple) -> str:
+        texts = [o for p, o in self.overridden.items() if key_path[: len(p)] == p]
+        if texts:
+            return f"--set {_shown(texts[-1])}"
+        line = _line_for(self.lines, key_path)
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[JobSpec, Source]:
+    path = Path(path)
+    text = _read(path)
+    try:
+        doc, node = parse_yaml(text)
+    except SpecError as exc:
+        raise exc.at(path) from None
+    if doc is None:
+        raise SpecError("the file is empty; a job spec is a mapping such as `name: my_job`", file=path)
+    if not isinstance(doc, dict):
+        raise SpecError(f"a job spec must be a mapping of keys, not a {type(doc).__name__}", file=path, line=1)
+    if len(overrides) > MAX_OVERRIDES:
+        raise SpecError(f"{len(overrides)} --set options; at most {MAX_OVERRIDES}")
+    overridden: dict[tuple, str] = {}
+    for text_override in overrides:
+        key, value = parse_override(text_override)
+        _set_dotted(doc, key, value, text_override)
+        overridden[tuple(key.split("."))] = text_override
+    source = Source(path, _key_lines(node), overridden)
+    context = {"base": os.path.dirname(os.path.abspath(path)), "from_cli": frozenset(overridden)}
+    try:
+        return JobSpec.model_validate(doc, context=context), source
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        problems = []
+        for error in errors[:MAX_PROBLEMS]:
+            key_path, message = _describe(error)
+            if not key_path or len(key_path) == 1 and error["type"] == "value_error" and _allowed_keys(key_path):
+                # A check across sections: point at the first key it names that the file or a --set holds.
+                named = [tuple(k.split(".")) for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", message)]
+                named += [(w,) for w in re.findall(r"\b[a-z_]+\b", message) if w in JobSpec.model_fields]
+                key_path = next((k for k in named if source.holds(k)), key_path)
+                problems.append(f"{source.where(key_path)}: {message}")
+                continue
+            dotted = ".".join(str(part) for part in key_path)
+            problems.append(f"{source.where(key_path)}: {dotted}: {message}")
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(f"... and {len(errors) - MAX_PROBLEMS} more problems")
+        raise SpecError("\n".join(problems)) from None
+    except (RecursionError, ValueError, TypeError) as exc:  # pydantic itself gave up on a value
+        raise SpecError(f"cannot be checked ({type(exc).__name__}: {_shown(str(exc))})", file=path) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Reads, checks and returns the job spec at `path` with `--set key=value` overrides applied."""
+    return _load(path, overrides)[0]
+
+
+# --- what `runner validate` adds ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Preflight:
+    """What validate found beyond the spec itself: problems (exit 2) and notes (what it could not check)."""
+
+    spec: JobSpec
+    problems: list[str]
+    notes: list[str]
+    code: dict[str, str]  # spec key -> the file its import path loads from
+
+
+def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Preflight:
+    """Loads the spec (SpecError as load_spec) and checks, importing nothing: every import path's module
+    inside the spec's code roots, and the local data against its manifest and the batch size."""
+    spec, source = _load(path, overrides)
+    problems: list[str] = []
+    code: dict[str, str] = {}
+    for key, import_path in spec.import_paths.items():
+        key_path = tuple(re.sub(r"\[\d+\]$", "", key).split("."))
+        try:
+            code[key] = find_code(import_path, key, spec.code_roots).origin
+        except SpecError as exc:
+            problems.append(f"{source.where(key_path)}: {exc}")
+    notes: list[str] = []
+    batch, devices = spec.data.global_batch_size, spec.accelerator.cpu_devices
+    if spec.kind == "train" and spec.accelerator.kind in ("auto", "cpu") and batch % devices:
+        # `runner run` refuses it once the strategy is built (after TensorFlow loads); on a TPU or GPU the
+        # CPU devices are not used, so only a spec that can end on the CPU is held to it here.
+        lower, upper = max(devices, batch // devices * devices), (batch // devices + 1) * devices
+        key = ("data", "global_batch_size") if source.holds(("data", "global_batch_size")) else ("accelerator", "cpu_devices")
+        problems.append(
+            f"{source.where(key)}: data.global_batch_size ({batch}) must be divisible by accelerator.cpu_devices "
+            f"({devices}), the replicas on the CPU: set it to {lower} or {upper}"
+        )
+    if spec.kind == "train":
+        for key in ("train", "eval", "validation"):
+            pattern = getattr(spec.data, key)
+            if pattern:
+                found, note = _check_data(spec, key, pattern, Path(path))
+                problems += [f"{source.where(('data', key))}: {p}" for p in found]
+                if note and note not in notes:
+                    notes.append(note)
+    return Preflight(spec, problems, notes, code)
+
+
+def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple[list[str], str | None]:
+    """The local shards of `data.<key>` against their manifest, as `runner run` will read them (no TensorFlow:
+    plain file reads). gs:// data is left to `runner run` and `runner doctor`."""
+    folder = os.path.dirname(pattern) or "."
+    if pattern.startswith("gs://"):
+        return [], f"data in {folder} not checked: validate reads no bucket (`runner doctor SPEC` does)"
+    if not os.path.isdir(folder):
+        return [], (
+            f"data not checked: {folder} does not exist yet; write it with `runner prepare DATASET --out {folder}` "
+            f"(a built-in dataset), or for your own TFRecords `runner manifest {spec_path}`"
+        )
+    files = sorted(glob.glob(pattern))
+    manifest_path = os.path.join(folder, "manifest.json")
+    if not files:
+        held = sorted(os.listdir(folder))
+        near = difflib.get_close_matches(os.path.basename(pattern), held, n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
+        return [f"data.{key}: no files match {os.path.basename(pattern)!r} in {folder}{hint} (it holds: {shown})"], None
+    if not os.path.isfile(manifest_path):
+        return [
+            f"data.{key}: {folder} holds {len(files)} file(s) matching {os.path.basename(pattern)!r} but no "
+            f"manifest.json: for your own TFRecords, declare data.features and run `runner manifest {spec_path}`; "
+            f"for a built-in dataset, `runner prepare DATASET --out {folder}`"
+        ], None
+    try:
+        with open(manifest_path, "rb") as handle:
+            manifest = json.loads(handle.read(64 << 20))
+        shards = {e["file"]: int(e["records"]) for split in manifest["splits"].values() for e in split["shards"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"data.{key}: {manifest_path} cannot be read as a manifest ({type(exc).__name__}: {_shown(str(exc))}); "
+                "write it again with `runner prepare` or `runner manifest --force`"], None
+    unlisted = [f for f in files if os.path.basename(f) not in shards]
+    if unlisted:
+        return [f"data.{key}: {unlisted[0]} matches {os.path.basename(pattern)!r} but {manifest_path} does not list "
+                f"it; narrow the pattern or write the manifest again"], None
+    records = sum(shards[os.path.basename(f)] for f in files)
+    batch = spec.data.global_batch_size
+    if key == "train" and spec.train.steps_per_epoch is None and records < batch:
+        return [f"data.train: {records:,} records in {pattern} make no full batch of data.global_batch_size "
+                f"({batch:,}); set data.global_batch_size to at most {records:,}, or add data"], None
+    return [], None

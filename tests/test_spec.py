@@ -38,8 +38,12 @@ def test_a_file_holding_only_a_name_gets_every_default(tmp_path: Path) -> None:
     path = tmp_path / "minimal.yaml"
     path.write_text("name: minimal\n")
     spec = load_spec(path)
-    assert spec.model_dump(exclude={"name"}) == JobSpec(name="minimal").model_dump(exclude={"name"})
-    assert spec.run_dir == "runs/minimal"
+    paths = {"data": {"train", "eval"}, "output": {"dir"}, "code": {"folder"}}
+    assert spec.model_dump(exclude={"name": True, **paths}) == JobSpec(name="minimal").model_dump(exclude={"name": True, **paths})
+    # The default paths are relative to the spec file, as a spec's own paths are.
+    assert spec.data.train == f"{tmp_path}/data/mnist/train-*.tfrecord"
+    assert spec.run_dir == f"{tmp_path}/runs/minimal"
+    assert spec.code.folder == str(tmp_path)
 
 
 def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
@@ -47,9 +51,9 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
     path.write_text("name: job\n")
     spec = load_spec(path, ["train.epochs=3", "data.train=gs://b/train-*.tfrecord", "accelerator.kind=cpu"])
     assert (spec.train.epochs, spec.data.train, spec.accelerator.kind) == (3, "gs://b/train-*.tfrecord", "cpu")
-    with pytest.raises(SpecError, match=r"--set train\.epohcs=3: train\.epohcs: unknown key 'epohcs'; did you mean 'epochs'"):
+    with pytest.raises(SpecError, match=r"--set 'train\.epohcs=3': train\.epohcs: unknown key 'epohcs'; did you mean 'epochs'"):
         load_spec(path, ["train.epohcs=3"])
-    with pytest.raises(SpecError, match=r"--set train\.epochs=many: train\.epochs: Input should be a valid integer"):
+    with pytest.raises(SpecError, match=r"--set 'train\.epochs=many': train\.epochs: Input should be a valid integer"):
         load_spec(path, ["train.epochs=many"])
     with pytest.raises(SpecError, match="must look like key.sub=value"):
         load_spec(path, ["epochs"])

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from runner.errors import SpecError
-from runner.userimport import load_callable
+from runner.userimport import CodeRoots, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.docker import Engine
 
@@ -142,7 +142,7 @@ def test_example_image_built_on_the_runner_image_trains_the_job(
         result = docker_engine.docker(
             "run", "--rm", "--network", "none",
             "--volume", f"{data}:/app/data/fashion:ro", "--volume", f"{runs}:/app/runs",
-            tag, "run", "jobs/fashionnet.yaml", "--set", "train.epochs=1",
+            tag, "run", "fashionnet.yaml", "--set", "train.epochs=1",
             timeout=300,
         )
     finally:
@@ -197,8 +197,8 @@ def user_package(tmp_path: Path, monkeypatch) -> str:
 @pytest.mark.parametrize(
     "attribute, expected",
     [
-        ("nosuchpkg.models:build", ["cannot import 'nosuchpkg.models'", "No module named 'nosuchpkg'", "PYTHONPATH"]),
-        ("{pkg}.nosuchmodule:build", ["cannot import '{pkg}.nosuchmodule'"]),
+        ("nosuchpkg.models:build", ["cannot import 'nosuchpkg.models'", "'nosuchpkg' is not in the code folder", "code.packages"]),
+        ("{pkg}.nosuchmodule:build", ["cannot import '{pkg}.nosuchmodule'", "has no module 'nosuchmodule'", "it holds: broken, models"]),
         ("{pkg}.needs_missing:build", ["importing '{pkg}.needs_missing'", "it needs 'a_library_that_is_not_installed'"]),
         ("{pkg}.broken:build", ["broken.py:1: syntax error in '{pkg}.broken'"]),
         ("{pkg}.raises:build", ["raised RuntimeError: no GPU config file"]),
@@ -209,9 +209,9 @@ def user_package(tmp_path: Path, monkeypatch) -> str:
         ("{pkg}.models:Builder", ["has signature Builder()"]),
     ],
 )
-def test_an_import_path_that_cannot_work_names_the_path_and_what_was_found(user_package, attribute, expected):
+def test_an_import_path_that_cannot_work_names_the_path_and_what_was_found(user_package, attribute, expected, tmp_path):
     with pytest.raises(SpecError) as caught:
-        load_callable(attribute.format(pkg=user_package), "model.name", BUILD_ARGS)
+        load_callable(attribute.format(pkg=user_package), "model.name", BUILD_ARGS, CodeRoots(str(tmp_path / "src")))
     message = str(caught.value)
     assert message.startswith("model.name: ")
     for part in expected:
@@ -219,8 +219,8 @@ def test_an_import_path_that_cannot_work_names_the_path_and_what_was_found(user_
     assert caught.value.exit_code == 2
 
 
-def test_a_good_import_path_returns_the_function(user_package):
-    build = load_callable(f"{user_package}.models:build", "model.name", BUILD_ARGS)
+def test_a_good_import_path_returns_the_function(user_package, tmp_path):
+    build = load_callable(f"{user_package}.models:build", "model.name", BUILD_ARGS, CodeRoots(str(tmp_path / "src")))
     assert build({}, {}, ()) == {"not": "a model"}
 
 
@@ -231,6 +231,7 @@ def test_a_build_function_that_returns_no_model_stops_the_run_at_start_up(user_p
         "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": None, "global_batch_size": 128},
         "model": {"name": f"{user_package}.models:build"},
         "output": {"dir": str(tmp_path / "runs")},
+        "code": {"folder": "src"},
     })
     result = run_cli("run", spec, env=cli_env(PYTHONPATH=str(tmp_path / "src")))
     assert result.returncode == 2, result.stderr
@@ -246,7 +247,9 @@ def test_a_build_function_that_refuses_its_params_is_a_start_up_error(monkeypatc
     from runner.spec import JobSpec
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
-    spec = JobSpec.model_validate({"model": {"name": "fashionnet.model:build", "params": {"filtres": 8}}})
+    spec = JobSpec.model_validate(
+        {"model": {"name": "fashionnet.model:build", "params": {"filtres": 8}}, "code": {"packages": ["fashionnet"]}}
+    )
     with pytest.raises(SpecError, match=r"raised ValueError while building: unknown model.params \['filtres'\]"):
         models.build_model(spec, {"image": Feature("uint8", (28, 28, 1)), "label": Feature("int64", ())})
 
@@ -272,7 +275,7 @@ def test_a_preprocess_function_must_return_the_features(tiny_mnist, tmp_path, mo
     shards = data.find_shards(f"{tiny_mnist}/train-*.tfrecord")
 
     def dataset(name: str):
-        fn = load_callable(f"mnist_steps:{name}", "data.preprocess", ("features",))
+        fn = load_callable(f"mnist_steps:{name}", "data.preprocess", ("features",), CodeRoots(str(tmp_path)))
         return data.make_dataset(shards, 16, ("image",), "label", training=False, preprocess=fn)
 
     with pytest.raises(SpecError, match=r"mnist_steps:drops_label returned no 'label' \(named by data.inputs"):

@@ -63,7 +63,8 @@ def test_every_job_validates(job: str) -> None:
     assert spec["name"] == job
     if job in WORKLOADS:
         dataset = WORKLOADS[job][0]
-        assert spec["data"]["train"] == f"data/{dataset}/train-*.tfrecord", "the path `runner prepare` writes to"
+        # Relative to the job file: the repository's data/, where `runner prepare DATASET --out data/...` writes.
+        assert spec["data"]["train"] == f"{REPO}/data/{dataset}/train-*.tfrecord", "the path `runner prepare` writes to"
 
 
 @pytest.mark.slow
