@@ -175,7 +175,10 @@ def read_manifest(folder: str) -> dict[str, Any]:
         with tf.io.gfile.GFile(path, "r") as handle:
             manifest = json.loads(handle.read())
     except tf.errors.NotFoundError:
-        raise DataError(f"{path} not found: prepare the data with `runner prepare DATASET --out {folder}`") from None
+        raise DataError(
+            f"{path} not found: for your own TFRecords, declare data.features and run `runner manifest SPEC`; "
+            f"for a built-in dataset, `runner prepare DATASET --out {folder}`"
+        ) from None
     except json.JSONDecodeError as exc:
         raise DataError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(manifest, dict):
