@@ -111,7 +111,7 @@ def _read_manifest(folder: str) -> Check:
         if not tf.io.gfile.isdir(bucket):
             action = "fix the bucket in data.train / data.eval"
             return Check("storage_read", "fail", f"bucket {bucket} does not exist", action)
-        action = f"prepare the data: runner prepare DATASET --out {folder}"
+        action = f"your own TFRecords: runner manifest SPEC; a built-in dataset: runner prepare DATASET --out {folder}"
         return Check("storage_read", "fail", f"{path} not found", action)
     except tf.errors.OpError as exc:
         action = "see the gcs and credentials checks"
