@@ -384,8 +384,8 @@ def trained(tiny_mnist, tmp_path_factory):
     folder = tmp_path_factory.mktemp("trained")
     data_dir = folder / "mnist"
     shutil.copytree(tiny_mnist, data_dir)
-    spec = job_spec(folder, data_dir, "trained", data={"verify": "sha256"}, checkpoint={"every_steps": 8})
-    result = run_cli("run", spec)
+    spec = job_spec(folder, data_dir, "trained", checkpoint={"every_steps": 8})
+    result = run_cli("run", spec, "--set", "data.verify=sha256")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = folder / "runs" / "trained"
     before = snapshot(run_dir)
