@@ -159,3 +159,16 @@ def build_summary(
     if extra:
         summary.update(extra)
     return summary
+
+
+def completion(summary: dict[str, Any] | None, epochs: int) -> str:
+    """What a run folder's summary.json says of a job asked to train `epochs` epochs (runner/outputs.py,
+    resume precedence 3): "complete" when it succeeded after exactly that many, "shrunk" when it succeeded
+    after more (refused: a job never shrinks), else "open" (no summary, not succeeded, or fewer epochs:
+    the job continues). No TensorFlow: `runner sweep` skips finished variants with it."""
+    if not summary or summary.get("status") != "succeeded":
+        return "open"
+    trained = summary.get("train_epochs", 0)
+    if trained > epochs:
+        return "shrunk"
+    return "complete" if trained == epochs else "open"
