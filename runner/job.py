@@ -13,7 +13,7 @@ import time
 
 import tensorflow as tf
 
-from runner import data, models, observe, schema, train, userimport, verify
+from runner import data, models, observe, progress, schema, train, userimport, verify
 from runner.attempt import Attempt, JobResult, error_of
 from runner.errors import Preempted, RunnerError
 from runner.preemption import PreemptionNotice
@@ -27,9 +27,12 @@ __all__ = ["JobResult", "run_job"]
 
 
 def run_job(
-    spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0, early_notice: float | None = None
+    spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0, early_notice: float | None = None,
+    progress_every: float | None = progress.DEFAULT_EVERY_S,
 ) -> JobResult:
     """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any.
+
+    `progress_every`: seconds between progress lines when stderr is not a terminal (runner/progress.py).
 
     `early_notice`: when a SIGTERM arrived before the job could install its handler (while TensorFlow was
     importing; see runner/preemption.py): the job then stops as preempted before training, having saved nothing.
@@ -75,7 +78,7 @@ def run_job(
             inputs = _inputs(spec, attempt.accelerator)
         model, checkpoint, plan = _build_and_restore(spec, attempt, inputs)
         _stop_if_noticed(notice, "before training began")
-        _train(spec, attempt, model, checkpoint, inputs, plan, recorder, notice, verbose)
+        _train(spec, attempt, model, checkpoint, inputs, plan, recorder, notice, verbose, progress_every)
         metrics = _evaluate(spec, attempt, model, inputs, verbose)
         if scalars and metrics and recorder.epochs:
             scalars.evaluation(metrics, recorder.epochs[-1].epoch)
@@ -178,7 +181,7 @@ def _build_and_restore(spec: JobSpec, attempt: Attempt, inputs: Inputs) -> tuple
 
 def _train(
     spec: JobSpec, attempt: Attempt, model: keras.Model, checkpoint: tf.train.Checkpoint, inputs: Inputs,
-    plan: train.Plan, recorder: train.Recorder, notice: PreemptionNotice, verbose: int,
+    plan: train.Plan, recorder: train.Recorder, notice: PreemptionNotice, verbose: int, progress_every: float | None,
 ) -> None:
     """fit from the plan's start step, saving every checkpoint interval; raises Preempted after a notice."""
     phases, extra = attempt.phases, attempt.extra
@@ -191,14 +194,19 @@ def _train(
     profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
     plateau = train.plateau_callbacks(spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor)
     checkpointer = train.Checkpointer(save, spec.checkpoint.every_steps, notice)
+    shown = progress.for_training(
+        steps_per_epoch=plan.steps_per_epoch, epochs=plan.epochs, start_step=plan.start_step,
+        global_batch=spec.data.global_batch_size, every_s=progress_every,
+    )
     began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
     with notice:
         try:
-            watchers = [*plateau, *([profiler] if profiler else [])]
+            watchers = [*plateau, *([profiler] if profiler else []), shown]
             train.fit(model, inputs.train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=inputs.validation)
         except tf.errors.OpError as exc:
             raise data.input_error(exc, spec.data.train, "data.train") or exc from None
         finally:
+            shown.close()
             if profiler:
                 profiler.close()
                 extra["profile"] = profiler.to_dict()
@@ -229,7 +237,7 @@ def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Input
             raise data.input_error(exc, spec.data.eval, "data.eval") or exc from None
     metrics = {k: float(v) for k, v in results.items()}
     metrics["examples"] = steps * spec.data.global_batch_size
-    log.info("eval: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    log.info("eval: %s", ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     return metrics
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,95 @@ def test_report_reads_a_run_folder_in_a_bucket(real_run, gcs) -> None:
     assert f"{summary['timing']['examples_per_sec']:,.0f}" in result.stdout.splitlines()[2]
     missing = run_cli("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
     assert missing.returncode == 2 and f"gs://{bucket}/runs/none: no such file" in missing.stderr
+
+
+# --- fitting the terminal, the plot's labels, and what reading needs -------------------------------------
+
+
+def sweep_of(tmp_path: Path, batches=(256, 512, 1024)) -> list[Path]:
+    """Summaries as a batch-size sweep writes them (one run folder each), from the real version-1 summary."""
+    doc = json.loads(V1.read_text())
+    folders = []
+    for batch in batches:
+        folder = tmp_path / f"mnist_cnn-global_batch_size-{batch}"
+        folder.mkdir()
+        run = {**doc, "job": folder.name, "global_batch_size": batch,
+               "metrics": {**doc["metrics"], "accuracy": round(0.99 - batch / 1e5, 4)},
+               "timing": {**doc["timing"], "examples_per_sec": doc["timing"]["examples_per_sec"] * batch / 256}}
+        (folder / "summary.json").write_text(json.dumps(run))
+        folders.append(folder)
+    return folders
+
+
+def test_the_table_fits_the_width_it_is_given_and_drops_no_column(tmp_path: Path) -> None:
+    rows, _ = report.load_rows(map(str, sweep_of(tmp_path)))
+    full = report.terminal(rows, rows[0], width=200)
+    assert len(full.splitlines()[2].split()) == len(report.COLUMNS), "wide: one row per run, every column"
+    assert "run names start with mnist_cnn-global_batch_size-" in full
+    values = [report._cell(r, f) for r in rows for f, _ in report.COLUMNS[1:]]
+    for width in (120, 80, 60, 40):
+        text = report.terminal(rows, rows[0], width=width)
+        longest = max(len(line) for line in text.splitlines())
+        assert longest <= width, f"{longest} columns at width {width}:\n{text}"
+        assert all(v in text for v in values), f"a value is missing at width {width}:\n{text}"
+        assert all(title.split()[-1] in text for _, title in report.COLUMNS), text
+
+
+def test_on_an_80_column_terminal_the_report_fits(tmp_path: Path) -> None:
+    from tests.support.terminal import run_in_terminal, screen_lines
+
+    env = cli_env()
+    env.pop("COLUMNS", None)
+    code, raw = run_in_terminal(["report", *map(str, sweep_of(tmp_path))], env=env, cwd=REPO, timeout=60, columns=80)
+    lines = [line for line in screen_lines(raw) if line.strip()]
+    assert code == 0, raw
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    assert any(line.split()[:4] == ["speed-up", "1.00x", "2.00x", "4.00x"] for line in lines), "\n".join(lines)
+    (tmp_path / "piped").mkdir()
+    piped = run_cli("report", *sweep_of(tmp_path / "piped"))  # no terminal: nothing to fit, one row per run
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()[2].split()) == len(report.COLUMNS), piped.stdout
+
+
+def test_the_plot_names_its_runs_and_their_accuracy(tmp_path: Path) -> None:
+    from PIL import Image
+
+    rows, _ = report.load_rows(map(str, sweep_of(tmp_path)))
+    png = tmp_path / "compare.png"
+    assert report.plot(rows, str(png)) == str(png)
+    text = Image.open(png).text
+    assert text["Title"] == "mnist_cnn-global_batch_size: epoch time and throughput by batch size"
+    for row in rows:
+        assert f"{row.job}: cpu x1, batch {row.batch}, accuracy {row.accuracy:.4f}" in text["Description"]
+
+
+def child_without_matplotlib(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a Python where `import matplotlib` fails, as where the `plot` extra is not installed."""
+    code = "import sys; sys.modules['matplotlib'] = None; sys.argv = ['runner', *sys.argv[1:]]; from runner.cli import main; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env=cli_env(), cwd=REPO)
+
+
+def test_without_matplotlib_a_plot_is_refused_with_what_to_install(mnist_job, tmp_path: Path) -> None:
+    result = child_without_matplotlib("report", str(V1), "--plot", str(tmp_path / "x.png"))
+    assert result.returncode == 2
+    assert "--plot needs matplotlib, which is not installed here: pip install 'tpu-job-runner[plot]'" in result.stderr
+    assert not (tmp_path / "x.png").exists()
+    # A sweep refuses before any variant trains.
+    spec = mnist_job("noplot")
+    swept = child_without_matplotlib("sweep", str(spec), "--set", "data.global_batch_size=128,256", "--plot", "p.png")
+    assert swept.returncode == 2 and "pip install 'tpu-job-runner[plot]'" in swept.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_report_loads_no_tensorflow() -> None:
+    code = (
+        "import sys; sys.argv = ['runner', 'report', sys.argv[1]]\n"
+        "from runner.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('tensorflow loaded' if 'tensorflow' in sys.modules else 'no tensorflow')"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(V1)], capture_output=True, text=True, timeout=60, env=cli_env(), cwd=REPO)
+    assert result.stdout.splitlines()[-1] == "no tensorflow", result.stdout + result.stderr
 
 
 # --- benchmarks/run_all.py: ratios against goals, and RESULTS.md's generated block ------------------

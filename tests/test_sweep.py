@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import SpecError
-from runner.compare.sweep import plan_variants, split_values
+from runner.compare.sweep import finished_summary, plan_variants, split_values
 from tests.conftest import REPO, cli_env, run_cli
 
 
@@ -69,11 +69,23 @@ def test_a_sweep_runs_each_variant_once_and_compares_them(mnist_job, tmp_path: P
     assert rows[1].rstrip(" |").endswith(f"{speedup:.2f}x")
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
+    began = time.monotonic()
     again = run_cli(*args)
+    elapsed = time.monotonic() - began
     assert again.returncode == 0, again.stderr
-    assert again.stderr.count("already complete") == 2
+    assert again.stderr.count("already complete") == 2 and again.stderr.count("skipped") == 2, again.stderr
+    assert "accelerator:" not in again.stderr, "no variant process started (each would load TensorFlow)"
+    assert elapsed < 20, f"re-running a finished sweep took {elapsed:.1f} s"
     assert [json.loads((d / "summary.json").read_text()) for d in runs.values()] == list(summaries.values())
     assert [r for r in again.stdout.splitlines() if r.startswith("| sw-")] == rows
+
+    # Finished means finished for this very spec: a changed one is left to the run, which refuses it.
+    same = plan_variants(spec, ["data.global_batch_size=128,256"])
+    assert [finished_summary(v) for v in same] == list(summaries.values())
+    changed = plan_variants(spec, ["data.global_batch_size=128,256", "train.learning_rate=0.01"])
+    assert [finished_summary(v) for v in changed] == [None, None]
+    more = plan_variants(spec, ["data.global_batch_size=128,256", "train.epochs=3"])
+    assert [finished_summary(v) for v in more] == [None, None], "more epochs: the variants continue"
 
 
 @pytest.mark.slow
@@ -101,3 +113,24 @@ def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mni
     assert list((tmp_path / "runs" / "pre-global_batch_size-128" / "checkpoints").glob("ckpt-*.index"))
     assert not (tmp_path / "runs" / "pre-global_batch_size-256").exists(), "no variant starts after the notice"
     assert "run the same sweep again" in stderr
+
+
+def test_finished_variants_in_a_bucket_are_skipped_without_tensorflow(mnist_job, gcs, tmp_path: Path) -> None:
+    """The completeness check reads gs:// summaries with google-cloud-storage: the sweep starts no run."""
+    bucket = gcs.bucket()
+    spec = mnist_job("gsw", output={"dir": f"gs://{bucket}/runs"}, train={"epochs": 1})
+    sets = ["data.global_batch_size=128,256"]
+    base = json.loads((REPO / "tests" / "data" / "summary_v1.json").read_text())
+    for variant in plan_variants(spec, sets):
+        prefix = f"runs/{variant.name}"
+        gcs.write(bucket, f"{prefix}/spec.json", json.dumps(variant.spec.to_dict()).encode())
+        summary = {**base, "job": variant.name, "status": "succeeded", "train_epochs": 1,
+                   "global_batch_size": variant.spec.data.global_batch_size}
+        gcs.write(bucket, f"{prefix}/summary.json", json.dumps(summary).encode())
+    began = time.monotonic()
+    result = run_cli("sweep", spec, "--set", sets[0], env=cli_env(**gcs.env))
+    elapsed = time.monotonic() - began
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("already complete") == 2 and "accelerator:" not in result.stderr, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[2:4]] == ["128", "256"], result.stdout
+    assert elapsed < 20, f"{elapsed:.1f} s"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from runner.cli import cloud, compare, data, doctor, run
+from runner.cli.common import Version
 
 app = typer.Typer(
     help=(
@@ -23,6 +24,11 @@ app = typer.Typer(
 )
 for group in (run, data, doctor, compare, cloud):
     app.add_typer(group.app)
+
+
+@app.callback()
+def _options(version: Version = False) -> None:
+    """Options that apply before any command."""
 
 
 def main() -> None:

@@ -27,15 +27,59 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and Tensor
 
 
 def setup_logging(debug: bool) -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-    for noisy in ("absl", "tensorflow", "h5py", "urllib3", "google"):
+    """Log lines on stderr (`HH:MM:SS L logger: message`); call before TensorFlow loads.
+
+    Quiet by default: TensorFlow's C++ start-up notices (absl's "before absl::InitializeLog()" warning, the CPU
+    feature and oneDNN notices) are hidden with TF_CPP_MIN_LOG_LEVEL=2, which TensorFlow reads once, when it
+    loads; a level already in the environment is kept. `--debug` shows them (level 0), with tracebacks and the
+    Python loggers of TensorFlow, absl and Google's clients.
+    """
+    if debug:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(handler)  # set up once per process, whichever command asks again
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    for noisy in ("absl", "tensorflow", "h5py", "urllib3", "google", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+_HANDLER_NAME = "runner-stderr"
+
+
+def version_text() -> str:
+    """`runner --version`: the runner's version and the distribution it came from."""
+    from importlib import metadata
+
+    from runner import __version__
+
+    try:
+        installed = metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return f"runner {__version__}"
+    return f"runner {installed} ({DISTRIBUTION})"
+
+
+# The name `pip install` knows the runner by (`runner` on PyPI is another project); the command stays `runner`.
+DISTRIBUTION = "tpu-job-runner"
+
+
+def show_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
+Version = Annotated[
+    bool,
+    typer.Option("--version", callback=show_version, is_eager=True, help="Print the runner's version and exit."),
+]
 
 
 def fail(error: RunnerError, debug: bool = False) -> typer.Exit:

@@ -34,25 +34,37 @@ def sweep(
     baseline: Baseline = None,
     plot_path: PlotPath = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the closing table as Markdown.")] = False,
+    progress_every: Annotated[
+        Optional[float],
+        typer.Option("--progress-every", min=0, metavar="SECONDS", help="Passed to each `runner run` (default 30)."),
+    ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own log lines.")] = False,
 ) -> None:
     """Run a spec once per value (or combination of values) as separate jobs, then print the comparison.
 
     Each variant is its own `runner run` with the job name `<name>-<key>-<value>`: its own run folder,
-    summary and checkpoints. Running the same sweep again skips finished variants and resumes the others.
-    Exit 0 when every variant succeeded, 75 when one was preempted (run the sweep again), else the first
-    failing variant's code.
+    summary and checkpoints. Running the same sweep again skips finished variants (without loading
+    TensorFlow) and resumes the others. Exit 0 when every variant succeeded, 75 when one was preempted (run
+    the sweep again), else the first failing variant's code.
+
+    **Examples**
+
+    * `runner sweep jobs/mnist_cnn.yaml --set data.global_batch_size=256,512,1024 --set train.epochs=3`
+    * `runner sweep jobs/mnist_cnn.yaml --set accelerator.kind=tpu,cpu --markdown --plot compare.png`
     """
-    from runner.compare import sweep as sweep_mod
     from runner.cli.common import fail, setup_logging
+    from runner.compare import report as report_mod
+    from runner.compare import sweep as sweep_mod
     from runner.errors import RunnerError
 
     setup_logging(debug)
     try:
+        if plot_path:
+            report_mod.check_plotting()  # before hours of training, not after
         variants = sweep_mod.plan_variants(spec, sets)
     except RunnerError as error:
         raise fail(error) from None
-    outcomes = sweep_mod.run_variants(spec, variants, debug=debug)
+    outcomes = sweep_mod.run_variants(spec, variants, debug=debug, progress_every=progress_every)
     finished = [o.run_dir for o in outcomes if o.summary is not None]
     if finished:
         _print_report(finished, baseline, plot_path, markdown)
@@ -78,8 +90,15 @@ def report(
     """Compare runs: device, replicas, batch, first epoch (with compile), steady epoch, step time, examples/s,
     goodput, accuracy, input wait and speed-up over a baseline; optionally a PNG plot.
 
-    Reads summaries of every schema_version this runner knows (1 and 2). A path that cannot be read is
-    named with the reason on stderr; exit 2 if any could not be read (the others are still shown).
+    Reads summaries of every schema_version this runner knows (1 and 2), without loading TensorFlow. The
+    table fits the terminal's width. A path that cannot be read is named with the reason on stderr; exit 2
+    if any could not be read (the others are still shown). `--plot` needs matplotlib (the `plot` extra).
+
+    **Examples**
+
+    * `runner report runs/mnist_cnn-global_batch_size-* --baseline mnist_cnn-global_batch_size-256`
+    * `runner report gs://my-bucket/runs/mnist_cnn runs/other/summary.json --markdown`
+    * `runner report runs/a runs/b --plot compare.png`
     """
     _print_report(runs, baseline, plot_path, markdown)
 
@@ -90,6 +109,8 @@ def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, 
     from runner.errors import EXIT_USAGE, RunnerError
 
     try:
+        if plot_path:
+            report_mod.check_plotting()
         rows, problems = report_mod.load_rows(runs, baseline)
         for problem in problems:
             typer.secho(f"cannot read: {problem}", err=True, fg=typer.colors.RED)

@@ -64,6 +64,12 @@ def doctor(
     Prints a table (check, status, evidence, what to do), or one JSON line with `--json`. Exit 0 when nothing
     fails, 3 when an infrastructure check fails, 2 when only the data or batch checks fail. The TensorFlow
     and TPU checks run in a child process that is killed when it outlives `--timeout`.
+
+    **Examples**
+
+    * `runner doctor`
+    * `runner doctor jobs/mnist_cnn.yaml`
+    * `runner doctor jobs/mnist_cnn.yaml --json --save`
     """
     from runner.doctor import run_doctor
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -50,12 +49,31 @@ def validate(spec: SpecPath, overrides: Overrides = None) -> None:
     typer.echo(json.dumps(checked.spec.to_dict(), indent=2))
 
 
+ProgressEvery = Annotated[
+    float,
+    typer.Option(
+        "--progress-every", min=0, metavar="SECONDS",
+        help="Without a terminal (a log, a container): a progress line every SECONDS (0: none). "
+        "On a terminal a progress bar is shown instead.",
+    ),
+]
+
+
 @app.command()
-def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
+def run(
+    spec: SpecPath, overrides: Overrides = None, debug: Debug = False, progress_every: ProgressEvery = 30.0
+) -> None:
     """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
 
-    Re-running a finished job prints its summary and trains nothing. Exit codes: 0, 1 training failed,
-    2 spec/data, 3 accelerator/storage, 75 preempted (checkpoint saved: run again to continue).
+    Re-running a finished job prints its summary and trains nothing. A closing line on stderr says how it
+    ended and where the model is. Exit codes: 0, 1 training failed, 2 spec/data, 3 accelerator/storage,
+    75 preempted (checkpoint saved: run again to continue).
+
+    **Examples**
+
+    * `runner run jobs/mnist_cnn.yaml`
+    * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --set data.global_batch_size=512`
+    * `runner run jobs/mnist_cnn.yaml --progress-every 10 2>train.log`
     """
     early = EarlyNotice()
     job = load(spec, overrides)
@@ -78,7 +96,10 @@ def run(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> No
         early.restore()
         if early.at is not None:
             raise fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
-    result = run_job(job, spec_loaded_at=loaded_at, verbose=1 if sys.stdout.isatty() else 0, early_notice=early.at)
+    from runner.progress import closing_line
+
+    result = run_job(job, spec_loaded_at=loaded_at, early_notice=early.at, progress_every=progress_every)
+    typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise fail(result.error, debug)
@@ -89,6 +110,11 @@ def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) 
     """Evaluate the job's newest checkpoint on `data.eval`, on whatever device this machine has.
 
     Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU.
+
+    **Examples**
+
+    * `runner evaluate jobs/mnist_cnn.yaml`
+    * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
     """
     job = trained_command_setup(spec, overrides, debug)
     from runner import predict as predict_mod
@@ -111,6 +137,11 @@ def predict(
     """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
 
     Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
+
+    **Examples**
+
+    * `runner predict jobs/mnist_cnn.yaml --input digits.npy`
+    * `runner predict jobs/mnist_cnn.yaml --input 'data/mnist/test-*.tfrecord' --output predictions.npy`
     """
     job = trained_command_setup(spec, overrides, debug)
     import numpy as np

@@ -2,7 +2,8 @@
 
 A run is a run folder (holding summary.json) or a summary file, local or gs://. Each becomes one row:
 device, replicas, batch, first epoch, steady epoch, step time, examples/s, goodput, accuracy, and the
-speed-up of its throughput over a chosen baseline row. TensorFlow is imported only to read gs:// paths.
+speed-up of its throughput over a chosen baseline row. No TensorFlow: gs:// paths are read and written
+with google-cloud-storage, and the plot needs matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import posixpath
+import shutil
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable
 
+from runner import storage
 from runner.errors import DataError
 from runner.timing import PHASES
 
@@ -47,26 +52,35 @@ class Row:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def _read_text(path: str) -> str:
-    if path.startswith("gs://"):
-        import tensorflow as tf
+def read_text(path: str) -> str:
+    """A local file, or a gs:// object read with google-cloud-storage: no TensorFlow, so a report (and a
+    sweep's check for finished variants) starts in a second. FileNotFoundError when there is none."""
+    if not storage.is_gcs(path):
+        return Path(path).read_text()
+    from google.api_core import exceptions as api_exceptions
 
-        try:
-            with tf.io.gfile.GFile(path, "r") as handle:
-                return handle.read()
-        except tf.errors.NotFoundError:
-            raise FileNotFoundError(path) from None
-        except tf.errors.OpError as exc:  # permission, network: say so instead of a traceback
-            raise SummaryError(f"{path}: cannot read from the bucket: {exc.message.splitlines()[0]}") from None
-    return Path(path).read_text()
+    bucket, name = storage.split_gcs(path)
+    try:
+        return storage.make_client().bucket(bucket).blob(name).download_as_text(timeout=_GCS_TIMEOUT_S)
+    except api_exceptions.NotFound:
+        raise FileNotFoundError(path) from None
+    except api_exceptions.GoogleAPICallError as exc:  # permission, network: say so instead of a traceback
+        raise SummaryError(f"{path}: cannot read from the bucket: {exc.message or exc}") from None
+
+
+_GCS_TIMEOUT_S = 60.0
 
 
 def _is_dir(path: str) -> bool:
-    if path.startswith("gs://"):
-        import tensorflow as tf
-
-        return tf.io.gfile.isdir(path)
-    return Path(path).is_dir()
+    if not storage.is_gcs(path):
+        return Path(path).is_dir()
+    bucket, name = storage.split_gcs(path)
+    if not name:
+        return True
+    try:
+        return bool(list(storage.make_client().list_blobs(bucket, prefix=name.rstrip("/") + "/", max_results=1)))
+    except Exception:  # noqa: BLE001 - an unreadable bucket: reading the path says why
+        return False
 
 
 def summary_path(source: str) -> str:
@@ -79,7 +93,7 @@ def read_summary(source: str) -> dict[str, Any]:
     """The summary at `source` in the current form (schema_version 2), upgraded if older."""
     path = summary_path(source)
     try:
-        text = _read_text(path)
+        text = read_text(path)
     except FileNotFoundError:
         raise SummaryError(f"{path}: no such file; pass a run folder (holding summary.json) or a summary file") from None
     except (IsADirectoryError, UnicodeDecodeError) as exc:
@@ -265,26 +279,99 @@ def markdown(rows: list[Row], baseline: Row) -> str:
     return "\n".join(lines + [""] + [f"_{n}_" for n in notes(rows, baseline)]) + "\n"
 
 
-def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
-    from rich.console import Console
-    from rich.table import Table
+def terminal_width() -> int:
+    """The width a table printed to stdout may take: $COLUMNS, else the terminal's, else (a pipe, a file)
+    wide enough that nothing wraps."""
+    return shutil.get_terminal_size(fallback=(_UNWRAPPED, 24)).columns
 
+
+_UNWRAPPED = 200
+
+
+def _common_prefix(jobs: list[str]) -> str:
+    """The part every job name shares, up to a `-` (sweep variants: `mnist_cnn-global_batch_size-`)."""
+    if len(jobs) < 2:
+        return ""
+    prefix = os.path.commonprefix(jobs)
+    prefix = prefix[: prefix.rfind("-") + 1]
+    return prefix if all(len(j) > len(prefix) for j in jobs) else ""
+
+
+def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
+    """The table as plain text within `width` columns (default: terminal_width()), never dropping a column.
+
+    Job names lose the prefix they all share (a note names it) and headers wrap over lines when the
+    columns need it; cells never wrap. When the runs do not fit side by side as rows, they become columns
+    (one row per measure); when that does not fit either, each run is a block of `measure value` pairs.
+    """
+    width = width or terminal_width()
     cells = table(rows)
-    grid = Table(show_edge=False, pad_edge=False)
-    for index, title in enumerate(cells[0]):
-        grid.add_column(title, justify="left" if index < 2 else "right", no_wrap=True)
-    for line in cells[1:]:
-        grid.add_row(*line)
-    out = io.StringIO()
-    console = Console(file=out, width=width or 200, force_terminal=False, color_system=None)
-    console.print(grid)
-    for note in notes(rows, baseline):
-        console.print(note, soft_wrap=True, highlight=False)
-    return out.getvalue()
+    prefix = _common_prefix([r.job for r in rows])
+    if prefix:
+        cells = [cells[0], *([line[0][len(prefix):], *line[1:]] for line in cells[1:])]
+    transposed = [[title, *(line[i] for line in cells[1:])] for i, title in enumerate(cells[0])]
+    lines: list[str] | None = None
+    for grid, left in ((cells, 2), (transposed, len(transposed[0]))):
+        for widths in (_widths(grid, wrap=False), _widths(grid, wrap=True)):
+            if sum(widths) + _GAP * (len(widths) - 1) <= width:
+                lines = _render(grid, widths, left)
+                break
+        if lines:
+            break
+    if lines is None:
+        lines = []
+        for line in cells[1:]:
+            lines.append(line[0])
+            pairs = ", ".join(f"{t} {v}" for t, v in zip(cells[0][1:], line[1:]))
+            lines += textwrap.wrap(pairs, width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
+    for note in ([f"run names start with {prefix}"] if prefix else []) + notes(rows, baseline):
+        lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
+_GAP = 2  # spaces between two columns
+
+
+def _widths(grid: list[list[str]], wrap: bool) -> list[int]:
+    """Per column: its longest cell, or its header (its longest word when headers may wrap)."""
+    def header(text: str) -> int:
+        return max(len(w) for w in text.split()) if wrap else len(text)
+
+    return [max(header(grid[0][i]), *(len(line[i]) for line in grid[1:])) for i in range(len(grid[0]))]
+
+
+def _render(grid: list[list[str]], widths: list[int], left: int) -> list[str]:
+    """Text lines: the header (wrapped within each column, bottom-aligned), a rule, then the rows; the first
+    `left` columns are aligned left, the others (numbers) right."""
+    def cell(text: str, index: int) -> str:
+        return text.ljust(widths[index]) if index < left else text.rjust(widths[index])
+
+    heads = [textwrap.wrap(title, w, break_long_words=False) or [""] for title, w in zip(grid[0], widths)]
+    depth = max(len(h) for h in heads)
+    heads = [[""] * (depth - len(h)) + h for h in heads]
+    gap = " " * _GAP
+    lines = [gap.join(cell(heads[i][d], i) for i in range(len(widths))).rstrip() for d in range(depth)]
+    lines.append("-" * (sum(widths) + _GAP * (len(widths) - 1)))
+    lines += [gap.join(cell(text, i) for i, text in enumerate(line)).rstrip() for line in grid[1:]]
+    return lines
+
+
+def check_plotting() -> None:
+    """Refuses `--plot` at once, before any run starts, when matplotlib (the `plot` extra) is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SummaryError(
+            "--plot needs matplotlib, which is not installed here: pip install 'tpu-job-runner[plot]' "
+            "(or pip install matplotlib), or leave out --plot"
+        ) from None
 
 
 def plot(rows: list[Row], path: str) -> str:
-    """A PNG: steady (and first) epoch time and throughput against batch size, one line per device."""
+    """A PNG: steady (and first) epoch time and throughput against batch size, one line per device and replica
+    count; titled with the jobs, each throughput point labelled with its run and evaluation accuracy, and the
+    runs listed under the plots. The title and the list are also the PNG's Title and Description."""
+    check_plotting()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,10 +380,21 @@ def plot(rows: list[Row], path: str) -> str:
     usable = [r for r in rows if r.batch and (r.steady_epoch_s or r.examples_per_sec)]
     if not usable:
         raise SummaryError("nothing to plot: no run has a batch size and a steady timing (train 2 or more epochs)")
+    prefix = _common_prefix([r.job for r in usable])
+    title = f"{prefix.rstrip('-')}: epoch time and throughput by batch size" if prefix else (
+        "Epoch time and throughput by batch size: " + ", ".join(r.job for r in usable)
+    )
+    legend_rows = [
+        f"{r.job}: {r.device} x{r.replicas}, batch {r.batch}, "
+        + ("accuracy -" if r.accuracy is None else f"accuracy {r.accuracy:.4f}")
+        + ("" if r.examples_per_sec is None else f", {r.examples_per_sec:,.0f} examples/s")
+        for r in usable
+    ]
     groups: dict[str, list[Row]] = {}
     for row in usable:
         groups.setdefault(f"{row.device} x{row.replicas}", []).append(row)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    height = 4.6 + 0.17 * len(legend_rows)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, height))
     for label, members in sorted(groups.items()):
         members = sorted(members, key=lambda r: r.batch)
         batches = [r.batch for r in members]
@@ -304,25 +402,40 @@ def plot(rows: list[Row], path: str) -> str:
         left.plot(batches, [r.first_epoch_s for r in members], marker="x", linestyle="--", color=line.get_color(),
                   label=f"{label} first (compile)")
         right.plot(batches, [r.examples_per_sec for r in members], marker="o", color=line.get_color(), label=label)
+        for r in members:
+            if r.examples_per_sec is None:
+                continue
+            text = r.job[len(prefix):] if prefix else r.job
+            if r.accuracy is not None:
+                text += f"\nacc {r.accuracy:.4f}"
+            right.annotate(text, (r.batch, r.examples_per_sec), textcoords="offset points", xytext=(0, 7),
+                           ha="center", fontsize=7)
     ticks = sorted({r.batch for r in usable})
-    for axis, title, unit in ((left, "Epoch time", "seconds"), (right, "Training throughput", "examples/s")):
+    highest = {
+        left: max((v for r in usable for v in (r.steady_epoch_s, r.first_epoch_s) if v), default=1.0),
+        right: max((r.examples_per_sec for r in usable if r.examples_per_sec), default=1.0),
+    }
+    for axis, name, unit in ((left, "Epoch time", "seconds"), (right, "Training throughput", "examples/s")):
         axis.set_xscale("log", base=2)
         axis.set_xticks(ticks, [str(t) for t in ticks])
+        axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
         axis.set_xlabel("global batch size")
         axis.set_ylabel(unit)
-        axis.set_title(title)
+        axis.set_title(name)
         axis.grid(True, alpha=0.3)
-        axis.set_ylim(bottom=0)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    if path.startswith("gs://"):
-        import tensorflow as tf
-
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=110)
-        with tf.io.gfile.GFile(path, "wb") as handle:
-            handle.write(buffer.getvalue())
-    else:
-        figure.savefig(path, format="png", dpi=110)
+        axis.set_ylim(0, highest[axis] * 1.25)  # room above the highest point for its label
+        axis.legend(fontsize=8, loc="lower right")
+    figure.suptitle(title, fontsize=11)
+    figure.text(0.01, 0.01, "\n".join(legend_rows), fontsize=7.5, family="monospace", va="bottom")
+    figure.tight_layout(rect=(0, (0.1 + 0.17 * len(legend_rows)) / height, 1, 1))
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, metadata={"Title": title, "Description": "\n".join(legend_rows)})
     plt.close(figure)
+    if storage.is_gcs(path):
+        bucket, name = storage.split_gcs(path)
+        storage.make_client().bucket(bucket).blob(name).upload_from_string(
+            buffer.getvalue(), content_type="image/png", timeout=_GCS_TIMEOUT_S
+        )
+    else:
+        Path(path).write_bytes(buffer.getvalue())
     return path

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import posixpath
 import re
 import signal
 import subprocess
@@ -16,9 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.errors import EXIT_PREEMPTED, SpecError
+from runner.compare import report
+from runner.errors import EXIT_PREEMPTED, RunnerError, SpecError
 from runner.spec import JobSpec
 from runner.specfile import load_spec, parse_override
+from runner.timing import completion
 
 log = logging.getLogger(__name__)
 
@@ -121,20 +124,52 @@ class _Forwarder:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def run_variants(spec_path: str | Path, variants: list[Variant], debug: bool = False) -> list[Outcome]:
-    """Runs the variants one after another (they would compete for the same device); a preempted variant
-    stops the sweep so that running it again continues where it stopped."""
+def finished_summary(variant: Variant) -> dict[str, Any] | None:
+    """The summary of a variant its run folder holds as finished, read without TensorFlow (google-cloud-storage
+    for gs://), so a finished sweep runs again in seconds. The rule is the run's own (runner/timing.py
+    `completion`, which runner/outputs.py applies), and the folder's spec.json must be this variant's spec;
+    on any doubt (no summary, another spec, a folder that cannot be read) None: the variant runs, and the run
+    applies every resume rule itself."""
+    spec = variant.spec
+    try:
+        summary = json.loads(report.read_text(posixpath.join(spec.run_dir, "summary.json")))
+        if completion(summary, spec.train.epochs) != "complete":
+            return None
+        recorded = json.loads(report.read_text(posixpath.join(spec.run_dir, "spec.json")))
+    except (OSError, ValueError, RunnerError) as exc:  # missing, unreadable or not JSON: the run decides
+        log.debug("%s: not known to be finished (%s)", variant.name, exc)
+        return None
+    recorded.pop("pinned", None)
+    if recorded != json.loads(json.dumps(spec.to_dict())):
+        return None  # made with another spec: the run refuses it or resumes it, naming why
+    return summary
+
+
+def run_variants(
+    spec_path: str | Path, variants: list[Variant], debug: bool = False, progress_every: float | None = None
+) -> list[Outcome]:
+    """Runs the variants one after another (they would compete for the same device); a finished variant is
+    skipped without starting a process; a preempted variant stops the sweep so that running it again
+    continues where it stopped."""
     outcomes: list[Outcome] = []
     with _Forwarder() as forwarder:
         for index, variant in enumerate(variants, 1):
             if forwarder.stopping:
                 break
+            done = finished_summary(variant)
+            if done is not None:
+                log.info("sweep %d/%d: %s is already complete (%s/summary.json); skipped",
+                         index, len(variants), variant.name, variant.spec.run_dir)
+                outcomes.append(Outcome(variant, 0, done))
+                continue
             log.info("sweep %d/%d: %s (%s)", index, len(variants), variant.name, " ".join(variant.overrides[:-1]))
             command = [sys.executable, "-m", "runner", "run", str(spec_path)]
             for override in variant.overrides:
                 command += ["--set", override]
             if debug:
                 command.append("--debug")
+            if progress_every is not None:
+                command += ["--progress-every", f"{progress_every:g}"]
             # stderr (progress logs) passes through; stdout carries the summary as its last line.
             forwarder.child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             stdout, _ = forwarder.child.communicate()

@@ -1,0 +1,126 @@
+"""Following a run: a progress line every N seconds in a log, a Rich bar on a terminal that log lines do not
+break, a closing line for a person before the JSON summary, and no TensorFlow start-up noise by default."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli_env, run_cli
+from tests.support.terminal import run_in_terminal, screen_lines
+
+# What TensorFlow's C++ start-up prints unless told not to (absl before InitializeLog, CPU feature and oneDNN
+# notices), and what an INFO line of TensorFlow's own logging starts with.
+NOISE = ("InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS", "I0000 ")
+LOG_LINE = re.compile(r"\d\d:\d\d:\d\d [DIWE] runner\.")
+PROGRESS = re.compile(
+    r"I runner\.progress: epoch (\d+)/(\d+), step ([\d,]+)/([\d,]+) \(\d+%\), ([\d,]+) examples/s, ETA [^,]+, loss \d"
+)
+
+
+def quiet_env(**extra: str) -> dict[str, str]:
+    """The environment a user has: TensorFlow's log level is not set (cli_env sets it for the other tests)."""
+    env = cli_env(**extra)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    return env
+
+
+# --- the closing line and the durations, from summaries with known fields -------------------------
+
+
+def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
+    from runner.progress import closing_line, duration
+
+    assert [duration(s) for s in (0.4, 59.4, 61, 3599, 3661)] == ["0 s", "59 s", "1m 01s", "59m 59s", "1h 01m"]
+    summary = {
+        "status": "succeeded", "train_epochs": 12, "epochs": [{"epoch": 11}, {"epoch": 12}], "run_dir": "runs/m",
+        "model": "runs/m/model.keras", "metrics": {"accuracy": 0.98681, "loss": 0.04, "examples": 9216},
+        "timing": {"total_s": 292.4},
+    }
+    assert closing_line(summary) == "succeeded: 12 of 12 epochs, accuracy 0.9868 in 4m 52s; model: runs/m/model.keras"
+    assert closing_line(summary, already_complete=True) == (
+        "already complete: 12 epochs, accuracy 0.9868, trained earlier; model: runs/m/model.keras"
+    )
+    regression = {**summary, "metrics": {"loss": 0.8, "mae": 0.93}}
+    assert ", mae 0.9300 in" in closing_line(regression), "without accuracy, the first other metric"
+    preempted = {**summary, "status": "preempted", "epochs": [{"epoch": 3}], "metrics": {}}
+    assert closing_line(preempted) == (
+        "preempted after 3 of 12 epochs in 4m 52s: checkpoint saved in runs/m/checkpoints; "
+        "run the same command again to continue"
+    )
+    failed = {**summary, "status": "failed", "epochs": [], "metrics": {}, "timing": {"total_s": 9.0}}
+    assert closing_line(failed) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
+    bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b", "tflops": {"cold": 0.01, "warm": 0.0712},
+             "timing": {"total_s": 3.0}, "epochs": []}
+    assert closing_line(bench) == "succeeded: matmul benchmark, 0.0712 TFLOPS warm in 3 s; summary: runs/b/summary.json"
+
+
+# --- a real run without a terminal: lines every N seconds, rising steps, the closing line, no noise -----
+
+
+@pytest.mark.slow
+def test_a_run_without_a_terminal_logs_progress_every_n_seconds(tiny_mnist: Path, mnist_job, tmp_path: Path) -> None:
+    # Tiny MNIST (16 steps of 128 per epoch), enough epochs for about 45 s on this machine's 2 cores.
+    spec = mnist_job("lines", train={"epochs": 10})
+    began = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "run", str(spec), "--progress-every", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=quiet_env(), cwd=REPO,
+    )
+    wall = time.monotonic() - began
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout
+    summary = json.loads(lines[-1])
+    assert wall >= 40, f"the run took {wall:.0f} s: make it longer so it shows what a long run shows"
+
+    progress = [PROGRESS.search(line) for line in lines]
+    steps = [int(m.group(3).replace(",", "")) for m in progress if m]
+    assert all(m.group(4) == "160" and m.group(2) == "10" for m in progress if m)
+    train_s = summary["timing"]["train_s"]
+    # A line comes at the first step boundary 5 s after the last one (later when a checkpoint save is on).
+    assert len(steps) >= int(train_s // 8), f"{len(steps)} progress lines in {train_s:.0f} s of training"
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"steps must rise: {steps}"
+    assert 0 < steps[0] < steps[-1] <= 160
+
+    # A closing line for a person on stderr, just before the summary (the last stdout line).
+    assert lines[-2].startswith("succeeded: 10 of 10 epochs, accuracy 0."), lines[-2]
+    assert lines[-2].endswith(f"model: {summary['model']}")
+    # TensorFlow's start-up notices stay out; evaluation counts print as counts.
+    noisy = [line for line in lines if any(n in line for n in NOISE)]
+    assert not noisy, noisy
+    assert any(re.search(r"eval: .*examples 512(,|$)", line) for line in lines), [l for l in lines if "eval:" in l]
+
+
+def test_tensorflow_notices_are_shown_with_debug_only(tiny_mnist: Path) -> None:
+    quiet = run_cli("verify", tiny_mnist, env=quiet_env())
+    assert quiet.returncode == 0, quiet.stderr
+    assert not [n for n in NOISE if n in quiet.stderr], quiet.stderr
+    loud = run_cli("verify", tiny_mnist, "--debug", env=quiet_env())
+    assert loud.returncode == 0, loud.stderr
+    assert "cpu_feature_guard" in loud.stderr, "--debug shows TensorFlow's own log lines"
+
+
+# --- a real run on a terminal: a bar, and log lines that start lines of their own --------------------
+
+
+@pytest.mark.slow
+def test_on_a_terminal_a_bar_shows_progress_and_log_lines_stay_whole(mnist_job) -> None:
+    spec = mnist_job("bar", train={"epochs": 4})
+    code, raw = run_in_terminal(["run", str(spec)], env=quiet_env(), cwd=REPO, timeout=240)
+    assert code == 0, raw
+    segments = screen_lines(raw)
+    assert any(re.search(r"epoch \d/4 .*step \d+/64 .*examples/s .*ETA", s) for s in segments), raw
+    assert any("examples/s" in s and re.search(r"loss \d+\.\d{4}", s) for s in segments), raw
+    glued = [s for s in segments if LOG_LINE.search(s) and not LOG_LINE.match(s.strip())]
+    assert not glued, f"a log line shares its line with other output: {glued}"
+    assert sum(bool(re.match(r"\d\d:\d\d:\d\d I runner\.\w+: epoch \d/4: ", s.strip())) for s in segments) == 4
+    printed = [s.strip() for s in segments if s.strip()]
+    assert json.loads(printed[-1])["status"] == "succeeded", "the summary is still the last line"
+    assert printed[-2].startswith("succeeded: 4 of 4 epochs"), printed[-3:]
+    assert "Epoch 1/4" not in raw, "Keras's own progress bar is off"
