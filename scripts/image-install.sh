@@ -34,7 +34,11 @@ EOF
   pinned)
     file="$1"
     shift
-    pip install --constraint "${LOCK:-requirements.lock}" --requirement "$file" "$@"
+    # The test stage has requirements-test.lock too: the test suite's own pins, beside the runtime lock.
+    tests=""
+    if [ -f requirements-test.lock ]; then tests="--constraint requirements-test.lock"; fi
+    # shellcheck disable=SC2086 # $tests is empty or two words
+    pip install --constraint "${LOCK:-requirements.lock}" $tests --requirement "$file" "$@"
     ;;
   nodeps)
     pip install --no-deps "$@"
