@@ -125,6 +125,7 @@ class RunFolder:
         self.attempt = 0
         self._spec: JobSpec | None = None
         self._pin: dict[str, Any] | None = None  # spec.json, written just before the attempt's first save
+        self._pin_written = False
         self._lease: Lease | None = None
         self._refused = False  # a refused attempt writes nothing, its summary included
 
@@ -304,11 +305,13 @@ class RunFolder:
                 f"{self._lease.where} was taken over by another run: this run stopped without saving, so as "
                 "not to overwrite that run's checkpoints"
             )
-        if self._pin is None and self._spec is not None:
-            self._pin = self._spec.to_dict()
+        if self._pin_written:
+            return
+        if self._pin is None and self._spec is not None:  # check_checkpoints not called: the data is not known
+            self._pin = {**self._spec.to_dict(), "pinned": pinned(self._spec, None)}
         if self._pin is not None:
             self.write_json("spec.json", self._pin)
-            self._pin = None
+        self._pin_written = True
 
     # --- writing -----------------------------------------------------------------------------------
 

@@ -111,10 +111,16 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(mnist_job, tiny_mni
     assert_no_traceback(lr.stderr)
     assert snapshot(run_dir) == after, "a refused run writes nothing, not even its summary"
 
-    # Three of the four shards: another data set, though the path's folder and manifest are the same.
-    fewer = run_cli("run", spec, "--set", "train.epochs=3", "--set", f"data.train={tiny_mnist}/train-0000[012]-*.tfrecord")
-    assert fewer.returncode == 2, fewer.stderr[-3000:]
-    assert "data.fingerprint: " in fewer.stderr and "choose a new job name" in fewer.stderr
+    # Other records under the same names, sizes and counts, their manifest consistent: other data all the same.
+    other = shutil.copytree(tiny_mnist, tmp_path / "other")
+    manifest = json.loads((other / "manifest.json").read_text())
+    swapped, test = manifest["splits"]["train"]["shards"][3], manifest["splits"]["test"]["shards"][0]
+    shutil.copyfile(other / test["file"], other / swapped["file"])
+    swapped.update({key: test[key] for key in test if key != "file"})
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    changed = run_cli("run", spec, "--set", "train.epochs=3", "--set", f"data.train={other}/train-*.tfrecord")
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    assert "data.fingerprint: " in changed.stderr and "choose a new job name" in changed.stderr
     assert snapshot(run_dir) == after
     assert before["checkpoints/ckpt-16.index"] == after["checkpoints/ckpt-16.index"]
 
