@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.compare import report
+from runner.compare import plot, report
 from tests.conftest import REPO, cli_env, last_json, run_cli
 
 V1 = REPO / "tests" / "data" / "summary_v1.json"  # written by the runner at schema_version 1
@@ -111,7 +111,7 @@ def test_runs_on_different_software_are_flagged_beside_the_speed_up() -> None:
 def test_a_plot_needs_steady_timing(tmp_path: Path) -> None:
     row = report.to_row("x", {**report.read_summary(str(V1)), "timing": {"steady_epoch_s": None, "examples_per_sec": None}})
     with pytest.raises(report.SummaryError, match="train 2 or more epochs"):
-        report.plot([row], str(tmp_path / "x.png"))
+        plot.plot([row], str(tmp_path / "x.png"))
 
 
 @pytest.mark.slow
@@ -180,7 +180,7 @@ def test_the_plot_names_its_runs_and_their_accuracy(tmp_path: Path) -> None:
 
     rows, _ = report.load_rows(map(str, sweep_of(tmp_path)))
     png = tmp_path / "compare.png"
-    assert report.plot(rows, str(png)) == str(png)
+    assert plot.plot(rows, str(png)) == str(png)
     text = Image.open(png).text
     assert text["Title"] == "mnist_cnn-global_batch_size: epoch time and throughput by batch size"
     for row in rows:

@@ -53,14 +53,14 @@ def sweep(
     * `runner sweep jobs/mnist_cnn.yaml --set accelerator.kind=tpu,cpu --markdown --plot compare.png`
     """
     from runner.cli.common import fail, setup_logging
-    from runner.compare import report as report_mod
+    from runner.compare import plot
     from runner.compare import sweep as sweep_mod
     from runner.errors import RunnerError
 
     setup_logging(debug)
     try:
         if plot_path:
-            report_mod.check_plotting()  # before hours of training, not after
+            plot.check_plotting()  # before hours of training, not after
         variants = sweep_mod.plan_variants(spec, sets)
     except RunnerError as error:
         raise fail(error) from None
@@ -104,13 +104,14 @@ def report(
 
 
 def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool) -> None:
+    from runner.compare import plot
     from runner.compare import report as report_mod
     from runner.cli.common import fail
     from runner.errors import EXIT_USAGE, RunnerError
 
     try:
         if plot_path:
-            report_mod.check_plotting()
+            plot.check_plotting()
         rows, problems = report_mod.load_rows(runs, baseline)
         for problem in problems:
             typer.secho(f"cannot read: {problem}", err=True, fg=typer.colors.RED)
@@ -119,7 +120,7 @@ def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, 
         base = report_mod.pick_baseline(rows, baseline)
         typer.echo(report_mod.markdown(rows, base) if markdown else report_mod.terminal(rows, base), nl=False)
         if plot_path:
-            typer.echo(f"plot: {report_mod.plot(rows, plot_path)}", err=True)
+            typer.echo(f"plot: {plot.plot(rows, plot_path)}", err=True)
     except RunnerError as error:
         raise fail(error) from None
     if problems:
