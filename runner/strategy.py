@@ -138,6 +138,14 @@ def _tpu_hints(target: str) -> str:
     return "; ".join(hints)
 
 
+def _cause(exc: BaseException) -> str:
+    """The line of a TensorFlow error that says what went wrong, not "Graph execution error:" and the node."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    boilerplate = ("Graph execution error", "Detected at node", "<stack traces unavailable>", "[[")
+    telling = [line for line in lines if not line.startswith(boilerplate)]
+    return (telling or lines or [""])[0]
+
+
 def connect_tpu(target: str, timeout_s: float) -> Accelerator:
     # The device API was chosen before TensorFlow loaded (`runner run`); a caller that skipped that gets the
     # choice recorded here, and a problem if TensorFlow loaded too early for it.
@@ -162,7 +170,7 @@ def connect_tpu(target: str, timeout_s: float) -> Accelerator:
     except Exception as exc:  # each TF version raises its own types here; all mean "no usable TPU"
         raise AcceleratorError(
             f"could not start the TPU {target!r} at step {steps[-1] if steps else '?'} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"({type(exc).__name__}: {_cause(exc)}); "
             f"tried: {' -> '.join(steps)}. Check: {_tpu_hints(target)}"
         ) from exc
     workers = getattr(topology, "num_tasks", 1)
@@ -206,6 +214,9 @@ def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = 
     environ = dict(os.environ if environ is None else environ)
     started = time.monotonic()
     accelerator = _resolve(spec, environ)
+    if accelerator.kind != "tpu" and applied_tpu_env() is not None:
+        # Fell back from a TPU: the summary still says which device API the TPU was tried with.
+        accelerator = dataclasses.replace(accelerator, tpu_runtime=applied_tpu_env())
     log.info(
         "accelerator: %s x%d (%s) in %.2f s", accelerator.kind, accelerator.replicas, accelerator.detail,
         time.monotonic() - started,

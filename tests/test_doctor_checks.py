@@ -85,7 +85,17 @@ def test_the_cpu_wheel_where_a_tpu_is_wanted_fails(tmp_path: Path) -> None:
     paths = installed(tmp_path, **{"tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
     check = checks.check_versions(tpu_wanted=True, paths=paths)
     assert check.status == "fail" and "no TPU kernels" in check.evidence
+    # The TPU image's pair (Keras's PJRT example) first, then the other TPU row known to import.
+    assert check.action.startswith("run the TPU image: pip install tensorflow-tpu==2.19.1 libtpu==0.0.10 or ")
     assert "pip install tensorflow-tpu==2.20.0 libtpu==0.0.19" in check.action
+
+
+def test_the_tpu_images_tensorflow_and_libtpu_are_known_good(tmp_path: Path) -> None:
+    paths = installed(tmp_path, **{"tensorflow-tpu": "2.19.1", "libtpu": "0.0.10", "keras": "3.15.1"})
+    check = checks.check_versions(tpu_wanted=True, paths=paths)
+    assert check.status == "ok" and check.data["known_good"][:2] == ["tensorflow-tpu==2.19.1", "libtpu==0.0.10"]
+    other = installed(tmp_path / "other", **{"tensorflow-tpu": "2.19.1", "libtpu": "0.0.19", "keras": "3.15.1"})
+    assert checks.check_versions(tpu_wanted=True, paths=other).status == "warn", "the wheel pins libtpu==0.0.10"
 
 
 def test_known_good_rows_carry_their_source_and_date() -> None:
@@ -153,6 +163,49 @@ def test_tpu_precedence_spec_then_tpu_name_then_colab_then_device_files(tmp_path
     (tmp_path / "accel0").touch()
     assert host.tpu_target(None, {}, dev_root=str(tmp_path)) == "local"
     assert host.tpu_target(None, {"TPU_NAME": "env-tpu"}, dev_root=str(tmp_path)) == "env-tpu"
+
+
+# --- TPU device API ----------------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_tpu_runtime_says_what_each_generation_needs_and_what_is_set(tmp_path: Path) -> None:
+    library = tmp_path / "libtpu.so"
+    library.write_bytes(b"\x7fELF stand-in")
+    local = {"TPU_NAME": "local", "GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
+    v5e = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+                                                       "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": str(library)})
+    assert v5e.status == "ok" and v5e.evidence.startswith("v5litepod-8 (TPU_ACCELERATOR_TYPE) needs PJRT; ")
+    assert ("`runner run` sets, before TensorFlow loads: PJRT_DEVICE=TPU, NEXT_PLUGGABLE_DEVICE_USE_C_API=true, "
+            "TF_XLA_FLAGS=--tf_mlir_enable_mlir_bridge=true") in v5e.evidence
+    assert f"already set here: TF_PLUGGABLE_DEVICE_LIBRARY_PATH={library}" in v5e.evidence
+    assert v5e.data["device_api"] == "pjrt" and v5e.data["target"] == "local"
+    v4 = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v4-8"})
+    assert (v4.status, v4.evidence) == ("ok", "v4-8 (TPU_ACCELERATOR_TYPE) needs stream executor; nothing to set")
+    remote = checks.check_tpu_runtime(AcceleratorSpec(), {"COLAB_TPU_ADDR": "10.0.0.2:8470"})
+    assert remote.status == "ok" and remote.evidence.startswith("a remote TPU (grpc://10.0.0.2:8470): stream executor")
+
+
+def test_tpu_runtime_fails_what_cannot_start_and_warns_on_an_unknown_generation(tmp_path: Path) -> None:
+    local = {"TPU_NAME": "local", "GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
+    no_libtpu = checks.check_tpu_runtime(AcceleratorSpec(kind="tpu"), {**local, "TPU_ACCELERATOR_TYPE": "v6e-8"})
+    assert no_libtpu.status == "fail" and "v6e-8 (TPU_ACCELERATOR_TYPE) needs PJRT; PJRT needs libtpu" in no_libtpu.evidence
+    off = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v5p-8",
+                                                       "NEXT_PLUGGABLE_DEVICE_USE_C_API": "0"})
+    assert off.status == "fail" and "NEXT_PLUGGABLE_DEVICE_USE_C_API=0 turns PJRT off, but v5p needs it" in off.evidence
+    library = tmp_path / "libtpu.so"
+    library.write_bytes(b"\x7fELF stand-in")
+    unknown = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": str(library)})
+    assert unknown.status == "warn" and unknown.evidence.startswith("TPU generation unknown")
+    assert "TPU_ACCELERATOR_TYPE" in unknown.action
+    assert checks.check_tpu_runtime(AcceleratorSpec(kind="cpu"), local).evidence.startswith("not used")
 
 
 # --- libtpu lockfile ---------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_tpu_address_with_nothing_listening_fails_fast_with_what_to_check(mnist_
     result = run_cli("run", quick_job(mnist_job, "closed", kind="tpu", tpu=f"grpc://127.0.0.1:{port}", timeout_s=5))
     assert result.returncode == 3, result.stderr
     assert f"nothing answers at 127.0.0.1:{port}" in result.stderr
-    assert "tried: probe grpc://127.0.0.1" in result.stderr
+    assert "tried: device API: stream executor (TensorFlow's default) for a remote TPU -> probe grpc://127.0.0.1" in result.stderr
     assert "Check:" in result.stderr and "libtpu" in result.stderr
     assert last_json(result.stdout)["status"] == "failed"
 
@@ -90,10 +90,21 @@ def test_tpu_address_that_never_answers_is_bounded_by_timeout(mnist_job, silent_
 
 
 def test_tpu_vm_mode_without_a_tpu_names_the_step_and_the_lockfile_hint(mnist_job) -> None:
-    result = run_cli("run", quick_job(mnist_job, "local", kind="tpu", tpu="local", timeout_s=20))
+    # A v4 keeps TensorFlow's default device API, so the CPU wheel gets as far as the TPU calls themselves.
+    env = cli_env(TPU_ACCELERATOR_TYPE="v4-8", GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}")
+    result = run_cli("run", quick_job(mnist_job, "local", kind="tpu", tpu="local", timeout_s=20), env=env)
     assert result.returncode == 3, result.stderr
     assert "could not start the TPU 'local'" in result.stderr
-    assert "tried: TPUClusterResolver" in result.stderr
+    assert "tried: device API: stream executor for v4-8 (TPU_ACCELERATOR_TYPE) -> TPUClusterResolver" in result.stderr
+
+
+def test_tpu_vm_mode_of_an_unknown_generation_needs_libtpu_for_pjrt(mnist_job) -> None:
+    env = cli_env(GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}")  # no metadata server, no TPU_ACCELERATOR_TYPE
+    result = run_cli("run", quick_job(mnist_job, "unknown", kind="tpu", tpu="local", timeout_s=20), env=env)
+    assert result.returncode == 3, result.stderr
+    assert ("could not start the TPU 'local' (device API PJRT for an unknown TPU generation): PJRT needs libtpu, "
+            "and the pip package `libtpu` is not installed here") in result.stderr
+    assert last_json(result.stdout)["status"] == "failed"
 
 
 def test_auto_falls_back_from_an_unreachable_colab_tpu_to_the_cpu(mnist_job) -> None:
@@ -105,6 +116,9 @@ def test_auto_falls_back_from_an_unreachable_colab_tpu_to_the_cpu(mnist_job) -> 
     summary = last_json(result.stdout)
     assert summary["accelerator"]["kind"] == "cpu"
     assert summary["final_step"] == 2
+    # The TPU it fell back from: a grpc:// address, so TensorFlow's default device API and nothing set.
+    tried = summary["accelerator"]["tpu_runtime"]
+    assert (tried["device_api"], tried["generation_from"], tried["settings"]) == ("stream_executor", "the TPU address", {})
 
 
 def test_gpu_requested_on_a_machine_without_one(mnist_job) -> None:
