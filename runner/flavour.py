@@ -6,9 +6,9 @@ job under each, so CPU/GPU results do not depend on the choice. It picks:
   - tf-keras for multi-worker training (TF_CONFIG naming several workers): Keras 3.15 `fit` fails under
     MultiWorkerMirroredStrategy (a PerReplica value in the symbolic build, then scalar-metric reductions),
     while tf-keras trains, checkpoints and restores there unpatched;
-  - tf-keras on TPU images (their Dockerfile sets TF_USE_LEGACY_KERAS=1): Google's own TF-on-TPU images
-    run tf-keras, and Keras 3 `fit` under TPUStrategy has open failures (keras-team/keras#19448);
-  - Keras 3 everywhere else.
+  - Keras 3 everywhere else, TPU images included: Keras's own TensorFlow TPU example trains with Keras 3
+    `fit` under TPUStrategy on tensorflow-tpu 2.19.1 with PJRT (docs/tpu.md). The TPU image also carries
+    tf-keras: TF_USE_LEGACY_KERAS=1 gives Keras 2, as Google's TensorFlow TPU CI runs.
 An explicit TF_USE_LEGACY_KERAS in the environment always wins.
 """
 
