@@ -47,7 +47,7 @@ def example_overrides(data: Path, runs: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fashion_data(tmp_path_factory) -> Path:
-    """Step 1 and 2 of the README: the example's prepare script writes PNG TFRecords, `runner manifest` indexes them."""
+    """Steps 1 and 2 of docs/own-model.md: the example's prepare script writes PNG TFRecords, `runner manifest` indexes them."""
     out = tmp_path_factory.mktemp("fashion")
     prepared = subprocess.run(
         [sys.executable, "-m", "fashionnet.prepare", "--out", str(out), "--train", "1024", "--eval", "256"],
@@ -124,7 +124,7 @@ def test_example_trains_under_tf_keras_as_on_tpu_images(fashion_data: Path, tmp_
 def test_example_image_built_on_the_runner_image_trains_the_job(
     docker_engine: Engine, runner_image: str, fashion_data: Path, tmp_path: Path
 ):
-    """Step 3 of the README: the example's Dockerfile, FROM the runner image built from this checkout."""
+    """Step 3 of docs/own-model.md: the example's Dockerfile, FROM the runner image built from this checkout."""
     tag = "fashionnet:under-test"
     built = docker_engine.docker(
         "build", "--network", "none", "--build-arg", f"RUNNER_IMAGE={runner_image}", "--tag", tag, str(EXAMPLE),
