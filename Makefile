@@ -17,8 +17,17 @@ $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 	touch $@
 
 # The test suite's own packages (requirements-test.lock) only for the targets that run tests.
-$(TEST_STAMP): $(STAMP) requirements-test.lock
+$(TEST_STAMP): $(STAMP) requirements-test.lock requirements-engines.txt requirements-engines-nodeps.txt
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-test.lock --constraint requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-engines.txt --constraint requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-engines-nodeps.txt
+	touch $@
+
+# xpk in a venv of its own (its pins differ from requirements.lock): tests/test_engines.py runs its parser.
+XPK_STAMP := .venv-xpk/.installed
+$(XPK_STAMP): requirements-xpk.txt
+	test -x .venv-xpk/bin/python || $(PYTHON) -m venv .venv-xpk
+	.venv-xpk/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-xpk.txt
 	touch $@
 
 venv: $(STAMP)
@@ -32,7 +41,7 @@ demo: $(STAMP) $(DATA)/manifest.json
 system-deps:
 	bash scripts/system-deps.sh
 
-test: $(TEST_STAMP) system-deps
+test: $(TEST_STAMP) $(XPK_STAMP) system-deps
 	$(BIN)/python -m pytest
 
 test-fast: $(TEST_STAMP)
@@ -42,4 +51,4 @@ bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs data
+	rm -rf $(VENV) .venv-xpk runs data

@@ -17,9 +17,9 @@ import json
 import os
 import shlex
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -83,7 +83,7 @@ def test_the_container_command_hands_runner_the_same_spec(cloud_spec, tmp_path):
     stand_in.write_text(f'#!/bin/bash\necho "$@" >{tmp_path}/args\ncp "$2" {tmp_path}/spec.yaml\nexit 75\n')
     stand_in.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **engines.container_env(sub)}
-    done = subprocess.run(["bash", "-c", engines.COMMAND], env=env, timeout=30)
+    done = subprocess.run(["bash", "-c", engines.COMMAND], env=env, timeout=30, check=False)
     assert done.returncode == 75  # exec: the engine sees the runner's own exit code
     assert (tmp_path / "args").read_text().split() == ["run", engines.SPEC_FILE]
     assert load_spec(tmp_path / "spec.yaml") == sub.spec
@@ -149,7 +149,7 @@ def test_skypilot_launch_without_skypilot_says_how_to_install_it(cloud_spec, tmp
     env = cli_env(PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}")
     result = submit(cloud_spec, "--on", "skypilot", env=env)
     assert result.returncode == 2
-    assert "pip install 'runner[skypilot]'" in result.stderr
+    assert "pip install 'tpu-job-runner[skypilot]'" in result.stderr
     assert result.stdout == ""
 
 
@@ -208,7 +208,8 @@ def test_jobset_refuses_what_the_crd_would_drop(cloud_spec):
 
 def xpk_run(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "HOME": str(cwd), "TELEMETRY_ENABLED": "false"}
-    return subprocess.run([str(XPK), "-c", code, *args], capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
+    return subprocess.run([str(XPK), "-c", code, *args], capture_output=True, text=True, timeout=180, env=env, cwd=cwd,
+                          check=False)
 
 
 _PARSE = """
@@ -236,7 +237,7 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     # xpk's own dry run writes the manifest it would apply; ours must agree wherever both speak.
     out = tmp_path / "xpk.yaml"
     words = [*shlex.split(line)[1:], "--dry-run", "--skip-validation", "--quiet", "--output-manifest-file", str(out)]
-    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False,
                           env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TELEMETRY_ENABLED": "false"})
     assert made.returncode == 0, made.stdout + made.stderr
     theirs = yaml.safe_load(out.read_text())

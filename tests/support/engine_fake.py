@@ -25,8 +25,9 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _CUSTOM_JOBS = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/customJobs$")
 _JOBSETS = re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets$")
@@ -106,7 +107,7 @@ class EngineFake:
 
 @contextlib.contextmanager
 def start_engine_fake(folder: Path, ttl_s: float = 600.0) -> Iterator[EngineFake]:
-    log = open(folder / "engine_fake.log", "wb")
+    log = open(folder / "engine_fake.log", "wb")  # noqa: SIM115 (closed in finally, after the process)
     process = subprocess.Popen([sys.executable, __file__, "--port", "0", "--ttl", str(ttl_s)],
                                stdout=subprocess.PIPE, stderr=log, start_new_session=True)
     try:

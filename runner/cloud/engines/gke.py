@@ -1,6 +1,6 @@
 """The job on GKE: the JobSet that xpk creates for a TPU type (`xpk workload create`), or the `xpk workload
 create` command line itself (--format xpk). Applied with the kubernetes Python client when not --dry-run
-(`pip install 'runner[gke]'`; the cluster is kubeconfig's current context).
+(`pip install 'tpu-job-runner[gke]'`; the cluster is kubeconfig's current context).
 
 The manifest follows xpk's (xpk/commands/workload.py, WORKLOAD_CREATE_YAML): one replicated job `slice-job`
 with one replica per slice and one pod per host, `backoffLimit: 0`, a pod failure policy that fails the Job
@@ -39,7 +39,7 @@ RESTART_CODES = tuple(sorted({*XPK_RESTART_CODES, *RETRY_BOUNDED}))
 XPK_QUEUE = "multislice-queue"  # the LocalQueue xpk labels every workload with
 NAME_LIMIT = 40  # xpk's limit for a workload: pod names add "-slice-job-0-0-" and a suffix within 63
 TTL_SECONDS = 12 * 3600  # xpk's default: a finished JobSet is deleted after 12 hours
-INSTALL = "pip install 'runner[gke]'   (or: pip install kubernetes)"
+INSTALL = "pip install 'tpu-job-runner[gke]'   (or: pip install kubernetes)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The job as a SkyPilot managed job: a task YAML (`sky jobs launch task.yaml`), or sent with SkyPilot's
-Python API (`sky.jobs.launch`) when SkyPilot is installed (`pip install 'runner[skypilot]'`).
+Python API (`sky.jobs.launch`) when SkyPilot is installed (`pip install 'tpu-job-runner[skypilot]'`).
 
 The task runs the runner image on a TPU VM of the chosen type (`image_id: docker:IMAGE`; SkyPilot starts the
 container with --privileged on TPU VMs and runs `run:` inside it). Recovery is SkyPilot's:
@@ -21,7 +21,7 @@ from runner.cloud.engines import COMMAND, RETRY_UNBOUNDED, container_env, dump_y
 from runner.cloud.submit import Submission
 from runner.errors import AcceleratorError, SpecError
 
-INSTALL = "pip install 'runner[skypilot]'   (or: pip install skypilot[gcp])"
+INSTALL = "pip install 'tpu-job-runner[skypilot]'   (or: pip install skypilot[gcp])"
 
 
 def task(sub: Submission) -> dict[str, Any]:

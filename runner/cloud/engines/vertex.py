@@ -1,6 +1,6 @@
 """The job as a Vertex AI CustomJob: one worker pool of one TPU VM running the runner image, the run folder as
 the job's base output directory, Spot scheduling with --spot. Sent with google-cloud-aiplatform's JobService
-(`pip install 'runner[vertex]'`); --dry-run prints the request as JSON (what `POST .../customJobs` takes).
+(`pip install 'tpu-job-runner[vertex]'`); --dry-run prints the request as JSON (what `POST .../customJobs` takes).
 
 Vertex restarts a worker whose VM is preempted or fails (`restart_job_on_worker_restart` restarts the whole
 job with it); it has no setting for exit codes, so a job that exits 75 ends FAILED there: submit it again
@@ -25,7 +25,7 @@ from runner.errors import AcceleratorError, SpecError
 
 API = "aiplatform.googleapis.com"
 ENDPOINT_OVERRIDE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM"  # gcloud's, honoured here too
-INSTALL = "pip install 'runner[vertex]'   (or: pip install google-cloud-aiplatform)"
+INSTALL = "pip install 'tpu-job-runner[vertex]'   (or: pip install google-cloud-aiplatform)"
 _CALL_TIMEOUT_S = 60.0
 
 # TPU type -> (machine type, TPU topology or None, accelerator type and count for the legacy machine or None)
