@@ -56,6 +56,14 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def _integer(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer, not true/false")
+    return value
+
+
+# An int, never a bool or a float such as 3.0 (pydantic strict), with a message that says why.
+Integer = Annotated[StrictInt, BeforeValidator(_integer)]
 # A finite float that is never a bool (pydantic's lax float reads `true` as 1.0; allow_inf_nan is off below).
 Number = Annotated[float, BeforeValidator(_not_a_bool)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -115,7 +123,7 @@ class AcceleratorSpec(_Strict):
     # Bound on every TPU step (resolve, connect, initialise); a TPU that is not there must not stall a CPU run.
     timeout_s: Number = Field(60.0, gt=0, le=MAX_WAIT_S)
     # Split the host CPU into this many logical devices (MirroredStrategy over them): tests and dry runs.
-    cpu_devices: StrictInt = Field(1, ge=1, le=64)
+    cpu_devices: Integer = Field(1, ge=1, le=64)
 
     @field_validator("tpu")
     @classmethod
@@ -130,7 +138,7 @@ class FeatureSpec(_Strict):
 
     # uint8 pixels arrive as float32 0..255 (models rescale themselves); string stays tf.string.
     dtype: Literal["uint8", "int64", "float32", "string"]
-    shape: tuple[StrictInt, ...] = Field((), max_length=8)
+    shape: tuple[Integer, ...] = Field((), max_length=8)
     # A list of any length, padded with zeros (or "") or cut to shape[0]: TPUs need static shapes.
     var_len: StrictBool = False
     # How stored bytes become the uint8 tensor: raw bytes, or a PNG/JPEG image of shape [height, width, channels].
@@ -177,8 +185,8 @@ class DataSpec(_Strict):
     eval: str | None = Field("data/mnist/test-*.tfrecord", validate_default=True)
     # Shards checked after every epoch when train.validate_every_epoch is set. Unset: the eval shards.
     validation: str | None = None
-    global_batch_size: StrictInt = Field(1024, ge=1, le=INT32_MAX)
-    shuffle_buffer: StrictInt = Field(10_000, ge=0, le=INT32_MAX)
+    global_batch_size: Integer = Field(1024, ge=1, le=INT32_MAX)
+    shuffle_buffer: Integer = Field(10_000, ge=0, le=INT32_MAX)
     # tf.data's autotuner (a background thread re-tuning parallelism and buffers). Off: every AUTOTUNE
     # parallelism is the machine's core count. On, tearing down an input iterator waits out the tuner's
     # current sleep (up to 60 s), so model.fit returns late (runner/data.py).
@@ -295,9 +303,9 @@ def _loss_or_metric(value: str, what: str) -> str:
 
 
 class TrainSpec(_Strict):
-    epochs: StrictInt = Field(12, ge=1, le=1_000_000)
+    epochs: Integer = Field(12, ge=1, le=1_000_000)
     # Unset: derived from the manifest (records // global_batch_size).
-    steps_per_epoch: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    steps_per_epoch: Integer | None = Field(None, ge=1, le=INT32_MAX)
     # Steps run on the device per host round trip. auto: 32 on a TPU (where each round trip costs
     # milliseconds), 1 on CPU/GPU (measured no faster here: see benchmarks/RESULTS.md).
     steps_per_execution: Annotated[int | Literal["auto"], PlainValidator(_auto_or_steps)] = "auto"
@@ -309,14 +317,14 @@ class TrainSpec(_Strict):
     loss: str = Field("sparse_categorical_crossentropy", max_length=256)
     metrics: tuple[Annotated[str, Field(max_length=256)], ...] = Field(("accuracy",), max_length=64)
     # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
-    seed: StrictInt = Field(0, ge=0, le=2**32 - 1)
+    seed: Integer = Field(0, ge=0, le=2**32 - 1)
     # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
     validate_every_epoch: StrictBool = False
     # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
     # validate_every_epoch. After a resume the count starts again from the resumed epoch.
-    early_stopping_patience: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    early_stopping_patience: Integer | None = Field(None, ge=1, le=1_000_000)
     # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
-    reduce_lr_patience: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    reduce_lr_patience: Integer | None = Field(None, ge=1, le=1_000_000)
     reduce_lr_factor: Number = Field(0.5, gt=0, lt=1)
 
     @model_validator(mode="after")
@@ -324,7 +332,7 @@ class TrainSpec(_Strict):
         for key in ("early_stopping_patience", "reduce_lr_patience"):
             value = getattr(self, key)
             if value is not None and not self.validate_every_epoch:
-                raise ValueError(f"{key} ({value}) watches val_loss: also set validate_every_epoch: true")
+                raise ValueError(f"train.{key} ({value}) watches val_loss: also set train.validate_every_epoch: true")
         return self
 
     @field_validator("loss")
@@ -344,8 +352,8 @@ class TrainSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     # Unset: one checkpoint per epoch. Set: also every K steps (must divide steps_per_execution evenly).
-    every_steps: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
-    keep: StrictInt = Field(3, ge=1, le=10_000)
+    every_steps: Integer | None = Field(None, ge=1, le=INT32_MAX)
+    keep: Integer = Field(3, ge=1, le=10_000)
     # Seconds a preemption notice (SIGTERM) or Ctrl-C leaves for the final save.
     grace_s: Number = Field(30.0, gt=0, le=MAX_WAIT_S)
 
@@ -360,10 +368,10 @@ class MatmulSpec(_Strict):
     """`kind: matmul_bench`: an N x N matrix multiplied `chain` times in one compiled call, on every replica."""
 
     # 32768 x 32768 is 4 GiB per float32 matrix: the most one accelerator's memory holds three of.
-    size: StrictInt = Field(4096, ge=1, le=32_768)
-    chain: StrictInt = Field(4, ge=1, le=1000)
+    size: Integer = Field(4096, ge=1, le=32_768)
+    chain: Integer = Field(4, ge=1, le=1000)
     # Timed calls after the first (cold) one; the warm figure is their median.
-    iterations: StrictInt = Field(5, ge=1, le=10_000)
+    iterations: Integer = Field(5, ge=1, le=10_000)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -391,8 +399,8 @@ class OutputSpec(_Strict):
 class ProfileSpec(_Strict):
     # Global steps start_step .. start_step + steps - 1 (1-based) are traced into <run folder>/profile.
     # Step 1 compiles: start later to see steady steps.
-    start_step: StrictInt = Field(10, ge=1, le=INT32_MAX)
-    steps: StrictInt = Field(5, ge=1, le=1000)
+    start_step: Integer = Field(10, ge=1, le=INT32_MAX)
+    steps: Integer = Field(5, ge=1, le=1000)
 
 
 class CodeSpec(_Strict):

@@ -83,9 +83,9 @@ def _yaml_type(value: Any) -> str:
 
 
 def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
-    digits = sum(c.isalnum() for c in node.value)
-    if digits > 40:
-        raise SpecError(f"an integer of {digits} digits is beyond any range the runner uses", line=_line(node))
+    if len(node.value) > 40:  # Python refuses to parse more than 4,300 digits; no field takes more than 20
+        raise SpecError(f"an integer of {len(node.value):,} characters is beyond any range the runner uses",
+                        line=_line(node))
     return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
 
 
@@ -180,7 +180,14 @@ def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
         if node is None:
             return None, None
         _check_expansion(node)
-        return loader.construct_document(node), node
+        try:
+            return loader.construct_document(node), node
+        except SpecError as exc:  # name the key of the value that could not be built
+            keys = [path for path, line in _key_lines(node).items() if line == exc.line]
+            if not keys:
+                raise
+            dotted = ".".join(str(part) for part in max(keys, key=len))
+            raise SpecError(f"{dotted}: {exc.message}", line=exc.line) from None
     except SpecError:
         raise
     except yaml.YAMLError as exc:
@@ -318,14 +325,18 @@ def _mapping_of_models(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _describe(error: dict) -> tuple[tuple, str]:
+def _describe(error: dict, listed: set[tuple]) -> tuple[tuple, str]:
+    """(dotted key path, message) of one pydantic error; `listed` holds the sections whose allowed keys an
+    earlier message already listed (listed once, not once per unknown key)."""
     path = tuple(error["loc"])
     if error["type"] == "extra_forbidden":
         parent, unknown = path[:-1], str(path[-1])
         allowed = _allowed_keys(parent)
         close = difflib.get_close_matches(unknown, allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return path, f"unknown key {_shown(unknown)}{hint} (allowed here: {', '.join(allowed)})"
+        listing = "" if parent in listed else f" (allowed here: {', '.join(allowed)})"
+        listed.add(parent)
+        return path, f"unknown key {_shown(unknown)}{hint}{listing}"
     message = error["msg"].removeprefix("Value error, ")
     # Pydantic's own messages do not quote the value; the spec's validators (value_error) do.
     if "input" in error and error["type"] not in ("model_type", "value_error") and not isinstance(error["input"], dict):
@@ -357,7 +368,7 @@ class Source:
         return key_path in self.lines or any(key_path[: len(p)] == p for p in self.overridden)
 
     def where(self, key_path: tuple) -> str:
-        texts = [o for p, o in self.overridden.items() if key_path[: len(p)] == p]
+        texts = [o for p, o in self.overridden.items() if key_path[: len(p)] == p or p[: len(key_path)] == key_path]
         if texts:
             return f"--set {_shown(texts[-1])}"
         line = _line_for(self.lines, key_path)
@@ -388,9 +399,12 @@ def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[Job
         return JobSpec.model_validate(doc, context=context), source
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        problems = []
+        problems: list[str] = []
+        listed: set[tuple] = set()
         for error in errors[:MAX_PROBLEMS]:
-            key_path, message = _describe(error)
+            key_path, message = _describe(error, listed)
+            if len(message) > 600:
+                message = message[:597] + "..."
             if not key_path or len(key_path) == 1 and error["type"] == "value_error" and _allowed_keys(key_path):
                 # A check across sections: point at the first key it names that the file or a --set holds.
                 named = [tuple(k.split(".")) for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", message)]
@@ -453,16 +467,22 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
             pattern = getattr(spec.data, key)
             if pattern:
                 found, note = _check_data(spec, key, pattern, Path(path))
-                problems += [f"{source.where(('data', key))}: {p}" for p in found]
+                for about, problem in found:  # named where the key it is about was set, else at data.<key>
+                    problems.append(f"{source.where(about if source.holds(about) else ('data', key))}: {problem}")
                 if note and note not in notes:
                     notes.append(note)
     return Preflight(spec, problems, notes, code)
 
 
-def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple[list[str], str | None]:
+def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple[list[tuple[tuple, str]], str | None]:
     """The local shards of `data.<key>` against their manifest, as `runner run` will read them (no TensorFlow:
-    plain file reads). gs:// data is left to `runner run` and `runner doctor`."""
-    folder = os.path.dirname(pattern) or "."
+    plain file reads): (problems, each with the key it is about; a note on what was not checked).
+    gs:// data is left to `runner run` and `runner doctor`."""
+    folder, name = os.path.dirname(pattern) or ".", os.path.basename(pattern)
+
+    def problem(message: str, about: tuple = ("data", key)) -> tuple[list[tuple[tuple, str]], None]:
+        return [(about, f"data.{key}: {message}")], None
+
     if pattern.startswith("gs://"):
         return [], f"data in {folder} not checked: validate reads no bucket (`runner doctor SPEC` does)"
     if not os.path.isdir(folder):
@@ -474,30 +494,35 @@ def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple
     manifest_path = os.path.join(folder, "manifest.json")
     if not files:
         held = sorted(os.listdir(folder))
-        near = difflib.get_close_matches(os.path.basename(pattern), held, n=1, cutoff=0.5)
+        near = difflib.get_close_matches(name, held, n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
-        return [f"data.{key}: no files match {os.path.basename(pattern)!r} in {folder}{hint} (it holds: {shown})"], None
+        return problem(f"no files match {name!r} in {folder}{hint} (it holds: {shown})")
     if not os.path.isfile(manifest_path):
-        return [
-            f"data.{key}: {folder} holds {len(files)} file(s) matching {os.path.basename(pattern)!r} but no "
-            f"manifest.json: for your own TFRecords, declare data.features and run `runner manifest {spec_path}`; "
-            f"for a built-in dataset, `runner prepare DATASET --out {folder}`"
-        ], None
+        return problem(
+            f"{folder} holds {len(files)} file(s) matching {name!r} but no manifest.json: for your own TFRecords, "
+            f"declare data.features and run `runner manifest {spec_path}`; for a built-in dataset, "
+            f"`runner prepare DATASET --out {folder}`"
+        )
     try:
         with open(manifest_path, "rb") as handle:
             manifest = json.loads(handle.read(64 << 20))
         shards = {e["file"]: int(e["records"]) for split in manifest["splits"].values() for e in split["shards"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [f"data.{key}: {manifest_path} cannot be read as a manifest ({type(exc).__name__}: {_shown(str(exc))}); "
-                "write it again with `runner prepare` or `runner manifest --force`"], None
+        return problem(
+            f"{manifest_path} cannot be read as a manifest ({type(exc).__name__}: {_shown(str(exc))}); write it "
+            "again with `runner prepare` or `runner manifest --force`"
+        )
     unlisted = [f for f in files if os.path.basename(f) not in shards]
     if unlisted:
-        return [f"data.{key}: {unlisted[0]} matches {os.path.basename(pattern)!r} but {manifest_path} does not list "
-                f"it; narrow the pattern or write the manifest again"], None
+        return problem(f"{unlisted[0]} matches {name!r} but {manifest_path} does not list it; narrow the pattern "
+                       "or write the manifest again")
     records = sum(shards[os.path.basename(f)] for f in files)
     batch = spec.data.global_batch_size
     if key == "train" and spec.train.steps_per_epoch is None and records < batch:
-        return [f"data.train: {records:,} records in {pattern} make no full batch of data.global_batch_size "
-                f"({batch:,}); set data.global_batch_size to at most {records:,}, or add data"], None
+        return problem(
+            f"{records:,} records in {pattern} make no full batch of data.global_batch_size ({batch:,}); set "
+            f"data.global_batch_size to at most {records:,}, or add data",
+            about=("data", "global_batch_size"),
+        )
     return [], None
