@@ -13,7 +13,7 @@ import time
 
 import tensorflow as tf
 
-from runner import data, models, observe, progress, schema, train, userimport, verify
+from runner import data, integrity, models, observe, progress, schema, train, userimport
 from runner.attempt import Attempt, JobResult, error_of
 from runner.errors import Preempted, RunnerError
 from runner.preemption import PreemptionNotice
@@ -44,7 +44,7 @@ def run_job(
     attempt = Attempt.begin(spec, spec_loaded_at)
     try:
         with attempt.phases.phase("data_init"):  # before the run folder is touched: bad data leaves it as it was
-            attempt.extra["data_verify"] = verify.check_job_data(spec)
+            attempt.extra["data_verify"] = integrity.check_job_data(spec)
         done = _open(attempt)
     except RunnerError as exc:  # nothing was written: the data or the run folder is refused or unreachable
         return JobResult(attempt.summary("failed", exc, global_batch=spec.data.global_batch_size), exc)

@@ -1,179 +1,210 @@
-"""The data a job promises, checked before its run folder is touched (`data.verify`, docs/data.md).
+"""Shards checked against their manifest: the manifest's structure (check_manifest) and each shard's bytes
+(check_bytes: its size, and with sha256 every byte read once and hashed, in parallel).
 
-`runner run` calls check_job_data first: a job whose data is not what its manifest says stops with exit 2
-naming the shard (or the manifest field) and what differs, and nothing is written to the run folder: no
-spec.json, no attempt, no checkpoint rotated, no summary there (stdout still gets one).
-
-For every pattern the job reads (data.train, data.eval, and data.validation when it validates per epoch):
-  - the manifest is well formed (`splits`, per shard `file` and `records`, split totals that add up),
-  - every file the pattern matches is listed, every listed shard it names is there, and it names whole
-    splits: steps per epoch are the manifest's record count, never what happens to be on disk,
-  - the labels the manifest records (`label_range`) are classes the model has (built-in classifiers),
-  - data.verify: size (default) stats each shard: present, exactly its listed size (a shard emptied, cut at
-    a record boundary or inside a record, or replaced); sha256 also reads every byte once and compares its
-    hash, and the summary's `data_verify` reports what that cost; off skips both byte checks.
+`runner run` uses both before training (runner/integrity.py, data.verify), `runner verify` for a whole
+folder, and the input pipeline to name the shard a read failed on (data.corrupt_shards). Format:
+docs/data.md.
 """
 
 from __future__ import annotations
 
-import logging
-import posixpath
-from typing import Any
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+from typing import Any, Sequence
 
-import numpy as np
 import tensorflow as tf
 
-from runner import data, schema, storage
-from runner.errors import DataError, RunnerError
-from runner.spec import JobSpec
+from runner import storage
+from runner.errors import DataError
 
-log = logging.getLogger(__name__)
-
-# The built-in classifiers and the default of their `classes` param (runner/models.py): their labels are class
-# ids 0 .. classes - 1. tests/test_integrity.py checks these against the models as built.
-CLASSIFIERS = {"mnist_cnn": 10, "cifar10_cnn": 10}
-
-
-def patterns_of(spec: JobSpec) -> dict[str, str]:
-    """The shard patterns the job reads, by spec key."""
-    d = spec.data
-    found = {"data.train": d.train, "data.eval": d.eval}
-    if spec.train.validate_every_epoch:
-        found["data.validation"] = d.validation
-    return {key: pattern for key, pattern in found.items() if pattern}
+VERIFY_MODES = ("size", "sha256", "off")
+# Bytes per read when hashing a local shard: one reusable buffer per shard, each read hashed in place (no
+# copy per chunk). Larger buffers measured no faster and fall out of the CPU cache between read and hash.
+_READ_BLOCK = 1 << 20
+# gs:// shards stat'ed or hashed at once: those threads wait on requests, not on the CPU.
+_REMOTE_THREADS = 16
 
 
-def check_job_data(spec: JobSpec) -> dict[str, Any]:
-    """Raises DataError (exit 2) when the job's data is not what its manifests promise, StorageError (exit 3)
-    when a bucket does not answer; returns the summary's `data_verify` record."""
-    patterns = patterns_of(spec)
-    try:
-        listed: dict[str, data.Listed] = {}
-        for key, pattern in patterns.items():
-            shards = data.find_shards(pattern, key)
-            check_whole_splits(shards, key)
-            check_labels(spec, shards)
-            for shard in data.listed_in(shards):
-                listed.setdefault(shard.path, shard)
-        _check_sizes_listed(spec, list(listed.values()))
-        checked = data.check_bytes(list(listed.values()), spec.data.verify, spec.storage.timeout_s)
-    except RunnerError:
-        raise
-    except tf.errors.OpError as exc:
-        raise storage.storage_error(exc, patterns.values(), spec.storage.timeout_s) or DataError(
-            f"cannot read the data of {', '.join(patterns)}: {exc.message.splitlines()[0]}"
-        ) from None
-    if checked.problems:
-        raise DataError(
-            f"data.verify ({spec.data.verify}): {len(checked.problems)} of the {checked.shards} shards the job reads "
-            "differ from their manifest:\n  " + "\n  ".join(checked.problems) + "\nNothing was written to the run "
-            "folder. Copy the shards again from their source; if the data changed on purpose, write its manifest "
-            "again (`runner prepare` for a built-in dataset, `runner manifest --force` for your own records)"
-        )
-    if spec.data.verify != "off":
-        rate = f", {checked.mb_per_s:,.0f} MB/s on {checked.threads} threads" if checked.mb_per_s else ""
-        log.info(
-            "data.verify %s: %d shards, %.1f MB as listed, in %.2f s%s",
-            spec.data.verify, checked.shards, checked.bytes / 1e6, checked.seconds, rate,
-        )
-    return checked.to_dict()
+# --- the bytes -------------------------------------------------------------------------------------------
 
 
-def check_whole_splits(shards: data.Shards, key: str) -> None:
-    """A pattern names whole splits of its manifest: one naming part of a split would train on (or evaluate)
-    other records than the split's, with other steps per epoch, whenever a shard is added or lost."""
-    names = {posixpath.basename(f) for f in shards.files}
-    folder = posixpath.dirname(shards.pattern)
-    for split, info in shards.manifest["splits"].items():
-        listed = [entry["file"] for entry in info["shards"]]
-        left = [name for name in listed if name not in names]
-        if left and len(left) < len(listed):
-            example = f" (e.g. {folder}/{split}-*.tfrecord)" if all(n.startswith(f"{split}-") for n in listed) else ""
-            raise DataError(
-                f"{key} ({shards.pattern!r}) names {len(listed) - len(left)} of the {len(listed)} shards of split "
-                f"{split!r} in {posixpath.join(folder, data.MANIFEST)}; not named: {', '.join(left[:3])}"
-                f"{' ...' if len(left) > 3 else ''}. A pattern must name whole splits, so that what is trained and "
-                f"evaluated, and the steps per epoch, are the manifest's: name all of {split!r}{example}. For fewer "
-                "steps set train.steps_per_epoch; for fewer records prepare a smaller split (`runner prepare "
-                "--limit N`) or `runner manifest` a folder that holds only those shards"
-            )
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """One shard as its manifest lists it; `where` names the entry ("<manifest>: splits.train.shards[2]")."""
+
+    path: str
+    where: str
+    records: int
+    bytes: int | None  # None in manifests written before sizes were recorded
+    sha256: str | None
 
 
-def classes_of(spec: JobSpec) -> int | None:
-    """The number of classes of a built-in classifier (its `classes` param), None for other models."""
-    default = CLASSIFIERS.get(spec.model.name)
-    if default is None:
-        return None
-    classes = spec.model.params.get("classes", default)
-    return classes if isinstance(classes, int) and not isinstance(classes, bool) else None
+@dataclasses.dataclass
+class Checked:
+    """What check_bytes found (one problem line per shard that differs, naming it) and what it cost."""
+
+    mode: str
+    shards: int
+    bytes: int  # the sizes found
+    bytes_read: int  # the bytes hashed (sha256)
+    seconds: float
+    threads: int
+    problems: list[str]
+    found: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> size found
+
+    @property
+    def mb_per_s(self) -> float | None:
+        return round(self.bytes_read / 1e6 / self.seconds, 1) if self.bytes_read and self.seconds > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "shards": self.shards, "bytes": self.bytes, "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 4), "mb_per_s": self.mb_per_s, "threads": self.threads,
+        }
 
 
-def check_labels(spec: JobSpec, shards: data.Shards) -> None:
-    """The manifest's label ranges (written by `runner prepare` and `runner manifest`) against the model's
-    classes. A label outside them fails on a CPU but is read as garbage on a TPU or GPU: refuse it here,
-    naming the shard and its first record that holds one."""
-    classes, label = classes_of(spec), spec.data.label
-    if classes is None or shards.manifest.get("label") != label:
-        return
-    unrecorded, entries = 0, data.manifest_entries(shards.manifest)
-    for shard in data.listed_in(shards):
-        entry = entries[posixpath.basename(shard.path)][2]
-        labels = entry.get("label_range")
-        if labels is None:
-            unrecorded += entry["records"] > 0
-            continue
-        low, high = labels
-        if low >= 0 and high < classes:
-            continue
-        field = f"{shard.where}.label_range"
-        allowed = f"the {classes} classes of model {spec.model.name} (0 to {classes - 1}, model.params.classes)"
-        found = _first_label_outside(shard.path, shards.features[label], label, classes)
-        if found is None:
-            raise DataError(
-                f"{field} is [{low}, {high}], outside {allowed}, but the shard's records are all inside them: "
-                f"the manifest is wrong; {data.WRITE_AGAIN}"
-            )
-        record, value = found
-        raise DataError(
-            f"{shard.path}: record {record} (counting from 0) has {label} {value}, outside {allowed}; "
-            f"{field} is [{low}, {high}]. Set model.params.classes to at least {high + 1}, or fix the labels"
-        )
-    if unrecorded:
-        log.warning(
-            "%s records no label_range for %d shard(s): labels are not checked against the %d classes of model %s; "
-            "write the manifest again to have them checked", posixpath.join(posixpath.dirname(shards.pattern), data.MANIFEST),
-            unrecorded, classes, spec.model.name,
-        )
-
-
-def _first_label_outside(path: str, feature: schema.Feature, label: str, classes: int) -> tuple[int, int] | None:
-    """(record index, label) of the shard's first record whose label is not a class id, if its bytes read."""
-    parsed = tf.data.TFRecordDataset(path).batch(4096).map(lambda batch: schema.parse_batch(batch, {label: feature})[label])
-    seen = 0
-    try:
-        for batch in parsed:
-            values = batch.numpy().reshape(len(batch), -1)[:, 0]
-            outside = np.flatnonzero((values < 0) | (values >= classes))
-            if outside.size:
-                return seen + int(outside[0]), int(values[outside[0]])
-            seen += len(values)
-    except tf.errors.OpError:  # a shard that does not read names itself in the byte checks
-        return None
-    return None
-
-
-def _check_sizes_listed(spec: JobSpec, listed: list[data.Listed]) -> None:
-    if spec.data.verify != "size":
-        return
-    unsized = [shard for shard in listed if shard.bytes is None]
-    if not unsized:
-        return
-    manifests = sorted({shard.where.split(": ")[0] for shard in unsized})
-    folders = " ".join(posixpath.dirname(m) for m in manifests)
-    raise DataError(
-        f"data.verify (size): {', '.join(manifests)} lists no size for {len(unsized)} of the {len(listed)} shards "
-        f"(e.g. {unsized[0].where}.bytes): it was written before manifests recorded sizes. Record them once with "
-        f"`runner verify {folders} --record-sizes` (it checks every shard's sha256 first), or write the manifest "
-        "again (`runner prepare`, `runner manifest --force`); or run with --set data.verify=sha256 (reads every byte) "
-        "or --set data.verify=off"
+def check_bytes(listed: Sequence[Listed], mode: str, timeout_s: float = storage.DEFAULT_TIMEOUT_S) -> Checked:
+    """Checks shards against their manifest entries: `size` stats each one (present, the listed size);
+    `sha256` also reads every byte once and hashes it. Shards are checked on parallel threads: file reads,
+    gs:// requests and hashlib (for more than 2 KB at a time) release the GIL, so local shards hash on every
+    core and gs:// requests overlap. `off` checks nothing. A bucket that does not answer (retried for
+    `timeout_s`, storage.timeout_s) raises StorageError."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode {mode!r} is not one of {', '.join(VERIFY_MODES)}")
+    if mode == "off" or not listed:
+        return Checked(mode, len(listed), 0, 0, 0.0, 0, [])
+    remote = any(_is_remote(shard.path) for shard in listed)
+    threads = min(len(listed), _REMOTE_THREADS if remote else len(os.sched_getaffinity(0)))
+    began = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
+        results = list(pool.map(lambda shard: _check_one(shard, mode == "sha256", timeout_s), listed))
+    seconds = time.monotonic() - began
+    found = {shard.path: size for shard, (size, _, _) in zip(listed, results) if size is not None}
+    return Checked(
+        mode, len(listed), sum(found.values()), sum(read for _, read, _ in results), seconds, threads,
+        [problem for _, _, problem in results if problem], found,
     )
+
+
+def _check_one(shard: Listed, hashing: bool, timeout_s: float) -> tuple[int | None, int, str | None]:
+    """(size found or None when missing, bytes hashed, the problem or None)."""
+    try:
+        size, digest = _read_sha256(shard.path) if hashing else (_size_of(shard.path), None)
+    except (FileNotFoundError, tf.errors.NotFoundError):
+        listing = f"{shard.records:,} records" + ("" if shard.bytes is None else f", {shard.bytes:,} bytes")
+        return None, 0, f"{shard.path}: missing; {shard.where} lists it ({listing})"
+    except OSError as exc:  # a local file that cannot be read
+        return None, 0, f"{shard.path}: cannot be read ({exc.strerror or exc}); {shard.where} lists it"
+    except tf.errors.OpError as exc:
+        raise storage.storage_error(exc, [shard.path], timeout_s) or DataError(
+            f"{shard.path}: cannot be read ({exc.message.splitlines()[0]}); {shard.where} lists it"
+        ) from None
+    differences = []
+    if digest is not None:
+        if shard.sha256 is None:
+            differences.append(f"no sha256 to compare: {shard.where} lists none")
+        elif digest != shard.sha256:
+            differences.append(f"sha256 {digest[:12]}... does not match the manifest's {shard.sha256[:12]}...")
+    if shard.bytes is not None and size != shard.bytes:
+        what = "empty (0 bytes)" if size == 0 else f"{size:,} bytes"
+        differences.append(f"{what}, the manifest lists {shard.bytes:,} bytes ({shard.where})")
+    return size, size if hashing else 0, f"{shard.path}: {'; '.join(differences)}" if differences else None
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def _size_of(path: str) -> int:
+    return tf.io.gfile.stat(path).length if _is_remote(path) else os.stat(path).st_size
+
+
+def _read_sha256(path: str) -> tuple[int, str]:
+    """(size, sha256) of a file, read once. A local file is read into one buffer that hashlib hashes in
+    place; gs:// goes through tf.io.gfile in the runner's read block size."""
+    digest, size = hashlib.sha256(), 0
+    if _is_remote(path):
+        with tf.io.gfile.GFile(path, "rb") as handle:
+            while chunk := handle.read(storage.READ_BLOCK_MB << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        return size, digest.hexdigest()
+    buffer = memoryview(bytearray(_READ_BLOCK))
+    with open(path, "rb", buffering=0) as handle:
+        if hasattr(os, "posix_fadvise"):  # a larger read-ahead from disk
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while count := handle.readinto(buffer):
+            digest.update(buffer[:count])
+            size += count
+    return size, digest.hexdigest()
+
+
+def sha256_of(path: str) -> str:
+    return _read_sha256(path)[1]
+
+
+# --- the manifest's structure ------------------------------------------------------------------------
+
+
+WRITE_AGAIN = "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_manifest(manifest: dict[str, Any], path: str) -> None:
+    """Every split lists its shards (file, records, and bytes, sha256, label_range where recorded) and its
+    `records` is the sum of theirs: steps per epoch and evaluation counts come from these numbers."""
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        state = "missing" if splits is None else f"{json.dumps(splits)[:60]}, not a mapping of splits"
+        raise DataError(
+            f"{path}: field `splits` is {state}; a manifest lists every split with its shards and record counts "
+            f"(splits: {{train: {{records: N, shards: [{{file, records, bytes, sha256}}]}}}}): {WRITE_AGAIN}"
+        )
+    owner: dict[str, str] = {}
+    for split, info in splits.items():
+        field = f"splits.{split}"
+        shards = info.get("shards") if isinstance(info, dict) else None
+        if not isinstance(shards, list):
+            raise DataError(f"{path}: field `{field}.shards` is missing or not a list of shards; {WRITE_AGAIN}")
+        for index, entry in enumerate(shards):
+            _check_entry(entry, f"{field}.shards[{index}]", path)
+            if entry["file"] in owner:
+                raise DataError(f"{path}: {entry['file']} is listed twice ({owner[entry['file']]} and {field}); {WRITE_AGAIN}")
+            owner[entry["file"]] = field
+        total = sum(entry["records"] for entry in shards)
+        if info.get("records") != total:
+            raise DataError(
+                f"{path}: field `{field}.records` is {info.get('records')!r}, but the records of its {len(shards)} "
+                f"shard(s) ({field}.shards[*].records) add up to {total:,}; one of them is wrong: {WRITE_AGAIN}"
+            )
+
+
+def _check_entry(entry: Any, field: str, path: str) -> None:
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def count(value: Any) -> bool:
+        return integer(value) and value >= 0
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not entry["file"]:
+        raise DataError(f"{path}: field `{field}.file` is missing: every shard entry names its file; {WRITE_AGAIN}")
+    problems = []
+    if not count(entry.get("records")):
+        problems.append(f"`{field}.records` ({entry.get('records')!r}) is not a record count")
+    if entry.get("bytes") is not None and not count(entry["bytes"]):
+        problems.append(f"`{field}.bytes` ({entry['bytes']!r}) is not a size in bytes")
+    sha256 = entry.get("sha256")
+    if sha256 is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
+        problems.append(f"`{field}.sha256` ({sha256!r}) is not 64 lowercase hex digits")
+    labels = entry.get("label_range")
+    if labels is not None and not (
+        isinstance(labels, list) and len(labels) == 2 and all(map(integer, labels)) and labels[0] <= labels[1]
+    ):
+        problems.append(f"`{field}.label_range` ({labels!r}) is not [lowest label, highest label]")
+    if problems:
+        raise DataError(f"{path}: field {'; field '.join(problems)}; {WRITE_AGAIN}")

@@ -1,5 +1,5 @@
 """A job trains on exactly the data its manifest promises, or stops before it writes anything (data.verify,
-runner/verify.py, docs/data.md).
+runner/integrity.py, docs/data.md).
 
 Each fault below once trained with exit 0: a listed shard missing, emptied, cut at a record boundary or inside a
 record header; a wrong sha256 or record count in the manifest; a manifest without `splits`; a label the model has
@@ -213,7 +213,7 @@ def test_the_cli_exits_2_naming_the_shard_and_writes_no_run_folder(data_copy, tm
 def test_a_shard_replaced_by_one_of_the_same_size_passes_size_and_is_named_by_sha256(data_copy, tmp_path):
     """What `size` cannot see: the test shard (512 records of the same size) copied over a training shard."""
     from runner.specfile import load_spec
-    from runner.verify import check_job_data
+    from runner.integrity import check_job_data
 
     shutil.copy(data_copy / "test-00000-of-00001.tfrecord", data_copy / TRAIN_SHARD)
     spec = job_spec(tmp_path, data_copy, "replaced")
@@ -260,11 +260,11 @@ def test_labels_beyond_the_models_classes_are_named_by_shard_and_record(data_cop
 
 
 def test_the_classifiers_classes_are_those_the_models_are_built_with():
-    from runner import models, verify
+    from runner import integrity, models
     from runner.schema import Feature
     from runner.spec import JobSpec
 
-    for name, classes in verify.CLASSIFIERS.items():
+    for name, classes in integrity.CLASSIFIERS.items():
         shape = (28, 28, 1) if name == "mnist_cnn" else (32, 32, 3)
         spec = JobSpec.model_validate({"model": {"name": name}})
         model = models.build_model(spec, {"image": Feature("uint8", shape), "label": Feature("int64", ())})
@@ -309,7 +309,7 @@ def strip_sizes(folder: Path) -> None:
 
 def test_a_manifest_without_sizes_names_the_fix_for_size_and_works_for_sha256_and_off(data_copy, tmp_path):
     from runner.specfile import load_spec
-    from runner.verify import check_job_data
+    from runner.integrity import check_job_data
 
     strip_sizes(data_copy)
     spec = job_spec(tmp_path, data_copy, "old")
@@ -347,7 +347,7 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
     for entry in read_manifest(data_copy)["splits"]["train"]["shards"]:
         assert entry["bytes"] == (data_copy / entry["file"]).stat().st_size
     from runner.specfile import load_spec
-    from runner.verify import check_job_data
+    from runner.integrity import check_job_data
 
     assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized")))["mode"] == "size"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner import data, schema
+from runner import data, schema, verify
 from runner.prepare.shards import holds_class_ids, label_range, write_manifest
 from runner.errors import DataError, SpecError
 from runner.spec import JobSpec
@@ -92,7 +92,7 @@ _CHECK_BATCH = 256
 def _index_shard(path: str, features: dict[str, schema.StoredFeature], label: str) -> dict[str, Any]:
     records, labels = _check_records(path, features, label)
     entry = {"file": posixpath.basename(path), "records": records, "bytes": tf.io.gfile.stat(path).length}
-    entry["sha256"] = data.sha256_of(path)
+    entry["sha256"] = verify.sha256_of(path)
     return {**entry, **({"label_range": labels} if labels else {})}
 
 

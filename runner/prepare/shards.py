@@ -23,7 +23,7 @@ from rich.progress import (
     BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
 )
 
-from runner import data, storage
+from runner import data, storage, verify
 from runner.prepare.datasets import Dataset, load_dataset
 from runner.schema import Feature
 
@@ -122,7 +122,7 @@ def write_split(
             for row in rows:
                 writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
                 progress(1)
-        entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length, "sha256": data.sha256_of(path)}
+        entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length, "sha256": verify.sha256_of(path)}
         labels = label_range(arrays[dataset.label][rows], dataset.features[dataset.label])
         entries.append({**entry, **({"label_range": labels} if labels else {})})
     return entries
