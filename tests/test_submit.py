@@ -1,5 +1,8 @@
-"""`runner submit`, `status` and `cancel` against a local fake of the Cloud TPU API, and the dry run's gcloud
-script run by the real gcloud against the same fake: both must send the same request."""
+"""`runner submit`, `status`, `cancel` and `logs --summary` against a local fake of the Cloud TPU API (and the GCS
+emulator for the run folder), and the dry run's gcloud script run by the real gcloud against the same fake:
+both must send the same request, for every flag that reaches it.
+
+The startup script itself is tested in test_startup.py, the watcher in test_recovery.py."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
 PROJECT, ZONE = "runner-test", "us-central1-a"
+BUCKET = "runner-test"
 IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 GCLOUD = shutil.which("gcloud")
+QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources"
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +33,32 @@ def tpu_api(tmp_path_factory) -> Iterator[TpuFake]:
         yield fake
 
 
+@pytest.fixture(scope="module")
+def bucket(gcs) -> str:
+    """The run folders' bucket, on the emulator (job.json, cancel marks, summaries)."""
+    from google.api_core import exceptions
+
+    try:
+        gcs.bucket(BUCKET)
+    except exceptions.Conflict:
+        pass
+    return BUCKET
+
+
 @pytest.fixture
-def api(tpu_api: TpuFake, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A clean fake and the environment that points both the runner and gcloud at it."""
+def api(tpu_api: TpuFake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A clean fake and the environment that points the runner, gcloud and the bucket at the fakes."""
     tpu_api.reset()
+    for name in gcs.objects(bucket, "runs/"):
+        gcs.client().bucket(bucket).blob(name).delete()
     yield cli_env(
+        **gcs.env,
         CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{tpu_api.endpoint}/",
         CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
         CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
         CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
         CLOUDSDK_CORE_DISABLE_PROMPTS="1",
+        RUNNER_STATE_DIR=str(tmp_path / "state"),
     )
 
 
@@ -51,9 +72,9 @@ def cloud_spec(tmp_path: Path) -> Path:
     })
 
 
-def submit(spec: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    return run_cli("submit", spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--image", IMAGE,
-                   "--project", PROJECT, *extra, env=env, timeout=120)
+def submit(spec: Path, env: dict[str, str], *extra: str, where: bool = True) -> subprocess.CompletedProcess:
+    place = ("--zone", ZONE, "--project", PROJECT) if where else ()
+    return run_cli("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, *extra, env=env, timeout=120)
 
 
 def as_proto(body: dict[str, Any]):
@@ -68,63 +89,111 @@ def creates(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in requests if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
 
 
+def node_of(body: dict[str, Any]) -> dict[str, Any]:
+    return body["tpu"]["nodeSpec"][0]["node"]
+
+
 def the_script(body: dict[str, Any]) -> str:
-    return body["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+    return node_of(body)["metadata"]["startup-script"]
+
+
+def setting(script: str, key: str) -> str:
+    return next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith(f"{key}="))
 
 
 # --- submit ----------------------------------------------------------------------------------------
 
 
-def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(api, tpu_api, cloud_spec):
+def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(api, tpu_api, cloud_spec, gcs):
     result = submit(cloud_spec, api, "--spot")
     assert result.returncode == 0, result.stderr
     printed = last_json(result.stdout)
     assert printed["name"] == "mnist-cnn"  # the job name as a queued-resource id
     assert printed["run_dir"] == "gs://runner-test/runs/mnist_cnn"
     assert printed["operation"].startswith(f"projects/{PROJECT}/locations/{ZONE}/operations/")
+    assert printed["max_restarts"] == 3, "spot capacity is restarted after preemption by default"
 
     [request] = creates(tpu_api.requests())
-    assert request["path"] == f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources"
+    assert request["path"] == QR_PATH
     assert request["query"]["queuedResourceId"] == ["mnist-cnn"]
     sent = as_proto(request["body"])
     assert sent.HasField("spot")
     [node_spec] = sent.tpu.node_spec
     assert (node_spec.parent, node_spec.node_id) == (f"projects/{PROJECT}/locations/{ZONE}", "mnist-cnn")
     assert node_spec.node.accelerator_type == "v5litepod-8"
-    assert node_spec.node.runtime_version == "v2-alpha-tpuv5-lite"
     assert list(node_spec.node.service_account.scope) == ["https://www.googleapis.com/auth/cloud-platform"]
+    assert dict(node_spec.node.labels) == {"runner-job": "mnist-cnn", "runner-submission": printed["submission"]}
 
     script = node_spec.node.metadata["startup-script"]
     assert "docker run" in script and "--net=host --privileged" in script and "-e TPU_NAME=local" in script
     assert f"RUNNER_IMAGE={IMAGE}" in script
     assert "RUNNER_RUN_DIR=gs://runner-test/runs/mnist_cnn" in script
+    assert setting(script, "RUNNER_SUBMISSION") == printed["submission"]
+    assert setting(script, "RUNNER_EPOCHS") == "2"
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
     assert syntax.returncode == 0, syntax.stderr
+
+    job = json.loads(gcs.read(BUCKET, "runs/mnist_cnn/job.json"))
+    assert (job["name"], job["max_restarts"], job["request"]["spot"]) == ("mnist-cnn", 3, True)
+    assert [w["id"] for w in job["submissions"]] == [printed["submission"]]
+    assert job["restarts"] == [] and job["outcome"] is None
 
 
 def test_the_startup_script_carries_the_resolved_spec_with_the_tpu_required(api, tpu_api, cloud_spec, tmp_path):
     assert submit(cloud_spec, api, "--set", "train.epochs=5").returncode == 0
     script = the_script(creates(tpu_api.requests())[0]["body"])
-    encoded = next(line.split("=", 1)[1] for line in script.splitlines() if line.startswith("RUNNER_SPEC_B64="))
     shipped = tmp_path / "shipped.yaml"
-    shipped.write_bytes(base64.b64decode(encoded))
+    shipped.write_bytes(base64.b64decode(setting(script, "RUNNER_SPEC_B64")))
     on_vm = load_spec(shipped)
     expected = load_spec(cloud_spec, ["train.epochs=5", "accelerator.kind=tpu"])
     assert on_vm == expected  # a job that silently fell back to the CPU would still bill TPU hours
 
 
-def test_the_same_name_cannot_be_submitted_twice(api, cloud_spec):
-    assert submit(cloud_spec, api).returncode == 0
+def test_the_same_name_cannot_be_submitted_twice_and_each_submission_has_its_own_id(api, tpu_api, cloud_spec):
+    first = submit(cloud_spec, api)
+    assert first.returncode == 0
     again = submit(cloud_spec, api)
     assert again.returncode == 2
     assert "already exists" in again.stderr and "runner cancel mnist-cnn" in again.stderr
+    assert run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60).returncode == 0
+    third = submit(cloud_spec, api)
+    assert third.returncode == 0, third.stderr
+    ids = [node_of(c["body"])["labels"]["runner-submission"] for c in creates(tpu_api.requests())]
+    assert len(set(ids)) == 3, "the refused request had its own id too"
+    assert [ids[0], ids[2]] == [last_json(first.stdout)["submission"], last_json(third.stdout)["submission"]]
+
+
+def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(api, tpu_api, cloud_spec, tmp_path):
+    config = Path(api["CLOUDSDK_CONFIG"])
+    (config / "configurations").mkdir(parents=True)
+    (config / "active_config").write_text("work")
+    (config / "configurations" / "config_work").write_text(f"[core]\nproject = {PROJECT}\n\n[compute]\nzone = {ZONE}\n")
+    if GCLOUD:  # what we read is what gcloud itself answers, without a network call
+        for key, expected in (("core/project", PROJECT), ("compute/zone", ZONE)):
+            answer = subprocess.run([GCLOUD, "config", "get", key], capture_output=True, text=True, timeout=60, env=api)
+            assert answer.stdout.strip() == expected, answer.stderr
+    result = submit(cloud_spec, api, where=False)
+    assert result.returncode == 0, result.stderr
+    assert creates(tpu_api.requests())[0]["path"] == QR_PATH
+
+    (config / "active_config").write_text("empty")
+    missing = submit(cloud_spec, api, where=False)
+    assert missing.returncode == 2
+    assert "missing --zone" in missing.stderr and "missing --project" in missing.stderr
 
 
 # --- dry run and gcloud -------------------------------------------------------------------------
 
 
 @pytest.mark.host
-@pytest.mark.parametrize("flags", [("--spot",), ("--name", "mnist-v6e", "--runtime-version", "v2-alpha-tpuv5-lite")])
+@pytest.mark.parametrize("flags", [
+    ("--spot",),
+    ("--name", "mnist-v6e", "--runtime-version", "v2-alpha-tpuv5-lite"),
+    ("--network", "runner-net", "--subnetwork", "runner-subnet",
+     "--service-account", "runner@runner-test.iam.gserviceaccount.com", "--valid-until", "6h"),
+    ("--reservation", PROJECT, "--valid-until", "2031-01-01T00:00:00Z"),
+    ("--reservation", "shared-capacity", "--valid-until", "1h30m", "--keep"),
+])
 def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(api, tpu_api, cloud_spec, tmp_path, flags):
     assert GCLOUD, "gcloud is not installed on this machine"
     dry = submit(cloud_spec, api, *flags, "--dry-run")
@@ -138,15 +207,28 @@ def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(
     [by_gcloud] = creates(tpu_api.requests())
 
     tpu_api.reset()
-    assert submit(cloud_spec, api, *flags).returncode == 0
+    same_id = setting(the_script(by_gcloud["body"]), "RUNNER_SUBMISSION")
+    assert submit(cloud_spec, api, *flags, "--submission-id", same_id).returncode == 0
     [by_runner] = creates(tpu_api.requests())
     assert by_gcloud["path"] == by_runner["path"]
     assert by_gcloud["query"]["queuedResourceId"] == by_runner["query"]["queuedResourceId"]
     assert as_proto(by_gcloud["body"]) == as_proto(by_runner["body"])
 
 
+def test_the_new_flags_reach_the_request(api, tpu_api, cloud_spec):
+    result = submit(cloud_spec, api, "--network", "runner-net", "--subnetwork", "runner-subnet", "--service-account",
+                    "runner@runner-test.iam.gserviceaccount.com", "--reservation", "shared-capacity", "--valid-until", "6h")
+    assert result.returncode == 0, result.stderr
+    body = creates(tpu_api.requests())[0]["body"]
+    node = node_of(body)
+    assert node["networkConfig"] == {"network": "runner-net", "subnetwork": "runner-subnet", "enableExternalIps": True}
+    assert node["serviceAccount"]["email"] == "runner@runner-test.iam.gserviceaccount.com"
+    assert body["reservationName"] == f"projects/shared-capacity/locations/{ZONE}/reservations/-"
+    assert body["queueingPolicy"] == {"validUntilDuration": "21600s"}
+
+
 @pytest.mark.host
-def test_cancel_sends_what_gcloud_delete_sends(api, tpu_api, cloud_spec):
+def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelled(api, tpu_api, cloud_spec, gcs):
     assert GCLOUD, "gcloud is not installed on this machine"
     assert submit(cloud_spec, api).returncode == 0
     gcloud = subprocess.run(
@@ -155,23 +237,26 @@ def test_cancel_sends_what_gcloud_delete_sends(api, tpu_api, cloud_spec):
         capture_output=True, text=True, timeout=120, env=api,
     )
     assert gcloud.returncode == 0, gcloud.stderr
-    assert submit(cloud_spec, api).returncode == 0
+    submitted = submit(cloud_spec, api)
+    assert submitted.returncode == 0
     cancelled = run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
     assert cancelled.returncode == 0, cancelled.stderr
-    assert last_json(cancelled.stdout)["deleting"] is True
+    doc = last_json(cancelled.stdout)
+    assert doc["deleting"] is True and doc["submission"] == last_json(submitted.stdout)["submission"]
+    assert f"runs/mnist_cnn/logs/{doc['submission']}/cancelled.json" in gcs.objects(BUCKET, "runs/")
 
     deletes = [r for r in tpu_api.requests() if r["method"] == "DELETE"]
     assert len(deletes) == 2
     by_gcloud, by_runner = deletes
-    assert by_gcloud["path"] == by_runner["path"] == f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources/mnist-cnn"
+    assert by_gcloud["path"] == by_runner["path"] == f"{QR_PATH}/mnist-cnn"
     # gcloud spells the flag True, the client true: the API reads both as the boolean.
     assert [v.lower() for v in by_gcloud["query"]["force"]] == [v.lower() for v in by_runner["query"]["force"]] == ["true"]
 
 
-# --- status and cancel -----------------------------------------------------------------------------
+# --- status, listing, cost --------------------------------------------------------------------------
 
 
-def test_status_follows_the_queued_resource_until_cancel_deletes_it(api, tpu_api, cloud_spec):
+def test_status_follows_the_job_by_its_name_until_and_after_cancel(api, tpu_api, cloud_spec):
     assert submit(cloud_spec, api).returncode == 0
     where = ("--zone", ZONE, "--project", PROJECT)
 
@@ -180,15 +265,71 @@ def test_status_follows_the_queued_resource_until_cancel_deletes_it(api, tpu_api
     doc = last_json(queued.stdout)
     assert (doc["state"], doc["node"], doc["accelerator_type"]) == ("ACCEPTED", None, "v5litepod-8")
     assert doc["run_dir"] == "gs://runner-test/runs/mnist_cnn"
+    assert (doc["restarts"], doc["max_restarts"], doc["step"]) == ([], 0, None)
 
     tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
     running = last_json(run_cli("status", "mnist-cnn", *where, env=api, timeout=60).stdout)
-    assert running["state"] == "ACTIVE" and running["node"]["state"] == "READY"
+    assert running["state"] == "ACTIVE" and running["node"] == {"state": "READY", "health": "HEALTHY"}
+    assert running["cost"]["hours"] >= 0 and running["cost"]["submissions"][0]["measured"].startswith("node createTime")
 
     assert run_cli("cancel", "mnist-cnn", *where, env=api, timeout=60).returncode == 0
     gone = run_cli("status", "mnist-cnn", *where, env=api, timeout=60)
-    assert gone.returncode == 2
-    assert "no queued resource 'mnist-cnn'" in gone.stderr and "runner logs" in gone.stderr
+    assert gone.returncode == 0, gone.stderr
+    after = last_json(gone.stdout)
+    assert (after["state"], after["queued_resource"]) == ("cancelled", None)
+
+    unknown = run_cli("status", "never-submitted", *where, env=api, timeout=60)
+    assert unknown.returncode == 2
+    assert "cannot find job 'never-submitted'" in unknown.stderr and "run folder" in unknown.stderr
+
+
+def test_status_without_a_name_lists_the_runner_jobs_in_the_zone(api, tpu_api, cloud_spec):
+    assert submit(cloud_spec, api, "--spot").returncode == 0
+    same_folder = submit(cloud_spec, api, "--name", "mnist-again")
+    assert same_folder.returncode == 2, "one run folder, one live job"
+    assert "belongs to job 'mnist-cnn'" in same_folder.stderr
+    assert submit(cloud_spec, api, "--name", "mnist-again", "--set", "name=mnist_again").returncode == 0
+    tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
+    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+    assert [(r["name"], r["state"], r["restarts"], r["spot"]) for r in rows] == [
+        ("mnist-again", "ACCEPTED", 0, False), ("mnist-cnn", "ACTIVE", 0, True)]
+    assert all(r["usd"] is not None and r["usd"] >= 0 for r in rows)
+
+
+def test_the_cost_is_chips_times_the_hours_the_node_existed_times_the_price():
+    from runner.cloud import pricing, usage
+
+    job = {"zone": "us-central1-a", "request": {"tpu_type": "v5p-8", "spot": False}, "submissions": [
+        {"id": "a", "created_at": "2026-11-22T09:00:00Z", "node_created_at": "2026-11-22T10:00:00.000000Z",
+         "deleted_at": "2026-11-22T11:30:00.000000Z"},
+        {"id": "b", "created_at": "2026-11-22T12:00:00Z", "gone_at": "2026-11-22T12:30:00Z"},
+    ]}
+    cost = usage.job_cost(job)
+    price = pricing.price_per_chip_hour("v5p-8", "us-central1", False)
+    assert cost["chips"] == 4  # v5p-8: 8 TensorCores, 4 chips
+    assert [w["hours"] for w in cost["submissions"]] == [1.5, 0.5]  # from the node, not the queued resource
+    assert "upper bound" in cost["submissions"][1]["measured"]
+    if price.usd is None:
+        assert cost["usd"] is None and cost["price"]["note"]
+    else:
+        assert cost["usd"] == pytest.approx(4 * 2.0 * price.usd, abs=1e-3)
+        assert cost["price"]["source"] == price.source
+
+
+def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_api, cloud_spec, gcs):
+    assert submit(cloud_spec, api, "--spot").returncode == 0
+    tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
+    summary = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
+    gcs.write(BUCKET, "runs/mnist_cnn/summary.json", json.dumps(summary).encode())
+    shown = run_cli("logs", "mnist-cnn", "--summary", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    doc = last_json(shown.stdout)
+    assert doc["status"] == summary["status"] and doc["timing"] == summary["timing"]
+    assert doc["restarts"] == [] and len(doc["submissions"]) == 1
+    assert doc["cost"]["accelerator_type"] == "v5litepod-8" and doc["cost"]["spot"] is True
+    assert doc["cost"]["chips"] == 8
 
 
 # --- bad input: refused before any call --------------------------------------------------------
@@ -203,8 +344,13 @@ def test_status_follows_the_queued_resource_until_cancel_deletes_it(api, tpu_api
     (["--tpu-type", "v5litepod-3"], {}, "v5litepod comes in sizes 1, 4, 8"),
     (["--tpu-type", "v9-8"], {}, "unknown TPU generation 'v9'"),
     (["--name", "Mnist_CNN"], {}, "cannot name a queued resource"),
-    ([], {"output": {"dir": "runs"}}, "output.dir is 'runs'"),
-    ([], {"data": {"train": "data/mnist/train-*.tfrecord", "eval": None}}, "data.train is 'data/mnist/train-*.tfrecord'"),
+    (["--valid-until", "soon"], {}, "--valid-until 'soon' is neither a duration"),
+    (["--valid-until", "2020-01-01T00:00:00Z"], {}, "has already passed"),
+    (["--service-account", "runner"], {}, "is not a service account's email"),
+    (["--network", "Bad Net"], {}, "is not a network name"),
+    (["--reservation", "projects/x/reservations/y"], {}, "must name the project that holds the reservation"),
+    ([], {"output": {"dir": "runs"}}, "runs': a TPU VM's disk goes with the VM"),
+    ([], {"data": {"train": "data/mnist/train-*.tfrecord", "eval": None}}, "train-*.tfrecord': the TPU VM cannot see this machine's files"),
     ([], {"accelerator": {"kind": "cpu"}}, "accelerator.kind is 'cpu'"),
 ])
 def test_bad_input_is_refused_before_any_call(api, tpu_api, cloud_spec, flags, spec_change, message):
@@ -240,162 +386,3 @@ def test_an_unreachable_api_is_an_infrastructure_error(api, cloud_spec):
     result = submit(cloud_spec, env)
     assert result.returncode == 3
     assert "could not reach the Cloud TPU API to create 'mnist-cnn'" in result.stderr
-
-
-# --- the startup script, run on this machine ----------------------------------------------------
-# The TPU VM's docker, gcloud and metadata server cannot exist here: small executables on PATH stand in
-# for them, record every call, and keep "gs://" objects in a local folder.
-
-_SHIMS = {
-    "curl": """#!/bin/sh
-echo "curl $*" >>"$FAKE_CALLS"
-case "$*" in
-  *worker-network-endpoints*) echo "$FAKE_ENDPOINTS" ;;
-  *) echo "$FAKE_WORKER" ;;
-esac
-""",
-    "gcloud": """#!/bin/bash
-echo "gcloud $*" >>"$FAKE_CALLS"
-local_of() { echo "$FAKE_GCS/${1#gs://}"; }
-case "$1 $2" in
-  "storage ls") [ -e "$(local_of "${@: -1}")" ] ;;
-  "storage cp") mkdir -p "$(dirname "$(local_of "${@: -1}")")" && cp "${@: -2:1}" "$(local_of "${@: -1}")" ;;
-esac
-""",
-    "docker": """#!/bin/bash
-echo "docker $*" >>"$FAKE_CALLS"
-if [ "$1" = run ]; then
-  for arg in "$@"; do case "$arg" in *:/job:ro) cp "${arg%%:/job:ro}/spec.yaml" "$FAKE_SEEN_SPEC" ;; esac; done
-  echo "epoch 1/2: training"
-  echo '{"status": "done"}'
-  exit "$FAKE_EXIT"
-fi
-""",
-}
-
-
-def run_startup_script(
-    script: str, folder: Path, worker: int = 0, exit_code: int = 0, hosts: int = 1
-) -> tuple[list[str], Path]:
-    """Runs a startup script as a TPU VM worker would at boot; returns the calls it made and the 'bucket'."""
-    bin_dir, gcs_dir = folder / "bin", folder / "gcs"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in _SHIMS.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    calls = folder / "calls.txt"
-    calls.unlink(missing_ok=True)
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_CALLS": str(calls), "FAKE_GCS": str(gcs_dir),
-        "FAKE_WORKER": str(worker), "FAKE_EXIT": str(exit_code),
-        "FAKE_ENDPOINTS": ",".join(f"10.0.0.{n}:8470" for n in range(hosts)), "FAKE_SEEN_SPEC": str(folder / "seen.yaml"),
-        "RUNNER_WORKDIR": str(folder / "work"),
-    }
-    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
-    assert result.returncode == 0, result.stderr
-    return calls.read_text().splitlines() if calls.exists() else [], gcs_dir
-
-
-def test_the_startup_script_runs_the_job_and_worker_0_deletes_the_queued_resource(api, tpu_api, cloud_spec, tmp_path):
-    assert submit(cloud_spec, api, "--spot").returncode == 0
-    script = the_script(creates(tpu_api.requests())[0]["body"])
-
-    calls, gcs_dir = run_startup_script(script, tmp_path, worker=0)
-    doctor, run = [c for c in calls if c.startswith("docker run")]
-    assert doctor.endswith(f"{IMAGE} doctor --json --save /job/spec.yaml"), "the doctor checks the VM first"
-    assert "--net=host --privileged" in run and "-e TPU_NAME=local" in run
-    assert run.endswith(f"{IMAGE} run /job/spec.yaml")
-    assert any(c == f"docker pull {IMAGE}" for c in calls)
-    assert any(c.startswith("gcloud auth configure-docker us-central1-docker.pkg.dev") for c in calls)
-    assert load_spec(tmp_path / "seen.yaml").accelerator.kind == "tpu"
-
-    logs = gcs_dir / "runner-test/runs/mnist_cnn/logs"
-    assert '{"status": "done"}' in (logs / "worker-0.log").read_text()
-    record = json.loads((logs / "worker-0.exit.json").read_text())
-    assert record["exit_code"] == 0 and record["worker"] == 0
-    assert (record["accelerator_type"], record["spot"], record["usd_per_chip_hour"]) == ("v5litepod-8", True, 1.2)
-    [delete] = [c for c in calls if "queued-resources delete" in c]
-    assert f"delete mnist-cnn --project {PROJECT} --zone {ZONE} --force" in delete
-
-    # At the next boot the finished job is not run again.
-    again, _ = run_startup_script(script, tmp_path, worker=0)
-    assert not [c for c in again if c.startswith("docker")]
-
-
-def test_other_workers_and_kept_jobs_leave_the_queued_resource(api, tpu_api, cloud_spec, tmp_path):
-    assert submit(cloud_spec, api).returncode == 0
-    worker_1, _ = run_startup_script(the_script(creates(tpu_api.requests())[0]["body"]), tmp_path / "w1", worker=1)
-    assert any(c.startswith("docker run") for c in worker_1)
-    assert not [c for c in worker_1 if "delete" in c]
-
-    tpu_api.reset()
-    assert submit(cloud_spec, api, "--keep").returncode == 0
-    kept, _ = run_startup_script(the_script(creates(tpu_api.requests())[0]["body"]), tmp_path / "kept", worker=0)
-    assert not [c for c in kept if "delete" in c]
-
-
-def test_a_multi_host_slice_is_driven_from_worker_0_with_the_slice_name(api, tpu_api, cloud_spec, tmp_path):
-    assert submit(cloud_spec, api).returncode == 0
-    script = the_script(creates(tpu_api.requests())[0]["body"])
-    worker_1, _ = run_startup_script(script, tmp_path / "w1", worker=1, hosts=4)
-    assert not [c for c in worker_1 if c.startswith("docker run")], "only worker 0 runs TensorFlow's client"
-    worker_0, _ = run_startup_script(script, tmp_path / "w0", worker=0, hosts=4)
-    [job] = [c for c in worker_0 if c.startswith("docker run") and c.endswith("run /job/spec.yaml")]
-    assert "-e TPU_NAME=mnist-cnn -e TPU_LOAD_LIBRARY=0" in job and "TPU_NAME=local" not in job
-
-
-# --- logs and the summary with its cost -------------------------------------------------------------
-
-
-def test_logs_and_the_summary_with_its_cost_come_from_the_bucket(api, tpu_api, gcs, tmp_path):
-    from runner.cloud import pricing
-
-    bucket = gcs.bucket()
-    spec = write_spec(tmp_path, {
-        "name": "mnist_cnn",
-        "data": {"train": f"gs://{bucket}/data/train-*.tfrecord", "eval": None},
-        "output": {"dir": f"gs://{bucket}/runs"},
-    })
-    assert submit(spec, api, "--tpu-type", "v6e-8").returncode == 0
-    _, gcs_dir = run_startup_script(the_script(creates(tpu_api.requests())[0]["body"]), tmp_path / "vm")
-    run_dir = gcs.upload_folder(gcs_dir / bucket / "runs/mnist_cnn/logs", bucket, "runs/mnist_cnn/logs").rsplit("/logs", 1)[0]
-    summary = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
-    gcs.write(bucket, "runs/mnist_cnn/summary.json", json.dumps(summary).encode())
-    env = cli_env(**gcs.env)
-
-    log = run_cli("logs", run_dir, env=env, timeout=60)
-    assert log.returncode == 0, log.stderr
-    assert log.stdout == (gcs_dir / bucket / "runs/mnist_cnn/logs/worker-0.log").read_text()
-
-    with_cost = run_cli("logs", run_dir, "--summary", env=env, timeout=60)
-    assert with_cost.returncode == 0, with_cost.stderr
-    doc = last_json(with_cost.stdout)
-    assert doc["status"] == summary["status"] and doc["timing"] == summary["timing"]
-    record = json.loads(gcs.read(bucket, "runs/mnist_cnn/logs/worker-0.exit.json"))
-    cost = doc["cost"]
-    assert (cost["accelerator_type"], cost["chips"], cost["usd_per_chip_hour"]) == ("v6e-8", 8, 2.70)
-    assert cost["hours"] >= 0 and cost["usd"] == pytest.approx(8 * cost["hours"] * 2.70, abs=1e-3)
-    assert record["accelerator_type"] == "v6e-8"
-    assert cost["price_table"]["date"] == pricing.price_table()["date"]
-
-
-def test_the_cost_is_chips_times_hours_times_the_price(tmp_path):
-    from runner.cloud import logs as joblogs
-
-    record = {"worker": 0, "exit_code": 0, "started_at": "2026-11-22T10:00:00Z", "finished_at": "2026-11-22T11:30:00Z",
-              "accelerator_type": "v5p-8", "spot": False, "usd_per_chip_hour": 4.2}
-    cost = joblogs.cost_of(record)
-    assert (cost["chips"], cost["hours"], cost["usd"]) == (4, 1.5, pytest.approx(4 * 1.5 * 4.2))  # v5p-8: 8 cores, 4 chips
-    spot = joblogs.cost_of({**record, "spot": True})
-    assert "upper bound" in spot["basis"]
-
-
-def test_following_a_local_run_folder_ends_with_the_jobs_exit_code(api, tpu_api, cloud_spec, tmp_path):
-    assert submit(cloud_spec, api).returncode == 0
-    _, gcs_dir = run_startup_script(the_script(creates(tpu_api.requests())[0]["body"]), tmp_path, exit_code=75)
-    run_dir = gcs_dir / "runner-test/runs/mnist_cnn"
-    followed = run_cli("logs", run_dir, "--follow", "--interval", "1", timeout=60)
-    assert followed.returncode == 75  # preempted: submit the same job again to resume it
-    assert "job exited with code 75" in followed.stdout
-    missing = run_cli("logs", tmp_path / "nowhere", timeout=60)
-    assert missing.returncode == 2 and "no log at" in missing.stderr

@@ -116,12 +116,9 @@ def submit(
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --image IMAGE`
     """
     from runner.cli.common import fail
-    from runner.cloud import record
+    from runner.cloud import engines, jobs, record, tpu_api
     from runner.cloud import submit as submit_mod
-    from runner.cloud import tpu_api
     from runner.errors import RunnerError
-
-    from runner.cloud import engines
 
     try:
         options = engines.Options(queue=queue, namespace=namespace or "default", cluster=cluster,
@@ -142,11 +139,15 @@ def submit(
         )
         if on != "tpu-vm":
             text, sent = engines.submit(on, sub, options, dry_run=dry_run)
-            typer.echo(text, nl=False) if text else _print(sent)
+            if sent is None:
+                typer.echo(text, nl=False)
+            else:
+                _print(sent)
             return
         if dry_run:
             typer.echo(submit_mod.gcloud_script(sub), nl=False)
             return
+        jobs.refuse_a_second_job(sub)
         result = tpu_api.create(sub)
         job = submit_mod.job_record(sub, result["operation"])
         record.remember(sub.name, sub.project, sub.zone, sub.spec.run_dir)

@@ -53,6 +53,35 @@ def locate(name: str, project: str | None, zone: str | None, client=None) -> dic
                     + ". Give its run folder instead (e.g. gs://BUCKET/runs/JOB), or the --zone and --project it runs in")
 
 
+def refuse_a_second_job(sub: submit.Submission, client=None) -> None:
+    """One run folder, one live job: a new name for a folder whose job still has its queued resource would
+    run two jobs into the same checkpoints (the job's lease would stop the second, with the TPU billed)."""
+    try:
+        previous = record.load_job(sub.spec.run_dir)
+    except RunnerError:
+        return  # the bucket does not answer here; the job itself checks its folder
+    if not previous or previous["name"] == sub.name:
+        return  # the same name: the API refuses a second queued resource itself
+    if tpu_api.get_queued_resource(previous["name"], previous["project"], previous["zone"], client) is not None:
+        raise SpecError(
+            f"run folder {sub.spec.run_dir} belongs to job {previous['name']!r}, whose queued resource still exists "
+            f"in {previous['zone']}: wait for it, `runner cancel {previous['name']}`, or give this job another name "
+            "(--set name=...)"
+        )
+
+
+def with_live_times(job: dict[str, Any], seen: dict[str, Any] | None) -> dict[str, Any]:
+    """The job with the API's timestamps of its current queued resource filled in (for the cost so far; a
+    watcher keeps them in job.json, a job without one has only what the API says now)."""
+    if not seen or not job.get("submissions"):
+        return job
+    current = dict(job["submissions"][-1])
+    if seen.get("submission") in (None, current["id"]):
+        for key in ("created_at", "node_created_at"):
+            current[key] = current.get(key) or seen.get(key)
+    return {**job, "submissions": [*job["submissions"][:-1], current]}
+
+
 def row(job: dict[str, Any], state: str | None) -> dict[str, Any]:
     """One line of `runner status`: state, restarts, step, cost so far."""
     try:
@@ -90,7 +119,7 @@ def list_jobs(project: str, zone: str, client=None) -> list[dict[str, Any]]:
         except RunnerError as error:
             rows.append({"name": name, "state": seen["state"], "error": str(error)})
             continue
-        rows.append(row(job, seen["state"]))
+        rows.append(row(with_live_times(job, seen), seen["state"]))
     for pointer in record.remembered():
         if pointer["name"] in names or pointer.get("project") != project or pointer.get("zone") != zone:
             continue
@@ -110,6 +139,7 @@ def status(name: str, project: str | None, zone: str | None, client=None) -> dic
     resource = tpu_api.get_queued_resource(job["name"], job["project"], job["zone"], client)
     seen = tpu_api.describe(resource, client) if resource is not None else None
     state = seen["state"] if seen else _ended_state(job)
+    job = with_live_times(job, seen)
     doc = row(job, state)
     doc.update({
         "project": job["project"],
