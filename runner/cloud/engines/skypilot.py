@@ -21,7 +21,7 @@ from runner.cloud.engines import COMMAND, RETRY_UNBOUNDED, container_env, dump_y
 from runner.cloud.submit import Submission
 from runner.errors import AcceleratorError, SpecError
 
-INSTALL = "pip install 'tpu-job-runner[skypilot]'   (or: pip install skypilot[gcp])"
+INSTALL = "pip install 'tpu-job-runner[skypilot]' (the client; its API server needs skypilot[gcp])"
 
 
 def task(sub: Submission) -> dict[str, Any]:
