@@ -92,10 +92,11 @@ _STATE_TEMP = re.compile(r"^checkpoint\.tmp[0-9a-f]+$")
 
 def data_fingerprint(shards: data.Shards) -> str:
     """The training data's identity: the manifest's sha256 and record count of each shard the glob
-    matched, and the features; not where the shards are."""
+    matched, and the features; not where the shards are, nor the sizes (the sha256 fixes them, and a manifest
+    that gains them through `runner verify --record-sizes` still describes the same data)."""
     entries = {e["file"]: e for split in shards.manifest.get("splits", {}).values() for e in split.get("shards", [])}
     listed = [
-        {key: entries.get(posixpath.basename(f), {}).get(key) for key in ("file", "records", "sha256", "bytes")}
+        {key: entries.get(posixpath.basename(f), {}).get(key) for key in ("file", "records", "sha256")}
         for f in shards.files
     ]
     identity = {"features": shards.manifest.get("features"), "shards": sorted(listed, key=lambda e: str(e["file"]))}

@@ -352,6 +352,21 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
     assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized")))["mode"] == "size"
 
 
+@pytest.mark.slow
+def test_a_job_trained_on_a_manifest_without_sizes_resumes_after_they_are_recorded(data_copy, tmp_path):
+    """The upgrade path: sizes added to the manifest change nothing the checkpoints are pinned to."""
+    strip_sizes(data_copy)
+    spec = job_spec(tmp_path, data_copy, "upgraded", data={"eval": None})
+    first = run_cli("run", spec, "--set", "data.verify=sha256")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert invoke("verify", str(data_copy), "--record-sizes").exit_code == 0
+    again = run_cli("run", spec, "--set", "train.epochs=2")  # data.verify: size, the default
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = last_json(again.stdout)
+    assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
+    assert summary["data_verify"]["mode"] == "size" and summary["data_verify"]["bytes_read"] == 0
+
+
 def test_runner_verify_records_no_size_while_a_shard_differs(data_copy):
     strip_sizes(data_copy)
     cut_at_a_record_boundary(data_copy)
