@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import posixpath
 import time
 
 import tensorflow as tf
 
 from runner import data, integrity, models, observe, progress, schema, train, userimport
 from runner.attempt import Attempt, JobResult, error_of
-from runner.errors import Preempted, RunnerError
-from runner.preemption import PreemptionNotice
+from runner.errors import Diverged, Interrupted, Preempted, RunnerError
+from runner.preemption import EarlyNotice, PreemptionNotice
 from runner.spec import JobSpec
 from runner.strategy import Accelerator, cluster_from_env, per_replica_batch, resolve_accelerator
 
@@ -27,15 +28,16 @@ __all__ = ["JobResult", "run_job"]
 
 
 def run_job(
-    spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0, early_notice: float | None = None,
+    spec: JobSpec, *, spec_loaded_at: float | None = None, verbose: int = 0, early_notice: EarlyNotice | None = None,
     progress_every: float | None = progress.DEFAULT_EVERY_S,
 ) -> JobResult:
     """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any.
 
     `progress_every`: seconds between progress lines when stderr is not a terminal (runner/progress.py).
 
-    `early_notice`: when a SIGTERM arrived before the job could install its handler (while TensorFlow was
-    importing; see runner/preemption.py): the job then stops as preempted before training, having saved nothing.
+    `early_notice`: holds a SIGTERM or SIGINT that arrived before the job could install its handler (while
+    TensorFlow was importing; see runner/preemption.py): the job then stops as preempted or interrupted
+    before training, having saved nothing.
     """
     if spec.kind == "matmul_bench":
         from runner import matmul
@@ -64,9 +66,9 @@ def run_job(
     status, error = "failed", None
     notice = PreemptionNotice(spec.checkpoint.grace_s)
     try:
-        notice.install()  # a SIGTERM from here on is a preemption notice: see runner/preemption.py
+        notice.install()  # a SIGTERM or SIGINT from here on is a notice: see runner/preemption.py
         if early_notice is not None:
-            notice.notify(early_notice)
+            early_notice.pass_to(notice)
         _stop_if_noticed(notice, "while the job was starting")
         with attempt.phases.phase("strategy"):
             attempt.accelerator = resolve_accelerator(spec.accelerator)
@@ -88,6 +90,8 @@ def run_job(
         status = "succeeded"
     except Preempted as exc:
         status, error = "preempted", exc
+    except Interrupted as exc:
+        status, error = "interrupted", exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
         error = error_of(exc, spec)
     summary = attempt.summary(
@@ -118,15 +122,24 @@ def _open(attempt: Attempt) -> dict | None:
 
 
 @dataclasses.dataclass
+class Evaluation:
+    """Weighted batches holding every record of a split once, the last batch padded (runner/data.py)."""
+
+    dataset: tf.data.Dataset
+    steps: int
+    records: int
+
+
+@dataclasses.dataclass
 class Inputs:
-    """The job's input pipelines, built once: training batches, and (dataset, steps) for evaluation and
-    per-epoch validation when the spec asks for them."""
+    """The job's input pipelines, built once: training batches, and the evaluation and per-epoch validation
+    batches when the spec asks for them."""
 
     train: data.Shards
     train_ds: tf.data.Dataset
     steps_per_epoch: int
-    eval: tuple[tf.data.Dataset, int] | None
-    validation: tuple[tf.data.Dataset, int] | None
+    eval: Evaluation | None
+    validation: Evaluation | None
     preprocess: object
     clock: observe.InputClock | None
     input_method: str
@@ -136,13 +149,15 @@ def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
     batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
     preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
 
-    def evaluation(pattern: str, key: str) -> tuple[tf.data.Dataset, int]:
+    def evaluation(pattern: str, key: str) -> Evaluation:
         shards = data.find_shards(pattern)
         schema.check_declared(d.features, shards)
+        steps = data.eval_steps(shards, batch, key)
         dataset = data.make_dataset(
-            shards, batch, d.inputs, d.label, training=False, preprocess=preprocess, workers=workers, autotune=d.autotune
+            shards, batch, d.inputs, d.label, training=False, preprocess=preprocess, workers=workers,
+            autotune=d.autotune, weighted=True,
         )
-        return dataset, data.steps_in(shards, batch, key)
+        return Evaluation(dataset, steps, shards.records)
 
     train_shards = data.find_shards(d.train)
     schema.check_declared(d.features, train_shards)
@@ -202,9 +217,12 @@ def _train(
     with notice:
         try:
             watchers = [*plateau, *([profiler] if profiler else []), shown]
-            train.fit(model, inputs.train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=inputs.validation)
+            validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
+            train.fit(model, inputs.train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=validation)
         except tf.errors.OpError as exc:
             raise data.input_error(exc, spec.data.train, "data.train") or exc from None
+        except Diverged as exc:
+            raise _diverged(exc, spec, attempt) from None
         finally:
             shown.close()
             if profiler:
@@ -214,6 +232,9 @@ def _train(
             phases.add("train", time.monotonic() - began - saved - recorder.validation_s)
             phases.add("eval", recorder.validation_s)
     step = int(model.optimizer.iterations.numpy())
+    if notice.interrupted:
+        extra["interruption"] = {"grace_s": spec.checkpoint.grace_s, "saved_after_notice_s": checkpointer.saved_after_notice_s}
+        raise Interrupted(f"interrupted: saved step {step}; run the same job again to continue")
     if checkpointer.preempted or notice.received.is_set():
         extra["preemption"] = {"grace_s": spec.checkpoint.grace_s, "saved_after_notice_s": checkpointer.saved_after_notice_s}
         raise Preempted(f"preemption notice received: saved step {step} to {attempt.run.checkpoints}; run the same job again to continue")
@@ -226,21 +247,35 @@ def _train(
 
 
 def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs, verbose: int) -> dict:
-    """Metrics on data.eval after training ({} when the spec names no eval shards)."""
+    """Metrics on every record of data.eval after training ({} when the spec names no eval shards)."""
     if inputs.eval is None:
         return {}
-    dataset, steps = inputs.eval
     with attempt.phases.phase("eval"):
         try:
-            results = model.evaluate(dataset, steps=steps, return_dict=True, verbose=verbose)
+            results = model.evaluate(inputs.eval.dataset, steps=inputs.eval.steps, return_dict=True, verbose=verbose)
         except tf.errors.OpError as exc:
             raise data.input_error(exc, spec.data.eval, "data.eval") or exc from None
     metrics = {k: float(v) for k, v in results.items()}
-    metrics["examples"] = steps * spec.data.global_batch_size
+    metrics["examples"] = inputs.eval.records
     log.info("eval: %s", ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     return metrics
 
 
+def _diverged(exc: Diverged, spec: JobSpec, attempt: Attempt) -> Diverged:
+    """The divergence with what it left behind and what to change."""
+    latest = attempt.run.latest_checkpoint()
+    look = "Lower train.learning_rate, or look for NaN or inf in the data, data.preprocess or train.loss"
+    if latest is None:
+        kept, again = "no checkpoint of it was saved", f"{look}, and run the job again"
+    else:
+        kept = f"none of it was saved: the newest checkpoint, {posixpath.basename(latest)}, holds the last finite weights"
+        # The learning rate is part of what the checkpoints mean (runner/outputs.py): a new one starts anew.
+        again = f"{look}; a lower learning rate starts over under a new job name (`--set name={spec.name}-2`)"
+    return Diverged(f"{exc} (train.learning_rate {spec.train.learning_rate:g}); {kept}, and no model was exported. {again}")
+
+
 def _stop_if_noticed(notice: PreemptionNotice, when: str) -> None:
+    if notice.interrupted:
+        raise Interrupted(f"interrupted {when}: nothing new was trained or saved; run the same job again")
     if notice.received.is_set():
         raise Preempted(f"preemption notice received {when}: nothing new was trained or saved; run the same job again")

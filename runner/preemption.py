@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from runner.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -32,6 +32,48 @@ def _interrupted_again() -> None:
     )
 
 
+class _Watcher:
+    """Sees SIGTERM and SIGINT the moment they arrive and hands each to `on_signal(signum)` in a thread.
+
+    Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in a long C
+    call (TensorFlow's import, a save to storage that does not answer) would not see a signal for seconds
+    or ever. The wakeup fd is written by the C-level handler at once, one byte per signal; a watcher thread
+    reads it and is the only one to act (so each signal counts once). The Python-level handlers only keep
+    the default actions (KeyboardInterrupt, termination) away. Install and remove in the main thread.
+    """
+
+    def __init__(self, on_signal: Callable[[int], None]):
+        self._on_signal = on_signal
+        self._previous: dict[int, Any] = {}
+        self._previous_wakeup = -1
+        self._pipe: tuple[int, int] | None = None
+
+    def install(self) -> None:
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._previous = {signum: signal.signal(signum, lambda *_: None) for signum in SIGNALS}
+        self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="signals").start()
+
+    def remove(self) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        os.close(self._pipe[1])  # ends the watcher
+        self._pipe = None
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while chunk := os.read(read_fd, 64):
+                for signum in chunk:
+                    if signum in SIGNALS:
+                        self._on_signal(signum)
+        finally:
+            os.close(read_fd)
+
+
 class PreemptionNotice:
     """Turns SIGTERM and SIGINT into a flag read between steps; `interrupted` tells a Ctrl-C from a preemption.
 
@@ -51,9 +93,7 @@ class PreemptionNotice:
         self.signal: int | None = None  # the signal the notice came by
         self._interrupts = 0
         self._lock = threading.Lock()
-        self._previous: dict[int, Any] = {}
-        self._previous_wakeup = -1
-        self._pipe: tuple[int, int] | None = None
+        self._watcher = _Watcher(lambda signum: self.notify(signum=signum))
         self._depth = 0
 
     @property
@@ -64,28 +104,14 @@ class PreemptionNotice:
     def install(self) -> None:
         """From here on SIGTERM and SIGINT are notices, not the end of the process. Nested installs count."""
         self._depth += 1
-        if self._depth > 1 or threading.current_thread() is not threading.main_thread():
-            return
-        # Python runs signal handlers in the main thread between bytecodes, so a main thread stuck in
-        # a TensorFlow call (a save to storage that does not answer) would never see the notice. The
-        # wakeup fd is written by the C-level handler at once, one byte per signal; a watcher thread reads
-        # it and is the only one to act on it (so each signal counts once). The Python-level handlers only
-        # keep the default actions (KeyboardInterrupt, termination) away.
-        self._pipe = os.pipe()
-        os.set_blocking(self._pipe[1], False)
-        self._previous = {signum: signal.signal(signum, lambda *_: None) for signum in SIGNALS}
-        self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="preemption").start()
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
+            self._watcher.install()
 
     def remove(self) -> None:
         """Gives SIGTERM and SIGINT back their previous handlers. The deadline, once started, stays."""
         self._depth -= 1
-        if self._depth == 0 and self._pipe is not None:
-            signal.set_wakeup_fd(self._previous_wakeup)
-            for signum, handler in self._previous.items():
-                signal.signal(signum, handler)
-            os.close(self._pipe[1])  # ends the watcher
-            self._pipe = None
+        if self._depth == 0:
+            self._watcher.remove()
 
     def __enter__(self) -> "PreemptionNotice":
         self.install()
@@ -93,15 +119,6 @@ class PreemptionNotice:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
-
-    def _watch(self, read_fd: int) -> None:
-        try:
-            while chunk := os.read(read_fd, 64):
-                for signum in chunk:
-                    if signum in SIGNALS:
-                        self.notify(signum=signum)
-        finally:
-            os.close(read_fd)
 
     def notify(self, at: float | None = None, signum: int = signal.SIGTERM) -> None:
         """The notice, received now or at `at` (time.monotonic()): the grace period runs from then.
@@ -138,29 +155,32 @@ class PreemptionNotice:
 class EarlyNotice:
     """Holds a SIGTERM or SIGINT that arrives before the job installs its PreemptionNotice, mostly while
     TensorFlow imports, so the run then ends as `preempted` (exit 75) or `interrupted` (exit 130) with its
-    summary, not killed (143) or with a traceback. A second SIGINT exits at once (130)."""
+    summary, not killed (143) or with a traceback. A second SIGINT exits at once (130), even mid-import."""
 
     def __init__(self) -> None:
         self.at: float | None = None
         self.signal: int | None = None
         self._interrupts = 0
-        self._previous = {signum: signal.signal(signum, self._note) for signum in SIGNALS}
+        self._lock = threading.Lock()
+        self._watcher = _Watcher(self._note)
+        self._watcher.install()
 
-    def _note(self, signum: int, _frame: object) -> None:
-        if signum == signal.SIGINT:
-            self._interrupts += 1
-            if self._interrupts > 1:
-                _interrupted_again()
-        if self.at is None:
-            self.at, self.signal = time.monotonic(), signum
+    def _note(self, signum: int) -> None:
+        with self._lock:
+            if signum == signal.SIGINT:
+                self._interrupts += 1
+                if self._interrupts > 1:
+                    _interrupted_again()
+            if self.at is None:
+                self.at, self.signal = time.monotonic(), signum
 
     def pass_to(self, notice: PreemptionNotice) -> None:
         """Hands a signal held here to the job's notice (its grace period runs from when it came)."""
-        if self.at is not None:
-            notice.notify(self.at, self.signal)
-        if self._interrupts and self.signal != signal.SIGINT:  # a Ctrl-C after a SIGTERM: the next one is the second
-            notice.notify(self.at, signal.SIGINT)
+        with self._lock:
+            if self.at is not None:
+                notice.notify(self.at, self.signal)
+            if self._interrupts and self.signal != signal.SIGINT:  # a Ctrl-C after a SIGTERM: the next is the second
+                notice.notify(self.at, signal.SIGINT)
 
     def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        self._watcher.remove()

@@ -119,7 +119,7 @@ def stalled_save_job(gcs_faults, tiny_mnist, mnist_job, name: str, grace_s: floa
 def test_a_second_ctrl_c_during_a_hung_save_exits_at_once(gcs_faults, tiny_mnist, mnist_job):
     spec, bucket = stalled_save_job(gcs_faults, tiny_mnist, mnist_job, "hung", grace_s=60)
     process = start_run(spec, env=cli_env(**gcs_faults.env))
-    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    wait_for(lambda: gcs_faults.faults.stats()["stall"] or None, process, every=0.2)  # this run's save, stalled
     process.send_signal(signal.SIGINT)  # the save of step 16 is stuck: the first Ctrl-C waits for it
     time.sleep(1.0)
     assert process.poll() is None, "the first Ctrl-C waits for the save (grace_s 60)"
@@ -137,7 +137,7 @@ def test_a_second_ctrl_c_during_a_hung_save_exits_at_once(gcs_faults, tiny_mnist
 def test_ctrl_c_during_a_save_stuck_past_the_grace_period_exits_130(gcs_faults, tiny_mnist, mnist_job):
     spec, bucket = stalled_save_job(gcs_faults, tiny_mnist, mnist_job, "stuck", grace_s=3)
     process = start_run(spec, env=cli_env(**gcs_faults.env))
-    wait_for(lambda: gcs_faults.faults.stats()["holding"] or None, process, every=0.2)
+    wait_for(lambda: gcs_faults.faults.stats()["stall"] or None, process, every=0.2)  # this run's save, stalled
     noticed = time.monotonic()
     process.send_signal(signal.SIGINT)
     code, _, err = finish(process, timeout=60)

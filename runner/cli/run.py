@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -67,7 +68,8 @@ def run(
 
     Re-running a finished job prints its summary and trains nothing. A closing line on stderr says how it
     ended and where the model is. Exit codes: 0, 1 training failed, 2 spec/data, 3 accelerator/storage,
-    75 preempted (checkpoint saved: run again to continue).
+    75 preempted (checkpoint saved: run again to continue), 130 interrupted by Ctrl-C (the same, saved; a
+    second Ctrl-C exits at once).
 
     **Examples**
 
@@ -89,16 +91,18 @@ def run(
     from runner.tpu_env import prepare_tpu_env
 
     prepare_tpu_env(job.accelerator.kind, job.accelerator.tpu)  # PJRT or not: TensorFlow reads it while loading
-    from runner.errors import Preempted
+    from runner.errors import Interrupted, Preempted
     from runner.job import run_job
 
     if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
         early.restore()
+        if early.signal == signal.SIGINT:
+            raise fail(Interrupted("interrupted while starting; nothing was run; run the job again"))
         if early.at is not None:
             raise fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
     from runner.progress import closing_line
 
-    result = run_job(job, spec_loaded_at=loaded_at, early_notice=early.at, progress_every=progress_every)
+    result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
     typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
