@@ -161,7 +161,7 @@ def predict(
         typer.echo(f"{len(outputs)} predictions from {trained.checkpoint} -> {output}")
         return
     for index, row in enumerate(outputs):
-        line = {"index": index, "output": np.atleast_1d(row).round(6).tolist()}
+        line = {"index": index, "output": [round(float(v), 6) for v in np.atleast_1d(row)]}
         if np.ndim(row) == 1 and len(row) > 1:
             line["class"] = int(np.argmax(row))
         typer.echo(json.dumps(line))
