@@ -302,9 +302,9 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
     epochs = f"{done if done is not None else 0} of {planned} epochs" if planned else "no epochs"
     if status == "succeeded":
         return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}; model: {summary.get('model') or run_dir}"
-    if status == "preempted":
+    if status in ("preempted", "interrupted"):  # SIGTERM or Ctrl-C: saved, and the same command continues
         return (
-            f"preempted after {epochs} in {duration(total_s)}: checkpoint saved in {run_dir}/checkpoints; "
+            f"{status} after {epochs} in {duration(total_s)}: checkpoint saved in {run_dir}/checkpoints; "
             "run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""

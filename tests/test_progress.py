@@ -54,6 +54,7 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
         "preempted after 3 of 12 epochs in 4m 52s: checkpoint saved in runs/m/checkpoints; "
         "run the same command again to continue"
     )
+    assert closing_line({**preempted, "status": "interrupted"}).startswith("interrupted after 3 of 12 epochs in 4m 52s:")
     failed = {**summary, "status": "failed", "epochs": [], "metrics": {}, "timing": {"total_s": 9.0}}
     assert closing_line(failed) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
     bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b", "tflops": {"cold": 0.01, "warm": 0.0712},
