@@ -68,18 +68,21 @@ class Checked:
         }
 
 
-def check_bytes(listed: Sequence[Listed], mode: str, timeout_s: float = storage.DEFAULT_TIMEOUT_S) -> Checked:
+def check_bytes(
+    listed: Sequence[Listed], mode: str, timeout_s: float = storage.DEFAULT_TIMEOUT_S, threads: int | None = None
+) -> Checked:
     """Checks shards against their manifest entries: `size` stats each one (present, the listed size);
     `sha256` also reads every byte once and hashes it. Shards are checked on parallel threads: file reads,
     gs:// requests and hashlib (for more than 2 KB at a time) release the GIL, so local shards hash on every
     core and gs:// requests overlap. `off` checks nothing. A bucket that does not answer (retried for
-    `timeout_s`, storage.timeout_s) raises StorageError."""
+    `timeout_s`, storage.timeout_s) raises StorageError. `threads`: shards checked at once (default: one per
+    core for local shards, more for gs://)."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {mode!r} is not one of {', '.join(VERIFY_MODES)}")
     if mode == "off" or not listed:
         return Checked(mode, len(listed), 0, 0, 0.0, 0, [])
     remote = any(_is_remote(shard.path) for shard in listed)
-    threads = min(len(listed), _REMOTE_THREADS if remote else len(os.sched_getaffinity(0)))
+    threads = min(len(listed), threads or (_REMOTE_THREADS if remote else len(os.sched_getaffinity(0))))
     began = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
         results = list(pool.map(lambda shard: _check_one(shard, mode == "sha256", timeout_s), listed))
