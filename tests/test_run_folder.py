@@ -32,8 +32,9 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-def good_run(mnist_job, name: str, epochs: int = 1, **sections) -> tuple[Path, dict[str, bytes]]:
-    spec = mnist_job(name, data={"eval": None}, train={"epochs": epochs}, output={"tensorboard": False}, **sections)
+def good_run(mnist_job, name: str, epochs: int = 1, output: dict | None = None) -> tuple[Path, dict[str, bytes]]:
+    output = {"tensorboard": False, **(output or {})}
+    spec = mnist_job(name, data={"eval": None}, train={"epochs": epochs}, output=output)
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = Path(json.loads(result.stdout.splitlines()[-1])["run_dir"])
@@ -189,7 +190,7 @@ def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cu
     disk = tmp_path / "disk"
     disk.mkdir()
     with mounted(disk, "-t", "tmpfs", "-o", "size=256m", "tmpfs"):
-        spec, before = good_run(mnist_job, "full", output={"dir": str(disk), "tensorboard": False})
+        spec, before = good_run(mnist_job, "full", output={"dir": str(disk)})
         run_dir = disk / "full"
         checkpoint_bytes = sum(len(v) for k, v in before.items() if k.startswith("checkpoints/ckpt-16."))
         # Fill the disk but for half a checkpoint: room for the lease and spec.json, not for the save.
