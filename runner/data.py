@@ -77,7 +77,7 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
     and every listed shard the pattern names is there, so the record count (and steps per epoch) is the
     manifest's, never what happens to be on disk. `key` (data.train, ...) names the pattern in errors."""
     folder = posixpath.dirname(pattern)
-    what = f"{key} ({pattern!r})" if key else repr(pattern)
+    what = f"{pattern!r} ({key})" if key else repr(pattern)
     files = tuple(sorted(tf.io.gfile.glob(pattern)))
     if not files and not tf.io.gfile.exists(posixpath.join(folder, MANIFEST)):
         raise DataError(f"no files match {what}; check data.train / data.eval or run `runner prepare`")

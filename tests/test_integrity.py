@@ -239,7 +239,7 @@ def test_a_file_the_manifest_does_not_list_is_refused(data_copy, tmp_path):
     shutil.copy(data_copy / TRAIN_SHARD, data_copy / "train-00004-of-00004.tfrecord")
     code, message, _ = run_in_process(job_spec(tmp_path, data_copy, "extra"))
     assert code == 2
-    assert message == (f"{data_copy}/train-00004-of-00004.tfrecord matches data.train ('{data_copy}/train-*.tfrecord') "
+    assert message == (f"{data_copy}/train-00004-of-00004.tfrecord matches '{data_copy}/train-*.tfrecord' (data.train) "
                        f"but is not listed in {data_copy}/manifest.json")
 
 
