@@ -340,3 +340,44 @@ def test_submit_refuses_a_multi_host_type_before_any_call(tmp_path: Path) -> Non
     assert "Single-host types work: v6e-1, v6e-4, v6e-8, v5litepod-1" in result.stderr
     help_text = run_cli("submit", "--help").stdout
     assert "TPU_NAME=local" not in help_text
+
+
+# --- the TPU image ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.host
+def test_the_tpu_image_pins_its_pair_and_its_doctor_reports_pjrt(docker_engine, tmp_path: Path) -> None:
+    """The Dockerfile's TPU variant, built for real: its build checks (libtpu pin, import, PJRT plugin) pass,
+    it holds the documented pair, and `runner doctor` in it chooses PJRT for a v5e and reports the TPU start."""
+    from tests.support.docker import _ca_bundle
+
+    tag = "runner:tpu-under-test"
+    args = ["build", "--network", "host", "--progress", "plain", "--build-arg", "ACCELERATOR=tpu", "--tag", tag]
+    if _ca_bundle():
+        args += ["--secret", f"id=pip_cert,src={_ca_bundle()}"]
+    built = docker_engine.docker(*args, str(REPO), timeout=1800)
+    (tmp_path / "build.log").write_text(built.stdout + built.stderr)
+    assert built.returncode == 0, built.stderr[-4000:]  # the build itself fails when a check does
+    try:
+        versions = docker_engine.docker(
+            "run", "--rm", "--network", "none", "--entrypoint", "python3", tag, "-c",
+            "import importlib.metadata as m, os; print(*(m.version(d) for d in ('tensorflow-tpu', 'libtpu', 'keras')),"
+            " os.environ.get('TF_USE_LEGACY_KERAS'))",
+            check=True, timeout=120,
+        ).stdout.split()
+        assert versions == ["2.19.1", "0.0.10", "3.15.1", "0"]
+        doctor = docker_engine.docker(
+            "run", "--rm", "--network", "none", "-e", "TPU_NAME=local", "-e", "TPU_ACCELERATOR_TYPE=v5litepod-8",
+            "-e", "TPU_SKIP_MDS_QUERY=1", tag, "doctor", "--json", "--timeout", "60", timeout=300,
+        )
+        checks = {check["name"]: check for check in last_json(doctor.stdout)["checks"]}
+        assert doctor.returncode == 3, doctor.stderr[-2000:]
+        assert checks["versions"]["status"] == "ok", checks["versions"]
+        assert checks["tpu_runtime"]["status"] == "ok" and "needs PJRT" in checks["tpu_runtime"]["evidence"]
+        assert "libtpu 0.0.10" in checks["tpu_runtime"]["evidence"]
+        assert checks["tensorflow"]["status"] == "ok" and checks["tensorflow"]["data"]["version"] == "2.19.1"
+        assert checks["tpu"]["status"] == "fail" and checks["tpu"]["seconds"] < 60
+        assert "device API: PJRT for v5litepod-8 (TPU_ACCELERATOR_TYPE)" in checks["tpu"]["evidence"]
+    finally:
+        docker_engine.docker("image", "rm", "--force", tag, timeout=120)
