@@ -304,11 +304,20 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
         return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}; model: {summary.get('model') or run_dir}"
     if status in ("preempted", "interrupted"):  # SIGTERM or Ctrl-C: saved, and the same command continues
         return (
-            f"{status} after {epochs} in {duration(total_s)}: checkpoint saved in {run_dir}/checkpoints; "
-            "run the same command again to continue"
+            f"{status} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: checkpoint saved in "
+            f"{run_dir}/checkpoints; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
     return f"{status} after {epochs} in {duration(total_s)}{where} (the error follows)"
+
+
+def _where_stopped(summary: dict[str, Any]) -> str:
+    """`at step 40 of 174 (epoch 1 of 3)`: a stop inside an epoch is not a finished epoch."""
+    per_epoch, planned = summary.get("steps_per_epoch"), summary.get("train_epochs")
+    if not per_epoch or not planned:
+        return ""
+    step = (summary.get("resumed_from_step") or 0) + sum(e.get("steps", 0) for e in summary.get("epochs") or [])
+    return f"at step {step:,} of {per_epoch * planned:,} (epoch {min(planned, step // per_epoch + 1)} of {planned})"
 
 
 def _result(summary: dict[str, Any]) -> str:

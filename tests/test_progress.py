@@ -49,12 +49,14 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
     )
     regression = {**summary, "metrics": {"loss": 0.8, "mae": 0.93}}
     assert ", mae 0.9300 in" in closing_line(regression), "without accuracy, the first other metric"
-    preempted = {**summary, "status": "preempted", "epochs": [{"epoch": 3}], "metrics": {}}
+    # Stopped inside its third epoch, resumed once before: the step says how far it got.
+    preempted = {**summary, "status": "preempted", "epochs": [{"epoch": 2, "steps": 58}, {"epoch": 3, "steps": 40}],
+                 "metrics": {}, "steps_per_epoch": 58, "resumed_from_step": 58}
     assert closing_line(preempted) == (
-        "preempted after 3 of 12 epochs in 4m 52s: checkpoint saved in runs/m/checkpoints; "
+        "preempted at step 156 of 696 (epoch 3 of 12) in 4m 52s: checkpoint saved in runs/m/checkpoints; "
         "run the same command again to continue"
     )
-    assert closing_line({**preempted, "status": "interrupted"}).startswith("interrupted after 3 of 12 epochs in 4m 52s:")
+    assert closing_line({**preempted, "status": "interrupted"}).startswith("interrupted at step 156 of 696 (epoch 3")
     failed = {**summary, "status": "failed", "epochs": [], "metrics": {}, "timing": {"total_s": 9.0}}
     assert closing_line(failed) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
     bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b", "tflops": {"cold": 0.01, "warm": 0.0712},
