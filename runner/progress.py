@@ -296,12 +296,12 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
     done = records[-1]["epoch"] if records else None
     if already_complete:
         return (
-            f"already complete: {planned} epochs{_result(summary)}, trained earlier; "
-            f"model: {summary.get('model') or run_dir}"
+            f"already complete: {planned} epoch{'s' * (planned != 1)}{_result(summary)}, trained earlier"
+            + _model_at(summary)
         )
-    epochs = f"{done if done is not None else 0} of {planned} epochs" if planned else "no epochs"
+    epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
     if status == "succeeded":
-        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}; model: {summary.get('model') or run_dir}"
+        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary)
     if status in ("preempted", "interrupted"):  # SIGTERM or Ctrl-C: saved, and the same command continues
         return (
             f"{status} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: checkpoint saved in "
@@ -309,6 +309,11 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
     return f"{status} after {epochs} in {duration(total_s)}{where} (the error follows)"
+
+
+def _model_at(summary: dict[str, Any]) -> str:
+    where = summary.get("model") or summary.get("run_dir")
+    return f"; model: {where}" if where else ""
 
 
 def _where_stopped(summary: dict[str, Any]) -> str:
