@@ -95,7 +95,9 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
     ]
     if missing:
         split, index, entry = entries[missing[0]]
-        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{'...' if len(missing) > 4 else ''})" if len(missing) > 1 else ""
+        more = ""
+        if len(missing) > 1:
+            more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{'...' if len(missing) > 4 else ''})"
         raise DataError(
             f"{posixpath.join(folder, missing[0])}: missing{more}; {manifest_path} lists it "
             f"(splits.{split}.shards[{index}]: {entry['records']:,} records) and {what} names it. Training on the "

@@ -142,8 +142,8 @@ def check_labels(spec: JobSpec, shards: data.Shards) -> None:
     if unrecorded:
         log.warning(
             "%s records no label_range for %d shard(s): labels are not checked against the %d classes of model %s; "
-            "write the manifest again to have them checked", posixpath.join(posixpath.dirname(shards.pattern), data.MANIFEST),
-            unrecorded, classes, spec.model.name,
+            "write the manifest again to have them checked",
+            posixpath.join(posixpath.dirname(shards.pattern), data.MANIFEST), unrecorded, classes, spec.model.name,
         )
 
 

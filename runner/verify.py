@@ -154,7 +154,9 @@ def sha256_of(path: str) -> str:
 # --- the manifest's structure ------------------------------------------------------------------------
 
 
-WRITE_AGAIN = "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
+WRITE_AGAIN = (
+    "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
+)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -177,7 +179,8 @@ def check_manifest(manifest: dict[str, Any], path: str) -> None:
         for index, entry in enumerate(shards):
             _check_entry(entry, f"{field}.shards[{index}]", path)
             if entry["file"] in owner:
-                raise DataError(f"{path}: {entry['file']} is listed twice ({owner[entry['file']]} and {field}); {WRITE_AGAIN}")
+                twice = f"{entry['file']} is listed twice ({owner[entry['file']]} and {field})"
+                raise DataError(f"{path}: {twice}; {WRITE_AGAIN}")
             owner[entry["file"]] = field
         total = sum(entry["records"] for entry in shards)
         if info.get("records") != total:

@@ -122,7 +122,8 @@ def write_split(
             for row in rows:
                 writer.write(_example(dataset.features, {k: v[row] for k, v in arrays.items()}))
                 progress(1)
-        entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length, "sha256": verify.sha256_of(path)}
+        entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length}
+        entry["sha256"] = verify.sha256_of(path)
         labels = label_range(arrays[dataset.label][rows], dataset.features[dataset.label])
         entries.append({**entry, **({"label_range": labels} if labels else {})})
     return entries
