@@ -1,5 +1,6 @@
 """Facts about this host that need no TensorFlow: which TPU a job points at, TPU device files, libtpu's
-lockfile, the malloc in use. Read by runner/strategy.py (to choose a device) and runner/doctor (to check it).
+lockfile, the malloc in use, whether the CPU computes bfloat16 natively. Read by runner/strategy.py (to choose a
+device), runner/precision.py (to choose what it computes in) and runner/doctor (to check it).
 """
 
 from __future__ import annotations
@@ -49,3 +50,58 @@ def allocator_in_use(maps: str = "/proc/self/maps") -> tuple[str, str | None]:
             if Path(path).name.startswith(prefix):
                 return name, path
     return "glibc", None
+
+
+# CPU flags (as Linux names them in /proc/cpuinfo) that mean the CPU computes bfloat16 natively: AVX512_BF16
+# (Intel Cooper Lake and later, AMD Zen 4 and later) and AMX's bfloat16 tiles (Intel Sapphire Rapids and later).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = "/proc/cpuinfo"
+# GPUs compute bfloat16 natively from compute capability 8.0 (NVIDIA Ampere) on.
+BF16_GPU_CAPABILITY = (8, 0)
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The flags of the first processor listed in a /proc/cpuinfo text (empty when it lists none)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def native_precision(
+    kind: str, cpuinfo: str | None = None, gpus: list[tuple[str, tuple[int, int] | None]] = ()
+) -> tuple[str, str]:
+    """(bfloat16 | float32, why) for `train.mixed_precision: auto` on a device of this `kind` (tpu, gpu, cpu):
+    bfloat16 where the device computes it natively, float32 elsewhere.
+
+    `cpuinfo`: the text of /proc/cpuinfo (None: it could not be read); `gpus`: (name, compute capability or
+    None when unknown) of each GPU the job trains on: all of them must compute bfloat16 natively.
+    """
+    if kind == "tpu":
+        return "bfloat16", "TPU"
+    if kind == "gpu":
+        if not gpus:
+            return "float32", "no GPU details from TensorFlow: float32"
+        slow = [(name, cap) for name, cap in gpus if cap is None or tuple(cap) < BF16_GPU_CAPABILITY]
+        if slow:
+            name, cap = slow[0]
+            shown = "unknown" if cap is None else ".".join(map(str, cap))
+            return "float32", f"GPU {name} compute capability {shown} (below 8.0): float32"
+        name, cap = min(gpus, key=lambda g: tuple(g[1]))
+        return "bfloat16", f"GPU {name} compute capability {'.'.join(map(str, cap))}"
+    if cpuinfo is None:
+        return "float32", f"could not read {CPUINFO}: float32"
+    flags = cpu_flags(cpuinfo)
+    found = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+    if found:
+        return "bfloat16", f"cpu flag {found[0]}"
+    return "float32", f"no bf16 flag in {CPUINFO}: float32"
+
+
+def read_cpuinfo(path: str = CPUINFO) -> str | None:
+    """The text of /proc/cpuinfo, None where there is none (not Linux) or it cannot be read."""
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None

@@ -14,10 +14,11 @@ import time
 
 import tensorflow as tf
 
-from runner import data, integrity, models, observe, progress, schema, train, userimport
+from runner import data, integrity, models, observe, precision, progress, schema, train, userimport
 from runner.attempt import Attempt, JobResult, error_of
 from runner.errors import Diverged, Interrupted, Preempted, RunnerError
 from runner.preemption import EarlyNotice, PreemptionNotice
+from runner.saver import Saver
 from runner.spec import JobSpec
 from runner.strategy import Accelerator, cluster_from_env, per_replica_batch, resolve_accelerator
 
@@ -62,6 +63,7 @@ def run_job(
         input_clock=lambda: inputs.clock.seconds() if inputs and inputs.clock else None,
     )
     inputs: Inputs | None = None
+    chosen: precision.Precision | None = None
     metrics: dict = {}
     status, error = "failed", None
     notice = PreemptionNotice(spec.checkpoint.grace_s)
@@ -73,12 +75,12 @@ def run_job(
         with attempt.phases.phase("strategy"):
             attempt.accelerator = resolve_accelerator(spec.accelerator)
         per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
-        if spec.train.mixed_precision != "float32":
-            keras.mixed_precision.set_global_policy(f"mixed_{spec.train.mixed_precision}")
+        chosen = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
+        chosen.apply()
         keras.utils.set_random_seed(spec.train.seed)
         with attempt.phases.phase("data_init"):
             inputs = _inputs(spec, attempt.accelerator)
-        model, checkpoint, plan = _build_and_restore(spec, attempt, inputs)
+        model, checkpoint, plan = _build_and_restore(spec, attempt, inputs, chosen)
         _stop_if_noticed(notice, "before training began")
         _train(spec, attempt, model, checkpoint, inputs, plan, recorder, notice, verbose, progress_every)
         metrics = _evaluate(spec, attempt, model, inputs, verbose)
@@ -98,6 +100,8 @@ def run_job(
         status, error, epochs=recorder.epochs, metrics=metrics, global_batch=spec.data.global_batch_size,
         input_wait_method=inputs.input_method if inputs else "not measured: the job stopped before its input pipeline was built",
     )
+    if chosen is not None and summary.get("accelerator") is not None:
+        summary["accelerator"]["precision"] = chosen.to_dict()  # what the job computed in, and why
     if scalars:
         scalars.close()
         summary["tensorboard"] = scalars.folder
@@ -176,7 +180,9 @@ def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
     return Inputs(train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method)
 
 
-def _build_and_restore(spec: JobSpec, attempt: Attempt, inputs: Inputs) -> tuple[keras.Model, tf.train.Checkpoint, train.Plan]:
+def _build_and_restore(
+    spec: JobSpec, attempt: Attempt, inputs: Inputs, chosen: precision.Precision
+) -> tuple[keras.Model, tf.train.Checkpoint, train.Plan]:
     """The model built under the strategy, restored from the newest complete checkpoint if there is one."""
     accelerator = attempt.accelerator
     attempt.run.check_checkpoints(spec, inputs.train, inputs.steps_per_epoch)  # what they mean must not change
@@ -184,7 +190,7 @@ def _build_and_restore(spec: JobSpec, attempt: Attempt, inputs: Inputs) -> tuple
     attempt.extra["steps_per_epoch"] = inputs.steps_per_epoch
     attempt.extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)
     with attempt.phases.phase("build"):
-        model, checkpoint = models.build_compiled(spec, inputs.train.features, accelerator)
+        model, checkpoint = models.build_compiled(spec, inputs.train.features, accelerator, chosen)
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:
@@ -201,10 +207,12 @@ def _train(
     """fit from the plan's start step, saving every checkpoint interval; raises Preempted after a notice."""
     phases, extra = attempt.phases, attempt.extra
     manager = attempt.run.checkpoint_manager(checkpoint, spec.checkpoint.keep, attempt.accelerator.worker_index)
+    # In the background on one worker (runner/saver.py): training waits only for the copy of the weights.
+    saver = Saver(manager, checkpoint, asynchronous=attempt.accelerator.workers == 1)
 
     def save(step: int) -> None:
         with phases.phase("checkpoint"):
-            manager.save(checkpoint_number=step)
+            saver.save(step)
 
     profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps) if spec.profile else None
     plateau = train.plateau_callbacks(spec.train.early_stopping_patience, spec.train.reduce_lr_patience, spec.train.reduce_lr_factor)
@@ -219,11 +227,21 @@ def _train(
             watchers = [*plateau, *([profiler] if profiler else []), shown]
             validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
             train.fit(model, inputs.train_ds, plan, recorder, checkpointer, watchers, verbose=verbose, validation=validation)
+            with phases.phase("checkpoint"):
+                saver.wait()  # the last checkpoint written (within the grace after a notice) before summary and export
+            if checkpointer.saved_after_notice_s is not None:
+                checkpointer.saved_after_notice_s = notice.seconds_since()
         except tf.errors.OpError as exc:
             raise data.input_error(exc, spec.data.train, "data.train") or exc from None
         except Diverged as exc:
+            with phases.phase("checkpoint"):
+                saver.wait_after_error()  # the newest complete checkpoint is then the one named
             raise _diverged(exc, spec, attempt) from None
         finally:
+            if saver.pending:  # training stopped by an error: the write in flight still completes (or is logged)
+                with phases.phase("checkpoint"):
+                    saver.wait_after_error()
+            extra["checkpoint_saves"] = saver.to_dict()
             shown.close()
             if profiler:
                 profiler.close()

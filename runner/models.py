@@ -7,16 +7,18 @@ returns a `keras.Model`. The table is explicit: no import-time registration.
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Any, Callable
 
 import tensorflow as tf
 
-from runner import userimport
+from runner import precision, userimport
 from runner.schema import Feature
 from runner.errors import SpecError
 from runner.spec import JobSpec
 
 keras = tf.keras
+log = logging.getLogger(__name__)
 
 
 def _image_input(features: dict[str, Feature], inputs: tuple[str, ...]) -> tuple[Any, Any]:
@@ -199,11 +201,22 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
     )
 
 
-def build_compiled(spec: JobSpec, features: dict[str, Feature], accelerator: Any) -> tuple[keras.Model, tf.train.Checkpoint]:
+def build_compiled(
+    spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None
+) -> tuple[keras.Model, tf.train.Checkpoint]:
     """The spec's model, built and compiled under the accelerator's strategy, and the checkpoint object that
-    saves and restores its weights, optimizer state and step (training, evaluation and prediction share it)."""
+    saves and restores its weights, optimizer state and step (training, evaluation and prediction share it).
+
+    `chosen`: the precision the job set (runner/precision.py). The output layer stays float32: a model whose
+    output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     with accelerator.strategy.scope():
         model = build_model(spec, features)
+        if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):
+            if chosen.auto:
+                chosen.fall_back(f"{chosen.reason}, but model {spec.model.name!r}: {why}: float32")
+                model = build_model(spec, features)
+            else:
+                log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
         compile_model(model, spec, accelerator.kind)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint

@@ -311,8 +311,9 @@ class TrainSpec(_Strict):
     steps_per_execution: Annotated[int | Literal["auto"], PlainValidator(_auto_or_steps)] = "auto"
     optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
     learning_rate: Number = Field(1e-3, gt=0)
-    # bfloat16 is the TPU's native type; the output layer stays float32 either way.
-    mixed_precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 where the device computes it natively (TPUs, GPUs from compute capability 8.0, CPUs with
+    # AVX512_BF16 or AMX), float32 elsewhere (runner/precision.py). The output layer stays float32 either way.
+    mixed_precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Keras names, or your own `package.module:function` taking (y_true, y_pred).
     loss: str = Field("sparse_categorical_crossentropy", max_length=256)
     metrics: tuple[Annotated[str, Field(max_length=256)], ...] = Field(("accuracy",), max_length=64)

@@ -1,0 +1,90 @@
+"""`train.mixed_precision`: what a job computes in, and why (the summary's `accelerator.precision`).
+
+`auto` (the default) computes in bfloat16 where the device does so natively and in float32 elsewhere:
+every TPU; GPUs of compute capability 8.0 or more; CPUs with AVX512_BF16 or AMX (their flags in
+/proc/cpuinfo, read by runner/host.py). Variables stay float32 either way, and so does every model's output
+layer (runner/models.py). Under `auto`, a model whose output layer would compute in bfloat16 (an own model
+without `dtype="float32"` on it) trains in float32, and so does a built-in model listed in
+FLOAT32_UNDER_AUTO (bfloat16 measured to cost it accuracy). `float32`, `bfloat16` and `float16` are
+taken as asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tensorflow as tf
+
+from runner import host
+
+log = logging.getLogger(__name__)
+keras = tf.keras
+
+# Built-in models that `auto` keeps in float32, with the reason: bfloat16 cost them more accuracy than
+# benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE). None so far (benchmarks/RESULTS.md).
+FLOAT32_UNDER_AUTO: dict[str, str] = {}
+
+
+@dataclasses.dataclass
+class Precision:
+    """The policy a job computes in (float32 | bfloat16 | float16), why, and whether `auto` chose it."""
+
+    policy: str
+    reason: str
+    auto: bool = False
+
+    def to_dict(self) -> dict[str, str]:
+        return {"policy": self.policy, "reason": self.reason}
+
+    def apply(self) -> None:
+        """Sets Keras's global policy: layers built from now on compute in it (variables stay float32)."""
+        keras.mixed_precision.set_global_policy("float32" if self.policy == "float32" else f"mixed_{self.policy}")
+
+    def fall_back(self, reason: str) -> None:
+        """`auto` chose bfloat16 but the model cannot have it: float32, with the reason."""
+        self.policy, self.reason = "float32", reason
+        self.apply()
+
+
+def _gpus() -> list[tuple[str, tuple[int, int] | None]]:
+    found = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        found.append((details.get("device_name", gpu.name), details.get("compute_capability")))
+    return found
+
+
+def decide(
+    asked: str, model_name: str, kind: str, cpuinfo: str | None = None,
+    gpus: list[tuple[str, tuple[int, int] | None]] = (), float32_models: dict[str, str] | None = None,
+) -> Precision:
+    """The precision for `train.mixed_precision` (`asked`) on a device of `kind` (tpu, gpu, cpu), from the
+    host's facts as given: the /proc/cpuinfo text, the GPUs' (name, compute capability), and the built-in
+    models kept in float32 under auto (default FLOAT32_UNDER_AUTO)."""
+    if asked != "auto":
+        return Precision(asked, f"train.mixed_precision: {asked}")
+    policy, reason = host.native_precision(kind, cpuinfo, gpus)
+    kept = FLOAT32_UNDER_AUTO if float32_models is None else float32_models
+    if policy == "bfloat16" and model_name in kept:
+        policy, reason = "float32", f"{reason}, but model {model_name!r}: {kept[model_name]}: float32"
+    return Precision(policy, reason, auto=True)
+
+
+def choose(asked: str, model_name: str, kind: str) -> Precision:
+    """decide() with this host's facts: its CPU flags for a CPU job, its GPUs' compute capability for a GPU one."""
+    cpuinfo = host.read_cpuinfo() if kind == "cpu" and asked == "auto" else None
+    gpus = _gpus() if kind == "gpu" and asked == "auto" else []
+    return decide(asked, model_name, kind, cpuinfo, gpus)
+
+
+def output_not_float32(model: keras.Model) -> str | None:
+    """Why the model's output is not float32 (the layer computing it in another type), None when it is."""
+    for tensor in model.outputs:
+        dtype = getattr(tensor.dtype, "name", tensor.dtype)
+        if dtype != "float32":
+            history = getattr(tensor, "_keras_history", None)  # Keras 3: .operation; tf-keras: .layer
+            layer = getattr(history, "operation", None) or getattr(history, "layer", None)
+            named = f"its output layer {layer.name!r}" if layer is not None else "its output"
+            return f"{named} computes in {dtype} (give that layer dtype='float32' to train the rest in bfloat16)"
+    return None
