@@ -5,11 +5,7 @@ Defaults are declared once, here; a YAML file under `jobs/` holds only what diff
 TensorFlow is imported, and every error names the file, the line and the dotted key.
 Every field has the range the runner can actually run with: integers are strict (`true` is not 1),
 numbers are finite, and a value that passes here does not overflow or fail to convert later.
-This module must never import TensorFlow.
-
-Paths: a relative local path read from the spec file resolves against the file's folder (as Compose and
-Kubernetes tools do); one given with `--set` resolves against the current directory, like any other
-command-line argument. Validated without that context (`JobSpec(...)` in code), paths stay as written.
+Paths are relative to the spec file (runner/specpaths.py). This module must never import TensorFlow.
 """
 
 from __future__ import annotations
@@ -22,19 +18,10 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PlainValidator,
-    StrictBool,
-    StrictInt,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictInt, ValidationInfo
+from pydantic import field_validator, model_validator
 
+from runner.specpaths import has_control_character, refuse_glob_characters, resolve_path
 from runner.userimport import IDENTIFIER, CodeRoots, check_import_path, is_import_path
 
 # The built-in models (runner/models.py's MODELS, which imports TensorFlow): `model.name` without a colon.
@@ -45,9 +32,6 @@ INT32_MAX = 2**31 - 1
 # Seconds a timer, a join or a retry loop can wait: Python's timers overflow near 2**31 ms and the gs:// retry
 # schedule (runner/storage.py) near 32,800 s; an hour is more than any of them needs.
 MAX_WAIT_S = 3600.0
-# Characters a glob reads as a pattern: checkpoints and shards are found by globbing the run folder.
-GLOB_CHARACTERS = "[]*?"
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -73,45 +57,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-# --- paths -----------------------------------------------------------------------------------------
-
-
-def _base_folder(key: tuple[str, ...], info: ValidationInfo) -> str | None:
-    """The folder a relative path under `key` resolves against: the current directory for `--set` values,
-    the spec file's folder for the file's own (and for defaults); None without a spec file (stays relative)."""
-    context = info.context or {}
-    if any(key[:end] in context.get("from_cli", ()) for end in range(1, len(key) + 1)):
-        return os.getcwd()
-    return context.get("base")
-
-
-def resolve_path(value: str, key: tuple[str, ...], info: ValidationInfo, *, glob: bool = False) -> str:
-    """A local path made absolute against its base folder (`~` expanded), or a gs:// path as written."""
-    if not value.strip():
-        raise ValueError("an empty path: name a folder (relative to the spec file) or gs://BUCKET/...")
-    if _CONTROL.search(value):
-        raise ValueError(f"{value!r} holds a control character (a newline, tab or NUL): remove it")
-    scheme, sep, rest = value.partition("://")
-    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        if scheme != "gs":
-            raise ValueError(f"{value!r}: {scheme}:// is not supported; use a local path or gs://BUCKET/...")
-        if not re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*(/|$)", rest):
-            raise ValueError(f"{value!r} names no bucket: write gs://BUCKET/path")
-        return value
-    expanded = os.path.expanduser(value)
-    if os.path.isabs(expanded):
-        return os.path.normpath(expanded)
-    base = _base_folder(key, info)
-    if base is None:
-        return value
-    if glob and any(c in base for c in GLOB_CHARACTERS):
-        raise ValueError(
-            f"{value!r} is relative to {base}, whose name holds a glob character ({GLOB_CHARACTERS}): "
-            "give an absolute path, or move the spec to a folder without them"
-        )
-    return os.path.normpath(os.path.join(base, expanded))
-
-
 # --- sections ----------------------------------------------------------------------------------------
 
 
@@ -128,7 +73,7 @@ class AcceleratorSpec(_Strict):
     @field_validator("tpu")
     @classmethod
     def _tpu_is_one_line(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or _CONTROL.search(value)):
+        if value is not None and (not value.strip() or has_control_character(value)):
             raise ValueError(f"{value!r} is not a TPU name: write local, a TPU's name, or grpc://HOST:8470")
         return value
 
@@ -207,7 +152,7 @@ class DataSpec(_Strict):
     @field_validator("train", "eval", "validation")
     @classmethod
     def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else resolve_path(value, ("data", info.field_name), info, glob=True)
+        return None if value is None else resolve_path(value, ("data", info.field_name), info.context, glob=True)
 
     @field_validator("inputs")
     @classmethod
@@ -386,15 +331,7 @@ class OutputSpec(_Strict):
     @field_validator("dir")
     @classmethod
     def _resolve(cls, value: str, info: ValidationInfo) -> str:
-        path = resolve_path(value, ("output", "dir"), info)
-        found = sorted({c for c in path if c in GLOB_CHARACTERS})
-        if found:
-            raise ValueError(
-                f"{path!r} holds the glob character{'s' if len(found) > 1 else ''} {' '.join(found)}: "
-                "checkpoints are found by pattern, so a run there could never resume; choose a folder without "
-                f"{' '.join(GLOB_CHARACTERS)}"
-            )
-        return path
+        return refuse_glob_characters(resolve_path(value, ("output", "dir"), info.context))
 
 
 class ProfileSpec(_Strict):
@@ -418,7 +355,7 @@ class CodeSpec(_Strict):
     def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None:
             return (info.context or {}).get("base")
-        path = resolve_path(value, ("code", "folder"), info)
+        path = resolve_path(value, ("code", "folder"), info.context)
         if path.startswith("gs://"):
             raise ValueError(f"{path!r}: code is imported from a local folder, not from a bucket")
         return path
