@@ -36,7 +36,8 @@ import os
 import sys
 import threading
 import urllib.request
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 from runner import host
 
@@ -58,7 +59,7 @@ _METADATA_PATH = "/computeMetadata/v1/instance/attributes/accelerator-type"
 _METADATA_TIMEOUT_S = 3.0
 _FALSE = ("0", "false", "no", "off")
 
-_applied: "TpuRuntime | None" = None
+_applied: TpuRuntime | None = None
 
 
 @dataclasses.dataclass(frozen=True)

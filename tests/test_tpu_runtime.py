@@ -138,7 +138,7 @@ def standin_libtpu(folder: Path, version: str = "0.0.10") -> dict[str, str]:
 
 
 def in_child(code: str, env: dict[str, str]) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True,
                             timeout=120, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.splitlines()[-1])
@@ -285,7 +285,7 @@ def test_the_real_tensorflow_tpu_under_pjrt_on_a_machine_without_a_tpu(tmp_path:
     env = cli_env(PYTHONPATH=str(REPO), TPU_NAME="local", TPU_ACCELERATOR_TYPE="v5litepod-8", TPU_SKIP_MDS_QUERY="1",
                   RUNNER_LIBTPU_LOCKFILE=str(tmp_path / "lock"), **no_metadata)
     result = subprocess.run([os.environ["RUNNER_TPU_PYTHON"], "-m", "runner", "doctor", "--json", "--timeout", "60"],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                            check=False, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     checks = {check["name"]: check for check in last_json(result.stdout)["checks"]}
     assert result.returncode == 3
     assert checks["tpu_runtime"]["status"] == "ok" and "PJRT_DEVICE=TPU" in checks["tpu_runtime"]["evidence"]

@@ -28,7 +28,13 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from runner.host import TCMALLOC_PRELOAD, allocator_in_use, named_tpu, tpu_devices, tpu_target
+from runner.host import (
+    TCMALLOC_PRELOAD,
+    allocator_in_use,
+    named_tpu,
+    tpu_devices,
+    tpu_target,
+)
 from runner.spec import AcceleratorSpec
 from runner.tpu_env import choose_tpu_env
 
@@ -180,7 +186,7 @@ def check_tpu_runtime(accelerator: AcceleratorSpec, environ: dict[str, str], dev
                      "see the devices check)")
     chosen = choose_tpu_env(target, dict(environ))
     data = {"target": target, **chosen.to_dict()}
-    shown = lambda values: ", ".join(f"{k}={v}" for k, v in values.items())  # noqa: E731
+    shown = lambda values: ", ".join(f"{k}={v}" for k, v in values.items())
     if chosen.accelerator_type:
         parts = [f"{chosen.accelerator_type} ({chosen.generation_from}) needs {chosen.api}"]
     elif chosen.generation_from == "the TPU address":
