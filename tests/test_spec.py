@@ -490,3 +490,20 @@ def test_the_quick_path_from_another_folder_reads_and_writes_beside_the_spec(tin
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert last_json(evaluated.stdout)["examples"] == 512  # the test split, found beside the spec
     assert list(third.iterdir()) == []
+
+
+def test_submit_refuses_code_that_stays_on_this_machine(project: Path, tmp_path: Path) -> None:
+    """A TPU VM runs the image: code from the spec's folder is not there, an installed package listed can be."""
+    spec = write_spec(project, {
+        "name": "remote", "model": {"name": "mymodels:build"}, "train": {"loss": "ownpkg.losses:focal"},
+        "code": {"packages": ["ownpkg"]},
+        "data": {"train": "gs://b/train-*.tfrecord", "eval": None}, "output": {"dir": "gs://b/runs"},
+    })
+    result = run_cli(
+        "submit", spec, "--tpu-type", "v5litepod-8", "--zone", "us-central1-a", "--project", "p",
+        "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu", "--dry-run",
+        env=cli_env(RUNNER_STATE_DIR=str(tmp_path / "state"), CLOUDSDK_CONFIG=str(tmp_path / "gcloud")), timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"model.name 'mymodels:build' is code from {project}, which the TPU VM does not have" in result.stderr
+    assert "train.loss" not in result.stderr, "a listed package is installed in the image"

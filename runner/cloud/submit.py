@@ -182,6 +182,12 @@ def _check_spec(spec: JobSpec) -> list[str]:
                 )
     if spec.accelerator.kind in ("cpu", "gpu"):
         problems.append(f"accelerator.kind is {spec.accelerator.kind!r}: a TPU VM job needs 'tpu' (or 'auto')")
+    for key, path in spec.import_paths.items():  # the VM runs the image: code.folder stays on this machine
+        if path.partition(":")[0].split(".")[0] not in spec.code.packages:
+            problems.append(
+                f"{key} {path!r} is code from {spec.code.folder}, which the TPU VM does not have: install your "
+                "package in the image and list it in code.packages (docs/own-model.md)"
+            )
     return problems
 
 
