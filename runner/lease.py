@@ -333,7 +333,7 @@ class Lease:
     def take(
         cls, folder: str, job: str, timeout_s: float = storage.DEFAULT_TIMEOUT_S,
         heartbeat_s: float = HEARTBEAT_S, expiry_s: float = EXPIRY_S,
-    ) -> "Lease":
+    ) -> Lease:
         """Takes the lease of `folder`, or raises LeaseHeld naming the holder (StorageError when the folder
         cannot be written). `timeout_s` bounds the retries of one gs:// request (storage.timeout_s)."""
         is_gcs = storage.is_gcs(folder)
@@ -354,7 +354,7 @@ class Lease:
             raise StorageError(f"cannot take the lease {where}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
     @classmethod
-    def _take(cls, backend: Any, where: str, doc: dict[str, Any], folder: str) -> "Lease":
+    def _take(cls, backend: Any, where: str, doc: dict[str, Any], folder: str) -> Lease:
         for _ in range(_ROUNDS):
             token = backend.create(doc)
             if token is not None:

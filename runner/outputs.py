@@ -8,13 +8,13 @@
     model.keras          the trained model, written once the job succeeds
 
 Resume precedence, when a job name is run again (docs/resume.md tells what each exit leaves behind):
-  1. Another run holds the folder's lease: refused (exit 2), naming the holder and since when. A stale
+  1. The folder cannot be used (a read-only or full disk, a file where `checkpoints/` belongs, a bucket
+     that does not exist): exit 3 naming the path, nothing written.
+  2. Another run holds the folder's lease: refused (exit 2), naming the holder and since when. A stale
      lease (its process gone from this host, or not renewed within its expiry) is taken over and logged.
      Of a multi-worker run only the chief (worker 0) takes the lease.
-  2. The folder cannot be used (a read-only or full disk, a file where `checkpoints/` belongs, a bucket
-     that does not exist): exit 3 naming the path, nothing written.
-  3. summary.json says `succeeded`: for exactly `train.epochs` epochs the job is complete, nothing trains
-     and nothing is written; for more epochs than `train.epochs` the run is refused (exit 2, naming the
+  3. summary.json says `succeeded`: for exactly `train.epochs` epochs the job is complete (if the spec
+     agrees with its checkpoints, step 5), nothing trains and nothing is written; for more epochs than `train.epochs` the run is refused (exit 2, naming the
      epochs the folder holds: train.epochs never shrinks a job). Raising `train.epochs` continues it.
   4. Leftovers of a save cut short (`ckpt-<step>_temp*` folders, data files of a checkpoint without its
      `.index`, `checkpoint.tmp*`) are removed and the removal logged; complete checkpoints are never touched.
@@ -51,7 +51,7 @@ tests/test_run_folder.py, tests/test_lease.py):
     step 6 never chooses it, and step 4 of the next attempt removes it.
   - A failing attempt (a corrupt or truncated shard: exit 2 naming it; storage unreachable for longer
     than `storage.timeout_s`, a full or read-only disk: exit 3 naming the path) saves no checkpoint as it
-    fails, and its summary never replaces a `succeeded` one. A refused attempt (steps 1, 3, 5) writes
+    fails, and its summary never replaces a `succeeded` one. A refused attempt (steps 2, 3, 5) writes
     nothing at all.
 """
 
@@ -64,7 +64,8 @@ import math
 import posixpath
 import re
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -386,6 +387,6 @@ class _Checkpoints(tf.train.CheckpointManager):
         super().__init__(*args, **kwargs)
         self._folder = folder
 
-    def save(self, checkpoint_number=None, check_interval=True, options=None):  # noqa: ANN001 - TensorFlow's signature
+    def save(self, checkpoint_number=None, check_interval=True, options=None):  # TensorFlow's signature
         self._folder._before_save()
         return super().save(checkpoint_number=checkpoint_number, check_interval=check_interval, options=options)

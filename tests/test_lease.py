@@ -8,7 +8,6 @@ a second, so many start together); the last ones race and block real `runner run
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -140,17 +139,18 @@ def test_a_live_run_keeps_its_lease_however_long_it_was_silent(tmp_path: Path) -
 
 
 def test_a_lease_from_another_host_holds_until_its_expiry_then_is_taken_over(place) -> None:
-    folder, env, read, write = place
+    folder, env, _, write = place
+    began = time.time() - 3600
     other = {
         "run_id": "f" * 32, "job": "race", "host": "tpu-vm-7", "boot_id": "elsewhere", "pid_namespace": None,
-        "pid": 4242, "pid_start": "1", "started_at": "2030-01-01T00:00:00Z", "started_unix": time.time(),
-        "heartbeat_s": 1.0, "expiry_s": 4.0,
+        "pid": 4242, "pid_start": "1", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
+        "started_unix": began, "heartbeat_s": 1.0, "expiry_s": 4.0,
     }
     write(other)
     written = time.monotonic()
     code, out, _ = finish(taker(folder, env))
     assert code == 2
-    assert "host tpu-vm-7, pid 4242, running since 2030-01-01T00:00:00Z" in out
+    assert f"host tpu-vm-7, pid 4242, running since {other['started_at']} (60 min ago)" in out
     assert "lapses 4 s after its last renewal" in out
     time.sleep(max(0.0, written + 5.0 - time.monotonic()))
     code, out, err = finish(taker(folder, env))
