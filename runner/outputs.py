@@ -14,8 +14,9 @@ Resume precedence, when a job name is run again (docs/resume.md tells what each 
      lease (its process gone from this host, or not renewed within its expiry) is taken over and logged.
      Of a multi-worker run only the chief (worker 0) takes the lease.
   3. summary.json says `succeeded`: for exactly `train.epochs` epochs the job is complete (if the spec
-     agrees with its checkpoints, step 5), nothing trains and nothing is written; for more epochs than `train.epochs` the run is refused (exit 2, naming the
-     epochs the folder holds: train.epochs never shrinks a job). Raising `train.epochs` continues it.
+     agrees with its checkpoints, step 5), nothing trains and nothing is written; for more epochs than
+     `train.epochs` the run is refused (exit 2, naming the epochs the folder holds: train.epochs never
+     shrinks a job). Raising `train.epochs` continues it.
   4. Leftovers of a save cut short (`ckpt-<step>_temp*` folders, data files of a checkpoint without its
      `.index`, `checkpoint.tmp*`) are removed and the removal logged; complete checkpoints are never touched.
   5. A checkpoint exists: the spec must agree with spec.json's `pinned` part, what the checkpoints mean:
