@@ -12,14 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from runner.cloud.recovery import Decision, Seen, decide
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.metadata_fake import MetadataFake, start_metadata_fake
+from tests.support.runs import indexed_step
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 from tests.support.tpu_vm import vm_env
 
@@ -45,10 +47,13 @@ LIFECYCLE = {"provisioning_s": 0.3, "active_s": 0.3, "deleting_s": 1.0, "vm_ling
     (Seen(None, exit={"exit_code": 1}), "stop", 1),
     (Seen(None, exit={"exit_code": 2}), "stop", 2),
     (Seen(None, exit={"exit_code": 137}), "stop", 137),
-    (Seen("SUSPENDING", initiator="SERVICE"), "restart", 75),
+    (Seen("SUSPENDING", initiator="SERVICE"), "wait", 0),  # the job is saving on its preemption notice
+    (Seen("SUSPENDING", initiator="SERVICE", preempting_for_s=91), "restart", 75),
     (Seen("SUSPENDED", initiator="SERVICE"), "restart", 75),
-    (Seen("ACTIVE", node_state="PREEMPTED"), "restart", 75),
-    (Seen("ACTIVE", node_state="TERMINATED"), "restart", 75),
+    (Seen("ACTIVE", node_state="PREEMPTED"), "wait", 0),
+    (Seen("ACTIVE", node_state="PREEMPTED", preempting_for_s=91), "restart", 75),
+    (Seen("ACTIVE", node_state="TERMINATED", preempting_for_s=91), "restart", 75),
+    (Seen("SUSPENDING", exit={"exit_code": 75}), "restart", 75),
     (Seen("FAILED", failure="valid until time passed"), "restart", 3),
     (Seen(None), "stop", 3),
     (Seen(None, cancelled=True), "stop", 130),
@@ -124,15 +129,15 @@ class Cloud:
         return [r for r in self.api.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
 
     def job(self) -> dict | None:
-        try:
-            return json.loads(self.gcs.read(self.bucket, "runs/mnist_cnn/job.json"))
-        except Exception:  # not written yet
-            return None
+        return self.object("job.json")
 
     def object(self, name: str) -> dict | None:
+        """A JSON file of the run folder, or None while it is not there (or is being replaced)."""
+        from google.api_core import exceptions
+
         try:
             return json.loads(self.gcs.read(self.bucket, f"runs/mnist_cnn/{name}"))
-        except Exception:
+        except (exceptions.NotFound, json.JSONDecodeError):
             return None
 
 
@@ -161,7 +166,7 @@ def wait_until(probe, process: subprocess.Popen | None = None, timeout: float = 
         if value:
             return value
         if process is not None and process.poll() is not None:
-            out, err = process.communicate()
+            _, err = process.communicate()
             raise AssertionError(f"the process ended ({process.returncode}) first: {err[-3000:]}")
         time.sleep(every)
     raise AssertionError(f"not reached within {timeout} s")
@@ -193,6 +198,27 @@ def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud
     assert all("preempted (exit 75)" in r["cause"] for r in final["restarts"])
     assert final["submissions"] == ids
     assert tpu_fake_has_no_queued_resource(cloud)
+
+
+def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watcher(cloud):
+    cloud.vm("sleep:30:0")
+    cloud.api.configure(lifecycle={"provisioning_s": None, "active_s": None})  # the test moves the states
+    watcher = cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "1"))
+    wait_until(lambda: cloud.creates(), watcher)
+    cloud.api.set_state("mnist-cnn", "FAILED")  # e.g. its --valid-until passed before capacity came
+    wait_until(lambda: len(cloud.creates()) == 2, watcher, timeout=60)
+    cloud.api.set_state("mnist-cnn", "PROVISIONING")
+    cloud.api.set_state("mnist-cnn", "ACTIVE", node_state="READY")  # the VM boots and the job starts
+    wait_until(lambda: (job := cloud.job()) and len(job["submissions"]) == 2
+               and cloud.object(f"logs/{job['submissions'][1]['id']}/worker-0.started.json"), watcher, timeout=60)
+    cancelled = run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    assert cancelled.returncode == 0, cancelled.stderr
+    code, out, err = finish(watcher, timeout=120)
+    assert code == 130, err[-3000:]
+    final = last_json(out)
+    assert final["outcome"]["outcome"] == "cancelled"
+    assert [r["cause"] for r in final["restarts"]] == ["the queued resource FAILED"]
+    assert len(cloud.creates()) == 2, "a cancelled job is not created again"
 
 
 def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_duplicates_it(cloud):
@@ -277,18 +303,17 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
     watcher = cloud.start(*cloud.submit_args(spec, "--spot", "--max-restarts", "2"))
 
     def indexed() -> int | None:
-        try:
-            text = cloud.gcs.read(cloud.bucket, "runs/mnist_cnn/checkpoints/checkpoint").decode()
-        except Exception:
-            return None
-        from tests.support.runs import indexed_step
+        from google.api_core import exceptions
 
-        return indexed_step(text)
+        try:
+            return indexed_step(cloud.gcs.read(cloud.bucket, "runs/mnist_cnn/checkpoints/checkpoint").decode())
+        except exceptions.NotFound:
+            return None
 
     wait_until(lambda: (s := indexed()) is not None and s >= steps, watcher, timeout=300, every=0.1)
     time.sleep(0.3)  # a few steps into epoch 2
     cloud.api.preempt("mnist-cnn", grace_s=20)  # Spot preemption: SIGTERM on the VM, then it is gone
-    code, out, err = finish(watcher, timeout=600)
+    code, out, err = finish(watcher, timeout=420)
     assert code == 0, err[-4000:]
     final = last_json(out)
     assert final["status"] == "succeeded" and final["outcome"]["outcome"] == "complete"

@@ -225,7 +225,7 @@ def test_the_preemption_notice_ends_the_job_with_75_which_is_recorded_and_the_sl
         time.sleep(0.2)
     container = next(c for c in _children(process.pid) if "tpu_vm.py docker run" in _cmdline(c) and " run /job/" in _cmdline(c))
     os.kill(container, signal.SIGTERM)  # what `docker stop` delivers when the VM's shutdown begins
-    out, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
     record = vm.record(sub, "worker-0.exit.json")
     assert record["exit_code"] == 75 and record["ran"] is True
@@ -238,12 +238,15 @@ def test_the_preemption_notice_ends_the_job_with_75_which_is_recorded_and_the_sl
 
 def test_a_vm_killed_by_preemption_leaves_its_start_and_log_and_no_exit_record(vm):
     sub = vm.submission(spot=True)
-    process, env = vm.boot(sub, job="sleep:60:0", background=True)
+    process, _ = vm.boot(sub, job="sleep:60:0", background=True)
     deadline = time.monotonic() + 60
     while vm.record(sub, "worker-0.started.json") is None:
         assert time.monotonic() < deadline and process.poll() is None, process.communicate()
         time.sleep(0.2)
-    time.sleep(1.5)  # one periodic copy of the log
+    copied = vm.run_dir() / "logs" / sub.submission_id / "worker-0.log"
+    while not (copied.exists() and "starting the job in container" in copied.read_text()):  # a periodic copy
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+        time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)  # the VM is gone: nothing runs after this
     process.communicate(timeout=30)
     assert vm.record(sub, "worker-0.exit.json") is None

@@ -149,7 +149,7 @@ def submit(
             return
         jobs.refuse_a_second_job(sub)
         result = tpu_api.create(sub)
-        job = submit_mod.job_record(sub, result["operation"])
+        job = jobs.job_record(sub, result["operation"])
         record.remember(sub.name, sub.project, sub.zone, sub.spec.run_dir)
         try:
             record.save_job(job)

@@ -9,11 +9,102 @@ and the run folder's job.json holds the rest. A gs:// or local run folder is acc
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import yaml
+
 from runner import storage
-from runner.cloud import record, submit, tpu_api, usage
+from runner.cloud import record, submit, tpu_api, tpu_types, usage
 from runner.errors import RunnerError, SpecError
+from runner.spec import JobSpec
+
+# --- the job record: what a watcher needs to create the same request again ---------------------------
+
+
+def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str, Any]:
+    """RUN_DIR/job.json for a new submission (runner/cloud/record.py)."""
+    return {
+        "schema_version": 1,
+        "name": sub.name,
+        "project": sub.project,
+        "zone": sub.zone,
+        "run_dir": sub.spec.run_dir,
+        "max_restarts": sub.max_restarts,
+        "request": {
+            "tpu_type": sub.tpu.name,
+            "image": sub.image,
+            "spot": sub.spot,
+            "keep": sub.keep,
+            "runtime_version": sub.runtime_version,
+            "network": sub.network,
+            "subnetwork": sub.subnetwork,
+            "service_account": sub.service_account,
+            "reservation": sub.reservation,
+            "valid_until": sub.valid_until,
+            "spec_yaml": submit.spec_yaml(sub.spec),
+        },
+        "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
+        "restarts": [],
+        "outcome": None,
+    }
+
+
+def submission_from_job(job: dict[str, Any], submission_id: str) -> submit.Submission:
+    """The same request as the job's first, under a new submission id."""
+    request = job["request"]
+    spec = JobSpec.model_validate(yaml.safe_load(request["spec_yaml"]))
+    return submit.Submission(
+        name=job["name"], project=job["project"], zone=job["zone"], tpu=tpu_types.parse_tpu_type(request["tpu_type"]),
+        image=request["image"], spot=bool(request["spot"]), keep=bool(request["keep"]),
+        runtime_version=request["runtime_version"], spec=spec, submission_id=submission_id,
+        max_restarts=int(job["max_restarts"]), network=request.get("network"), subnetwork=request.get("subnetwork"),
+        service_account=request.get("service_account"), reservation=request.get("reservation"),
+        valid_until=request.get("valid_until"),
+    )
+
+
+def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
+    """A job record rebuilt from a queued resource's own request (when job.json could not be written)."""
+    node_spec = resource.tpu.node_spec[0]
+    node = node_spec.node
+    settings = submit.settings_of(node.metadata.get("startup-script", ""))
+    if "RUNNER_RUN_DIR" not in settings:
+        raise SpecError(f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)")
+    reservation = None
+    if resource.reservation_name:
+        reservation = resource.reservation_name.split("/")[1]
+    valid_until = None
+    if resource.queueing_policy and resource.queueing_policy.valid_until_duration:
+        valid_until = f"{int(resource.queueing_policy.valid_until_duration.total_seconds())}s"
+    elif resource.queueing_policy and resource.queueing_policy.valid_until_time:
+        valid_until = resource.queueing_policy.valid_until_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+    network = node.network_config.network or None
+    return {
+        "schema_version": 1,
+        "name": node_spec.node_id,
+        "project": project,
+        "zone": zone,
+        "run_dir": settings["RUNNER_RUN_DIR"],
+        "max_restarts": int(settings.get("RUNNER_MAX_RESTARTS", "0")),
+        "request": {
+            "tpu_type": node.accelerator_type,
+            "image": settings["RUNNER_IMAGE"],
+            "spot": "spot" in resource,
+            "keep": settings.get("RUNNER_KEEP") == "1",
+            "runtime_version": node.runtime_version,
+            "network": None if network == "default" else network,
+            "subnetwork": node.network_config.subnetwork or None,
+            "service_account": node.service_account.email or None,
+            "reservation": reservation,
+            "valid_until": valid_until,
+            "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
+        },
+        "submissions": [{"id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
+                         "requested_at": None, "rebuilt_from_queued_resource": True}],
+        "restarts": [],
+        "outcome": None,
+    }
 
 
 def is_run_dir(text: str) -> bool:
@@ -37,7 +128,7 @@ def locate(name: str, project: str | None, zone: str | None, client=None) -> dic
             except RunnerError:  # the bucket does not answer: the queued resource still says what the job is
                 job = None
             if job is None:
-                job = submit.job_from_resource(resource, project, zone)
+                job = job_from_resource(resource, project, zone)
             record.remember(name, project, zone, job["run_dir"])
             return job
         tried.append(f"no queued resource {name!r} in {zone} (project {project})")
@@ -115,7 +206,7 @@ def list_jobs(project: str, zone: str, client=None) -> list[dict[str, Any]]:
         seen = tpu_api.describe(resource, client)
         run_dir = tpu_api.run_dir_of(resource)
         try:
-            job = (record.load_job(run_dir) if run_dir else None) or submit.job_from_resource(resource, project, zone)
+            job = (record.load_job(run_dir) if run_dir else None) or job_from_resource(resource, project, zone)
         except RunnerError as error:
             rows.append({"name": name, "state": seen["state"], "error": str(error)})
             continue

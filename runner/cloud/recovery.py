@@ -13,7 +13,8 @@ folder, then does what `decide` says:
     exit 0                                                        done: the summary is complete
     exit 75 (preempted) or 3 (infrastructure: TPU, storage, pull) restarts
     exit 1 (training failed), 2 (bad spec or data), any other     stops: running again would fail again
-    SUSPENDING / SUSPENDED, node PREEMPTED or TERMINATED          restarts (Spot preemption, maintenance)
+    SUSPENDING, or node PREEMPTED / TERMINATED                    waits up to 90 s: the job saves on the notice
+    SUSPENDED, or still SUSPENDING / PREEMPTED after 90 s         restarts (Spot preemption, maintenance)
     FAILED (e.g. the valid-until bound passed before capacity)    restarts
     gone, after `runner cancel`                                   stops (exit 130)
     gone, without an exit record                                  stops (exit 3): deleted outside runner
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner.cloud import record, submit, tpu_api, usage
+from runner.cloud import jobs, record, submit, tpu_api, usage
 from runner.errors import RunnerError, SpecError
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
@@ -47,6 +48,10 @@ RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failur
 WAITING = {"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES", "DELETING", "STATE_UNSPECIFIED"}
 LOST_NODE = {"PREEMPTED", "TERMINATED"}
 EXIT_CANCELLED, EXIT_GONE, EXIT_GAVE_UP = 130, 3, 75
+# A Spot VM gets 30 s between the preemption notice and its end (Compute Engine's preemption process), which
+# the job spends saving a checkpoint; deleting the slice meanwhile would cut that save short. The watcher
+# waits for SUSPENDED, or an exit record, or this long.
+PREEMPTION_GRACE_S = 90.0
 
 
 @dataclasses.dataclass
@@ -64,6 +69,7 @@ class Seen:
     exit: dict[str, Any] | None = None
     cancelled: bool = False
     started: dict[str, Any] | None = None
+    preempting_for_s: float = 0.0  # how long the watcher has seen this preemption under way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +95,15 @@ def decide(seen: Seen) -> Decision:
     if seen.state is None:
         return Decision("stop", "the queued resource is gone and the job left no exit record: it was deleted outside "
                                 "runner, or its VM was lost before it could write one", EXIT_GONE)
-    if seen.state in ("SUSPENDING", "SUSPENDED"):
-        by = f" by {seen.initiator}" if seen.initiator else ""
-        return Decision("restart", f"the queued resource is {seen.state} (initiated{by}): preempted", EXIT_GAVE_UP)
     if seen.state == "FAILED":
         return Decision("restart", f"the queued resource FAILED{': ' + seen.failure if seen.failure else ''}", EXIT_GONE)
-    if seen.state == "ACTIVE" and seen.node_state in LOST_NODE:
-        return Decision("restart", f"the node is {seen.node_state}: preempted", EXIT_GAVE_UP)
+    if seen.state in ("SUSPENDING", "SUSPENDED") or (seen.state == "ACTIVE" and seen.node_state in LOST_NODE):
+        what = f"the queued resource is {seen.state}" + (f" (initiated by {seen.initiator})" if seen.initiator else "")
+        if seen.state == "ACTIVE":
+            what = f"the node is {seen.node_state}"
+        if seen.state != "SUSPENDED" and seen.preempting_for_s < PREEMPTION_GRACE_S:
+            return Decision("wait", f"{what}: preempted; waiting for the job to save and stop")
+        return Decision("restart", f"{what}: preempted", EXIT_GAVE_UP)
     return Decision("wait", seen.state)
 
 
@@ -115,6 +123,7 @@ class Watcher:
         self.job, self.client, self.interval_s, self.emit = job, client, interval_s, emit
         self.delete_timeout_s = delete_timeout_s
         self.shown: str | None = None
+        self.preempting_since: tuple[str, float] | None = None  # (submission, monotonic time first seen)
 
     # --- the job record ---------------------------------------------------------------------------
 
@@ -143,6 +152,13 @@ class Watcher:
         seen.cancelled = record.read_text(record.cancelled_path(run_dir, sub)) is not None
         seen.exit = record.exit_record(run_dir, sub, 0) or record.exit_record(run_dir, sub, "unknown")
         seen.started = record.started_record(run_dir, sub, 0)
+        preempting = seen.state == "SUSPENDING" or (seen.state == "ACTIVE" and seen.node_state in LOST_NODE)
+        if not preempting:
+            self.preempting_since = None
+        elif self.preempting_since is None or self.preempting_since[0] != sub:
+            self.preempting_since = (sub, time.monotonic())
+        if self.preempting_since:
+            seen.preempting_for_s = time.monotonic() - self.preempting_since[1]
         return seen
 
     def note(self, seen: Seen) -> None:
@@ -216,7 +232,7 @@ class Watcher:
             else:
                 self.adopt(restart, label)
                 return
-        sub = submit.submission_from_job(self.job, record.new_submission_id())
+        sub = jobs.submission_from_job(self.job, record.new_submission_id())
         try:
             created = tpu_api.create(sub, self.client)
         except SpecError:  # ALREADY_EXISTS: another watcher got there first; follow its queued resource

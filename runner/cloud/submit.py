@@ -262,97 +262,9 @@ def prepare_submission(
     )
 
 
-# --- the job record: what a watcher needs to create the same request again -------------------------
-
-
 def spec_yaml(spec: JobSpec) -> str:
     # What the spec sets (overrides included), not every default: the image's runner fills those in.
     return yaml.safe_dump(json.loads(spec.model_dump_json(exclude_unset=True)), sort_keys=False)
-
-
-def job_record(sub: Submission, operation: str | None = None) -> dict[str, Any]:
-    """RUN_DIR/job.json for a new submission (runner/cloud/record.py)."""
-    return {
-        "schema_version": 1,
-        "name": sub.name,
-        "project": sub.project,
-        "zone": sub.zone,
-        "run_dir": sub.spec.run_dir,
-        "max_restarts": sub.max_restarts,
-        "request": {
-            "tpu_type": sub.tpu.name,
-            "image": sub.image,
-            "spot": sub.spot,
-            "keep": sub.keep,
-            "runtime_version": sub.runtime_version,
-            "network": sub.network,
-            "subnetwork": sub.subnetwork,
-            "service_account": sub.service_account,
-            "reservation": sub.reservation,
-            "valid_until": sub.valid_until,
-            "spec_yaml": spec_yaml(sub.spec),
-        },
-        "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
-        "restarts": [],
-        "outcome": None,
-    }
-
-
-def submission_from_job(job: dict[str, Any], submission_id: str) -> Submission:
-    """The same request as the job's first, under a new submission id."""
-    request = job["request"]
-    spec = JobSpec.model_validate(yaml.safe_load(request["spec_yaml"]))
-    return Submission(
-        name=job["name"], project=job["project"], zone=job["zone"], tpu=pricing.parse_tpu_type(request["tpu_type"]),
-        image=request["image"], spot=bool(request["spot"]), keep=bool(request["keep"]),
-        runtime_version=request["runtime_version"], spec=spec, submission_id=submission_id,
-        max_restarts=int(job["max_restarts"]), network=request.get("network"), subnetwork=request.get("subnetwork"),
-        service_account=request.get("service_account"), reservation=request.get("reservation"),
-        valid_until=request.get("valid_until"),
-    )
-
-
-def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
-    """A job record rebuilt from a queued resource's own request (when job.json could not be written)."""
-    node_spec = resource.tpu.node_spec[0]
-    node = node_spec.node
-    settings = settings_of(node.metadata.get("startup-script", ""))
-    if "RUNNER_RUN_DIR" not in settings:
-        raise SpecError(f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)")
-    reservation = None
-    if resource.reservation_name:
-        reservation = resource.reservation_name.split("/")[1]
-    valid_until = None
-    if resource.queueing_policy and resource.queueing_policy.valid_until_duration:
-        valid_until = f"{int(resource.queueing_policy.valid_until_duration.total_seconds())}s"
-    elif resource.queueing_policy and resource.queueing_policy.valid_until_time:
-        valid_until = resource.queueing_policy.valid_until_time.strftime("%Y-%m-%dT%H:%M:%SZ")
-    network = node.network_config.network or None
-    return {
-        "schema_version": 1,
-        "name": node_spec.node_id,
-        "project": project,
-        "zone": zone,
-        "run_dir": settings["RUNNER_RUN_DIR"],
-        "max_restarts": int(settings.get("RUNNER_MAX_RESTARTS", "0")),
-        "request": {
-            "tpu_type": node.accelerator_type,
-            "image": settings["RUNNER_IMAGE"],
-            "spot": "spot" in resource,
-            "keep": settings.get("RUNNER_KEEP") == "1",
-            "runtime_version": node.runtime_version,
-            "network": None if network == "default" else network,
-            "subnetwork": node.network_config.subnetwork or None,
-            "service_account": node.service_account.email or None,
-            "reservation": reservation,
-            "valid_until": valid_until,
-            "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
-        },
-        "submissions": [{"id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
-                         "requested_at": None, "rebuilt_from_queued_resource": True}],
-        "restarts": [],
-        "outcome": None,
-    }
 
 
 # --- the request ---------------------------------------------------------------------------------

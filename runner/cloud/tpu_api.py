@@ -11,7 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from runner.cloud.submit import SCOPE, Submission, build_request, check_zone, settings_of
+from runner.cloud.submit import (
+    SCOPE,
+    Submission,
+    build_request,
+    check_zone,
+    settings_of,
+)
 from runner.errors import AcceleratorError, RunnerError, SpecError
 
 _CALL_TIMEOUT_S = 60.0
@@ -146,13 +152,17 @@ def describe(resource, client=None) -> dict[str, Any]:
         "failure": resource.state.failed_data.error.message if "failed_data" in resource.state else None,
     }
     if specs and doc["state"] in ("ACTIVE", "SUSPENDING", "SUSPENDED", "DELETING"):
+        from google.api_core import exceptions as api
+
         client = client or make_client()
         try:
             node = client.get_node(name=f"{specs[0].parent}/nodes/{specs[0].node_id}", timeout=_CALL_TIMEOUT_S)
-            doc.update(node_state=node.state.name, node_health=node.health.name if node.health else None,
-                       node_created_at=_stamp(node.create_time))
-        except Exception:  # the node comes with ACTIVE and goes before the queued resource does
-            pass
+        except api.NotFound:  # the node comes with ACTIVE and goes before the queued resource does
+            return doc
+        except Exception as exc:
+            raise _api_error(exc, "read the node of", specs[0].node_id, *specs[0].parent.split("/")[1::2]) from exc
+        doc.update(node_state=node.state.name, node_health=node.health.name if node.health else None,
+                   node_created_at=_stamp(node.create_time))
     return doc
 
 

@@ -81,8 +81,9 @@ def _now() -> str:
 class Vm:
     """One boot of a node: a startup script per worker, each in its own process group."""
 
-    def __init__(self, resource: str, node: str, folder: Path, processes: list[subprocess.Popen]):
-        self.resource, self.node, self.folder, self.processes = resource, node, folder, processes
+    def __init__(self, resource: str, incarnation: int, node: str, folder: Path, processes: list[subprocess.Popen]):
+        self.resource, self.incarnation, self.node = resource, incarnation, node
+        self.folder, self.processes = folder, processes
 
     def signal(self, signum: int) -> None:
         for process in self.processes:
@@ -107,6 +108,9 @@ class Fake:
         self.lifecycle: dict[str, Any] = dict(_DEFAULT_LIFECYCLE)
         self.boot: dict[str, Any] | None = None
         self.vms: list[Vm] = []
+        # A name comes back after a delete: each queued resource of a name is its own incarnation, so a timer
+        # set for one (a preemption's grace, a delete's linger) never touches the next one's VM.
+        self.incarnations: dict[str, int] = {}
         self.timers: list[tuple[float, Any]] = []  # (due, callable), run by tick()
 
     # --- time ---------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ class Fake:
         resource = self.find(short)
         resource["state"] = {"state": state, **({"stateInitiator": initiator} if initiator else {})}
         if state in ("FAILED", "SUSPENDED"):
-            self.stop_vms(resource["name"], signal.SIGKILL)
+            self.stop_vms(self.incarnations[resource["name"]], signal.SIGKILL)
         if node_state:
             for spec in resource.get("tpu", {}).get("nodeSpec", []):
                 node_name = f"{spec['parent']}/nodes/{spec['nodeId']}"
@@ -190,13 +194,15 @@ class Fake:
             return _error(400, "FAILED_PRECONDITION",
                           f"Queued resource {name} has nodes ({', '.join(nodes_up)}); delete them first or set force")
         resource["state"] = {"state": "DELETING", "stateInitiator": "USER"}
+        incarnation = self.incarnations[name]
         linger = float(self.lifecycle.get("vm_linger_s") or 0.0)
-        self.later(linger, lambda: self.stop_vms(name, signal.SIGKILL))
+        self.later(linger, lambda: self.stop_vms(incarnation, signal.SIGKILL))
 
         def gone() -> None:
-            gone_resource = self.queued.pop(name, None)
-            for node_name in self.node_names(gone_resource or {}):
-                self.nodes.pop(node_name, None)
+            if self.queued.get(name) is resource:
+                self.queued.pop(name)
+                for node_name in self.node_names(resource):
+                    self.nodes.pop(node_name, None)
 
         deleting = float(self.lifecycle.get("deleting_s") or 0.0)
         if deleting > 0:
@@ -213,11 +219,12 @@ class Fake:
             if node_name in self.nodes:
                 self.nodes[node_name]["state"] = "PREEMPTED"
         resource["state"] = {"state": "SUSPENDING", "stateInitiator": "SERVICE"}
-        self.stop_vms(resource["name"], signal.SIGTERM)
+        incarnation = self.incarnations[resource["name"]]
+        self.stop_vms(incarnation, signal.SIGTERM)
 
         def suspended() -> None:
-            self.stop_vms(resource["name"], signal.SIGKILL)
-            if resource["name"] in self.queued and resource["state"]["state"] == "SUSPENDING":
+            self.stop_vms(incarnation, signal.SIGKILL)
+            if self.queued.get(resource["name"]) is resource and resource["state"]["state"] == "SUSPENDING":
                 resource["state"] = {"state": "SUSPENDED", "stateInitiator": "SERVICE"}
 
         self.later(grace_s, suspended)
@@ -243,11 +250,11 @@ class Fake:
             with open(worker_folder / "console.log", "ab") as console:
                 processes.append(subprocess.Popen(["bash", "-c", script], env=env, stdout=console, stderr=subprocess.STDOUT,
                                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=worker_folder))
-        self.vms.append(Vm(resource["name"], node_name, folder, processes))
+        self.vms.append(Vm(resource["name"], self.incarnations[resource["name"]], node_name, folder, processes))
 
-    def stop_vms(self, resource_name: str, signum: int) -> None:
+    def stop_vms(self, incarnation: int, signum: int) -> None:
         for vm in self.vms:
-            if vm.resource == resource_name:
+            if vm.incarnation == incarnation:
                 vm.signal(signum)
 
     def reap(self) -> None:
@@ -286,9 +293,8 @@ class Fake:
                 have = field(entry, name)
                 if op == "=" and have != value:
                     return False
-                if op in (">", ">=") and name == "timestamp":
-                    if (op == ">" and not have > value) or (op == ">=" and not have >= value):
-                        return False
+                if name == "timestamp" and ((op == ">" and not have > value) or (op == ">=" and not have >= value)):
+                    return False
             return True
 
         resources = body.get("resourceNames") or []
@@ -306,7 +312,7 @@ class Fake:
         for vm in self.vms:
             vm.signal(signal.SIGKILL)
         self.requests.clear(), self.queued.clear(), self.nodes.clear(), self.operations.clear()
-        self.entries.clear(), self.vms.clear(), self.timers.clear()
+        self.entries.clear(), self.vms.clear(), self.timers.clear(), self.incarnations.clear()
         self.lifecycle, self.boot = dict(_DEFAULT_LIFECYCLE), None
 
 
@@ -352,6 +358,7 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
             resource = dict(body or {})
             resource.update({"name": full, "state": {"state": "ACCEPTED"}, "createTime": _now()})
             fake.queued[full] = resource
+            fake.incarnations[full] = next(fake.ids)
             fake.created(full)
             return 200, fake.operation(parent, "create", full, resource)
         if method == "GET" and short is None:
