@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -141,6 +142,28 @@ class LogLines(Progress):
                 "training %d epochs x %d steps (batch %d) from step %d; the first step compiles; a progress "
                 "line every %s", self.epochs, self.steps_per_epoch, self.global_batch, self.step, duration(self.interval_s),
             )
+            # No step ends while the first one traces and compiles (minutes for a big model on a TPU): a
+            # thread says so every interval, so a log never falls silent.
+            self._compiled = threading.Event()
+            threading.Thread(target=self._while_compiling, daemon=True, name="progress").start()
+
+    def _while_compiling(self) -> None:
+        while not self._compiled.wait(self.interval_s):
+            log.info("epoch %d/%d: the first step is still tracing and compiling (%s so far)",
+                     self.epoch, self.epochs, duration(time.monotonic() - self._began))
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.close()
+        super().on_train_batch_end(batch, logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.close()
+        super().on_train_end(logs)
+
+    def close(self) -> None:
+        compiled = getattr(self, "_compiled", None)
+        if compiled is not None:
+            compiled.set()
 
     def _show(self, final: bool) -> None:
         if not final:  # the epoch lines and the closing message say the rest
