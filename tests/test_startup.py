@@ -307,15 +307,17 @@ def test_other_workers_and_kept_jobs_leave_the_queued_resource(vm):
     assert "keeping queued resource mnist-cnn (--keep)" in vm.log(kept)
 
 
-def test_a_multi_host_slice_is_driven_from_worker_0_with_the_slice_name(vm):
+def test_a_multi_host_slice_runs_nothing_and_worker_0_frees_it(vm):
     sub = vm.submission()
     vm.metadata.set(agent_worker_number=1, worker_network_endpoints=",".join(f"u:u:10.0.0.{n}" for n in range(4)))
     _, env = vm.boot(sub)
-    assert not docker_runs(env), "only worker 0 runs TensorFlow's client"
+    assert not docker_runs(env) and vm.deletes() == []
     vm.metadata.set(agent_worker_number=0)
     _, env = vm.boot(sub)
-    job = next(c for c in docker_runs(env) if c.endswith("run /job/spec.yaml"))
-    assert "-e TPU_NAME=mnist-cnn -e TPU_LOAD_LIBRARY=0" in job and "TPU_NAME=local" not in job
+    assert not docker_runs(env)
+    record = vm.record(sub, "worker-0.exit.json")
+    assert (record["exit_code"], record["ran"]) == (2, False) and "multi-host slices are not supported" in record["reason"]
+    assert len(vm.deletes()) == 1
 
 
 def _children(pid: int) -> list[int]:

@@ -8,9 +8,8 @@
 #   4. runs `runner doctor` (its report goes to RUN_DIR/doctor.json), then the job: `--net=host --privileged`
 #      give the container the TPU chips, TPU_NAME=local says the TPU is this VM's own. The container's
 #      output goes to Cloud Logging (docker's gcplogs driver: seconds behind) and to
-#      RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the end: the durable record). On a
-#      multi-host slice TensorFlow drives every host from one client: worker 0 runs the job with
-#      TPU_NAME=<the slice's name> and TPU_LOAD_LIBRARY=0; the other workers run nothing but the TPU runtime;
+#      RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the end: the durable record). A slice of
+#      several hosts (refused by `runner submit`) runs nothing;
 #   5. writes RUN_DIR/logs/SUB/worker-N.exit.json (exit code, or why nothing ran; start and end; TPU type);
 #   6. on worker 0, deletes the queued resource that holds the VM, unless the job was submitted with --keep.
 # Every path that runs no job still does 5 and 6, and says why in the log. SUB is this submission's id.
@@ -102,14 +101,16 @@ sys.exit(0 if s.get("status") == "succeeded" and int(s.get("train_epochs") or 0)
   fi
 fi
 
+# `runner submit` refuses multi-host types (docs/tpu.md says why); a slice of several hosts that gets here
+# anyway runs nothing, and worker 0 frees it rather than let it bill.
 hosts="$(metadata worker-network-endpoints | tr ',' '\n' | grep -c . || true)"
 tpu_env=(-e TPU_NAME=local)
 if [ "${hosts:-0}" -gt 1 ]; then
   if [ "$worker" != 0 ]; then
-    say "worker $worker of $hosts: worker 0 drives the slice through TensorFlow; nothing to run here"
+    say "worker $worker of $hosts: multi-host slices are not supported; worker 0 frees the slice"
     exit 0
   fi
-  tpu_env=(-e TPU_NAME="$RUNNER_NAME" -e TPU_LOAD_LIBRARY=0)
+  end_without_job 2 "this slice has $hosts hosts: multi-host slices are not supported (docs/tpu.md); ran nothing"
 fi
 printf '%s' "$RUNNER_SPEC_B64" | base64 -d >"$workdir/spec.yaml"
 
