@@ -134,3 +134,16 @@ def test_finished_variants_in_a_bucket_are_skipped_without_tensorflow(mnist_job,
     assert result.stderr.count("already complete") == 2 and "accelerator:" not in result.stderr, result.stderr
     assert [line.split()[0] for line in result.stdout.splitlines()[2:4]] == ["128", "256"], result.stdout
     assert elapsed < 20, f"{elapsed:.1f} s"
+
+
+def test_the_sweep_and_its_completeness_check_load_no_tensorflow(mnist_job) -> None:
+    spec = mnist_job("notf")
+    code = (
+        "import sys\n"
+        "from runner.compare.sweep import finished_summary, plan_variants\n"
+        f"variants = plan_variants({str(spec)!r}, ['data.global_batch_size=128,256'])\n"
+        "assert [finished_summary(v) for v in variants] == [None, None]\n"
+        "print('tensorflow loaded' if 'tensorflow' in sys.modules else 'no tensorflow')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env(), cwd=REPO)
+    assert result.stdout.strip().splitlines()[-1:] == ["no tensorflow"], result.stdout + result.stderr
