@@ -221,6 +221,18 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
     assert len(cloud.creates()) == 2, "a cancelled job is not created again"
 
 
+def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
+    cloud.vm("sleep:4:0")
+    watcher = cloud.start(*cloud.submit_args(cloud.spec()))
+    wait_until(lambda: (job := cloud.job()) and cloud.object(f"logs/{job['submissions'][0]['id']}/worker-0.started.json"),
+               watcher)
+    cloud.api.fail(3)  # three polls in a row meet 503 UNAVAILABLE
+    code, out, err = finish(watcher)
+    assert code == 0, err[-3000:]
+    assert "3 of 20 failures in a row; trying again" in err
+    assert last_json(out)["outcome"]["outcome"] == "complete"
+
+
 def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_duplicates_it(cloud):
     cloud.vm("sleep:6:75,sleep:1:0")
     cloud.api.configure(lifecycle={**LIFECYCLE, "deleting_s": 4.0})  # a slow delete: time to kill mid-restart

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.cloud import jobs, record, submit, tpu_api, usage
-from runner.errors import RunnerError, SpecError
+from runner.errors import AcceleratorError, RunnerError, SpecError, StorageError
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}
@@ -52,6 +52,8 @@ EXIT_CANCELLED, EXIT_GONE, EXIT_GAVE_UP = 130, 3, 75
 # the job spends saving a checkpoint; deleting the slice meanwhile would cut that save short. The watcher
 # waits for SUSPENDED, or an exit record, or this long.
 PREEMPTION_GRACE_S = 90.0
+# Polls in a row that may fail (the API or the bucket not answering) before the watcher gives up (exit 3).
+MAX_FAILURES = 20
 
 
 @dataclasses.dataclass
@@ -294,37 +296,66 @@ class Watcher:
         return final_summary(self.job)
 
     def run(self) -> dict[str, Any]:
+        """Polls until the job is over; returns the final summary. An API or bucket that does not answer is
+        tried again (MAX_FAILURES polls in a row), since a watcher lives as long as its job."""
         if self.job.get("outcome"):
             self.emit(f"{self.name}: already over ({self.job['outcome']['outcome']}: {self.job['outcome']['reason']})")
             return final_summary(self.job)
-        self.finish_pending_restart()
+        failures = 0
         while True:
-            seen = self.observe()
-            self.note(seen)
-            self.show(seen)
-            decision = decide(seen)
-            if decision.action == "done":
-                self.clean_up(seen)
-                return self.result("complete", decision)
-            if decision.action == "stop":
-                self.clean_up(seen)
-                outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost"}.get(decision.exit_code, "failed")
-                self.emit(f"{self.name}: stopped: {decision.reason}")
-                return self.result(outcome, decision)
-            if decision.action == "restart":
-                used, allowed = self.restarts_used(), int(self.job["max_restarts"])
-                expired = submit.valid_until_passed(self.job["request"])
-                if used >= allowed or expired:
-                    why = (f"the valid-until bound ({self.job['request'].get('valid_until')}) has passed" if expired else
-                           f"{used} of {allowed} restarts spent (--max-restarts {allowed})")
-                    self.clean_up(seen)
-                    gave_up = Decision("stop", f"{decision.reason}; not restarting: {why}", EXIT_GAVE_UP)
-                    self.emit(f"{self.name}: gave up: {gave_up.reason}")
-                    return self.result("gave_up", gave_up)
-                self.restart(decision, seen)
-                self.shown = None
+            try:
+                ended = self.poll()
+            except (AcceleratorError, StorageError) as error:
+                failures += 1
+                if failures >= MAX_FAILURES:
+                    raise
+                self.emit(f"{self.name}: {error} ({failures} of {MAX_FAILURES} failures in a row; trying again)")
+                time.sleep(self.interval_s)
                 continue
-            time.sleep(self.interval_s)
+            failures = 0
+            if ended is not None:
+                return ended
+
+    def poll(self) -> dict[str, Any] | None:
+        """One look at the job and what follows from it; the final summary once the job is over, else None."""
+        self.finish_pending_restart()
+        seen = self.observe()
+        self.adopt_newer(seen)
+        self.note(seen)
+        self.show(seen)
+        decision = decide(seen)
+        if decision.action == "done":
+            self.clean_up(seen)
+            return self.result("complete", decision)
+        if decision.action == "stop":
+            self.clean_up(seen)
+            outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost"}.get(decision.exit_code, "failed")
+            self.emit(f"{self.name}: stopped: {decision.reason}")
+            return self.result(outcome, decision)
+        if decision.action == "restart":
+            used, allowed = self.restarts_used(), int(self.job["max_restarts"])
+            expired = submit.valid_until_passed(self.job["request"])
+            if used >= allowed or expired:
+                why = (f"the valid-until bound ({self.job['request'].get('valid_until')}) has passed" if expired else
+                       f"{used} of {allowed} restarts spent (--max-restarts {allowed})")
+                self.clean_up(seen)
+                gave_up = Decision("stop", f"{decision.reason}; not restarting: {why}", decision.exit_code)
+                self.emit(f"{self.name}: gave up: {gave_up.reason}")
+                return self.result("gave_up", gave_up)
+            self.restart(decision, seen)
+            self.shown = None
+            return None
+        time.sleep(self.interval_s)
+        return None
+
+    def adopt_newer(self, seen: Seen) -> None:
+        """A queued resource of this name made by another submission (another watcher, a new `runner submit`)
+        is the job's current one from now on."""
+        known = {w["id"] for w in self.job.get("submissions", [])}
+        if seen.state is not None and seen.submission and seen.submission not in known:
+            self.job["submissions"].append({"id": seen.submission, "requested_at": _stamp(), "adopted": True})
+            self.save()
+            self.emit(f"{self.name}: following submission {seen.submission}, made elsewhere")
 
 
 def final_summary(job: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ Control endpoints for the tests:
     POST /_fake/state               {"name": ID, "state": "ACTIVE", "node_state": "READY"} moves a resource on
     POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N}}
     POST /_fake/preempt             {"name": ID, "grace_s": 20}
+    POST /_fake/fail                {"count": N}: the next N TPU API requests answer 503 UNAVAILABLE
     GET  /_fake/boots               every VM boot so far: queued resource, node, folder, pids, exit codes
     GET  /_fake/entries             every Cloud Logging entry written
     POST /_fake/reset               forgets requests, resources, entries and configuration (kills VMs)
@@ -112,6 +113,7 @@ class Fake:
         # set for one (a preemption's grace, a delete's linger) never touches the next one's VM.
         self.incarnations: dict[str, int] = {}
         self.timers: list[tuple[float, Any]] = []  # (due, callable), run by tick()
+        self.failing = 0  # the next this many API requests answer 503 UNAVAILABLE
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -313,7 +315,7 @@ class Fake:
             vm.signal(signal.SIGKILL)
         self.requests.clear(), self.queued.clear(), self.nodes.clear(), self.operations.clear()
         self.entries.clear(), self.vms.clear(), self.timers.clear(), self.incarnations.clear()
-        self.lifecycle, self.boot = dict(_DEFAULT_LIFECYCLE), None
+        self.lifecycle, self.boot, self.failing = dict(_DEFAULT_LIFECYCLE), None, 0
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -410,7 +412,11 @@ def make_handler(fake: Fake) -> type[http.server.BaseHTTPRequestHandler]:
                     query = urllib.parse.parse_qs(url.query)
                     if url.path != "/v2/entries:write":  # the VM's log lines are not requests under test
                         fake.requests.append({"method": method, "path": url.path, "query": query, "body": body})
-                    code, doc = handle(fake, method, url.path, query, body)
+                    if fake.failing > 0 and url.path.startswith("/v2/projects/"):
+                        fake.failing -= 1
+                        code, doc = _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
+                    else:
+                        code, doc = handle(fake, method, url.path, query, body)
             self._reply(code, doc)
 
         def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -436,6 +442,9 @@ def make_handler(fake: Fake) -> type[http.server.BaseHTTPRequestHandler]:
                     return 200, fake.set_state(body["name"], body["state"], body.get("node_state"), body.get("initiator"))
                 except KeyError:
                     return 404, {"error": f"no queued resource {body.get('name')!r}"}
+            if path == "/_fake/fail" and method == "POST":
+                fake.failing = int(body.get("count", 0))
+                return 200, {"failing": fake.failing}
             if path == "/_fake/preempt" and method == "POST":
                 try:
                     return 200, fake.preempt(body["name"], float(body.get("grace_s", 30)))
@@ -488,6 +497,10 @@ class TpuFake:
 
     def preempt(self, name: str, grace_s: float = 30.0) -> dict[str, Any]:
         return self._call("POST", "/_fake/preempt", {"name": name, "grace_s": grace_s})
+
+    def fail(self, count: int) -> None:
+        """The next `count` TPU API requests answer 503 UNAVAILABLE."""
+        self._call("POST", "/_fake/fail", {"count": count})
 
     def boots(self) -> list[dict[str, Any]]:
         return self._call("GET", "/_fake/boots")
