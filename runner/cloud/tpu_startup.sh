@@ -104,7 +104,7 @@ fi
 # `runner submit` refuses multi-host types (docs/tpu.md says why); a slice of several hosts that gets here
 # anyway runs nothing, and worker 0 frees it rather than let it bill.
 hosts="$(metadata worker-network-endpoints | tr ',' '\n' | grep -c . || true)"
-tpu_env=(-e TPU_NAME=local)
+tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
 if [ "${hosts:-0}" -gt 1 ]; then
   if [ "$worker" != 0 ]; then
     say "worker $worker of $hosts: multi-host slices are not supported; worker 0 frees the slice"
