@@ -1,6 +1,8 @@
-"""The plain Keras script runner_vs_keras.py compares the runner with: what a user writes by hand for the
-same training (no runner import). Reads the prepared MNIST TFRecords, trains the Basic CNN, evaluates,
-saves the model. Not a benchmark on its own (run_all.py skips files starting with "_").
+"""The plain Keras script runner_vs_keras.py compares the runner with: the classic notebook way, written by
+hand (no runner import). The MNIST arrays are loaded into memory as numpy (here read back from the prepared
+TFRecords, as `keras.datasets.mnist.load_data()` would hand them over), the Basic CNN trains in float32 with
+`model.fit(x, y, batch_size=...)`, then evaluates and saves. Prints one JSON line: test accuracy, epoch
+seconds and steady examples/s (epochs after the first). Not a benchmark on its own (run_all.py skips "_" files).
 
     python benchmarks/_plain_keras.py DATA_DIR OUT_DIR --batch 1024 --epochs 3 [--steps-per-epoch N]
 """
@@ -9,9 +11,12 @@ import argparse
 import glob
 import json
 import os
+import statistics
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 keras = tf.keras
@@ -24,30 +29,22 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--steps-per-epoch", type=int, default=None)
 args = parser.parse_args()
 
-manifest = json.load(open(os.path.join(args.data, "manifest.json")))
-train_records = manifest["splits"]["train"]["records"]
-test_records = manifest["splits"]["test"]["records"]
-spec = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+
+def load(split):
+    """The split as numpy arrays: images (N, 28, 28, 1) uint8, labels (N,) int64."""
+    spec = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+    images, labels = [], []
+    for record in tf.data.TFRecordDataset(sorted(glob.glob(os.path.join(args.data, f"{split}-*.tfrecord")))).batch(10_000):
+        parsed = tf.io.parse_example(record, spec)
+        images.append(tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), (-1, 28, 28, 1)).numpy())
+        labels.append(parsed["label"].numpy())
+    return np.concatenate(images), np.concatenate(labels)
 
 
-def parse(serialized):
-    parsed = tf.io.parse_example(serialized, spec)
-    image = tf.cast(tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), (-1, 28, 28, 1)), tf.float32)
-    return image, parsed["label"]
-
-
-def dataset(pattern, training):
-    files = sorted(glob.glob(os.path.join(args.data, pattern)))
-    records = tf.data.TFRecordDataset(files, num_parallel_reads=tf.data.AUTOTUNE)
-    if training:
-        records = records.shuffle(10_000, seed=0).repeat()
-    batches = records.batch(args.batch, drop_remainder=True).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
-    # The runner's default (data.autotune: false): with the autotuner on, fit and evaluate return only when
-    # its thread wakes, up to a minute late (benchmarks/autotune_teardown.py), which would time TensorFlow.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
-
+(x_train, y_train), (x_test, y_test) = load("train"), load("test")
+x_train, x_test = x_train.astype("float32"), x_test.astype("float32")  # the notebooks' float32 arrays
+if args.steps_per_epoch:
+    x_train, y_train = x_train[: args.steps_per_epoch * args.batch], y_train[: args.steps_per_epoch * args.batch]
 
 keras.utils.set_random_seed(0)
 layers = keras.layers
@@ -66,9 +63,27 @@ model = keras.Sequential([
     layers.Dense(10, activation="softmax"),
 ])
 model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-steps = args.steps_per_epoch or train_records // args.batch
-model.fit(dataset("train-*.tfrecord", True), epochs=args.epochs, steps_per_epoch=steps, verbose=0)
-results = model.evaluate(dataset("test-*.tfrecord", False), steps=test_records // args.batch, return_dict=True, verbose=0)
+
+
+class EpochClock(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.monotonic()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.monotonic() - self._start)
+
+
+clock = EpochClock()
+model.fit(x_train, y_train, batch_size=args.batch, epochs=args.epochs, shuffle=True, callbacks=[clock], verbose=0)
+results = model.evaluate(x_test, y_test, batch_size=args.batch, return_dict=True, verbose=0)
 os.makedirs(args.out, exist_ok=True)
 model.save(os.path.join(args.out, "model.keras"))
-print(json.dumps({"accuracy": float(results["accuracy"]), "steps_per_epoch": steps}))
+steady = statistics.median(clock.seconds[1:]) if len(clock.seconds) > 1 else clock.seconds[0]
+print(json.dumps({
+    "accuracy": float(results["accuracy"]), "examples_per_epoch": len(x_train),
+    "epoch_s": [round(s, 3) for s in clock.seconds], "steady_examples_per_sec": round(len(x_train) / steady, 1),
+}))

@@ -8,7 +8,7 @@ prepared with `runner prepare` into --data if its manifest is missing; every job
   imdb_lstm          the review stand-in: test accuracy >= the majority class's share + 10 points
   weather_rnn        test MAE below the persistence forecast's ("the next hour equals this one")
 
-    .venv/bin/python benchmarks/accuracy.py [JOB ...] [--data data] [--out benchmarks/out/accuracy]
+    .venv/bin/python benchmarks/accuracy.py [JOB ...] [--data data] [--out benchmarks/out/accuracy] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("jobs", nargs="*", default=list(JOBS), choices=list(JOBS))
     parser.add_argument("--data", default="data", help="folder of prepared datasets (data/<dataset>)")
     parser.add_argument("--out", default="benchmarks/out/accuracy", help="output.dir for the runs")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        help="extra --set for every job, e.g. train.mixed_precision=bfloat16 (the default is auto)")
     args = parser.parse_args()
     rows = []
     for job in args.jobs:
@@ -96,6 +98,7 @@ def main() -> None:
                 f"data.train={folder}/train-*.tfrecord", f"data.eval={folder}/test-*.tfrecord"]
         if job == "weather_rnn":
             sets.append(f"data.validation={folder}/validation-*.tfrecord")
+        sets += args.sets
         began = time.monotonic()
         result = runner("run", f"jobs/{job}.yaml", *(a for s in sets for a in ("--set", s)))
         wall = time.monotonic() - began
@@ -107,7 +110,7 @@ def main() -> None:
         row = {
             "job": job, "metric": metric, "measured": round(float(measured), 4), "goal": round(float(goal), 4), "met": bool(met),
             "epochs": len(summary["epochs"]), "examples_per_sec": summary["timing"]["examples_per_sec"],
-            "wall_s": round(wall, 1), "note": note,
+            "wall_s": round(wall, 1), "note": note, "precision": summary["accelerator"].get("precision", {}).get("policy"),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
