@@ -33,11 +33,11 @@ def anchors(path: Path) -> set[str]:
 
 
 def quick_start() -> str:
-    """The README's quick-start shell block."""
+    """The README's quick-start shell blocks, as one script."""
     section = README.read_text().split("\n## Quick start", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    assert blocks, "the quick start has a ```bash block"
-    return blocks[0]
+    assert blocks, "the quick start has ```bash blocks"
+    return "".join(blocks)
 
 
 # --- the README and the docs pages ----------------------------------------------------------------------
@@ -78,7 +78,8 @@ def test_the_readme_links_every_docs_page() -> None:
 # --- the quick start, run as written ----------------------------------------------------------------------
 
 # Lines that set up the checkout and its environment: the suite already runs inside one (CI: `make test`).
-SETUP = ("git clone", "cd ", "make venv", ". .venv/bin/activate", "source .venv/bin/activate")
+# `make demo` is `make venv`, then the Makefile's own runner commands, which the quick start holds too.
+SETUP = ("git clone", "cd ", "make demo", "make venv", ". .venv/bin/activate", "source .venv/bin/activate")
 # The one change the suite makes: a few thousand records instead of all 70,000 keep the run short.
 FASTER = {"prepare": ["--limit", "2048"]}
 
@@ -98,6 +99,11 @@ def test_the_quick_start_sets_up_then_uses_only_runner_and_python() -> None:
     assert commands[0][0] == "runner" and {c[0] for c in commands} <= {"runner", "python"}, commands
     used = [c[1] for c in commands if c[0] == "runner" and not c[1].startswith("-")]
     assert used[:1] == ["prepare"] and {"run", "predict"} <= set(used), used
+    # `make demo` runs what the quick start shows by hand: its runner commands are among them.
+    makefile = (REPO / "Makefile").read_text().replace("$(DATA)", "data/mnist").replace("$(BIN)/", "")
+    demo = [line.split() for line in makefile.splitlines() if line.startswith("\trunner ")]
+    assert demo and all(any(c[: len(d)] == d for c in commands) for d in demo), (demo, commands)
+    assert "make demo" in quick_start() and "make test" in README.read_text(), "the README's two make commands"
 
 
 @pytest.mark.slow
