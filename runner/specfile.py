@@ -214,15 +214,14 @@ def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[Job
             key_path, message = _describe(error, listed)
             if len(message) > 600:
                 message = message[:597] + "..."
+            where = source.where(key_path)
             if not key_path or len(key_path) == 1 and error["type"] == "value_error" and _allowed_keys(key_path):
-                # A check across sections: point at the first key it names that the file or a --set holds.
+                # A check across keys: its line is that of the first key it names that the file or a --set holds.
                 named = [tuple(k.split(".")) for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", message)]
                 named += [(w,) for w in re.findall(r"\b[a-z_]+\b", message) if w in JobSpec.model_fields]
-                key_path = next((k for k in named if source.holds(k)), key_path)
-                problems.append(f"{source.where(key_path)}: {message}")
-                continue
+                where = source.where(next((k for k in named if source.holds(k)), key_path))
             dotted = ".".join(str(part) for part in key_path)
-            problems.append(f"{source.where(key_path)}: {dotted}: {message}")
+            problems.append(f"{where}: {dotted}: {message}" if dotted else f"{where}: {message}")
         if len(errors) > MAX_PROBLEMS:
             problems.append(f"... and {len(errors) - MAX_PROBLEMS} more problems")
         raise SpecError("\n".join(problems)) from None
