@@ -2,8 +2,8 @@
 
 A model trained on 8 TPU cores predicts on 1 CPU: the weights are restored into a freshly built model
 under this machine's strategy (tf.train.Checkpoint is independent of the replica count), and inputs are
-padded to whole batches and the padding dropped from the outputs, so any number of rows works on any
-number of replicas.
+padded to whole batches and the padding dropped from the outputs (predict) or weighted 0 in every metric
+and the loss (evaluate: every record counts once), so any number of rows works on any number of replicas.
 """
 
 from __future__ import annotations
