@@ -10,7 +10,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from runner.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
@@ -113,11 +114,11 @@ class PreemptionNotice:
         if self._depth == 0:
             self._watcher.remove()
 
-    def __enter__(self) -> "PreemptionNotice":
+    def __enter__(self) -> PreemptionNotice:
         self.install()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def notify(self, at: float | None = None, signum: int = signal.SIGTERM) -> None:

@@ -129,6 +129,7 @@ def test_a_second_ctrl_c_during_a_hung_save_exits_at_once(gcs_faults, tiny_mnist
     assert code == 130, err[-3000:]
     assert time.monotonic() - second < 3
     assert "interrupted again: exiting now" in err
+    assert out.strip() == "", "the second Ctrl-C exits before any summary"
     index = gcs_faults.read(bucket, "runs/hung/checkpoints/checkpoint").decode()
     assert indexed_step(index) == 8, "the save cut short is never the newest checkpoint"
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import last_json, run_cli
+from tests.conftest import run_cli
 from tests.support.runs import indexed_step, local_index
 
 pytestmark = pytest.mark.slow
