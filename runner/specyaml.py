@@ -20,7 +20,7 @@ from runner.errors import SpecError
 # A job spec is a few dozen lines; these bounds are far above any real one and far below any harm.
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 20
-MAX_VALUES = 10_000
+MAX_VALUES = 5_000
 
 
 class _Loader(yaml.CSafeLoader):

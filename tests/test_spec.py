@@ -25,6 +25,21 @@ from runner.userimport import CodeRoots, find_code, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 
 BAD = sorted((Path(__file__).parent / "specs" / "bad").glob("*.yaml"))
+# Time limits are on CPU seconds: on a shared machine wall time also measures the neighbours. A hang spends no
+# CPU, so each check also bounds wall time, loosely.
+CPU_S, WALL_S = 2.0, 20.0
+
+
+class Stopwatch:
+    def __enter__(self) -> "Stopwatch":
+        self.cpu, self.wall = time.process_time(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu, self.wall = time.process_time() - self.cpu, time.monotonic() - self.wall
+
+    def check(self, what: str) -> None:
+        assert self.cpu < CPU_S and self.wall < WALL_S, f"{what}: {self.cpu:.2f} s CPU, {self.wall:.2f} s"
 
 
 def expected_message(path: Path) -> str:
@@ -142,18 +157,18 @@ def _alias_bomb(levels: int = 12) -> str:
 
 PATHOLOGICAL = {
     # name: (file text, what the error says)
-    "alias_bomb": (_alias_bomb(), "aliases expand to more than 10,000 values"),
+    "alias_bomb": (_alias_bomb(), "aliases expand to more than 5,000 values"),
     "deep_flow": ("name: x\nmodel: {params: {x: " + "[" * 200_000 + "]" * 200_000 + "}}\n", "nested more than 20 levels"),
     "deep_block": ("".join(" " * i + "a:\n" for i in range(1000)), "nested more than 20 levels"),
-    "wide_list": ("name: x\nmodel: {params: {x: [" + ",".join(["1"] * 200_000) + "]}}\n", "more than 10,000 values"),
-    "many_keys": ("name: x\nmodel:\n  params:\n" + "".join(f"    k{i}: {i}\n" for i in range(50_000)), "more than 10,000 values"),
+    "wide_list": ("name: x\nmodel: {params: {x: [" + ",".join(["1"] * 200_000) + "]}}\n", "more than 5,000 values"),
+    "many_keys": ("name: x\nmodel:\n  params:\n" + "".join(f"    k{i}: {i}\n" for i in range(50_000)), "more than 5,000 values"),
     "long_scalar": ("name: " + "x" * 1_000_000 + "\n", "job name 'xxxx"),
     "long_key": ("x" * 1_000_000 + ": 1\n", "not valid YAML"),
     "huge_integer": ("name: x\ntrain:\n  seed: " + "9" * 900_000 + "\n", "an integer of 900,000 characters"),
     "too_big": ("name: x\n" + "#" * (10 << 20) + "\n", f"a job spec is at most {MAX_BYTES:,}"),
     "just_over": ("name: x\n" + "#" * MAX_BYTES + "\n", f"a job spec is at most {MAX_BYTES:,}"),
     "many_documents": ("---\n" * 200_000, "several YAML documents"),
-    "many_errors": ("name: x\ntrain:\n" + "".join(f"  k{i}: 1\n" for i in range(3000)), "... and 2980 more problems"),
+    "many_errors": ("name: x\ntrain:\n" + "".join(f"  k{i}: 1\n" for i in range(2400)), "... and 2380 more problems"),
 }
 
 
@@ -162,10 +177,8 @@ def test_any_input_ends_in_under_two_seconds_and_little_memory(tmp_path: Path, n
     text, expected = PATHOLOGICAL[name]
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
-    began = time.monotonic()
-    with pytest.raises(SpecError) as caught:
+    with Stopwatch() as took, pytest.raises(SpecError) as caught:
         load_spec(path)
-    seconds = time.monotonic() - began
     tracemalloc.start()  # a second pass, traced: tracing slows allocation-heavy code several times over
     try:
         with pytest.raises(SpecError):
@@ -177,7 +190,7 @@ def test_any_input_ends_in_under_two_seconds_and_little_memory(tmp_path: Path, n
     assert expected in message
     assert message.startswith(str(path)), message[:200]
     assert len(message) < 5000, "an error stays readable"
-    assert seconds < 2, f"{name}: {seconds:.2f} s"
+    took.check(name)
     assert peak < 200e6, f"{name}: {peak / 1e6:.0f} MB"
 
 
@@ -217,16 +230,16 @@ def test_a_pipe_or_device_is_refused_without_reading_it(tmp_path: Path) -> None:
 )
 def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override: str, expected: str | None) -> None:
     path = write_spec(tmp_path, {"name": "job"})
-    began = time.monotonic()
-    if expected is None:
-        load_spec(path, [override])
-    else:
-        with pytest.raises(SpecError) as caught:
+    with Stopwatch() as took:
+        if expected is None:
             load_spec(path, [override])
-        message = str(caught.value)
-        assert expected in message, message
-        assert message.startswith("--set "), message
-    assert time.monotonic() - began < 2
+        else:
+            with pytest.raises(SpecError) as caught:
+                load_spec(path, [override])
+            message = str(caught.value)
+            assert expected in message, message
+            assert message.startswith("--set "), message
+    took.check(override[:40])
 
 
 # --- every field has the range it can run with ------------------------------------------------------------
@@ -442,9 +455,9 @@ def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(
         "from runner.cli import app\n"
         "out = {}\n"
         f"for name, sets in {cases!r}.items():\n"
-        "    began = time.monotonic()\n"
+        "    cpu, wall = time.process_time(), time.monotonic()\n"
         f"    r = CliRunner().invoke(app, ['validate', {str(spec)!r}, *[a for s in sets for a in ('--set', s)]])\n"
-        "    out[name] = [r.exit_code, r.stderr, time.monotonic() - began]\n"
+        "    out[name] = [r.exit_code, r.stderr, time.process_time() - cpu, time.monotonic() - wall]\n"
         "out['tensorflow'] = 'tensorflow' in sys.modules\n"
         "print(json.dumps(out))\n"
     )
@@ -452,8 +465,8 @@ def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out.pop("tensorflow") is False
-    for name, (exit_code, stderr, seconds) in out.items():
-        assert seconds < 2, f"{name}: {seconds:.2f} s"
+    for name, (exit_code, stderr, cpu, wall) in out.items():
+        assert cpu < CPU_S and wall < WALL_S, f"{name}: {cpu:.2f} s CPU, {wall:.2f} s"
         assert "Traceback" not in stderr
         assert exit_code == (0 if name in ("ok", "bucket") else 2), (name, stderr)
     assert out["batch"][1].startswith(
