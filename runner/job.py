@@ -102,6 +102,7 @@ def run_job(
     )
     if chosen is not None and summary.get("accelerator") is not None:
         summary["accelerator"]["precision"] = chosen.to_dict()  # what the job computed in, and why
+        summary["accelerator"]["onednn"] = precision.onednn_enabled()
     if scalars:
         scalars.close()
         summary["tensorboard"] = scalars.folder

@@ -88,3 +88,13 @@ def output_not_float32(model: keras.Model) -> str | None:
             named = f"its output layer {layer.name!r}" if layer is not None else "its output"
             return f"{named} computes in {dtype} (give that layer dtype='float32' to train the rest in bfloat16)"
     return None
+
+
+def onednn_enabled() -> bool | None:
+    """Whether TensorFlow runs its oneDNN CPU kernels (runner/__init__.py turns them on unless
+    TF_ENABLE_ONEDNN_OPTS says otherwise); None when this TensorFlow cannot tell."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())

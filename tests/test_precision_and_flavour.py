@@ -83,6 +83,7 @@ def test_auto_is_the_default_and_the_summary_says_what_it_chose(mnist_job, tmp_p
     # What this machine's /proc/cpuinfo says, decided by the same rule the tests above pin down.
     policy, reason = host.native_precision("cpu", host.read_cpuinfo())
     assert summary["accelerator"]["precision"] == {"policy": policy, "reason": reason}
+    assert summary["accelerator"]["onednn"] is True  # runner/__init__.py turns oneDNN's CPU kernels on
     import tensorflow as tf
 
     model = tf.keras.models.load_model(tmp_path / "runs" / "auto" / "model.keras")
