@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any, Callable
 from urllib.parse import urlparse
@@ -28,6 +27,7 @@ from urllib.parse import urlparse
 import tensorflow as tf
 
 from runner import host
+from runner.bounded import Bounded
 from runner.errors import AcceleratorError, SpecError
 from runner.spec import AcceleratorSpec
 from runner.tpu_env import TpuRuntime, applied_tpu_env, apply_tpu_env
@@ -93,27 +93,11 @@ def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> 
 
 
 def _bounded(what: str, seconds: float, fn: Callable[[], Any]) -> Any:
-    """Runs fn in a daemon thread and waits at most `seconds`.
-
-    A thread, not a process: the TPU system must be initialised in this process. On a timeout the thread
-    is abandoned (a thread cannot be killed); being a daemon, it does not keep the process from exiting.
-    """
-    outcome: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:  # handed to the waiting thread below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=call, name=f"bounded-{what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    """fn() within `seconds`. A thread, not a process: the TPU system must be initialised in this process."""
+    try:
+        return Bounded(what, fn).result(seconds)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)") from None
 
 
 def _probe_grpc(target: str, seconds: float) -> None:
