@@ -197,7 +197,7 @@ def test_plateau_settings_need_per_epoch_validation(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3}})
     result = run_cli("validate", spec, timeout=60)
     assert result.returncode == 2
-    assert "early_stopping_patience (3) watches val_loss: also set validate_every_epoch: true" in result.stderr
+    assert "train.early_stopping_patience (3) watches val_loss: also set train.validate_every_epoch: true" in result.stderr
     spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"validate_every_epoch": True}})
     result = run_cli("validate", spec, timeout=60)
     assert result.returncode == 2 and "set data.validation or data.eval" in result.stderr

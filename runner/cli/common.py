@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -51,6 +53,33 @@ def setup_logging(debug: bool) -> None:
 
 
 _HANDLER_NAME = "runner-stderr"
+
+# What TensorFlow's C++ start-up writes to stderr before its log level applies: absl's warning about logging
+# before InitializeLog, and the oneDNN and CPU-feature notices (absl prints them whatever TF_CPP_MIN_LOG_LEVEL
+# says once TF_ENABLE_ONEDNN_OPTS is set, as runner/__init__.py does).
+_STARTUP_NOTICE = re.compile(r"absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|TF_ENABLE_ONEDNN_OPTS")
+
+
+def load_tensorflow(debug: bool) -> None:
+    """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
+    writes to stderr while loading is passed on. Call after the environment TensorFlow reads is set."""
+    if debug or "tensorflow" in sys.modules:
+        import tensorflow  # noqa: F401
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _STARTUP_NOTICE.search(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def version_text() -> str:
@@ -106,4 +135,5 @@ def trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) 
         choose_keras()
     except RunnerError as error:
         raise fail(error) from None
+    load_tensorflow(debug)
     return job

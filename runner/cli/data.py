@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from runner.cli.common import Debug, fail, load, setup_logging
+from runner.cli.common import Debug, fail, load, load_tensorflow, setup_logging
 from runner.errors import EXIT_USAGE, RunnerError, SpecError
 from runner.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
 
@@ -49,6 +49,7 @@ def prepare(
     """
     setup_logging(debug)
     configure_tensorflow(storage_timeout)
+    load_tensorflow(debug)
     from runner.prepare import shards as prepare_mod
 
     try:
@@ -92,6 +93,7 @@ def verify(
     """
     setup_logging(debug)
     configure_tensorflow(DEFAULT_TIMEOUT_S)
+    load_tensorflow(debug)
     from runner import data
     from runner.storage import storage_error
 
@@ -160,6 +162,7 @@ def manifest(
     """
     job = load(spec, overrides)
     setup_logging(debug)
+    load_tensorflow(debug)
     from runner.prepare.manifest import write_user_manifests
 
     try:

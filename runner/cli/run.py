@@ -10,7 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from runner.cli.common import Debug, Overrides, SpecPath, fail, load, setup_logging, trained_command_setup
+from runner.cli.common import (
+    Debug, Overrides, SpecPath, fail, load, load_tensorflow, setup_logging, trained_command_setup,
+)
 from runner.errors import RunnerError
 from runner.preemption import EarlyNotice
 from runner.storage import configure_tensorflow
@@ -91,6 +93,7 @@ def run(
     from runner.tpu_env import prepare_tpu_env
 
     prepare_tpu_env(job.accelerator.kind, job.accelerator.tpu)  # PJRT or not: TensorFlow reads it while loading
+    load_tensorflow(debug)
     from runner.errors import Interrupted, Preempted
     from runner.job import run_job
 
