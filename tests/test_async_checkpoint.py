@@ -129,7 +129,8 @@ def test_a_run_saves_in_the_background_and_waits_for_its_last_write(mnist_job, t
     summary = last_json(result.stdout)
     saves = summary["checkpoint_saves"]
     assert saves["mode"] == "async" and saves["saves"] == 4  # steps 3, 6 (epoch 1 end), 9, 12 (epoch 2 end)
-    assert saves["blocked_s"] == pytest.approx(summary["timing"]["checkpoint_s"], abs=0.05)
+    # The summary's checkpoint time holds every moment the loop was blocked on a save (and the final wait).
+    assert 0 < saves["blocked_s"] <= summary["timing"]["checkpoint_s"] + 0.001
     state = (tmp_path / "runs" / "async" / "checkpoints" / "checkpoint").read_text()
     assert 'model_checkpoint_path: "ckpt-12"' in state  # the last write was waited for before the summary
     assert (tmp_path / "runs" / "async" / "checkpoints" / "ckpt-12.index").exists()
