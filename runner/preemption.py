@@ -19,9 +19,14 @@ from runner.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+# The process's stderr as it was when the runner started: a last message before os._exit reaches it even while
+# fd 2 is redirected (runner/cli/common.py holds TensorFlow's start-up notices back that way).
+_STDERR_FD = os.dup(2)
+
+
 def _exit_now(message: str, code: int) -> None:
-    sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    os.write(_STDERR_FD, f"error: {message}\n".encode())
     os._exit(code)
 
 

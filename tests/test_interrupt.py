@@ -14,20 +14,10 @@ import jsonschema
 import pytest
 
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import interruptible_job as job
 
 SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
-STEPS, EPOCHS = 40, 3
-
-
-def job(mnist_job, name: str, **checkpoint):
-    return mnist_job(
-        name,
-        data={"eval": None},
-        train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
-        checkpoint=checkpoint,
-        output={"tensorboard": False},
-    )
 
 
 def tensorflow_loading(pid: int) -> bool | None:

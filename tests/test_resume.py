@@ -14,19 +14,9 @@ import time
 import pytest
 
 from tests.conftest import cli_env, last_json, run_cli
-from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import interruptible_job as job
 
-STEPS, EPOCHS = 40, 3
-
-
-def job(mnist_job, name: str, **checkpoint):
-    return mnist_job(
-        name,
-        data={"eval": None},
-        train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
-        checkpoint=checkpoint,
-        output={"tensorboard": False},
-    )
 
 
 def assert_exact_count(summary: dict, resumed_from: int) -> None:

@@ -13,6 +13,20 @@ from tests.conftest import REPO, cli_env
 
 T = TypeVar("T")
 
+# An interruptible job: EPOCHS x STEPS steps of tiny MNIST, long enough to be signalled mid-epoch.
+STEPS, EPOCHS = 40, 3
+
+
+def interruptible_job(mnist_job, name: str, **checkpoint) -> Path:
+    """The job the interruption tests signal: no evaluation, no TensorBoard, `checkpoint` settings as given."""
+    return mnist_job(
+        name,
+        data={"eval": None},
+        train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
+        checkpoint=checkpoint,
+        output={"tensorboard": False},
+    )
+
 
 def start_run(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m runner run SPEC` as a child process the test can signal."""
