@@ -8,26 +8,32 @@ DATA := data/mnist
 
 .PHONY: venv demo test test-fast system-deps bench clean
 
+# Packages go in through uv (pinned below; pip puts it in the venv first): the same locks, installed in
+# seconds where pip took minutes (benchmarks/RESULTS.md, "make demo and make test"). --native-tls: uv trusts
+# the system's certificates, as pip does here.
+UV_VERSION := 0.13.9
+UV := $(BIN)/uv pip install --quiet --native-tls --python $(BIN)/python
+
 $(STAMP): pyproject.toml requirements.lock requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-data.txt
-	$(BIN)/pip uninstall -q -y runner 2>/dev/null || true  # the distribution's former name, in an older .venv
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	test -x $(BIN)/uv || $(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV) -r requirements.lock
+	$(UV) --no-deps -r requirements-data.txt
+	$(UV) --no-deps -e .
 	touch $@
 
 # The test suite's own packages (requirements-test.lock) only for the targets that run tests.
 $(TEST_STAMP): $(STAMP) requirements-test.lock requirements-engines.txt requirements-engines-nodeps.txt
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements-test.lock --constraint requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements-engines.txt --constraint requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-engines-nodeps.txt
+	$(UV) -r requirements-test.lock --constraint requirements.lock
+	$(UV) -r requirements-engines.txt --constraint requirements.lock
+	$(UV) --no-deps -r requirements-engines-nodeps.txt
 	touch $@
 
 # xpk in a venv of its own (its pins differ from requirements.lock): tests/test_engines.py runs its parser.
 XPK_STAMP := .venv-xpk/.installed
-$(XPK_STAMP): requirements-xpk.txt
+$(XPK_STAMP): requirements-xpk.txt | $(STAMP)
 	test -x .venv-xpk/bin/python || $(PYTHON) -m venv .venv-xpk
-	.venv-xpk/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-xpk.txt
+	$(BIN)/uv pip install --quiet --native-tls --python .venv-xpk/bin/python --no-deps -r requirements-xpk.txt
 	touch $@
 
 venv: $(STAMP)

@@ -98,3 +98,14 @@ def mnist_job(tiny_mnist: Path, tmp_path: Path):
         return write_spec(tmp_path, doc, f"{name}.yaml")
 
     return make
+
+
+# The private Docker engine takes one session at a time (tests/support/docker.py): under pytest-xdist
+# (`--dist loadgroup`), every test that uses it runs on the same worker.
+_DOCKER_FIXTURES = {"docker_engine", "runner_image"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("docker"))
