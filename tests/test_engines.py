@@ -2,8 +2,10 @@
 
 * SkyPilot: its task loader (`sky.Task.from_yaml_config`, which validates against SkyPilot's schema) reads
   the printed task; the job_recovery keys are ones SkyPilot's schema declares.
-* GKE: the JobSet validates against tests/data/jobset_v1alpha2.schema.json (the JobSet CRD's v1alpha2 fields)
-  and its Job template against kubernetes-validate (Kubernetes 1.33, strict); xpk's own parser takes the
+* GKE: the JobSet validates against tests/data/jobset_v1alpha2.schema.json (a hand-written subset of the
+  JobSet CRD's v1alpha2 schema, plus the JobSet webhook's checks, for the fields the manifest sets; its
+  x-source names the CRD file, commit and release), which refuses unknown fields at every level, and its Job
+  template against kubernetes-validate (Kubernetes 1.33, strict); xpk's own parser takes the
   printed `xpk workload create` line and xpk's own --dry-run makes the same JobSet from it; the kubernetes
   client sends the manifest to a local fake API server.
 * Vertex AI: the printed request parses strictly into aiplatform_v1's proto, and the real JobServiceClient
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Iterator
@@ -204,6 +207,128 @@ def test_jobset_refuses_what_the_crd_would_drop(cloud_spec):
     manifest["spec"]["failurePolicy"]["maxRestart"] = 3
     with pytest.raises(jsonschema.ValidationError, match="maxRestart"):
         jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
+
+
+# What the JobSet CRD (and, where the CRD leaves it open, the JobSet webhook) takes on the paths the manifest
+# uses, entered a second time here so that an edit of the schema file alone shows up.
+CRD_RULE_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
+WEBHOOK_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                           "PodFailurePolicy"}
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def jobset_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA.read_text())
+
+
+def schema_at(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        node = root["$defs"][node["$ref"].removeprefix("#/$defs/")]
+    return node
+
+
+def walk(value: Any, node: dict[str, Any], root: dict[str, Any], path: str = "") -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """Every value of the manifest with the schema that applies to it, by path (a.b[].c)."""
+    node = schema_at(node, root)
+    yield path, value, node
+    if isinstance(value, dict):
+        for key, item in value.items():
+            child = node["properties"][key] if "properties" in node else node["additionalProperties"]
+            yield from walk(item, child, root, f"{path}.{key}".lstrip("."))
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item, node["items"], root, f"{path}[]")
+
+
+def test_jobset_schema_names_the_crd_it_was_written_from_and_is_not_a_copy():
+    schema = jobset_schema()
+    source = schema["x-source"]
+    assert source["repository"] == "https://github.com/kubernetes-sigs/jobset"
+    assert source["path"] == "config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"
+    assert re.fullmatch(r"[0-9a-f]{40}", source["commit"])
+    assert "v0.9.0" in source["release"] and "hand-written subset" in source["kind"]
+    # Written by hand for the manifest's paths: none of the CRD's wrapping, descriptions or extensions, and a
+    # small fraction of its size (the CRD file is about 750,000 characters).
+    text = SCHEMA.read_text()
+    assert len(text) < 20_000
+    for marker in ("openAPIV3Schema:", '"description"', "x-kubernetes-", "CustomResourceDefinition"):
+        assert marker not in text, marker
+
+
+def test_every_field_the_jobset_sets_is_declared_and_every_object_is_closed(cloud_spec):
+    """The likeliest drift: gke.py sets a field, or a value, the schema (and so the CRD) was never checked for;
+    or the schema stops refusing unknown keys."""
+    schema = jobset_schema()
+    manifest = gke_manifest(cloud_spec, "--queue", "team-a", "--spot")
+    checked_enums = {}
+    for path, value, node in walk(manifest, schema, schema):
+        if isinstance(value, dict) and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path or 'the JobSet'}: the schema must refuse unknown keys"
+            assert set(value) <= set(node["properties"]), path
+        elif isinstance(value, dict):  # a map: labels, annotations, nodeSelector, resource quantities
+            assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
+        if "enum" in node:
+            assert value in node["enum"], (path, value)
+            checked_enums[path] = set(node["enum"])
+    assert checked_enums["spec.failurePolicy.rules[].action"] == CRD_RULE_ACTIONS
+    assert checked_enums["spec.failurePolicy.rules[].onJobFailureReasons[]"] == WEBHOOK_FAILURE_REASONS
+    assert {"spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].action",
+            "spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].onExitCodes.operator"} <= set(checked_enums)
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    (rule,) = replicated["template"]["spec"]["podFailurePolicy"]["rules"]
+    values = rule["onExitCodes"]["values"]
+    assert values == sorted(set(values)) and 0 not in values and len(values) <= 255  # batch/v1's rules for the list
+
+
+def test_jobset_schema_refuses_what_the_crd_or_the_jobset_webhook_would_not_take(cloud_spec):
+    """Fields the CRD does not have (the API server would drop them without a word) and values the CRD or the
+    JobSet webhook refuses, each at its own level of the manifest."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = jobset_schema()
+    made = gke_manifest(cloud_spec)
+    jsonschema.validate(made, schema)
+
+    def spec(m):
+        return m["spec"]
+
+    def job(m):
+        return m["spec"]["replicatedJobs"][0]
+
+    def pod(m):
+        return job(m)["template"]["spec"]["template"]["spec"]
+
+    changes = {
+        "replicaCount": lambda m: job(m).update(replicaCount=1),
+        "completionsPerIndex": lambda m: job(m)["template"]["spec"].update(completionsPerIndex=1),
+        "onExitCode": lambda m: job(m)["template"]["spec"]["podFailurePolicy"]["rules"][0].update(onExitCode={}),
+        "nodeSelectors": lambda m: pod(m).update(nodeSelectors={}),
+        "runAsRoot": lambda m: pod(m)["containers"][0]["securityContext"].update(runAsRoot=True),
+        "generateName": lambda m: job(m)["template"]["spec"]["template"]["metadata"].update(generateName="x-"),
+        # Job-level words in the JobSet's own failure policy: the CRD and the webhook refuse them.
+        "'FailJob' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(action="FailJob"),
+        "'Evicted' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(onJobFailureReasons=["Evicted"]),
+        "'fail-on-exit' does not match": lambda m: spec(m)["failurePolicy"]["rules"][0].update(name="fail-on-exit"),
+        "'1-mnist' does not match": lambda m: m["metadata"].update(name="1-mnist"),
+    }
+    for says, change in changes.items():
+        manifest = json.loads(json.dumps(made))
+        change(manifest)
+        with pytest.raises(jsonschema.ValidationError) as refused:
+            jsonschema.validate(manifest, schema)
+        assert says in refused.value.message, (says, refused.value.message)
+
+
+def test_the_longest_gke_name_makes_pod_names_the_jobset_webhook_takes(cloud_spec):
+    """The webhook refuses a JobSet whose longest pod name (NAME-JOB-JOBINDEX-PODINDEX-xxxxx) is not a DNS-1035
+    label of at most 63 characters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    manifest = gke_manifest(cloud_spec, "--name", "a" * gke.NAME_LIMIT)
+    jsonschema.validate(manifest, jobset_schema())
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    job_spec = replicated["template"]["spec"]
+    pod_name = (f"{manifest['metadata']['name']}-{replicated['name']}-{replicated['replicas'] - 1}-"
+                f"{job_spec['completions'] - 1}-abcde")
+    assert len(pod_name) <= 63 and DNS_1035_LABEL.fullmatch(pod_name), pod_name
 
 
 def xpk_run(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
