@@ -2,7 +2,7 @@
 
 Run as its own process (`start_metadata_fake` does that and stops it by PID):
 
-    python tests/support/metadata_fake.py --port 0 --ttl 900     prints `PORT <n>` once it serves on 127.0.0.1
+    python -m tests.support.metadata_fake --port 0 --ttl 900     prints `PORT <n>` once it serves on 127.0.0.1
 
 What it serves, as the real server does (plain text, `Metadata-Flavor: Google` required and echoed):
     GET /computeMetadata/v1/instance/attributes/KEY    a TPU VM's attributes: agent-worker-number,
@@ -24,25 +24,22 @@ The process exits by itself after --ttl seconds.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import http.server
-import json
 import subprocess
 import sys
-import threading
-import urllib.request
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
+
 _PREFIX = "/computeMetadata/v1/"
 
 
-class Metadata:
+class Metadata(Recorder):
     def __init__(self, project: str = "runner-test", zone: str = "us-central1-a", name: str = "t1v-n-fake-w-0"):
-        self.lock = threading.Lock()
-        self.requests: list[dict[str, Any]] = []
+        super().__init__()
         self.failing = 0
         self.values = {
             "instance/zone": f"projects/123456789/zones/{zone}",
@@ -70,119 +67,60 @@ class Metadata:
         return (200, self.values[key]) if key in self.values else (404, "not found")
 
 
-def make_handler(metadata: Metadata) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class Handler(FakeHandler):
+    state: Metadata
+    text_type = "application/text"
+    extra_headers = {"Metadata-Flavor": "Google"}
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+    def record(self, method: str, url: urllib.parse.SplitResult, body: Any) -> None:
+        pass  # Metadata.answer keeps what the tests read: the path and whether the header came
 
-        def _reply(self, code: int, text: str, content_type: str = "application/text") -> None:
-            data = text.encode()
-            self.send_response(code)
-            self.send_header("Metadata-Flavor", "Google")
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            with metadata.lock:
-                if path == "/_fake/health":
-                    self._reply(200, "ok")
-                elif path == "/_fake/requests":
-                    self._reply(200, json.dumps(metadata.requests), "application/json")
+    def answer(self, method: str, url: urllib.parse.SplitResult, body: Any) -> tuple[int, Any]:
+        metadata = self.state
+        if method == "GET":
+            return metadata.answer(url.path, self.headers.get("Metadata-Flavor") == "Google")
+        if method == "POST" and url.path == "/_fake/attributes":
+            for key, value in (body or {}).items():
+                full = key if "/" in key else f"instance/attributes/{key}"
+                if value is None:
+                    metadata.values.pop(full, None)
                 else:
-                    self._reply(*metadata.answer(path, self.headers.get("Metadata-Flavor") == "Google"))
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length) or b"{}")
-            with metadata.lock:
-                if self.path == "/_fake/attributes":
-                    for key, value in body.items():
-                        full = key if "/" in key else f"instance/attributes/{key}"
-                        if value is None:
-                            metadata.values.pop(full, None)
-                        else:
-                            metadata.values[full] = str(value)
-                    self._reply(200, "{}", "application/json")
-                elif self.path == "/_fake/fail":
-                    metadata.failing = int(body.get("status") or 0)
-                    self._reply(200, "{}", "application/json")
-                else:
-                    self._reply(404, "no such control endpoint")
-
-    return Handler
+                    metadata.values[full] = str(value)
+            return 200, {}
+        if method == "POST" and url.path == "/_fake/fail":
+            metadata.failing = int((body or {}).get("status") or 0)
+            return 200, {}
+        return 404, "no such control endpoint"
 
 
-class MetadataFake:
+class MetadataFake(FakeClient):
     """The test side of a running fake: `host` for GCE_METADATA_HOST, and its controls."""
 
     def __init__(self, process: subprocess.Popen, port: int):
-        self.process, self.port = process, port
+        super().__init__(process, port)
         self.host = f"127.0.0.1:{port}"
-
-    def _call(self, method: str, path: str, doc: Any = None) -> Any:
-        data = None if doc is None else json.dumps(doc).encode()
-        request = urllib.request.Request(f"http://{self.host}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
 
     def set(self, **attributes: Any) -> None:
         """Sets instance attributes; underscores in keyword names become dashes (agent_worker_number=1)."""
-        self._call("POST", "/_fake/attributes", {k.replace("_", "-"): v for k, v in attributes.items()})
+        self.call("POST", "/_fake/attributes", {k.replace("_", "-"): v for k, v in attributes.items()})
 
     def fail(self, status: int = 503) -> None:
-        self._call("POST", "/_fake/fail", {"status": status})
+        self.call("POST", "/_fake/fail", {"status": status})
 
     def recover(self) -> None:
-        self._call("POST", "/_fake/fail", {"status": 0})
-
-    def requests(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/_fake/requests")
+        self.call("POST", "/_fake/fail", {"status": 0})
 
 
 @contextlib.contextmanager
 def start_metadata_fake(folder: Path, ttl_s: float = 900.0, **attributes: Any) -> Iterator[MetadataFake]:
-    log = open(folder / "metadata_fake.log", "wb")
-    process = subprocess.Popen([sys.executable, __file__, "--port", "0", "--ttl", str(ttl_s)],
-                               stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    try:
-        line = process.stdout.readline().decode()
-        if not line.startswith("PORT "):
-            raise RuntimeError(f"the metadata fake did not start: {line!r}; see {folder / 'metadata_fake.log'}")
-        fake = MetadataFake(process, int(line.split()[1]))
-        with urllib.request.urlopen(f"http://{fake.host}/_fake/health", timeout=5) as answer:
-            if answer.read() != b"ok":
-                raise RuntimeError(f"port {fake.port} answers, but not as the metadata fake")
+    with start_fake(__spec__.name, folder, MetadataFake, ttl_s) as fake:
         if attributes:
             fake.set(**attributes)
         yield fake
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--ttl", type=float, default=900.0, help="exit after this many seconds")
-    args = parser.parse_args(argv)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(Metadata()))
-    server.daemon_threads = True
-    timer = threading.Timer(args.ttl, server.shutdown)
-    timer.daemon = True
-    timer.start()
-    print(f"PORT {server.server_address[1]}", flush=True)
-    server.serve_forever()
+    serve(Handler, Metadata(), argv, __doc__.splitlines()[0], default_ttl_s=900.0)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ records every request, moves queued resources through their states, and boots a 
 
 Run as its own process (the fixture `tpu_api` does that and stops it by PID):
 
-    python tests/support/tpu_fake.py --port 0 --ttl 900     prints `PORT <n>` once it serves on 127.0.0.1
+    python -m tests.support.tpu_fake --port 0 --ttl 900     prints `PORT <n>` once it serves on 127.0.0.1
 
 What it serves, in the JSON form of the real APIs (proto3 JSON, camelCase):
     POST   /v2/projects/P/locations/Z/queuedResources?queuedResourceId=ID   -> Operation (done)
@@ -49,24 +49,20 @@ the block ends.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
-import http.server
 import itertools
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
 
 _BUILDS = re.compile(r"^/v1/projects/([^/]+)(?:/locations/([^/]+))?/builds$")
 _RESOURCE = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(queuedResources|nodes|operations)(?:/([^/:]+))?$")
@@ -97,10 +93,9 @@ class Vm:
                 "pids": [p.pid for p in self.processes], "exit_codes": [p.poll() for p in self.processes]}
 
 
-class Fake:
+class Fake(Recorder):
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.requests: list[dict[str, Any]] = []
+        super().__init__()
         self.queued: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.operations: dict[str, dict[str, Any]] = {}
@@ -381,193 +376,97 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
     return _error(405, "UNIMPLEMENTED", f"{method} {path} is not part of this fake")
 
 
-def make_handler(fake: Fake) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class Handler(FakeHandler):
+    state: Fake
 
-        def log_message(self, format: str, *args: Any) -> None:  # keep stderr for real problems
-            pass
+    def record(self, method: str, url: urllib.parse.SplitResult, body: Any) -> None:
+        if url.path != "/v2/entries:write":  # the VM's log lines are not requests under test
+            super().record(method, url, body)
 
-        def _reply(self, code: int, doc: Any) -> None:
-            data = (doc if isinstance(doc, str) else json.dumps(doc)).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json" if not isinstance(doc, str) else "text/plain")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(self, method: str, url: urllib.parse.SplitResult, body: Any) -> tuple[int, Any]:
+        fake = self.state
+        if url.path.startswith("/_fake/"):
+            return self._control(method, url.path, body)
+        if fake.failing > 0 and url.path.startswith("/v2/projects/"):
+            fake.failing -= 1
+            return _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
+        return handle(fake, method, url.path, urllib.parse.parse_qs(url.query), body)
 
-        def _serve(self, method: str) -> None:
-            url = urllib.parse.urlsplit(self.path)
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+    def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        fake = self.state
+        if path == "/_fake/entries" and method == "GET":
+            return 200, fake.entries
+        if path == "/_fake/boots" and method == "GET":
+            fake.reap()
+            return 200, [vm.doc() for vm in fake.vms]
+        if path == "/_fake/reset" and method == "POST":
+            fake.reset()
+            return 200, {}
+        if path == "/_fake/config" and method == "POST":
+            fake.lifecycle.update(body.get("lifecycle") or {})
+            if "boot" in body:
+                fake.boot = body["boot"]
+            return 200, {"lifecycle": fake.lifecycle, "boot": fake.boot}
+        if path == "/_fake/state" and method == "POST":
             try:
-                body = json.loads(raw) if raw else None
-            except json.JSONDecodeError:
-                self._reply(400, {"error": {"code": 400, "message": "body is not JSON", "status": "INVALID_ARGUMENT"}})
-                return
-            with fake.lock:
-                if url.path.startswith("/_fake/"):
-                    code, doc = self._control(method, url.path, body)
-                else:
-                    query = urllib.parse.parse_qs(url.query)
-                    if url.path != "/v2/entries:write":  # the VM's log lines are not requests under test
-                        fake.requests.append({"method": method, "path": url.path, "query": query, "body": body})
-                    if fake.failing > 0 and url.path.startswith("/v2/projects/"):
-                        fake.failing -= 1
-                        code, doc = _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
-                    else:
-                        code, doc = handle(fake, method, url.path, query, body)
-            self._reply(code, doc)
-
-        def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
-            if path == "/_fake/health":
-                return 200, "ok"
-            if path == "/_fake/requests" and method == "GET":
-                return 200, fake.requests
-            if path == "/_fake/entries" and method == "GET":
-                return 200, fake.entries
-            if path == "/_fake/boots" and method == "GET":
-                fake.reap()
-                return 200, [vm.doc() for vm in fake.vms]
-            if path == "/_fake/reset" and method == "POST":
-                fake.reset()
-                return 200, {}
-            if path == "/_fake/config" and method == "POST":
-                fake.lifecycle.update(body.get("lifecycle") or {})
-                if "boot" in body:
-                    fake.boot = body["boot"]
-                return 200, {"lifecycle": fake.lifecycle, "boot": fake.boot}
-            if path == "/_fake/state" and method == "POST":
-                try:
-                    return 200, fake.set_state(body["name"], body["state"], body.get("node_state"), body.get("initiator"))
-                except KeyError:
-                    return 404, {"error": f"no queued resource {body.get('name')!r}"}
-            if path == "/_fake/fail" and method == "POST":
-                fake.failing = int(body.get("count", 0))
-                return 200, {"failing": fake.failing}
-            if path == "/_fake/preempt" and method == "POST":
-                try:
-                    return 200, fake.preempt(body["name"], float(body.get("grace_s", 30)))
-                except KeyError:
-                    return 404, {"error": f"no queued resource {body.get('name')!r}"}
-                except ValueError as error:
-                    return 409, {"error": str(error)}
-            return 404, {"error": f"no control endpoint {method} {path}"}
-
-        def do_GET(self) -> None:
-            self._serve("GET")
-
-        def do_POST(self) -> None:
-            self._serve("POST")
-
-        def do_DELETE(self) -> None:
-            self._serve("DELETE")
-
-        def do_PATCH(self) -> None:
-            self._serve("PATCH")
-
-    return Handler
+                return 200, fake.set_state(body["name"], body["state"], body.get("node_state"), body.get("initiator"))
+            except KeyError:
+                return 404, {"error": f"no queued resource {body.get('name')!r}"}
+        if path == "/_fake/fail" and method == "POST":
+            fake.failing = int(body.get("count", 0))
+            return 200, {"failing": fake.failing}
+        if path == "/_fake/preempt" and method == "POST":
+            try:
+                return 200, fake.preempt(body["name"], float(body.get("grace_s", 30)))
+            except KeyError:
+                return 404, {"error": f"no queued resource {body.get('name')!r}"}
+            except ValueError as error:
+                return 409, {"error": str(error)}
+        return 404, {"error": f"no control endpoint {method} {path}"}
 
 
-class TpuFake:
+class TpuFake(FakeClient):
     """The test side of a running fake: its endpoint and its control endpoints."""
 
-    def __init__(self, process: subprocess.Popen, port: int):
-        self.process, self.port = process, port
-        self.endpoint = f"http://127.0.0.1:{port}"
-
-    def _call(self, method: str, path: str, doc: Any = None) -> Any:
-        data = None if doc is None else json.dumps(doc).encode()
-        request = urllib.request.Request(self.endpoint + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
-
-    def requests(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/_fake/requests")
-
     def set_state(self, name: str, state: str, node_state: str | None = None, initiator: str | None = None) -> dict[str, Any]:
-        return self._call("POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state, "initiator": initiator})
+        return self.call("POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state, "initiator": initiator})
 
     def configure(self, lifecycle: dict[str, Any] | None = None, boot: dict[str, Any] | None = None) -> dict[str, Any]:
         doc: dict[str, Any] = {"lifecycle": lifecycle or {}}
         if boot is not None:
             doc["boot"] = boot
-        return self._call("POST", "/_fake/config", doc)
+        return self.call("POST", "/_fake/config", doc)
 
     def preempt(self, name: str, grace_s: float = 30.0) -> dict[str, Any]:
-        return self._call("POST", "/_fake/preempt", {"name": name, "grace_s": grace_s})
+        return self.call("POST", "/_fake/preempt", {"name": name, "grace_s": grace_s})
 
     def fail(self, count: int) -> None:
         """The next `count` TPU API requests answer 503 UNAVAILABLE."""
-        self._call("POST", "/_fake/fail", {"count": count})
+        self.call("POST", "/_fake/fail", {"count": count})
 
     def boots(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/_fake/boots")
+        return self.call("GET", "/_fake/boots")
 
     def entries(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/_fake/entries")
+        return self.call("GET", "/_fake/entries")
 
     def reset(self) -> None:
-        self._call("POST", "/_fake/reset", {})
+        self.call("POST", "/_fake/reset", {})
 
 
-@contextlib.contextmanager
-def start_tpu_fake(folder: Path, ttl_s: float = 900.0, start_timeout_s: float = 20.0) -> Iterator[TpuFake]:
-    log = open(folder / "tpu_fake.log", "wb")
-    process = subprocess.Popen([sys.executable, __file__, "--port", "0", "--ttl", str(ttl_s)],
-                               stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        line = process.stdout.readline().decode()  # the server prints its port once it is bound
-        if not line.startswith("PORT ") or time.monotonic() > deadline:
-            raise RuntimeError(f"the TPU API fake did not start: {line!r}; see {folder / 'tpu_fake.log'}")
-        fake = TpuFake(process, int(line.split()[1]))
-        with urllib.request.urlopen(f"{fake.endpoint}/_fake/health", timeout=5) as answer:
-            if answer.read() != b"ok":
-                raise RuntimeError(f"port {fake.port} answers, but not as the TPU API fake")
-        yield fake
-    finally:
-        process.terminate()  # the fake kills its VMs as it stops
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        log.close()
+def start_tpu_fake(folder: Path, ttl_s: float = 900.0, start_timeout_s: float = 20.0) -> contextlib.AbstractContextManager[TpuFake]:
+    return start_fake(__spec__.name, folder, TpuFake, ttl_s, start_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--ttl", type=float, default=900.0, help="exit after this many seconds")
-    args = parser.parse_args(argv)
     fake = Fake()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(fake))
-    server.daemon_threads = True
-    stopping = threading.Event()
 
-    def stop(*_: Any) -> None:
-        stopping.set()
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    deadline = time.monotonic() + args.ttl
-
-    def clock() -> None:
-        while not stopping.wait(0.1):
-            fake.tick()
-            if time.monotonic() > deadline:
-                stop()
-
-    threading.Thread(target=clock, daemon=True).start()
-    print(f"PORT {server.server_address[1]}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
+    def kill_vms() -> None:
         with fake.lock:
             for vm in fake.vms:
                 vm.signal(signal.SIGKILL)
+
+    serve(Handler, fake, argv, __doc__.splitlines()[0], default_ttl_s=900.0, tick=fake.tick, on_stop=kill_vms)
 
 
 if __name__ == "__main__":
