@@ -1,6 +1,7 @@
 """`runner submit`, `status`, `cancel` and `logs --summary` against a local fake of the Cloud TPU API (and the GCS
 emulator for the run folder), and the dry run's gcloud script run by the real gcloud against the same fake:
-both must send the same request, for every flag that reaches it.
+both must send the same request, for every flag that reaches it. The runner commands run in this process
+(Typer's CliRunner: the same exit codes, stdout and stderr); gcloud runs as its own process.
 
 The startup script itself is tested in test_startup.py, the watcher in test_recovery.py."""
 
@@ -18,20 +19,14 @@ import pytest
 import yaml
 
 from runner.specfile import load_spec
-from tests.conftest import cli_env, last_json, run_cli, write_spec
-from tests.support.tpu_fake import TpuFake, start_tpu_fake
+from tests.conftest import last_json
+from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 
-PROJECT, ZONE = "runner-test", "us-central1-a"
+pytest_plugins = ["tests.support.cloud_fixtures"]
+
 BUCKET = "runner-test"
-IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 GCLOUD = shutil.which("gcloud")
 QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources"
-
-
-@pytest.fixture(scope="module")
-def tpu_api(tmp_path_factory) -> Iterator[TpuFake]:
-    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
-        yield fake
 
 
 @pytest.fixture(scope="module")
@@ -47,35 +42,17 @@ def bucket(gcs) -> str:
 
 
 @pytest.fixture
-def api(tpu_api: TpuFake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A clean fake and the environment that points the runner, gcloud and the bucket at the fakes."""
-    tpu_api.reset()
+def api(tpu_fake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The environment that points the runner, gcloud and the bucket at the fakes (the bucket's run folders
+    emptied)."""
     for name in gcs.objects(bucket, "runs/"):
         gcs.client().bucket(bucket).blob(name).delete()
-    yield cli_env(
-        **gcs.env,
-        CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{tpu_api.endpoint}/",
-        CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
-        CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
-        CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
-        CLOUDSDK_CORE_DISABLE_PROMPTS="1",
-        RUNNER_STATE_DIR=str(tmp_path / "state"),
-    )
-
-
-@pytest.fixture
-def cloud_spec(tmp_path: Path) -> Path:
-    return write_spec(tmp_path, {
-        "name": "mnist_cnn",
-        "data": {"train": "gs://runner-test/data/mnist/train-*.tfrecord", "eval": "gs://runner-test/data/mnist/test-*.tfrecord"},
-        "train": {"epochs": 2},
-        "output": {"dir": "gs://runner-test/runs"},
-    })
+    yield cloud_env(tpu_fake.endpoint, tmp_path, **gcs.env)
 
 
 def submit(spec: Path, env: dict[str, str], *extra: str, where: bool = True) -> subprocess.CompletedProcess:
     place = ("--zone", ZONE, "--project", PROJECT) if where else ()
-    return run_cli("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, *extra, env=env, timeout=120)
+    return invoke("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, *extra, env=env)
 
 
 def as_proto(body: dict[str, Any]):
@@ -105,7 +82,7 @@ def setting(script: str, key: str) -> str:
 # --- submit ----------------------------------------------------------------------------------------
 
 
-def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(api, tpu_api, cloud_spec, gcs):
+def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(api, tpu_fake, cloud_spec, gcs):
     result = submit(cloud_spec, api, "--spot")
     assert result.returncode == 0, result.stderr
     printed = last_json(result.stdout)
@@ -114,7 +91,7 @@ def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(ap
     assert printed["operation"].startswith(f"projects/{PROJECT}/locations/{ZONE}/operations/")
     assert printed["max_restarts"] == 3, "spot capacity is restarted after preemption by default"
 
-    [request] = creates(tpu_api.requests())
+    [request] = creates(tpu_fake.requests())
     assert request["path"] == QR_PATH
     assert request["query"]["queuedResourceId"] == ["mnist-cnn"]
     sent = as_proto(request["body"])
@@ -140,9 +117,9 @@ def test_submit_creates_a_queued_resource_whose_startup_script_runs_the_image(ap
     assert job["restarts"] == [] and job["outcome"] is None
 
 
-def test_the_startup_script_carries_the_resolved_spec_with_the_tpu_required(api, tpu_api, cloud_spec, tmp_path):
+def test_the_startup_script_carries_the_resolved_spec_with_the_tpu_required(api, tpu_fake, cloud_spec, tmp_path):
     assert submit(cloud_spec, api, "--set", "train.epochs=5").returncode == 0
-    script = the_script(creates(tpu_api.requests())[0]["body"])
+    script = the_script(creates(tpu_fake.requests())[0]["body"])
     shipped = tmp_path / "shipped.yaml"
     shipped.write_bytes(base64.b64decode(setting(script, "RUNNER_SPEC_B64")))
     on_vm = load_spec(shipped)
@@ -150,21 +127,21 @@ def test_the_startup_script_carries_the_resolved_spec_with_the_tpu_required(api,
     assert on_vm == expected  # a job that silently fell back to the CPU would still bill TPU hours
 
 
-def test_the_same_name_cannot_be_submitted_twice_and_each_submission_has_its_own_id(api, tpu_api, cloud_spec):
+def test_the_same_name_cannot_be_submitted_twice_and_each_submission_has_its_own_id(api, tpu_fake, cloud_spec):
     first = submit(cloud_spec, api)
     assert first.returncode == 0
     again = submit(cloud_spec, api)
     assert again.returncode == 2
     assert "already exists" in again.stderr and "runner cancel mnist-cnn" in again.stderr
-    assert run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60).returncode == 0
+    assert invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api).returncode == 0
     third = submit(cloud_spec, api)
     assert third.returncode == 0, third.stderr
-    ids = [node_of(c["body"])["labels"]["runner-submission"] for c in creates(tpu_api.requests())]
+    ids = [node_of(c["body"])["labels"]["runner-submission"] for c in creates(tpu_fake.requests())]
     assert len(set(ids)) == 3, "the refused request had its own id too"
     assert [ids[0], ids[2]] == [last_json(first.stdout)["submission"], last_json(third.stdout)["submission"]]
 
 
-def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(api, tpu_api, cloud_spec, tmp_path):
+def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(api, tpu_fake, cloud_spec, tmp_path):
     config = Path(api["CLOUDSDK_CONFIG"])
     (config / "configurations").mkdir(parents=True)
     (config / "active_config").write_text("work")
@@ -175,7 +152,7 @@ def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(ap
             assert answer.stdout.strip() == expected, answer.stderr
     result = submit(cloud_spec, api, where=False)
     assert result.returncode == 0, result.stderr
-    assert creates(tpu_api.requests())[0]["path"] == QR_PATH
+    assert creates(tpu_fake.requests())[0]["path"] == QR_PATH
 
     (config / "active_config").write_text("empty")
     missing = submit(cloud_spec, api, where=False)
@@ -195,32 +172,32 @@ def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(ap
     ("--reservation", PROJECT, "--valid-until", "2031-01-01T00:00:00Z"),
     ("--reservation", "shared-capacity", "--valid-until", "1h30m", "--keep"),
 ])
-def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(api, tpu_api, cloud_spec, tmp_path, flags):
+def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(api, tpu_fake, cloud_spec, tmp_path, flags):
     assert GCLOUD, "gcloud is not installed on this machine"
     dry = submit(cloud_spec, api, *flags, "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert tpu_api.requests() == []
+    assert tpu_fake.requests() == []
 
     script = tmp_path / "launch.sh"
     script.write_text(dry.stdout)
     sent_by_gcloud = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=api, cwd=tmp_path)
     assert sent_by_gcloud.returncode == 0, sent_by_gcloud.stderr
-    [by_gcloud] = creates(tpu_api.requests())
+    [by_gcloud] = creates(tpu_fake.requests())
 
-    tpu_api.reset()
+    tpu_fake.reset()
     same_id = setting(the_script(by_gcloud["body"]), "RUNNER_SUBMISSION")
     assert submit(cloud_spec, api, *flags, "--submission-id", same_id).returncode == 0
-    [by_runner] = creates(tpu_api.requests())
+    [by_runner] = creates(tpu_fake.requests())
     assert by_gcloud["path"] == by_runner["path"]
     assert by_gcloud["query"]["queuedResourceId"] == by_runner["query"]["queuedResourceId"]
     assert as_proto(by_gcloud["body"]) == as_proto(by_runner["body"])
 
 
-def test_the_new_flags_reach_the_request(api, tpu_api, cloud_spec):
+def test_the_new_flags_reach_the_request(api, tpu_fake, cloud_spec):
     result = submit(cloud_spec, api, "--network", "runner-net", "--subnetwork", "runner-subnet", "--service-account",
                     "runner@runner-test.iam.gserviceaccount.com", "--reservation", "shared-capacity", "--valid-until", "6h")
     assert result.returncode == 0, result.stderr
-    body = creates(tpu_api.requests())[0]["body"]
+    body = creates(tpu_fake.requests())[0]["body"]
     node = node_of(body)
     assert node["networkConfig"] == {"network": "runner-net", "subnetwork": "runner-subnet", "enableExternalIps": True}
     assert node["serviceAccount"]["email"] == "runner@runner-test.iam.gserviceaccount.com"
@@ -229,7 +206,7 @@ def test_the_new_flags_reach_the_request(api, tpu_api, cloud_spec):
 
 
 @pytest.mark.host
-def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelled(api, tpu_api, cloud_spec, gcs):
+def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelled(api, tpu_fake, cloud_spec, gcs):
     assert GCLOUD, "gcloud is not installed on this machine"
     assert submit(cloud_spec, api).returncode == 0
     gcloud = subprocess.run(
@@ -240,13 +217,13 @@ def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelle
     assert gcloud.returncode == 0, gcloud.stderr
     submitted = submit(cloud_spec, api)
     assert submitted.returncode == 0
-    cancelled = run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
+    cancelled = invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api)
     assert cancelled.returncode == 0, cancelled.stderr
     doc = last_json(cancelled.stdout)
     assert doc["deleting"] is True and doc["submission"] == last_json(submitted.stdout)["submission"]
     assert f"runs/mnist_cnn/logs/{doc['submission']}/cancelled.json" in gcs.objects(BUCKET, "runs/")
 
-    deletes = [r for r in tpu_api.requests() if r["method"] == "DELETE"]
+    deletes = [r for r in tpu_fake.requests() if r["method"] == "DELETE"]
     assert len(deletes) == 2
     by_gcloud, by_runner = deletes
     assert by_gcloud["path"] == by_runner["path"] == f"{QR_PATH}/mnist-cnn"
@@ -257,41 +234,41 @@ def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelle
 # --- status, listing, cost --------------------------------------------------------------------------
 
 
-def test_status_follows_the_job_by_its_name_until_and_after_cancel(api, tpu_api, cloud_spec):
+def test_status_follows_the_job_by_its_name_until_and_after_cancel(api, tpu_fake, cloud_spec):
     assert submit(cloud_spec, api).returncode == 0
     where = ("--zone", ZONE, "--project", PROJECT)
 
-    queued = run_cli("status", "mnist-cnn", *where, env=api, timeout=60)
+    queued = invoke("status", "mnist-cnn", *where, env=api)
     assert queued.returncode == 0, queued.stderr
     doc = last_json(queued.stdout)
     assert (doc["state"], doc["node"], doc["accelerator_type"]) == ("ACCEPTED", None, "v5litepod-8")
     assert doc["run_dir"] == "gs://runner-test/runs/mnist_cnn"
     assert (doc["restarts"], doc["max_restarts"], doc["step"]) == ([], 0, None)
 
-    tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
-    running = last_json(run_cli("status", "mnist-cnn", *where, env=api, timeout=60).stdout)
+    tpu_fake.set_state("mnist-cnn", "ACTIVE", node_state="READY")
+    running = last_json(invoke("status", "mnist-cnn", *where, env=api).stdout)
     assert running["state"] == "ACTIVE" and running["node"] == {"state": "READY", "health": "HEALTHY"}
     assert running["cost"]["hours"] >= 0 and running["cost"]["submissions"][0]["measured"].startswith("node createTime")
 
-    assert run_cli("cancel", "mnist-cnn", *where, env=api, timeout=60).returncode == 0
-    gone = run_cli("status", "mnist-cnn", *where, env=api, timeout=60)
+    assert invoke("cancel", "mnist-cnn", *where, env=api).returncode == 0
+    gone = invoke("status", "mnist-cnn", *where, env=api)
     assert gone.returncode == 0, gone.stderr
     after = last_json(gone.stdout)
     assert (after["state"], after["queued_resource"]) == ("cancelled", None)
 
-    unknown = run_cli("status", "never-submitted", *where, env=api, timeout=60)
+    unknown = invoke("status", "never-submitted", *where, env=api)
     assert unknown.returncode == 2
     assert "cannot find job 'never-submitted'" in unknown.stderr and "run folder" in unknown.stderr
 
 
-def test_status_without_a_name_lists_the_runner_jobs_in_the_zone(api, tpu_api, cloud_spec):
+def test_status_without_a_name_lists_the_runner_jobs_in_the_zone(api, tpu_fake, cloud_spec):
     assert submit(cloud_spec, api, "--spot").returncode == 0
     same_folder = submit(cloud_spec, api, "--name", "mnist-again")
     assert same_folder.returncode == 2, "one run folder, one live job"
     assert "belongs to job 'mnist-cnn'" in same_folder.stderr
     assert submit(cloud_spec, api, "--name", "mnist-again", "--set", "name=mnist_again").returncode == 0
-    tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
-    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
+    tpu_fake.set_state("mnist-cnn", "ACTIVE", node_state="READY")
+    listing = invoke("status", "--zone", ZONE, "--project", PROJECT, env=api)
     assert listing.returncode == 0, listing.stderr
     rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
     assert [(r["name"], r["state"], r["restarts"], r["spot"]) for r in rows] == [
@@ -319,12 +296,12 @@ def test_the_cost_is_chips_times_the_hours_the_node_existed_times_the_price():
         assert cost["price"]["source"] == price.source
 
 
-def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_api, cloud_spec, gcs):
+def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_fake, cloud_spec, gcs):
     assert submit(cloud_spec, api, "--spot").returncode == 0
-    tpu_api.set_state("mnist-cnn", "ACTIVE", node_state="READY")
+    tpu_fake.set_state("mnist-cnn", "ACTIVE", node_state="READY")
     summary = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
     gcs.write(BUCKET, "runs/mnist_cnn/summary.json", json.dumps(summary).encode())
-    shown = run_cli("logs", "mnist-cnn", "--summary", "--zone", ZONE, "--project", PROJECT, env=api, timeout=60)
+    shown = invoke("logs", "mnist-cnn", "--summary", "--zone", ZONE, "--project", PROJECT, env=api)
     assert shown.returncode == 0, shown.stderr
     doc = last_json(shown.stdout)
     assert doc["status"] == summary["status"] and doc["timing"] == summary["timing"]
@@ -354,7 +331,7 @@ def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_api, cloud_spec, 
     ([], {"data": {"train": "data/mnist/train-*.tfrecord", "eval": None}}, "train-*.tfrecord': the TPU VM cannot see this machine's files"),
     ([], {"accelerator": {"kind": "cpu"}}, "accelerator.kind is 'cpu'"),
 ])
-def test_bad_input_is_refused_before_any_call(api, tpu_api, cloud_spec, flags, spec_change, message):
+def test_bad_input_is_refused_before_any_call(api, tpu_fake, cloud_spec, flags, spec_change, message):
     if spec_change:
         doc = yaml.safe_load(cloud_spec.read_text())
         for section, values in spec_change.items():
@@ -362,19 +339,18 @@ def test_bad_input_is_refused_before_any_call(api, tpu_api, cloud_spec, flags, s
         cloud_spec.write_text(yaml.safe_dump(doc))
     args = {"--tpu-type": "v5litepod-8", "--zone": ZONE, "--image": IMAGE, "--project": PROJECT}
     args.update(dict(zip(flags[::2], flags[1::2])))
-    result = run_cli("submit", cloud_spec, *[x for pair in args.items() for x in pair], env=api, timeout=60)
+    result = invoke("submit", cloud_spec, *[x for pair in args.items() for x in pair], env=api)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
-    assert tpu_api.requests() == []
+    assert tpu_fake.requests() == []
 
 
-def test_every_problem_is_listed_at_once(api, tpu_api, cloud_spec):
-    result = run_cli("submit", cloud_spec, "--tpu-type", "v5e-8", "--zone", "us-central1", "--project", PROJECT,
-                     env=api, timeout=60)
+def test_every_problem_is_listed_at_once(api, tpu_fake, cloud_spec):
+    result = invoke("submit", cloud_spec, "--tpu-type", "v5e-8", "--zone", "us-central1", "--project", PROJECT, env=api)
     assert result.returncode == 2
     for message in ("v5litepod-8", "is a region", "missing --image"):
         assert message in result.stderr
-    assert tpu_api.requests() == []
+    assert tpu_fake.requests() == []
 
 
 def test_an_unreachable_api_is_an_infrastructure_error(api, cloud_spec):

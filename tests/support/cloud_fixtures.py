@@ -1,0 +1,56 @@
+"""The fixtures of the Cloud TPU tests (test_submit, test_startup, test_recovery). A test module loads them with
+`pytest_plugins = ["tests.support.cloud_fixtures"]` (one registration per session: the fakes' processes are
+started once per pytest process, whichever modules use them):
+
+    tpu_fake       the Cloud TPU API fake (tests/support/tpu_fake.py), reset for each test: no requests,
+                   resources, VMs or configuration left from an earlier test
+    metadata_fake  the GCE metadata server fake (tests/support/metadata_fake.py), answering again for each
+                   test, as worker 0 of a single-host slice
+    cloud_spec     a job spec in tmp_path whose data and run folder are on gs://runner-test
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_spec
+from tests.support.metadata_fake import MetadataFake, start_metadata_fake
+from tests.support.tpu_fake import TpuFake, start_tpu_fake
+
+
+@pytest.fixture(scope="session")
+def _tpu_api(tmp_path_factory) -> Iterator[TpuFake]:
+    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
+        yield fake
+
+
+@pytest.fixture
+def tpu_fake(_tpu_api: TpuFake) -> TpuFake:
+    _tpu_api.reset()
+    return _tpu_api
+
+
+@pytest.fixture(scope="session")
+def _metadata_server(tmp_path_factory) -> Iterator[MetadataFake]:
+    with start_metadata_fake(tmp_path_factory.mktemp("metadata")) as fake:
+        yield fake
+
+
+@pytest.fixture
+def metadata_fake(_metadata_server: MetadataFake) -> MetadataFake:
+    _metadata_server.recover()
+    _metadata_server.set(agent_worker_number=0, worker_network_endpoints="unknown:unknown:10.0.0.2")
+    return _metadata_server
+
+
+@pytest.fixture
+def cloud_spec(tmp_path: Path) -> Path:
+    return write_spec(tmp_path, {
+        "name": "mnist_cnn",
+        "data": {"train": "gs://runner-test/data/mnist/train-*.tfrecord", "eval": "gs://runner-test/data/mnist/test-*.tfrecord"},
+        "train": {"epochs": 2},
+        "output": {"dir": "gs://runner-test/runs"},
+    })
