@@ -11,44 +11,28 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runner.cloud import submit, tpu_api
-from tests.conftest import run_cli, write_spec
-from tests.support.metadata_fake import MetadataFake, start_metadata_fake
-from tests.support.tpu_fake import TpuFake, start_tpu_fake
+from tests.conftest import cli_env, write_spec
+from tests.support.cloud import IMAGE, PROJECT, ZONE, invoke
+from tests.support.metadata_fake import MetadataFake
+from tests.support.tpu_fake import TpuFake
 from tests.support.tpu_vm import calls, run_startup_script, vm_env
 
+pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
 
-PROJECT, ZONE = "runner-test", "us-central1-a"
-IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 RUN_DIR = "gs://runner-test/runs/mnist_cnn"
 QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources/mnist-cnn"
 
 
-@pytest.fixture(scope="module")
-def tpu_fake(tmp_path_factory) -> Iterator[TpuFake]:
-    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
-        yield fake
-
-
-@pytest.fixture(scope="module")
-def metadata(tmp_path_factory) -> Iterator[MetadataFake]:
-    with start_metadata_fake(tmp_path_factory.mktemp("metadata")) as fake:
-        yield fake
-
-
 @pytest.fixture
-def vm(tpu_fake: TpuFake, metadata: MetadataFake, tmp_path: Path):
+def vm(tpu_fake: TpuFake, metadata_fake: MetadataFake, tmp_path: Path):
     """Makes startup scripts for new submissions of one job and boots them; gs:// is tmp_path/gcs."""
-    tpu_fake.reset()
-    metadata.recover()
-    metadata.set(agent_worker_number=0, worker_network_endpoints="unknown:unknown:10.0.0.2")
-    return Vm(tpu_fake, metadata, tmp_path)
+    return Vm(tpu_fake, metadata_fake, tmp_path)
 
 
 class Vm:
@@ -114,7 +98,7 @@ def docker_runs(env: dict) -> list[str]:
 
 
 def follow(vm: Vm, sub: submit.Submission) -> subprocess.CompletedProcess:
-    return run_cli("logs", vm.run_dir(), "--submission", sub.submission_id, "--follow", "--interval", "1", timeout=60)
+    return invoke("logs", vm.run_dir(), "--submission", sub.submission_id, "--follow", "--interval", "1", env=cli_env())
 
 
 def test_first_run_pulls_checks_runs_records_and_worker_0_deletes_the_queued_resource(vm):

@@ -12,6 +12,8 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                          exit:N      prints two lines and exits N (0 also writes a succeeded
                                                      summary.json for the spec's epochs into the run folder)
                                          sleep:S:N   the same after S seconds; SIGTERM meanwhile: exit 75
+                                         hold:N      the same once the test calls `release(env)` (at most
+                                                     300 s); SIGTERM meanwhile: exit 75
                                          real        the real `python -m runner run` on this machine's CPU
                                                      (`--set accelerator.kind=cpu`: there is no TPU here)
   --log-driver=gcplogs                 with FAKE_LOGGING (an endpoint) each output line is also written to
@@ -19,7 +21,7 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                        (log gcplogs-docker-driver, jsonPayload.container.name "/NAME");
                                        without it, docker's answer when Cloud Logging is unreachable: exit 125
   gcloud storage cp | ls | cat         against FAKE_GCS_DIR (a local folder standing for gs://) or, without
-                                       it, the GCS emulator (STORAGE_EMULATOR_HOST) through google-cloud-storage
+                                       it, the GCS emulator (STORAGE_EMULATOR_HOST) through its JSON API
   gcloud auth configure-docker | print-access-token    recorded (a fake token)
   gcloud (anything else)               the real gcloud (FAKE_REAL_GCLOUD) with the caller's endpoint overrides:
                                        the queued-resource delete reaches the TPU API fake as gcloud sends it
@@ -27,6 +29,7 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
 
 from __future__ import annotations
 
+# Imported by the stand-ins, each a process of its own run many times per boot: only what starts fast.
 import json
 import os
 import shlex
@@ -36,10 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
-
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 # What the startup script calls, found on this machine and linked into the VM's PATH. A tool not listed
@@ -80,6 +80,7 @@ def vm_env(folder: Path, *, metadata_host: str, tpu_endpoint: str, job: str = "e
         "GCE_METADATA_HOST": metadata_host,
         "FAKE_CALLS": str(folder / "calls.txt"),
         "FAKE_STATE": str(folder / "state"),
+        "RUNNER_WORKDIR": str(folder / "work"),  # the VM's disk (/var/lib/runner/... on a real one)
         "FAKE_JOB": job,
         "FAKE_REAL_GCLOUD": shutil.which("gcloud") or "gcloud",
         "FAKE_REAL_PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -108,6 +109,13 @@ def run_startup_script(script: str, env: dict[str, str], timeout_s: float = 120)
                           start_new_session=True)
 
 
+def release(env: dict[str, str]) -> None:
+    """Lets the jobs of `hold:N` end (the one running, and any later one)."""
+    state = Path(env["FAKE_STATE"])
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "released").touch()
+
+
 def calls(env: dict[str, str]) -> list[str]:
     path = Path(env["FAKE_CALLS"])
     return path.read_text().splitlines() if path.exists() else []
@@ -121,18 +129,36 @@ def _split(url: str) -> tuple[str, str]:
     return bucket, name
 
 
+def _http(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    """One request to a server on this machine (the GCS emulator, the Cloud Logging fake)."""
+    import http.client
+    import urllib.parse
+
+    where = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:
+        headers = {"Content-Type": "application/octet-stream" if body is not None else "text/plain"}
+        connection.request(method, path, body=body, headers=headers)
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
 def gcs_read(url: str) -> bytes | None:
     bucket, name = _split(url)
     if os.environ.get("FAKE_GCS_DIR"):
         path = Path(os.environ["FAKE_GCS_DIR"]) / bucket / name
         return path.read_bytes() if path.is_file() else None
-    from google.api_core import exceptions
-    from google.cloud import storage
+    from urllib.parse import quote
 
-    try:
-        return storage.Client(project="fake").bucket(bucket).blob(name).download_as_bytes()
-    except exceptions.NotFound:
+    status, data = _http(os.environ["STORAGE_EMULATOR_HOST"], "GET",
+                         f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?alt=media")
+    if status == 404:
         return None
+    if status != 200:
+        raise SystemExit(f"fake gcloud: GET gs://{bucket}/{name}: HTTP {status} {data[:200]!r}")
+    return data
 
 
 def gcs_write(url: str, data: bytes) -> None:
@@ -142,9 +168,13 @@ def gcs_write(url: str, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         return
-    from google.cloud import storage
+    from urllib.parse import quote
 
-    storage.Client(project="fake").bucket(bucket).blob(name).upload_from_string(data)
+    status, answer = _http(os.environ["STORAGE_EMULATOR_HOST"], "POST",
+                           f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?uploadType=media&name={quote(name, safe='')}",
+                           data)
+    if status != 200:
+        raise SystemExit(f"fake gcloud: upload to gs://{bucket}/{name}: HTTP {status} {answer[:200]!r}")
 
 
 # --- the stand-ins ---------------------------------------------------------------------------------
@@ -217,10 +247,9 @@ class CloudLogging:
                                  "instance": {"name": os.environ.get("FAKE_NODE", ""), "zone": "fake"}}}
         doc = {"logName": f"projects/{self.project}/logs/gcplogs-docker-driver",
                "resource": {"type": "gce_instance"}, "entries": [entry]}
-        request = urllib.request.Request(f"{self.endpoint}/v2/entries:write", data=json.dumps(doc).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10):
-            pass
+        status, answer = _http(self.endpoint, "POST", "/v2/entries:write", json.dumps(doc).encode())
+        if status != 200:
+            raise SystemExit(f"fake docker: Cloud Logging entries:write: HTTP {status} {answer[:200]!r}")
 
 
 def _next_job() -> str:
@@ -234,6 +263,8 @@ def _next_job() -> str:
 
 
 def _write_summary(spec_path: Path, status: str) -> None:
+    import yaml
+
     spec = yaml.safe_load(spec_path.read_text())
     run_dir = f"{spec['output']['dir'].rstrip('/')}/{spec['name']}"
     epochs = int((spec.get("train") or {}).get("epochs", 12))
@@ -279,9 +310,14 @@ def fake_docker(args: list[str]) -> int:
         return _run_real(spec_path, options, emit)
     code = int(values[-1])
     emit(f"epoch 1/2: training ({behaviour})\n")
-    if kind == "sleep":
+    if kind in ("sleep", "hold"):
         signal.signal(signal.SIGTERM, lambda *_: (emit("preemption notice: saved, exit 75\n"), os._exit(75)))
+    if kind == "sleep":
         time.sleep(float(values[0]))
+    if kind == "hold":
+        released, deadline = Path(os.environ["FAKE_STATE"]) / "released", time.monotonic() + 300
+        while not released.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if code == 0:
         _write_summary(spec_path, "succeeded")
     emit(f'{{"status": "{"succeeded" if code == 0 else "failed"}", "exit": {code}}}\n')
