@@ -12,23 +12,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from runner.cloud.recovery import Decision, Seen, decide
-from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
-from tests.support.metadata_fake import MetadataFake, start_metadata_fake
+from tests.conftest import REPO, last_json, write_spec
+from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
+from tests.support.metadata_fake import MetadataFake
 from tests.support.runs import indexed_step
-from tests.support.tpu_fake import TpuFake, start_tpu_fake
-from tests.support.tpu_vm import vm_env
+from tests.support.tpu_fake import TpuFake
+from tests.support.tpu_vm import release, vm_env
 
+pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
 
-PROJECT, ZONE = "runner-test", "us-central1-a"
-IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 LIFECYCLE = {"provisioning_s": 0.3, "active_s": 0.3, "deleting_s": 1.0, "vm_linger_s": 1.0}
 
 
@@ -68,39 +67,18 @@ def test_what_the_watcher_does_in_each_state(seen, action, code):
 # --- the loop, end to end ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tpu_fake(tmp_path_factory) -> Iterator[TpuFake]:
-    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
-        yield fake
-
-
-@pytest.fixture(scope="module")
-def metadata(tmp_path_factory) -> Iterator[MetadataFake]:
-    with start_metadata_fake(tmp_path_factory.mktemp("metadata")) as fake:
-        yield fake
-
-
 class Cloud:
     """One job's world: the fakes, a bucket, the VM's behaviour, and the environment the CLI runs in."""
 
     def __init__(self, api: TpuFake, metadata: MetadataFake, gcs, folder: Path):
         self.api, self.metadata, self.gcs, self.folder = api, metadata, gcs, folder
         self.bucket = gcs.bucket()
-        self.env = cli_env(
-            **gcs.env,
-            CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{api.endpoint}/",
-            CLOUDSDK_API_ENDPOINT_OVERRIDES_LOGGING=f"{api.endpoint}/",
-            CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
-            CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
-            CLOUDSDK_CONFIG=str(folder / "gcloud"),
-            CLOUDSDK_CORE_DISABLE_PROMPTS="1",
-            RUNNER_STATE_DIR=str(folder / "state"),
-        )
+        self.env = cloud_env(api.endpoint, folder, CLOUDSDK_API_ENDPOINT_OVERRIDES_LOGGING=f"{api.endpoint}/", **gcs.env)
         self.run_dir = f"gs://{self.bucket}/runs/mnist_cnn"
 
     def vm(self, job: str, **extra: str) -> None:
         """What the next VMs do (see tests/support/tpu_vm.py), and the queued resources' timing."""
-        env = vm_env(self.folder / "vm", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint, job=job,
+        self.vm_env = env = vm_env(self.folder / "vm", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint, job=job,
                      gcs_env=self.gcs.env, logging_endpoint=self.api.endpoint,
                      **{"RUNNER_UPLOAD_EVERY_S": "1", "RUNNER_FAKE_PROJECT": PROJECT, **extra})
         self.api.configure(lifecycle=LIFECYCLE, boot={"env": env, "folder": str(self.folder / "boots"), "workers": 1})
@@ -142,11 +120,8 @@ class Cloud:
 
 
 @pytest.fixture
-def cloud(tpu_fake, metadata, gcs, tmp_path) -> Cloud:
-    tpu_fake.reset()
-    metadata.recover()
-    metadata.set(agent_worker_number=0, worker_network_endpoints="unknown:unknown:10.0.0.2")
-    return Cloud(tpu_fake, metadata, gcs, tmp_path)
+def cloud(tpu_fake, metadata_fake, gcs, tmp_path) -> Cloud:
+    return Cloud(tpu_fake, metadata_fake, gcs, tmp_path)
 
 
 def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -201,7 +176,7 @@ def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud
 
 
 def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watcher(cloud):
-    cloud.vm("sleep:30:0")
+    cloud.vm("hold:0")  # never released: the job still runs when it is cancelled
     cloud.api.configure(lifecycle={"provisioning_s": None, "active_s": None})  # the test moves the states
     watcher = cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "1"))
     wait_until(lambda: cloud.creates(), watcher)
@@ -211,7 +186,7 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
     cloud.api.set_state("mnist-cnn", "ACTIVE", node_state="READY")  # the VM boots and the job starts
     wait_until(lambda: (job := cloud.job()) and len(job["submissions"]) == 2
                and cloud.object(f"logs/{job['submissions'][1]['id']}/worker-0.started.json"), watcher, timeout=60)
-    cancelled = run_cli("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    cancelled = invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     assert cancelled.returncode == 0, cancelled.stderr
     code, out, err = finish(watcher, timeout=120)
     assert code == 130, err[-3000:]
@@ -222,11 +197,15 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
 
 
 def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
-    cloud.vm("sleep:4:0")
+    cloud.vm("hold:0")
     watcher = cloud.start(*cloud.submit_args(cloud.spec()))
     wait_until(lambda: (job := cloud.job()) and cloud.object(f"logs/{job['submissions'][0]['id']}/worker-0.started.json"),
                watcher)
     cloud.api.fail(3)  # three polls in a row meet 503 UNAVAILABLE
+    after = len(cloud.api.requests())
+    wait_until(lambda: len([r for r in cloud.api.requests()[after:] if r["path"].startswith("/v2/projects/")]) >= 3,
+               watcher, every=0.05)
+    release(cloud.vm_env)  # the job ends once the watcher has met the failures (the VM's delete meets none)
     code, out, err = finish(watcher)
     assert code == 0, err[-3000:]
     assert "3 of 20 failures in a row; trying again" in err
@@ -234,8 +213,8 @@ def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
 
 
 def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_duplicates_it(cloud):
-    cloud.vm("sleep:6:75,sleep:1:0")
-    cloud.api.configure(lifecycle={**LIFECYCLE, "deleting_s": 4.0})  # a slow delete: time to kill mid-restart
+    cloud.vm("hold:75,exit:0")
+    cloud.api.configure(lifecycle={**LIFECYCLE, "deleting_s": 2.5})  # a slow delete: time to kill mid-restart
     spec = cloud.spec()
     first = cloud.start(*cloud.submit_args(spec, "--spot"))
     wait_until(lambda: cloud.job() and cloud.object(f"logs/{cloud.job()['submissions'][0]['id']}/worker-0.started.json"), first)
@@ -243,6 +222,7 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
     finish(first)
 
     again = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
+    release(cloud.vm_env)  # the job is preempted (exit 75)
     # The job exits 75; the watcher records the restart, then deletes; killed in between, it must resume it.
     wait_until(lambda: (job := cloud.job()) and job["restarts"] and job["restarts"][-1]["to"] is None, again, every=0.05)
     again.send_signal(signal.SIGKILL)
@@ -261,12 +241,12 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
     assert restart["to"] == creates[1]["body"]["tpu"]["nodeSpec"][0]["node"]["labels"]["runner-submission"]
     assert restart["time_lost_s"] is not None and restart["time_lost_s"] >= 0
 
-    status = run_cli("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    status = invoke("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     assert status.returncode == 0, status.stderr
     shown = last_json(status.stdout)
     assert (shown["state"], shown["restarts"][0]["cause"]) == ("complete", restart["cause"])
 
-    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    listing = invoke("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     assert listing.returncode == 0, listing.stderr
     [row] = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
     assert (row["name"], row["restarts"], row["state"]) == ("mnist-cnn", 1, "complete")
@@ -274,8 +254,8 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
 
 
 def test_logs_follow_streams_through_cloud_logging_within_seconds(cloud):
-    cloud.vm("sleep:20:0", RUNNER_UPLOAD_EVERY_S="600")  # the bucket copy comes only at the end
-    submitted = run_cli(*cloud.submit_args(cloud.spec())[:-3], env=cloud.env, timeout=120)  # no --watch
+    cloud.vm("hold:0", RUNNER_UPLOAD_EVERY_S="600")  # the bucket copy comes only at the end
+    submitted = invoke(*cloud.submit_args(cloud.spec())[:-3], env=cloud.env)  # no --watch
     assert submitted.returncode == 0, submitted.stderr
     follower = cloud.start("logs", "mnist-cnn", "--follow", "--interval", "0.5", "--zone", ZONE, "--project", PROJECT)
     started = time.monotonic()
@@ -285,6 +265,7 @@ def test_logs_follow_streams_through_cloud_logging_within_seconds(cloud):
     assert cloud.object(f"logs/{sub}/worker-0.exit.json") is None, "seen while the job still runs"
     listed = [r for r in cloud.api.requests() if r["path"] == "/v2/entries:list"]
     assert listed and f'jsonPayload.container.name="/runner-mnist-cnn-{sub}-w0"' in listed[-1]["body"]["filter"]
+    release(cloud.vm_env)
     code, out, err = finish(follower, timeout=120)
     assert code == 0, err
     assert '"status": "succeeded"' in out
@@ -299,7 +280,7 @@ def _read_line(process: subprocess.Popen) -> str | None:
 
 
 def tpu_fake_has_no_queued_resource(cloud: Cloud) -> bool:
-    listing = run_cli("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env, timeout=60)
+    listing = invoke("status", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
     return all(row["state"] not in ("ACTIVE", "SUSPENDED", "FAILED", "ACCEPTED") for row in rows)
 

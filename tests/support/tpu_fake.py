@@ -75,6 +75,11 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _parse_time(text: str) -> datetime.datetime:
+    """An RFC 3339 time with or without a fraction of a second."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 class Vm:
     """One boot of a node: a startup script per worker, each in its own process group."""
 
@@ -276,6 +281,11 @@ class Fake(Recorder):
             match = _TERM.match(text)
             if not match:
                 return _error(400, "INVALID_ARGUMENT", f"this fake does not understand the filter term {text!r}")
+            if match.group(1) == "timestamp":
+                try:
+                    _parse_time(match.group(3))
+                except ValueError:
+                    return _error(400, "INVALID_ARGUMENT", f"{match.group(3)!r} is not an RFC 3339 time")
             terms.append(match.groups())
         if body.get("orderBy", "timestamp asc") != "timestamp asc":
             return _error(400, "INVALID_ARGUMENT", f"orderBy {body.get('orderBy')!r} is not supported by this fake")
@@ -290,8 +300,10 @@ class Fake(Recorder):
                 have = field(entry, name)
                 if op == "=" and have != value:
                     return False
-                if name == "timestamp" and ((op == ">" and not have > value) or (op == ">=" and not have >= value)):
-                    return False
+                if name == "timestamp":  # compared as times, as the API does: 35.3Z is after 35Z
+                    have_t, value_t = _parse_time(have), _parse_time(value)
+                    if (op == ">" and not have_t > value_t) or (op == ">=" and not have_t >= value_t):
+                        return False
             return True
 
         resources = body.get("resourceNames") or []
