@@ -20,8 +20,8 @@ States, as the API names them (QueuedResourceState.State, Node.State). A queued 
 with no node. With a lifecycle configured it moves on by itself: ACCEPTED -> PROVISIONING (after
 `provisioning_s`) -> ACTIVE with a READY, HEALTHY node (after `active_s`); a delete passes DELETING for
 `deleting_s` before the resource is gone. Preemption (of an ACTIVE node): node PREEMPTED, queued resource
-SUSPENDING (initiator SERVICE), the VM's processes get SIGTERM, then SIGKILL after `grace_s`, and the queued
-resource is SUSPENDED. FAILED is set through /_fake/state.
+SUSPENDING (initiator SERVICE), the VM's processes get SIGTERM, and the queued resource is SUSPENDED once
+they have all ended (the VM shuts down), or after `grace_s` with SIGKILL to what still runs. FAILED is set through /_fake/state.
 
 The simulated VM: with `boot` configured, a node that becomes READY runs its startup script (from the
 request's metadata) with bash, once per worker, each in its own process group, with the configured
@@ -93,6 +93,19 @@ class Vm:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signum)
 
+    def ended(self) -> bool:
+        for process in self.processes:
+            if process.poll() is None:
+                return False
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            return False
+        return True
+
     def doc(self) -> dict[str, Any]:
         return {"queued_resource": self.resource, "node": self.node, "folder": str(self.folder),
                 "pids": [p.pid for p in self.processes], "exit_codes": [p.poll() for p in self.processes]}
@@ -112,20 +125,21 @@ class Fake(Recorder):
         # A name comes back after a delete: each queued resource of a name is its own incarnation, so a timer
         # set for one (a preemption's grace, a delete's linger) never touches the next one's VM.
         self.incarnations: dict[str, int] = {}
-        self.timers: list[tuple[float, Any]] = []  # (due, callable), run by tick()
+        # (due, callable, or-sooner-when), run by tick() when due, or as soon as its condition holds
+        self.timers: list[tuple[float, Any, Any]] = []
         self.failing = 0  # the next this many API requests answer 503 UNAVAILABLE
 
     # --- time ---------------------------------------------------------------------------------
 
-    def later(self, delay_s: float, action: Any) -> None:
-        self.timers.append((time.monotonic() + delay_s, action))
+    def later(self, delay_s: float, action: Any, sooner_when: Any = None) -> None:
+        self.timers.append((time.monotonic() + delay_s, action, sooner_when))
 
     def tick(self) -> None:
         with self.lock:
             now = time.monotonic()
-            due = [t for t in self.timers if t[0] <= now]
-            self.timers = [t for t in self.timers if t[0] > now]
-            for _, action in due:
+            due = [t for t in self.timers if t[0] <= now or (t[2] is not None and t[2]())]
+            self.timers = [t for t in self.timers if t not in due]
+            for _, action, _ in due:
                 action()
 
     # --- resources ----------------------------------------------------------------------------
@@ -229,7 +243,7 @@ class Fake(Recorder):
             if self.queued.get(resource["name"]) is resource and resource["state"]["state"] == "SUSPENDING":
                 resource["state"] = {"state": "SUSPENDED", "stateInitiator": "SERVICE"}
 
-        self.later(grace_s, suspended)
+        self.later(grace_s, suspended, sooner_when=lambda: self.vms_ended(incarnation))
         return resource
 
     # --- the simulated VM -----------------------------------------------------------------------
@@ -258,6 +272,11 @@ class Fake(Recorder):
         for vm in self.vms:
             if vm.incarnation == incarnation:
                 vm.signal(signum)
+
+    def vms_ended(self, incarnation: int) -> bool:
+        """Whether every process of the incarnation's VMs has ended: each startup script's whole process group
+        (the job it started goes on after the script's shell has gone)."""
+        return all(vm.ended() for vm in self.vms if vm.incarnation == incarnation)
 
     def reap(self) -> None:
         for vm in self.vms:
