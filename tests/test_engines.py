@@ -32,24 +32,16 @@ from runner.cloud.engines import gke, vertex
 from runner.cloud.submit import prepare_submission
 from runner.errors import SpecError
 from runner.specfile import load_spec
-from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.conftest import REPO, cli_env, last_json, run_cli
 from tests.support.engine_fake import EngineFake, start_engine_fake
+
+pytest_plugins = ["tests.support.cloud_fixtures"]  # cloud_spec
 
 PROJECT, ZONE = "runner-test", "us-central1-a"
 IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 KUBERNETES = "1.33.0"  # the Kubernetes version the Job template is validated for (GKE's regular channel, 2026)
 XPK = REPO / ".venv-xpk" / "bin" / "python"
 SCHEMA = Path(__file__).parent / "data" / "jobset_v1alpha2.schema.json"
-
-
-@pytest.fixture
-def cloud_spec(tmp_path: Path) -> Path:
-    return write_spec(tmp_path, {
-        "name": "mnist_cnn",
-        "data": {"train": "gs://runner-test/data/mnist/train-*.tfrecord", "eval": "gs://runner-test/data/mnist/test-*.tfrecord"},
-        "train": {"epochs": 2},
-        "output": {"dir": "gs://runner-test/runs"},
-    })
 
 
 @pytest.fixture(scope="module")
