@@ -21,7 +21,7 @@ from runner.cloud.recovery import Decision, Seen, decide
 from tests.conftest import REPO, last_json, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 from tests.support.metadata_fake import MetadataFake
-from tests.support.runs import indexed_step
+from tests.support.runs import finish, indexed_step
 from tests.support.tpu_fake import TpuFake
 from tests.support.tpu_vm import release, vm_env
 
@@ -124,16 +124,6 @@ def cloud(tpu_fake, metadata_fake, gcs, tmp_path) -> Cloud:
     return Cloud(tpu_fake, metadata_fake, gcs, tmp_path)
 
 
-def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        raise AssertionError(f"the watcher did not end within {timeout} s; stderr: {err[-3000:]}") from None
-    return process.returncode, out, err
-
-
 def wait_until(probe, process: subprocess.Popen | None = None, timeout: float = 120, every: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -149,7 +139,7 @@ def wait_until(probe, process: subprocess.Popen | None = None, timeout: float = 
 
 def test_a_bad_spec_exit_2_is_not_restarted(cloud):
     cloud.vm("exit:2")
-    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "3")))
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "3")), timeout=240)
     assert code == 2, err[-3000:]
     assert "exit 2 is not retryable" in err
     final = last_json(out)
@@ -160,7 +150,7 @@ def test_a_bad_spec_exit_2_is_not_restarted(cloud):
 
 def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud):
     cloud.vm("exit:75")
-    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")))
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")), timeout=240)
     assert code == 75, err[-3000:]
     assert "gave up" in err and "2 of 2 restarts spent (--max-restarts 2)" in err
     creates = cloud.creates()
@@ -206,7 +196,7 @@ def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
     wait_until(lambda: len([r for r in cloud.api.requests()[after:] if r["path"].startswith("/v2/projects/")]) >= 3,
                watcher, every=0.05)
     release(cloud.vm_env)  # the job ends once the watcher has met the failures (the VM's delete meets none)
-    code, out, err = finish(watcher)
+    code, out, err = finish(watcher, timeout=240)
     assert code == 0, err[-3000:]
     assert "3 of 20 failures in a row; trying again" in err
     assert last_json(out)["outcome"]["outcome"] == "complete"
@@ -230,7 +220,7 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
     assert len(cloud.creates()) == 1
 
     last = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
-    code, out, err = finish(last)
+    code, out, err = finish(last, timeout=240)
     assert code == 0, err[-3000:]
     assert "finishing the restart begun at" in err
     creates = cloud.creates()

@@ -21,22 +21,24 @@ from tests.support.metadata_fake import MetadataFake, start_metadata_fake
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
 
-@pytest.fixture(scope="session")
-def _tpu_api(tmp_path_factory) -> Iterator[TpuFake]:
-    with start_tpu_fake(tmp_path_factory.mktemp("tpu_api")) as fake:
-        yield fake
+def _started_once(name: str, start, folder: str):
+    """A session fixture NAME: the fake `start(FOLDER)` runs, started at its first use, stopped at the end."""
+
+    def fixture(tmp_path_factory) -> Iterator:
+        with start(tmp_path_factory.mktemp(folder)) as fake:
+            yield fake
+
+    return pytest.fixture(scope="session", name=name)(fixture)
+
+
+_tpu_api = _started_once("_tpu_api", start_tpu_fake, "tpu_api")
+_metadata_server = _started_once("_metadata_server", start_metadata_fake, "metadata")
 
 
 @pytest.fixture
 def tpu_fake(_tpu_api: TpuFake) -> TpuFake:
     _tpu_api.reset()
     return _tpu_api
-
-
-@pytest.fixture(scope="session")
-def _metadata_server(tmp_path_factory) -> Iterator[MetadataFake]:
-    with start_metadata_fake(tmp_path_factory.mktemp("metadata")) as fake:
-        yield fake
 
 
 @pytest.fixture
