@@ -3,7 +3,9 @@ against the TPU API fake, whose queued resources move through their states by th
 nodes boot the real startup script as a simulated VM (tests/support/tpu_vm.py: a fake metadata server,
 stand-ins for docker and gcloud, the GCS emulator as the bucket, the real gcloud for the VM's own delete).
 
-What each job does on its VM is set per run: exit codes, a sleep, or real training on this machine's CPU."""
+What each job does on its VM is set per run: exit codes, a hold until the test has seen what it checks, or
+real training on this machine's CPU. The watchers and followers run as their own processes (they are killed,
+and run beside the test); `status`, `cancel` and a plain `submit` run in this process."""
 
 from __future__ import annotations
 
