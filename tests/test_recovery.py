@@ -30,7 +30,7 @@ from tests.support.tpu_vm import release, vm_env
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
 
-LIFECYCLE = {"provisioning_s": 0.3, "active_s": 0.3, "deleting_s": 1.0, "vm_linger_s": 1.0}
+LIFECYCLE = {"provisioning_s": 0.1, "active_s": 0.1, "deleting_s": 1.0, "vm_linger_s": 1.0}
 
 
 # --- the decision table ------------------------------------------------------------------------
