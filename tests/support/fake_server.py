@@ -136,7 +136,7 @@ def serve(handler: type[FakeHandler], state: Recorder, argv: list[str] | None, d
     threading.Thread(target=clock, daemon=True).start()
     print(f"PORT {server.server_address[1]}", flush=True)
     try:
-        server.serve_forever()
+        server.serve_forever(poll_interval=0.1)
     finally:
         if on_stop is not None:
             on_stop()
