@@ -20,6 +20,12 @@ from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: E402,F4
 
 REPO = Path(__file__).resolve().parents[1]
 
+# pytest-xdist's workers inherit a COLUMNS and LINES of their own making: the CLI's output (Rich wraps to the
+# terminal's width) must be what a user sees without a terminal, whichever way the suite runs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)

@@ -115,7 +115,11 @@ def test_validate_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
     (tmp_path / "mnist.yaml").write_text("name: x\n")
     missing = run_cli("validate", tmp_path / "mnsit.yaml", timeout=60)
     assert missing.returncode == 2
-    assert "mnsit.yaml" in missing.stderr
+    # the runner's own message, on one line however long the path: the file, its folder and the close name
+    assert f"{tmp_path / 'mnsit.yaml'}: no such file in {tmp_path}; did you mean 'mnist.yaml'?" in missing.stderr
+    for command in (["run"], ["sweep", "--set", "train.epochs=1,2"], ["doctor"]):
+        also = run_cli(*command, tmp_path / "mnsit.yaml", timeout=60)
+        assert also.returncode == 2 and "did you mean 'mnist.yaml'?" in also.stderr, (command, also.stderr)
 
 
 def test_a_missing_spec_names_the_folder_and_a_close_name(tmp_path: Path) -> None:

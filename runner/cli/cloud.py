@@ -69,7 +69,7 @@ def _watch(job: dict, interval: float) -> int:
 
 @app.command()
 def submit(
-    spec: Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.", exists=True, dir_okay=False, readable=True)],
+    spec: Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.")],
     tpu_type: Annotated[str, typer.Option("--tpu-type", help="Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8 (multi-host slices are refused: docs/tpu.md).")],
     zone: Zone = None,
     image: Annotated[

@@ -19,7 +19,7 @@ from runner.specfile import load_spec
 from runner.storage import configure_tensorflow
 
 SpecPath = Annotated[
-    Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.", exists=True, dir_okay=False, readable=True)
+    Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.")
 ]
 Overrides = Annotated[
     Optional[list[str]],

@@ -21,7 +21,7 @@ PlotPath = Annotated[
 @app.command()
 def sweep(
     spec: Annotated[
-        Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.", exists=True, dir_okay=False, readable=True)
+        Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.")
     ],
     sets: Annotated[
         list[str],

@@ -140,8 +140,7 @@ def verify(
 def manifest(
     spec: Annotated[
         Path,
-        typer.Argument(help="Job spec whose data.train/data.eval globs and data.features describe your TFRecords.",
-                       exists=True, dir_okay=False, readable=True),
+        typer.Argument(help="Job spec whose data.train/data.eval globs and data.features describe your TFRecords."),
     ],
     overrides: Annotated[
         Optional[list[str]],

@@ -35,7 +35,7 @@ def doctor(
     spec: Annotated[
         Optional[Path],
         typer.Argument(
-            help="Job spec (YAML): also check its buckets, data and batch size.", exists=True, dir_okay=False
+            help="Job spec (YAML): also check its buckets, data and batch size."
         ),
     ] = None,
     overrides: Annotated[
