@@ -48,12 +48,16 @@ system-deps:
 	bash scripts/system-deps.sh
 
 # pyflakes' checks first (undefined names, unused imports): seconds, before the suite's minutes.
+# The suite on TEST_WORKERS pytest-xdist workers (most of its time is child processes starting TensorFlow and
+# waiting on signals, servers and saves); the tests that drive the Docker engine share one worker.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP) $(XPK_STAMP) system-deps
 	$(BIN)/ruff check --quiet --select F runner tests benchmarks examples
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/run_all.py
