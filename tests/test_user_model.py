@@ -23,6 +23,7 @@ import tensorflow as tf
 from runner.errors import SpecError
 from runner.userimport import CodeRoots, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.cli import invoke
 from tests.support.docker import Engine
 
 EXAMPLE = REPO / "examples" / "fashion"
@@ -304,7 +305,7 @@ def test_a_preprocess_function_must_return_the_features(tiny_mnist, tmp_path, mo
 )
 def test_import_paths_are_checked_at_spec_load(tmp_path, doc, expected):
     spec = write_spec(tmp_path, {"name": "paths", **doc})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec)
     assert result.returncode == 2
     assert expected in result.stderr, result.stderr
     assert f"{spec}:" in result.stderr
@@ -314,7 +315,7 @@ def test_a_yaml_python_tag_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "ran"
     spec = tmp_path / "evil.yaml"
     spec.write_text(f"name: evil\nmodel:\n  name: !!python/object/apply:os.system ['touch {marker}']\n")
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec)
     assert result.returncode == 2
     assert "python/object/apply:os.system" in result.stderr
     assert not marker.exists()
