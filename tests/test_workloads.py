@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, last_json, run_cli, write_spec
+from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.cli import invoke
 
 JOBS = sorted(p.stem for p in (REPO / "jobs").glob("*.yaml"))
 WORKLOADS = {  # job -> (dataset, records per split, global batch)
@@ -57,7 +58,7 @@ def run_job(job: str, data: Path, out: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("job", JOBS)
 def test_every_job_validates(job: str) -> None:
-    result = run_cli("validate", REPO / "jobs" / f"{job}.yaml", timeout=60)
+    result = invoke("validate", REPO / "jobs" / f"{job}.yaml", env=cli_env())
     assert result.returncode == 0, result.stderr
     spec = json.loads(result.stdout)
     assert spec["name"] == job
@@ -119,6 +120,7 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("weather")  # one worker prepares the weather data for both of its tests
 def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) -> None:
     import keras
 
@@ -145,6 +147,7 @@ def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("weather")
 def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, tmp_path: Path) -> None:
     data = prepared("weather", 256)
     # A learning rate far below float32 resolution freezes the weights: val_loss repeats exactly, so
@@ -170,8 +173,8 @@ def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, t
 
 
 def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
-    from runner.schema import Feature
     from runner.models import weather_rnn
+    from runner.schema import Feature
 
     model = weather_rnn({"target_feature": 2, "units": 8}, {"window": Feature("float32", (24, 5))}, ("window",))
     windows = np.random.default_rng(0).normal(size=(8, 24, 5)).astype(np.float32)
@@ -180,9 +183,9 @@ def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
 
 
 def test_workload_models_check_their_params_and_inputs() -> None:
-    from runner.schema import Feature
     from runner.errors import SpecError
     from runner.models import imdb_lstm, weather_rnn
+    from runner.schema import Feature
 
     tokens = {"tokens": Feature("int64", (250,))}
     with pytest.raises(SpecError, match=r"imdb_lstm has no param 'unit'; did you mean 'units'\?"):
@@ -195,20 +198,20 @@ def test_workload_models_check_their_params_and_inputs() -> None:
 
 def test_plateau_settings_need_per_epoch_validation(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3}})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2
     assert "train.early_stopping_patience (3) watches val_loss: also set train.validate_every_epoch: true" in result.stderr
     spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"validate_every_epoch": True}})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2 and "set data.validation or data.eval" in result.stderr
 
 
 def test_matmul_bench_spec_refuses_training_sections(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {"name": "m", "kind": "matmul_bench", "train": {"epochs": 3}})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2 and "kind matmul_bench trains nothing: remove train" in result.stderr
     spec = write_spec(tmp_path, {"name": "m", "matmul": {"size": 128}})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2 and "matmul: is read only by kind: matmul_bench" in result.stderr
 
 
