@@ -20,6 +20,7 @@ from runner.errors import Diverged, Interrupted, Preempted, RunnerError
 from runner.preemption import EarlyNotice, PreemptionNotice
 from runner.saver import Saver
 from runner.spec import JobSpec
+from runner.timing import EpochRecord
 from runner.strategy import Accelerator, cluster_from_env, per_replica_batch, resolve_accelerator
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,8 @@ def run_job(
     """Trains (or resumes) the job; always returns a summary, with the error that ended the job if any.
 
     `progress_every`: seconds between progress lines when stderr is not a terminal (runner/progress.py).
-
-    `early_notice`: holds a SIGTERM or SIGINT that arrived before the job could install its handler (while
-    TensorFlow was importing; see runner/preemption.py): the job then stops as preempted or interrupted
-    before training, having saved nothing.
+    `early_notice`: a SIGTERM or SIGINT that arrived while TensorFlow was importing (runner/preemption.py): the
+    job then stops as preempted or interrupted before training, having saved nothing.
     """
     if spec.kind == "matmul_bench":
         from runner import matmul
@@ -55,40 +54,20 @@ def run_job(
         log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, attempt.run.path)
         return JobResult(done, already_complete=True)
 
-    scalars = observe.ScalarLog(attempt.run.file("tensorboard")) if spec.output.tensorboard and attempt.worker_index == 0 else None
-    recorder = train.Recorder(
-        spec.data.global_batch_size,
-        lambda record: (observe.epoch_line(spec.train.epochs)(record), scalars and scalars.epoch(record)),
-        checkpoint_clock=lambda: attempt.phases.seconds.get("checkpoint", 0.0),
-        input_clock=lambda: inputs.clock.seconds() if inputs and inputs.clock else None,
-    )
-    inputs: Inputs | None = None
-    chosen: precision.Precision | None = None
-    metrics: dict = {}
-    status, error = "failed", None
+    job = _Job(spec, attempt)
     notice = PreemptionNotice(spec.checkpoint.grace_s)
+    status, error = "failed", None
     try:
         notice.install()  # a SIGTERM or SIGINT from here on is a notice: see runner/preemption.py
         if early_notice is not None:
             early_notice.pass_to(notice)
         _stop_if_noticed(notice, "while the job was starting")
-        with attempt.phases.phase("strategy"):
-            attempt.accelerator = resolve_accelerator(spec.accelerator)
-        per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
-        chosen = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
-        chosen.apply()
-        keras.utils.set_random_seed(spec.train.seed)
-        with attempt.phases.phase("data_init"):
-            inputs = _inputs(spec, attempt.accelerator)
-        model, checkpoint, plan = _build_and_restore(spec, attempt, inputs, chosen)
+        job.start()  # the device, the precision, the seed and the input pipelines
+        model, checkpoint, plan = _build_and_restore(spec, attempt, job.inputs, job.precision)
         _stop_if_noticed(notice, "before training began")
-        _train(spec, attempt, model, checkpoint, inputs, plan, recorder, notice, verbose, progress_every)
-        metrics = _evaluate(spec, attempt, model, inputs, verbose)
-        if scalars and metrics and recorder.epochs:
-            scalars.evaluation(metrics, recorder.epochs[-1].epoch)
-        with attempt.phases.phase("export"):
-            serve_examples = data.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
-            attempt.extra["model"] = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples)
+        _train(spec, attempt, model, checkpoint, job.inputs, plan, job.recorder, notice, verbose, progress_every)
+        job.metrics = _evaluate(spec, attempt, model, job.inputs, verbose)
+        _export(spec, attempt, model, job.inputs)
         status = "succeeded"
     except Preempted as exc:
         status, error = "preempted", exc
@@ -96,19 +75,62 @@ def run_job(
         status, error = "interrupted", exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
         error = error_of(exc, spec)
-    summary = attempt.summary(
-        status, error, epochs=recorder.epochs, metrics=metrics, global_batch=spec.data.global_batch_size,
-        input_wait_method=inputs.input_method if inputs else "not measured: the job stopped before its input pipeline was built",
-    )
-    if chosen is not None and summary.get("accelerator") is not None:
-        summary["accelerator"]["precision"] = chosen.to_dict()  # what the job computed in, and why
-        summary["accelerator"]["onednn"] = precision.onednn_enabled()
-    if scalars:
-        scalars.close()
-        summary["tensorboard"] = scalars.folder
-    attempt.finish(summary)
-    notice.remove()
+    finally:  # whatever stopped the job, its summary is written and the signal handlers put back
+        summary = job.finish(status, error)
+        notice.remove()
     return JobResult(summary, error)
+
+
+class _Job:
+    """What one attempt builds as it goes (device, precision, inputs, metrics), and the summary of whatever it
+    got to."""
+
+    def __init__(self, spec: JobSpec, attempt: Attempt):
+        self.spec, self.attempt = spec, attempt
+        self.inputs: Inputs | None = None
+        self.precision: precision.Precision | None = None
+        self.metrics: dict = {}
+        chief = attempt.worker_index == 0
+        self.scalars = observe.ScalarLog(attempt.run.file("tensorboard")) if spec.output.tensorboard and chief else None
+        self._epoch_line = observe.epoch_line(spec.train.epochs)
+        self.recorder = train.Recorder(
+            spec.data.global_batch_size, self._epoch_done,
+            checkpoint_clock=lambda: attempt.phases.seconds.get("checkpoint", 0.0),
+            input_clock=lambda: self.inputs.clock.seconds() if self.inputs and self.inputs.clock else None,
+        )
+
+    def _epoch_done(self, record: EpochRecord) -> None:
+        self._epoch_line(record)
+        if self.scalars:
+            self.scalars.epoch(record)
+
+    def start(self) -> None:
+        spec, attempt = self.spec, self.attempt
+        with attempt.phases.phase("strategy"):
+            attempt.accelerator = resolve_accelerator(spec.accelerator)
+        per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
+        self.precision = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
+        self.precision.apply()
+        keras.utils.set_random_seed(spec.train.seed)
+        with attempt.phases.phase("data_init"):
+            self.inputs = _inputs(spec, attempt.accelerator)
+
+    def finish(self, status: str, error: RunnerError | None) -> dict:
+        """The summary, written to the run folder by the chief (runner/attempt.py) and returned."""
+        summary = self.attempt.summary(
+            status, error, epochs=self.recorder.epochs, metrics=self.metrics, global_batch=self.spec.data.global_batch_size,
+            input_wait_method=self.inputs.input_method if self.inputs else "not measured: the job stopped before its input pipeline was built",
+        )
+        if self.precision is not None and summary.get("accelerator") is not None:
+            summary["accelerator"]["precision"] = self.precision.to_dict()  # what the job computed in, and why
+            summary["accelerator"]["onednn"] = precision.onednn_enabled()
+        if self.scalars:
+            if self.metrics and self.recorder.epochs:
+                self.scalars.evaluation(self.metrics, self.recorder.epochs[-1].epoch)
+            self.scalars.close()
+            summary["tensorboard"] = self.scalars.folder
+        self.attempt.finish(summary)
+        return summary
 
 
 def _open(attempt: Attempt) -> dict | None:
@@ -278,6 +300,13 @@ def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Input
     metrics["examples"] = inputs.eval.records
     log.info("eval: %s", ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     return metrics
+
+
+def _export(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs) -> None:
+    """The trained model for serving, with example inputs (runner/serving.py); written by the chief."""
+    with attempt.phases.phase("export"):
+        serve_examples = data.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
+        attempt.extra["model"] = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples)
 
 
 def _diverged(exc: Diverged, spec: JobSpec, attempt: Attempt) -> Diverged:
