@@ -15,6 +15,7 @@ import pytest
 from runner.errors import SpecError
 from runner.compare.sweep import finished_summary, plan_variants, split_values
 from tests.conftest import REPO, cli_env, run_cli
+from tests.support.cli import invoke
 
 
 def test_values_split_at_top_level_commas_only() -> None:
@@ -47,7 +48,7 @@ def test_a_bad_variant_is_refused_before_anything_runs(mnist_job) -> None:
         plan_variants(spec, ["data.global_batch_size=128,0"])
     with pytest.raises(SpecError, match="needs a --set with several values"):
         plan_variants(spec, ["data.global_batch_size=128"])
-    result = run_cli("sweep", spec, "--set", "data.global_batch_sise=128,256")
+    result = invoke("sweep", spec, "--set", "data.global_batch_sise=128,256", env=cli_env())  # refused before it runs
     assert result.returncode == 2
     assert "did you mean 'global_batch_size'?" in result.stderr
     assert not (spec.parent / "runs").exists()
@@ -55,7 +56,8 @@ def test_a_bad_variant_is_refused_before_anything_runs(mnist_job) -> None:
 
 @pytest.mark.slow
 def test_a_sweep_runs_each_variant_once_and_compares_them(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("sw")
+    # Two epochs (the plot needs a steady one) of 3 steps: the sweep's bookkeeping is checked, not training.
+    spec = mnist_job("sw", train={"steps_per_epoch": 3})
     args = ("sweep", spec, "--set", "data.global_batch_size=128,256", "--markdown", "--plot", tmp_path / "sweep.png")
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
