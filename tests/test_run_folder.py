@@ -17,11 +17,12 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, last_json, run_cli
+from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.runs import finish, indexed_step, local_index, start_run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -32,15 +33,60 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-def good_run(mnist_job, name: str, epochs: int = 1, output: dict | None = None) -> tuple[Path, dict[str, bytes]]:
-    output = {"tensorboard": False, **(output or {})}
-    spec = mnist_job(name, data={"eval": None}, train={"epochs": epochs}, output=output)
+# The job most tests start from: 2 epochs of 16 steps, finished (checkpoints 16 and 32, model.keras, summary).
+DONE, DONE_STEP = "done", 32
+
+
+def done_spec(folder: Path, tiny_mnist: Path, output_dir: Path | str) -> Path:
+    """The finished job's spec, written into `folder`, its run folder under `output_dir`."""
+    doc = {
+        "name": DONE,
+        "accelerator": {"kind": "cpu"},
+        "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": None, "global_batch_size": 128, "shuffle_buffer": 512},
+        "train": {"epochs": 2},
+        "output": {"dir": str(output_dir), "tensorboard": False},
+    }
+    return write_spec(folder, doc, f"{DONE}.yaml")
+
+
+@dataclass(frozen=True)
+class Finished:
+    run_dir: Path
+    files: dict[str, bytes]
+    failed_starts: dict[str, subprocess.CompletedProcess]  # the starts that failed before it, under its name
+    pinned_after_failures: bool  # whether spec.json or checkpoints/ existed after those starts
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_mnist: Path, tmp_path_factory) -> Finished:
+    """The finished job, trained once for this module: the tests copy its run folder and never write to it.
+    Before it trained, three starts under its name failed (a typo in data.train, a bad model name, a batch
+    too large): the first test reads what they did."""
+    folder = tmp_path_factory.mktemp("finished")
+    spec = done_spec(folder, tiny_mnist, folder / "runs")
+    run_dir = folder / "runs" / DONE
+    failed = {
+        "typo": run_cli("run", spec, "--set", f"data.train={tiny_mnist}/trian-*.tfrecord"),
+        "model": run_cli("run", spec, "--set", "model.name=mnist_cnnn"),
+        "batch": run_cli("run", spec, "--set", "data.global_batch_size=4096"),
+    }
+    pinned = (run_dir / "spec.json").exists() or (run_dir / "checkpoints").exists()
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = Path(json.loads(result.stdout.splitlines()[-1])["run_dir"])
+    assert last_json(result.stdout)["status"] == "succeeded"
     files = snapshot(run_dir)
     assert {"model.keras", "summary.json", "checkpoints/checkpoint", "attempts/001.json"} <= set(files)
-    return spec, files
+    assert {f"checkpoints/ckpt-{step}.index" for step in (16, DONE_STEP)} <= set(files)
+    return Finished(run_dir, files, failed, pinned)
+
+
+def copy_of(finished: Finished, tiny_mnist: Path, tmp_path: Path, output_dir: Path | None = None) -> tuple[Path, Path]:
+    """(spec, run folder): a copy of the finished job's run folder under `output_dir` (tmp_path/runs)."""
+    output_dir = output_dir or tmp_path / "runs"
+    run_dir = output_dir / DONE
+    shutil.copytree(finished.run_dir, run_dir)
+    assert snapshot(run_dir) == finished.files
+    return done_spec(tmp_path, tiny_mnist, output_dir), run_dir
 
 
 @contextlib.contextmanager
@@ -72,43 +118,37 @@ def assert_no_traceback(stderr: str) -> None:
 # --- what is pinned, and when --------------------------------------------------------------------
 
 
-def test_a_start_that_failed_does_not_lock_the_job_name(mnist_job, tiny_mnist: Path, tmp_path: Path) -> None:
-    spec = mnist_job("fixed", data={"eval": None}, train={"epochs": 1}, output={"tensorboard": False})
-    run_dir = tmp_path / "runs" / "fixed"
-    typo = run_cli("run", spec, "--set", f"data.train={tiny_mnist}/trian-*.tfrecord")
+def test_a_start_that_failed_does_not_lock_the_job_name(finished: Finished, tiny_mnist: Path) -> None:
+    typo, model, batch = (finished.failed_starts[k] for k in ("typo", "model", "batch"))
     assert typo.returncode == 2 and "no files match" in typo.stderr, typo.stderr[-3000:]
-    model = run_cli("run", spec, "--set", "model.name=mnist_cnnn")
     assert model.returncode == 2 and "mnist_cnnn" in model.stderr, model.stderr[-3000:]
-    batch = run_cli("run", spec, "--set", "data.global_batch_size=4096")
     assert batch.returncode == 2 and "no full batch" in batch.stderr, batch.stderr[-3000:]
-    assert not (run_dir / "spec.json").exists(), "nothing is pinned before a checkpoint exists"
-    assert not (run_dir / "checkpoints").exists()
+    assert not finished.pinned_after_failures, "nothing is pinned before a checkpoint exists"
 
-    fixed = run_cli("run", spec)
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
-    assert last_json(fixed.stdout)["status"] == "succeeded"
-    pinned = json.loads((run_dir / "spec.json").read_text())["pinned"]
+    # The same name, fixed, then trained: the fixture's run.
+    assert json.loads(finished.files["summary.json"])["status"] == "succeeded"
+    pinned = json.loads(finished.files["spec.json"])["pinned"]
     assert pinned["data.global_batch_size"] == 128 and pinned["model.name"] == "mnist_cnn"
     assert len(pinned["data.fingerprint"]) == 64
 
 
-def test_the_checkpoints_pin_what_they_mean_and_nothing_else(mnist_job, tiny_mnist: Path, tmp_path: Path) -> None:
-    spec, before = good_run(mnist_job, "pinned")
-    run_dir = tmp_path / "runs" / "pinned"
+def test_the_checkpoints_pin_what_they_mean_and_nothing_else(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
+    before = finished.files
     # Data copied elsewhere, the tf.data tuner, the shuffle buffer, the checkpoint cadence and the epochs may change.
     copy = shutil.copytree(tiny_mnist, tmp_path / "elsewhere")
     moved = run_cli(
-        "run", spec, "--set", "train.epochs=2", "--set", f"data.train={copy}/train-*.tfrecord",
+        "run", spec, "--set", "train.epochs=3", "--set", f"data.train={copy}/train-*.tfrecord",
         "--set", "data.autotune=true", "--set", "data.shuffle_buffer=64", "--set", "checkpoint.every_steps=8",
     )
     assert moved.returncode == 0, moved.stderr[-3000:]
-    assert last_json(moved.stdout)["resumed_from_step"] == 16
+    assert last_json(moved.stdout)["resumed_from_step"] == DONE_STEP
     after = snapshot(run_dir)
 
-    lr = run_cli("run", spec, "--set", "train.epochs=3", "--set", "train.learning_rate=0.01")
+    lr = run_cli("run", spec, "--set", "train.epochs=4", "--set", "train.learning_rate=0.01")
     assert lr.returncode == 2, lr.stderr[-3000:]
     assert "train.learning_rate: 0.001 -> 0.01" in lr.stderr
-    assert "--set name=pinned-2" in lr.stderr and f"delete {run_dir} " in lr.stderr
+    assert f"--set name={DONE}-2" in lr.stderr and f"delete {run_dir} " in lr.stderr
     assert_no_traceback(lr.stderr)
     assert snapshot(run_dir) == after, "a refused run writes nothing, not even its summary"
 
@@ -119,25 +159,25 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(mnist_job, tiny_mni
     shutil.copyfile(other / test["file"], other / swapped["file"])
     swapped.update({key: test[key] for key in test if key != "file"})
     (other / "manifest.json").write_text(json.dumps(manifest))
-    changed = run_cli("run", spec, "--set", "train.epochs=3", "--set", f"data.train={other}/train-*.tfrecord")
+    changed = run_cli("run", spec, "--set", "train.epochs=4", "--set", f"data.train={other}/train-*.tfrecord")
     assert changed.returncode == 2, changed.stderr[-3000:]
     assert "data.fingerprint: " in changed.stderr and "choose a new job name" in changed.stderr
     assert snapshot(run_dir) == after
-    assert before["checkpoints/ckpt-16.index"] == after["checkpoints/ckpt-16.index"]
+    name = f"checkpoints/ckpt-{DONE_STEP}.index"
+    assert before[name] == after[name]
 
 
 # --- train.epochs never shrinks a job -----------------------------------------------------------------
 
 
-def test_fewer_epochs_than_a_finished_job_holds_is_refused(mnist_job, tmp_path: Path) -> None:
-    spec, before = good_run(mnist_job, "shrunk", epochs=2)
-    run_dir = tmp_path / "runs" / "shrunk"
+def test_fewer_epochs_than_a_finished_job_holds_is_refused(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     result = run_cli("run", spec, "--set", "train.epochs=1")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "finished after 2 epochs" in result.stderr and "train.epochs (1) is lower" in result.stderr
-    assert "--set name=shrunk-1ep" in result.stderr
+    assert f"--set name={DONE}-1ep" in result.stderr
     assert_no_traceback(result.stderr)
-    assert snapshot(run_dir) == before
+    assert snapshot(run_dir) == finished.files
 
 
 def test_fewer_epochs_than_the_checkpoints_hold_is_refused(mnist_job, tmp_path: Path) -> None:
@@ -161,38 +201,39 @@ def test_fewer_epochs_than_the_checkpoints_hold_is_refused(mnist_job, tmp_path: 
 # --- storage faults: exit 3, naming the path ------------------------------------------------------------
 
 
-def test_a_read_only_run_folder_exits_3_naming_it(mnist_job, tmp_path: Path) -> None:
-    spec, before = good_run(mnist_job, "readonly")
-    run_dir = tmp_path / "runs" / "readonly"
+def test_a_read_only_run_folder_exits_3_naming_it(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     with read_only(run_dir):
-        result = run_cli("run", spec, "--set", "train.epochs=2")
+        result = run_cli("run", spec, "--set", "train.epochs=3")
     assert result.returncode == 3, result.stderr[-3000:]
     assert f"cannot write the run folder {run_dir}" in result.stderr and "Read-only file system" in result.stderr
     assert_no_traceback(result.stderr)
     assert last_json(result.stdout)["status"] == "failed"
-    assert snapshot(run_dir) == before
+    assert snapshot(run_dir) == finished.files
 
 
-def test_a_file_in_place_of_checkpoints_exits_3_naming_it(mnist_job, tmp_path: Path) -> None:
-    spec, _ = good_run(mnist_job, "blocked")
-    run_dir = tmp_path / "runs" / "blocked"
+def test_a_file_in_place_of_checkpoints_exits_3_naming_it(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+    spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     (run_dir / "checkpoints").rename(tmp_path / "checkpoints-aside")
     (run_dir / "checkpoints").write_bytes(b"not a folder\n")
     before = snapshot(run_dir)
-    result = run_cli("run", spec, "--set", "train.epochs=2")
+    result = run_cli("run", spec, "--set", "train.epochs=3")
     assert result.returncode == 3, result.stderr[-3000:]
     assert f"{run_dir}/checkpoints is a file, not a folder" in result.stderr
     assert_no_traceback(result.stderr)
     assert snapshot(run_dir) == before
 
 
-def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cut_save(mnist_job, tmp_path: Path) -> None:
+def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cut_save(
+    finished: Finished, tiny_mnist: Path, tmp_path: Path
+) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()
     with mounted(disk, "-t", "tmpfs", "-o", "size=256m", "tmpfs"):
-        spec, before = good_run(mnist_job, "full", output={"dir": str(disk)})
-        run_dir = disk / "full"
-        checkpoint_bytes = sum(len(v) for k, v in before.items() if k.startswith("checkpoints/ckpt-16."))
+        spec, run_dir = copy_of(finished, tiny_mnist, tmp_path, output_dir=disk)
+        before = finished.files
+        cut = DONE_STEP + 16  # the save the full disk cuts short: the end of epoch 3
+        checkpoint_bytes = sum(len(v) for k, v in before.items() if k.startswith(f"checkpoints/ckpt-{DONE_STEP}."))
         # Fill the disk but for half a checkpoint: room for the lease and spec.json, not for the save.
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         with open(disk / "filler", "wb") as filler:
@@ -200,20 +241,20 @@ def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cu
             while left > 0:
                 left -= filler.write(b"\0" * min(left, 8 << 20))
 
-        full = run_cli("run", spec, "--set", "train.epochs=2")
+        full = run_cli("run", spec, "--set", "train.epochs=3")
         assert full.returncode == 3, full.stderr[-3000:]
-        assert "No space left on device" in full.stderr and f"{run_dir}/checkpoints/ckpt-32_temp" in full.stderr
+        assert "No space left on device" in full.stderr and f"{run_dir}/checkpoints/ckpt-{cut}_temp" in full.stderr
         assert_no_traceback(full.stderr)
         after = snapshot(run_dir)
         kept = {k: v for k, v in before.items() if k != "spec.json"}
         assert {k: after.get(k) for k in kept} == kept, "the good run's checkpoints, model and summary are intact"
-        assert (run_dir / "checkpoints" / "ckpt-32_temp").is_dir(), "the save that was cut short left its folder"
+        assert (run_dir / "checkpoints" / f"ckpt-{cut}_temp").is_dir(), "the save that was cut short left its folder"
 
         (disk / "filler").unlink()
-        again = run_cli("run", spec, "--set", "train.epochs=2")
+        again = run_cli("run", spec, "--set", "train.epochs=3")
         assert again.returncode == 0, again.stderr[-3000:]
-        assert f"removed 1 leftover(s) of a checkpoint save that was cut short from {run_dir}/checkpoints: ckpt-32_temp" in again.stderr
-        assert last_json(again.stdout)["resumed_from_step"] == 16
+        assert f"removed 1 leftover(s) of a checkpoint save that was cut short from {run_dir}/checkpoints: ckpt-{cut}_temp" in again.stderr
+        assert last_json(again.stdout)["resumed_from_step"] == DONE_STEP
         assert not list((run_dir / "checkpoints").glob("*_temp*"))
 
 
