@@ -23,6 +23,7 @@ from runner.spec import MODEL_NAMES, JobSpec
 from runner.specfile import MAX_BYTES, load_spec
 from runner.userimport import CodeRoots, find_code, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.cli import invoke
 
 BAD = sorted((Path(__file__).parent / "specs" / "bad").glob("*.yaml"))
 # Time limits are on CPU seconds: on a shared machine wall time also measures the neighbours. A hang spends no
@@ -105,15 +106,16 @@ def test_the_spec_is_frozen(tmp_path: Path) -> None:
 
 
 def test_validate_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
-    ok = run_cli("validate", REPO / "jobs" / "mnist_cnn.yaml", "--set", "train.epochs=2", timeout=60)
+    # validate in this process (it imports no TensorFlow); run, sweep and doctor as the user runs them.
+    ok = invoke("validate", REPO / "jobs" / "mnist_cnn.yaml", "--set", "train.epochs=2")
     assert ok.returncode == 0, ok.stderr
     assert '"epochs": 2' in ok.stdout
-    bad = run_cli("validate", Path(__file__).parent / "specs" / "bad" / "typo_key.yaml", timeout=60)
+    bad = invoke("validate", Path(__file__).parent / "specs" / "bad" / "typo_key.yaml")
     assert bad.returncode == 2
     assert "typo_key.yaml:4: train.epoch: unknown key 'epoch'; did you mean 'epochs'?" in bad.stderr
     assert "Traceback" not in bad.stderr + bad.stdout
     (tmp_path / "mnist.yaml").write_text("name: x\n")
-    missing = run_cli("validate", tmp_path / "mnsit.yaml", timeout=60)
+    missing = invoke("validate", tmp_path / "mnsit.yaml")
     assert missing.returncode == 2
     # the runner's own message, on one line however long the path: the file, its folder and the close name
     assert f"{tmp_path / 'mnsit.yaml'}: no such file in {tmp_path}; did you mean 'mnist.yaml'?" in missing.stderr
@@ -374,7 +376,7 @@ def project(tmp_path: Path) -> Path:
 )
 def test_an_import_path_outside_the_spec_code_is_refused_by_validate(project: Path, name: str, expected: str) -> None:
     spec = write_spec(project, {"name": "boundary", "model": {"name": name, "params": {"argv": ["touch", str(project / "ran")]}}})
-    result = run_cli("validate", spec, timeout=60)
+    result = invoke("validate", spec)
     assert result.returncode == 2, result.stderr
     assert expected.format(folder=project) in result.stderr
     assert re.search(rf"{re.escape(str(spec))}:\d+: model\.name: ", result.stderr), result.stderr
@@ -388,14 +390,14 @@ def test_code_folder_and_listed_packages_are_found_without_importing(project: Pa
         "train": {"loss": "ownpkg.losses:focal", "metrics": ["accuracy", "ownpkg.losses:focal"]},
         "code": {"packages": ["ownpkg"]},
     })
-    refused = run_cli("validate", spec, timeout=60)
+    refused = invoke("validate", spec)  # PYTHONPATH below reaches only a child process
     assert refused.returncode == 2
     assert "code.packages lists 'ownpkg', but it is not installed here" in refused.stderr
     installed = run_cli("validate", spec, env=cli_env(PYTHONPATH=str(project / "src")), timeout=60)
     assert installed.returncode == 0, installed.stderr
     assert f"code: train.loss ownpkg.losses:focal is {project}/src/ownpkg/losses.py" in installed.stderr
-    as_folder = run_cli("validate", spec, "--set", "code.packages=[]", "--set", f"code.folder={project}/src",
-                        "--set", "model.name=mnist_cnn", timeout=60)
+    as_folder = invoke("validate", spec, "--set", "code.packages=[]", "--set", f"code.folder={project}/src",
+                       "--set", "model.name=mnist_cnn")
     assert as_folder.returncode == 0, as_folder.stderr
     assert not (project / "imported").exists()
 
@@ -488,19 +490,25 @@ def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(
 
 @pytest.mark.slow
 def test_the_quick_path_from_another_folder_reads_and_writes_beside_the_spec(tiny_mnist: Path, tmp_path: Path) -> None:
-    """`runner run ../project/jobs/job.yaml` from elsewhere: data and runs are the project's; nothing lands in cwd."""
+    """`runner run ../project/jobs/job.yaml` from elsewhere: data and runs are the project's; nothing lands in cwd.
+
+    It trains, for one step: the checkpoint and model.keras a run writes beside its spec exist only once it has
+    trained, and `evaluate` from a third folder reads that checkpoint. Where each relative path resolves is
+    checked without TensorFlow by test_relative_paths_resolve_against_the_spec_file_and_set_paths_against_the_current_folder."""
     project, elsewhere, third = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "third"
     for folder in (project / "jobs", project / "data", elsewhere, third):
         folder.mkdir(parents=True)
     shutil.copytree(tiny_mnist, project / "data" / "mnist")
     write_spec(project / "jobs", {
         "name": "quick", "accelerator": {"kind": "cpu"},
-        "data": {"train": "../data/mnist/train-*.tfrecord", "eval": "../data/mnist/test-*.tfrecord", "global_batch_size": 256},
-        "train": {"epochs": 1, "steps_per_epoch": 2}, "output": {"dir": "../runs"},
+        "data": {"train": "../data/mnist/train-*.tfrecord", "eval": "../data/mnist/test-*.tfrecord", "global_batch_size": 128},
+        "train": {"epochs": 1, "steps_per_epoch": 1}, "output": {"dir": "../runs"},
     })
     result = run_cli("run", "../project/jobs/job.yaml", cwd=elsewhere)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert last_json(result.stdout)["run_dir"] == f"{project}/runs/quick"
+    summary = last_json(result.stdout)
+    assert summary["run_dir"] == f"{project}/runs/quick"
+    assert summary["metrics"]["examples"] == 512  # the run's own evaluation read the test split beside the spec
     assert (project / "runs" / "quick" / "model.keras").exists()
     assert list(elsewhere.iterdir()) == [], "no stray runs/ where the command was run"
     evaluated = run_cli("evaluate", project / "jobs" / "job.yaml", cwd=third)
