@@ -12,6 +12,7 @@ checks) are imported in a fresh interpreter and must leave TensorFlow unloaded.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,12 @@ def test_ls_runner_tells_the_story() -> None:
     assert packages == sorted(PERIPHERY)
     too_long = [f"{p.relative_to(RUNNER)} ({n} lines)" for p in RUNNER.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450]
     assert too_long == []
+
+
+def test_the_readme_draws_the_layers_this_file_enforces() -> None:
+    """README's diagram: cli, then the other packages of the periphery, then the flat core, nothing else."""
+    readme = (RUNNER.parent / "README.md").read_text()
+    drawn = re.search(r"^runner/cli/\s+->\s+runner/\{([a-z,]+)\}/\s+->\s+runner/\*\.py", readme, re.M)
+    assert drawn, "README.md has no diagram of the layers"
+    assert sorted(["cli", *drawn.group(1).split(",")]) == sorted(PERIPHERY)
+    assert "tests/test_architecture.py" in readme and "docs/architecture.md" in readme
