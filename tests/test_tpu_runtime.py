@@ -29,6 +29,7 @@ from runner.cloud.tpu_types import parse_tpu_type, refuse_multi_host, single_hos
 from runner.errors import SpecError
 from runner.tpu_env import MLIR_BRIDGE_FLAGS, choose_tpu_env
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support.cli import invoke
 from tests.support.metadata_fake import start_metadata_fake
 
 SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
@@ -331,14 +332,13 @@ def test_submit_refuses_a_multi_host_type_before_any_call(tmp_path: Path) -> Non
         "output": {"dir": "gs://bucket/runs"},
     })
     endpoint = f"http://127.0.0.1:{closed_port()}/"  # a request sent anyway would fail with exit 3, not 2
-    result = run_cli("submit", spec, "--tpu-type", "v5litepod-16", "--zone", "us-central1-a", "--project", "p",
-                     "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu",
-                     env=cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=endpoint, CLOUDSDK_AUTH_ACCESS_TOKEN="fake"),
-                     timeout=120)
+    result = invoke("submit", spec, "--tpu-type", "v5litepod-16", "--zone", "us-central1-a", "--project", "p",
+                    "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu",
+                    env=cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=endpoint, CLOUDSDK_AUTH_ACCESS_TOKEN="fake"))
     assert result.returncode == 2, result.stderr
     assert "--tpu-type v5litepod-16 is a multi-host slice (16 chips on 2 hosts of 8)" in result.stderr
     assert "Single-host types work: v6e-1, v6e-4, v6e-8, v5litepod-1" in result.stderr
-    help_text = run_cli("submit", "--help").stdout
+    help_text = invoke("submit", "--help").stdout
     assert "TPU_NAME=local" not in help_text
 
 
