@@ -12,6 +12,7 @@ import pytest
 
 from runner.compare import plot, report
 from tests.conftest import REPO, cli_env, last_json, run_cli
+from tests.support.cli import invoke
 
 V1 = REPO / "tests" / "data" / "summary_v1.json"  # written by the runner at schema_version 1
 
@@ -23,7 +24,8 @@ def real_run(tiny_mnist: Path, tmp_path_factory) -> tuple[dict, Path]:
     spec.write_text(
         f"name: b256\naccelerator: {{kind: cpu}}\n"
         f"data: {{train: '{tiny_mnist}/train-*.tfrecord', eval: '{tiny_mnist}/test-*.tfrecord', "
-        f"global_batch_size: 256, shuffle_buffer: 512}}\ntrain: {{epochs: 2}}\noutput: {{dir: '{folder / 'runs'}'}}\n"
+        f"global_batch_size: 256, shuffle_buffer: 512}}\ntrain: {{epochs: 2, steps_per_epoch: 3}}\n"
+        f"output: {{dir: '{folder / 'runs'}'}}\n"
     )
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr
@@ -48,7 +50,7 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path) -> None:
     newer.write_text(json.dumps({**json.loads(V1.read_text()), "schema_version": 9}))
     other = tmp_path / "other.json"
     other.write_text('{"loss": 1}')
-    result = run_cli("report", V1, newer, other, tmp_path / "missing")
+    result = invoke("report", V1, newer, other, tmp_path / "missing", env=cli_env())
     assert result.returncode == 2
     assert f"{newer}: schema_version 9 cannot be read: this runner reads 1, 2; upgrade runner" in result.stderr
     assert f"{other}: not a runner summary" in result.stderr
@@ -57,10 +59,11 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("report_real_run")  # the tests of the one real run share a worker, so it trains once
 def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_path: Path) -> None:
     summary, folder = real_run
     run_dir = folder / "runs" / "b256"
-    result = run_cli("report", V1, run_dir, folder / "b256.stdout", "--baseline", "mnist_v1", "--markdown")
+    result = invoke("report", V1, run_dir, folder / "b256.stdout", "--baseline", "mnist_v1", "--markdown", env=cli_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("| run | device | replicas | batch | first epoch s | steady epoch s | step ms |")
@@ -80,13 +83,13 @@ def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_pat
     # The saved stdout of `runner run` reads as the same run.
     assert sum(line.startswith("| b256 ") for line in lines) == 2
 
-    plain = run_cli("report", run_dir, V1, "--plot", tmp_path / "compare.png")
+    plain = invoke("report", run_dir, V1, "--plot", tmp_path / "compare.png", env=cli_env())
     assert plain.returncode == 0, plain.stderr
     assert "b256" in plain.stdout.splitlines()[2] and "1.00x" in plain.stdout.splitlines()[2]
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
-    wrong = run_cli("report", run_dir, "--baseline", "nope")
+    wrong = invoke("report", run_dir, "--baseline", "nope", env=cli_env())
     assert wrong.returncode == 2 and "--baseline 'nope' names no run; use a job name (b256)" in wrong.stderr
 
 
@@ -115,16 +118,17 @@ def test_a_plot_needs_steady_timing(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("report_real_run")
 def test_report_reads_a_run_folder_in_a_bucket(real_run, gcs) -> None:
     summary, folder = real_run
     bucket = gcs.bucket()
     blob = gcs.client().bucket(bucket).blob("runs/b256/summary.json")
     blob.upload_from_string((folder / "runs" / "b256" / "summary.json").read_text())
     shutil.copy(V1, folder / "v1.json")
-    result = run_cli("report", f"gs://{bucket}/runs/b256", folder / "v1.json", env=cli_env(**gcs.env))
+    result = invoke("report", f"gs://{bucket}/runs/b256", folder / "v1.json", env=cli_env(**gcs.env))
     assert result.returncode == 0, result.stderr
     assert f"{summary['timing']['examples_per_sec']:,.0f}" in result.stdout.splitlines()[2]
-    missing = run_cli("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
+    missing = invoke("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
     assert missing.returncode == 2 and f"gs://{bucket}/runs/none: no such file" in missing.stderr
 
 
@@ -171,7 +175,7 @@ def test_on_an_80_column_terminal_the_report_fits(tmp_path: Path) -> None:
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     assert any(line.split()[:4] == ["speed-up", "1.00x", "2.00x", "4.00x"] for line in lines), "\n".join(lines)
     (tmp_path / "piped").mkdir()
-    piped = run_cli("report", *sweep_of(tmp_path / "piped"))  # no terminal: nothing to fit, one row per run
+    piped = invoke("report", *sweep_of(tmp_path / "piped"), env=cli_env())  # no terminal: nothing to fit, one row per run
     assert piped.returncode == 0 and len(piped.stdout.splitlines()[2].split()) == len(report.COLUMNS), piped.stdout
 
 
