@@ -23,6 +23,7 @@ from runner.doctor import report as doctor_module
 from runner.doctor import checks
 from runner.spec import JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
+from tests.support.cli import invoke
 from tests.test_doctor_checks import HOLD_LOCK, spawn, stop
 
 TIMEOUT = 30
@@ -102,7 +103,7 @@ def test_spec_with_tampered_shard_empty_glob_and_odd_batch_names_each(tiny_mnist
 
 
 def test_save_needs_a_spec(env) -> None:
-    result = run_cli("doctor", "--save", env=env, timeout=60)
+    result = invoke("doctor", "--save", env=env)  # refused before any check runs: in this process
     assert result.returncode == 2 and "--save needs a SPEC" in result.stderr
 
 
