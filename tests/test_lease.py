@@ -19,14 +19,17 @@ import pytest
 from tests.conftest import REPO, cli_env, last_json, run_cli
 from tests.support.runs import finish, start_run
 
-# A process that takes the lease of FOLDER at START_AT (a wall-clock time, so that several start together),
-# prints TOOK or HELD, then holds it for HOLD_S seconds (or until its lease is lost) and releases it.
+# A process that takes the lease of FOLDER, prints TOOK or HELD, then holds it for HOLD_S seconds (or until its
+# lease is lost) and releases it. Gated, it first prints READY once imported and takes the lease only when a
+# line comes on stdin (so that several take it together); a HOLD_S below 0 holds it until stdin closes.
 TAKER = """
-import json, logging, sys, time
+import json, logging, select, sys, time
 from runner.lease import Lease, LeaseHeld
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-folder, start_at, hold_s, heartbeat_s, expiry_s = sys.argv[1], *map(float, sys.argv[2:6])
-time.sleep(max(0.0, start_at - time.time()))
+folder, hold_s, heartbeat_s, expiry_s = sys.argv[1], *map(float, sys.argv[2:5])
+if sys.argv[5] == "gated":
+    print("READY", flush=True)
+    sys.stdin.readline()
 try:
     lease = Lease.take(folder, "race", timeout_s=20, heartbeat_s=heartbeat_s, expiry_s=expiry_s)
 except LeaseHeld as exc:
@@ -34,19 +37,31 @@ except LeaseHeld as exc:
     sys.exit(2)
 print("TOOK", json.dumps(lease.doc), flush=True)
 deadline = time.monotonic() + hold_s
-while time.monotonic() < deadline and not lease.lost:
-    time.sleep(0.05)
+while (hold_s < 0 or time.monotonic() < deadline) and not lease.lost:
+    if hold_s < 0 and select.select([sys.stdin], [], [], 0.05)[0]:
+        break
+    time.sleep(0 if hold_s < 0 else 0.05)
 print("LOST" if lease.lost else "DONE", flush=True)
 lease.release()
 """
 
 
-def taker(folder: str, env: dict[str, str], start_at: float | None = None, hold_s: float = 0.0,
-          heartbeat_s: float = 30.0, expiry_s: float = 120.0) -> subprocess.Popen:
+def taker(folder: str, env: dict[str, str], hold_s: float = 0.0, heartbeat_s: float = 30.0, expiry_s: float = 120.0,
+          gated: bool = False) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", TAKER, folder, str(start_at or time.time()), str(hold_s), str(heartbeat_s), str(expiry_s)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        [sys.executable, "-c", TAKER, folder, str(hold_s), str(heartbeat_s), str(expiry_s), "gated" if gated else "-"],
+        stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env, cwd=REPO,
     )
+
+
+def ready(*takers: subprocess.Popen) -> None:
+    """Waits until every gated taker is imported and waiting, then lets them all take the lease at once."""
+    for process in takers:
+        assert first_line(process) == "READY"
+    for process in takers:
+        process.stdin.write("go\n")
+        process.stdin.flush()
 
 
 def first_line(process: subprocess.Popen, timeout: float = 60) -> str:
@@ -92,8 +107,8 @@ def place(request, tmp_path: Path):
 
 def test_of_six_processes_started_together_exactly_one_takes_the_lease(place) -> None:
     folder, env, read, _ = place
-    start_at = time.time() + 3.0  # all six are running by then
-    racers = [taker(folder, env, start_at, hold_s=3.0) for _ in range(6)]
+    racers = [taker(folder, env, hold_s=-1, gated=True) for _ in range(6)]  # the winner holds until told
+    ready(*racers)
     verdicts = [first_line(racer) for racer in racers]
     winners = [v for v in verdicts if v.startswith("TOOK")]
     assert len(winners) == 1, verdicts
@@ -104,7 +119,8 @@ def test_of_six_processes_started_together_exactly_one_takes_the_lease(place) ->
             assert f"pid {owner['pid']}" in verdict and f"run id {owner['run_id']}" in verdict
             assert f"running since {owner['started_at']}" in verdict
             assert "Wait for that run to end, or, if it is dead, delete" in verdict and "lease.json" in verdict
-    codes = [finish(racer, timeout=30)[0] for racer in racers]
+    assert read()["run_id"] == owner["run_id"], "the winner holds its lease while the others are refused"
+    codes = [finish(racer, timeout=30)[0] for racer in racers]  # closes stdin: the winner releases
     assert sorted(codes) == [0] + [2] * 5
     assert read() is None, "the winner released its lease"
 
@@ -144,18 +160,24 @@ def test_a_lease_from_another_host_holds_until_its_expiry_then_is_taken_over(pla
     other = {
         "run_id": "f" * 32, "job": "race", "host": "tpu-vm-7", "boot_id": "elsewhere", "pid_namespace": None,
         "pid": 4242, "pid_start": "1", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
-        "started_unix": began, "heartbeat_s": 1.0, "expiry_s": 4.0,
+        "started_unix": began, "heartbeat_s": 0.5, "expiry_s": 2.5,
     }
+    first, second = taker(folder, env, gated=True), taker(folder, env, gated=True)
+    assert first_line(first) == first_line(second) == "READY"  # both imported: each takes it as soon as told
     write(other)
     written = time.monotonic()
-    code, out, _ = finish(taker(folder, env))
-    assert code == 2
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    code, out, _ = finish(first)
+    assert code == 2 and time.monotonic() - written < 2.5, out
     assert f"host tpu-vm-7, pid 4242, running since {other['started_at']} (60 min ago)" in out
-    assert "lapses 4 s after its last renewal" in out
-    time.sleep(max(0.0, written + 5.0 - time.monotonic()))
-    code, out, err = finish(taker(folder, env))
-    assert code == 0 and out.startswith("TOOK"), err
-    assert "taking over a stale lease (it was last renewed" in err and "past its expiry of 4 s" in err
+    assert "lapses 2.5 s after its last renewal" in out
+    time.sleep(max(0.0, written + 3.0 - time.monotonic()))
+    second.stdin.write("go\n")
+    second.stdin.flush()
+    code, out, err = finish(second)
+    assert code == 0 and out.split()[0] == "TOOK", err
+    assert "taking over a stale lease (it was last renewed" in err and "past its expiry of 2.5 s" in err
     assert "host tpu-vm-7, pid 4242" in err
 
 
