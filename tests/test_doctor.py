@@ -3,6 +3,10 @@ checks in their child process, and buckets on a real GCS emulator, with real pro
 lockfile and a tampered shard. Only what cannot exist here is stood in for: a TPU that never answers and a
 TensorFlow that aborts or hangs at import (a package that does just that, as a mismatched libtpu does).
 The host checks one by one (versions, devices, allocator, lockfile, credentials): test_doctor_checks.py.
+
+The doctor imports no TensorFlow and sets no signal handler (its probe does the TensorFlow and TPU work in a
+child of its own), so it runs in this process with Typer's CliRunner; against the GCS emulator it runs as a
+child, as a user runs it, so no storage client outlives its test.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from tests.test_doctor_checks import HOLD_LOCK, spawn, stop
 TIMEOUT = 30
 
 
-def doctor(*args: Any, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+def doctor(*args: Any, env: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """`runner doctor --json ARGS` in this process; bounded by its own --timeout per check."""
+    result = invoke("doctor", "--json", *args, env=env)
+    assert result.stdout.strip(), result.stderr
+    return result.returncode, last_json(result.stdout)
+
+
+def doctor_child(*args: Any, env: dict[str, str], timeout: float = 120) -> tuple[int, dict[str, Any]]:
     result = run_cli("doctor", "--json", *args, env=env, timeout=timeout)
     assert result.stdout.strip(), result.stderr
     return result.returncode, last_json(result.stdout)
@@ -218,7 +229,7 @@ def test_bucket_read_write_and_saved_report(gcs, tiny_mnist, env, tmp_path: Path
     bucket = gcs.bucket()
     upload(gcs, tiny_mnist, bucket, "mnist")
     spec = gcs_spec(tmp_path, bucket, f"gs://{bucket}/runs")
-    code, report = doctor(spec, "--save", "--timeout", TIMEOUT, env={**env, **gcs.env})
+    code, report = doctor_child(spec, "--save", "--timeout", TIMEOUT, env={**env, **gcs.env})
     checks_ = named(report)
     assert code == 0, report
     assert checks_["storage_read"]["status"] == "ok"
@@ -238,7 +249,7 @@ def test_output_bucket_that_does_not_exist_fails(gcs, tiny_mnist, env, tmp_path:
     bucket = gcs.bucket()
     upload(gcs, tiny_mnist, bucket, "mnist")
     spec = gcs_spec(tmp_path, bucket, "gs://no-such-bucket-here/runs")
-    code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, **gcs.env})
+    code, report = doctor_child(spec, "--timeout", TIMEOUT, env={**env, **gcs.env})
     write = named(report)["storage_write"]
     assert code == 3 and write["status"] == "fail" and "gs://no-such-bucket-here does not exist" in write["evidence"]
     assert named(report)["storage_read"]["status"] == "ok"
@@ -250,7 +261,7 @@ def test_bucket_that_refuses_writes_fails_with_the_role_to_grant(gcs_faults, tin
     # The emulator has no IAM: the fault proxy answers uploads as GCS does for a reader-only identity.
     gcs_faults.faults.set([{"match": r"^(POST|PUT) /upload/", "action": "status", "status": 403}])
     spec = gcs_spec(tmp_path, bucket, f"gs://{bucket}/runs")
-    code, report = doctor(spec, "--timeout", TIMEOUT, env={**env, **gcs_faults.env})
+    code, report = doctor_child(spec, "--timeout", TIMEOUT, env={**env, **gcs_faults.env})
     checks_ = named(report)
     assert code == 3
     assert checks_["storage_write"]["status"] == "fail"
