@@ -11,25 +11,45 @@ import tensorflow as tf
 import yaml
 
 from runner.prepare.datasets import load_dataset
-from tests.conftest import last_json, run_cli
+from tests.conftest import last_json, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
 
-def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(mnist_job, tmp_path: Path) -> None:
-    trained_on_two = mnist_job("two", accelerator={"kind": "cpu", "cpu_devices": 2}, train={"epochs": 2})
-    result = run_cli("run", trained_on_two)
+@pytest.fixture(scope="module")
+def two_replica_run(tiny_mnist: Path, tmp_path_factory) -> tuple[Path, dict]:
+    """A job trained on two replicas (2 epochs of 3 steps), once for this module: (spec, summary). Read only."""
+    folder = tmp_path_factory.mktemp("predict")
+    spec = write_spec(folder, {
+        "name": "two",
+        "accelerator": {"kind": "cpu", "cpu_devices": 2},
+        "data": {
+            "train": f"{tiny_mnist}/train-*.tfrecord",
+            "eval": f"{tiny_mnist}/test-*.tfrecord",
+            "global_batch_size": 128,
+            "shuffle_buffer": 512,
+        },
+        "train": {"epochs": 2, "steps_per_epoch": 3},
+        "output": {"dir": str(folder / "runs")},
+    }, "two.yaml")
+    result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr
-    summary = last_json(result.stdout)
+    return spec, last_json(result.stdout)
+
+
+# The tests of the one trained run share a worker under pytest-xdist, so it trains once.
+@pytest.mark.xdist_group("predict_two_replicas")
+def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(two_replica_run, tmp_path: Path) -> None:
+    trained_on_two, summary = two_replica_run
     assert summary["accelerator"]["replicas"] == 2
-    run_dir = tmp_path / "runs" / "two"
+    run_dir = trained_on_two.parent / "runs" / "two"
     assert (run_dir / "saved_model" / "saved_model.pb").exists()
 
     one_cpu = ["--set", "accelerator.cpu_devices=1"]
     evaluated = run_cli("evaluate", trained_on_two, *one_cpu)
     assert evaluated.returncode == 0, evaluated.stderr
     report = last_json(evaluated.stdout)
-    assert report["accelerator"]["replicas"] == 1 and report["step"] == 32
+    assert report["accelerator"]["replicas"] == 1 and report["step"] == 2 * 3
     # The same weights on the same 512 test images: the metric the training run reported.
     assert report["metrics"]["accuracy"] == pytest.approx(summary["metrics"]["accuracy"], abs=1e-6)
 
@@ -71,11 +91,11 @@ def _image_of(record: bytes) -> np.ndarray:
     return values.reshape(28, 28, 1).astype(np.float32)
 
 
-def test_predict_refuses_inputs_of_the_wrong_shape(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("shape", train={"epochs": 1, "steps_per_epoch": 2}, data={"eval": None})
-    assert run_cli("run", spec).returncode == 0
+@pytest.mark.xdist_group("predict_two_replicas")
+def test_predict_refuses_inputs_of_the_wrong_shape(two_replica_run, tmp_path: Path) -> None:
+    spec, _ = two_replica_run
     np.save(tmp_path / "bad.npy", np.zeros((3, 32, 32, 3), np.uint8))
-    result = run_cli("predict", spec, "--input", tmp_path / "bad.npy")
+    result = run_cli("predict", spec, "--input", tmp_path / "bad.npy", "--set", "accelerator.cpu_devices=1")
     assert result.returncode == 2
     assert "input 'image' has rows of shape (32, 32, 3), the model expects (28, 28, 1)" in result.stderr
 
