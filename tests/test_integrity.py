@@ -356,14 +356,14 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
 def test_a_job_trained_on_a_manifest_without_sizes_resumes_after_they_are_recorded(data_copy, tmp_path):
     """The upgrade path: sizes added to the manifest change nothing the checkpoints are pinned to."""
     strip_sizes(data_copy)
-    spec = job_spec(tmp_path, data_copy, "upgraded", data={"eval": None})
+    spec = job_spec(tmp_path, data_copy, "upgraded", data={"eval": None}, train={"steps_per_epoch": 4})
     first = run_cli("run", spec, "--set", "data.verify=sha256")
     assert first.returncode == 0, first.stderr[-3000:]
     assert invoke("verify", str(data_copy), "--record-sizes").exit_code == 0
     again = run_cli("run", spec, "--set", "train.epochs=2")  # data.verify: size, the default
     assert again.returncode == 0, again.stderr[-3000:]
     summary = last_json(again.stdout)
-    assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
+    assert summary["resumed_from_step"] == 4 and summary["final_step"] == 8
     assert summary["data_verify"]["mode"] == "size" and summary["data_verify"]["bytes_read"] == 0
 
 
@@ -394,12 +394,12 @@ def test_runner_verify_names_each_shard_that_differs_and_what_differs(data_copy)
 
 @pytest.fixture(scope="module")
 def trained(tiny_mnist, tmp_path_factory):
-    """A job trained for one epoch (checkpoints, model.keras, summaries) with data.verify: sha256, its data
+    """A job trained for one short epoch (checkpoints, model.keras, summaries) with data.verify: sha256, its data
     folder, and a snapshot of its run folder's bytes."""
     folder = tmp_path_factory.mktemp("trained")
     data_dir = folder / "mnist"
     shutil.copytree(tiny_mnist, data_dir)
-    spec = job_spec(folder, data_dir, "trained", checkpoint={"every_steps": 8})
+    spec = job_spec(folder, data_dir, "trained", train={"steps_per_epoch": 4}, checkpoint={"every_steps": 2})
     result = run_cli("run", spec, "--set", "data.verify=sha256")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = folder / "runs" / "trained"
