@@ -104,7 +104,10 @@ def test_sigterm_while_tensorflow_imports_ends_the_run_as_preempted_having_saved
 def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
     """What a kill during a save leaves (a temp folder, a data file without its index, an unindexed
     checkpoint) must not be restored: the index names only checkpoints written whole."""
-    spec = mnist_job("half", data={"eval": None}, train={"epochs": 1, "steps_per_epoch": 8}, output={"tensorboard": False})
+    spec = mnist_job(
+        "half", data={"eval": None, "global_batch_size": 32}, train={"epochs": 1, "steps_per_epoch": 8},
+        output={"tensorboard": False},
+    )
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "half"
@@ -126,14 +129,13 @@ def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_save_stuck_past_the_grace_period_exits_75_and_is_never_chosen(gcs_faults, tiny_mnist, mnist_job):
+def test_a_save_stuck_past_the_grace_period_exits_75_and_is_never_chosen(gcs_faults, mnist_job):
     """SIGTERM while a save to the bucket hangs: the process must not outlive checkpoint.grace_s, and the
     checkpoint it left half written (data file present, no .index, not in the index) is ignored."""
     bucket = gcs_faults.bucket()
-    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
     spec = mnist_job(
         "stuck",
-        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
+        data={"eval": None, "global_batch_size": 32},  # the data stays local: the saves to the bucket hang
         train={"epochs": 2, "steps_per_epoch": 24},
         checkpoint={"every_steps": 8, "grace_s": 3},
         output={"dir": f"gs://{bucket}/runs", "tensorboard": False},

@@ -13,15 +13,16 @@ from tests.conftest import REPO, cli_env
 
 T = TypeVar("T")
 
-# An interruptible job: EPOCHS x STEPS steps of tiny MNIST, long enough to be signalled mid-epoch.
-STEPS, EPOCHS = 40, 3
+# An interruptible job: EPOCHS x STEPS steps of tiny MNIST, long enough to be signalled mid-epoch. Batches of
+# 32 (not the fixture's 128): an epoch still lasts a second or more, a quarter of the work.
+STEPS, EPOCHS, BATCH = 40, 3, 32
 
 
 def interruptible_job(mnist_job, name: str, **checkpoint) -> Path:
     """The job the interruption tests signal: no evaluation, no TensorBoard, `checkpoint` settings as given."""
     return mnist_job(
         name,
-        data={"eval": None},
+        data={"eval": None, "global_batch_size": BATCH},
         train={"epochs": EPOCHS, "steps_per_epoch": STEPS},
         checkpoint=checkpoint,
         output={"tensorboard": False},
