@@ -49,10 +49,11 @@ def scale(batch):
     return {{**batch, "image": {expression}}}
 """
 
-# A linear model: NaN inputs give NaN logits and a NaN loss on every step, whatever the batch. A conv net
-# need not: CPU max pooling skips NaN (a window of NaN and 1 pools to 1; a window of NaN only, to the lowest
-# float), so the mnist_cnn loss can stay finite for the step whose update turns the weights NaN (seen under
-# load: found at the epoch-end save, step 32, instead of at step 17).
+# A linear model without dropout: all-NaN inputs give NaN logits and a NaN loss on every step, whatever the
+# batch. A conv net need not: CPU max pooling skips NaN (a window of NaN and 1 pools to 1, a window of NaN only
+# to the lowest float), so whether mnist_cnn's loss turns NaN depends on the batch and the dropout masks; its
+# loss could stay finite while the update turned the weights NaN, and the run then stopped at the epoch-end
+# save (step 32, "the weights are not finite") instead of at step 17.
 LINEAR = """
 import tensorflow as tf
 
