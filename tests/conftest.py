@@ -111,7 +111,19 @@ def mnist_job(tiny_mnist: Path, tmp_path: Path):
 _DOCKER_FIXTURES = {"docker_engine", "runner_image"}
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook: see below
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("docker"))
+    # pytest-xdist 3.8 sends a group to one worker by renaming each test `nodeid@group` through the old
+    # `_nodeid` field, which pytest 9.2 no longer reads (pytest-dev/pytest-xdist#1386): every group would be
+    # spread over the workers without a word. The same rename, on the field pytest reads.
+    if getattr(config.option, "loadgroup", False):
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            marks = item.iter_markers("xdist_group")
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+            if names and not item.nodeid.endswith("@" + "_".join(names)):
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")

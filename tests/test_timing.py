@@ -155,6 +155,7 @@ def timed_run(tiny_mnist: Path, tmp_path_factory) -> tuple[dict, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("timed_run")  # the tests of the one timed run share a worker, so it trains once
 def test_a_real_run_accounts_for_every_second(timed_run) -> None:
     summary, run_dir = timed_run
     jsonschema.validate(summary, SCHEMA)
@@ -174,6 +175,7 @@ def test_a_real_run_accounts_for_every_second(timed_run) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("timed_run")
 def test_the_first_epoch_is_reported_apart_from_the_steady_ones(timed_run) -> None:
     summary, _ = timed_run
     timing, epochs = summary["timing"], summary["epochs"]
@@ -194,6 +196,7 @@ def test_the_first_epoch_is_reported_apart_from_the_steady_ones(timed_run) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("timed_run")
 def test_tensorboard_scalars_and_the_profiler_trace_are_in_the_run_folder(timed_run) -> None:
     import tensorflow as tf
 
