@@ -136,7 +136,8 @@ def job(folder: Path, tmp_path: Path, name: str, replicas: int, **data: object) 
             "global_batch_size": BATCH,
             **data,
         },
-        "train": {"epochs": 1, "validate_every_epoch": "validation" not in data},
+        # Two steps: what is checked is every evaluation record counted once, not what training learns.
+        "train": {"epochs": 1, "steps_per_epoch": 2, "validate_every_epoch": "validation" not in data},
         "output": {"dir": str(tmp_path / "runs"), "tensorboard": False},
     }, f"{name}.yaml")
 
@@ -194,12 +195,13 @@ def test_an_eval_split_smaller_than_one_batch_is_evaluated_whole(uneven_mnist: P
 
 @pytest.mark.slow
 def test_a_user_model_metric_and_preprocess_count_every_record(tmp_path: Path):
-    """The fashion example (user model, user metric, user preprocessing) with 300 eval records at batch 256."""
+    """The fashion example (user model, user metric, user preprocessing) with 300 eval records at batch 256;
+    one training step of 256 records (the count of evaluated records is the point, not what training learns)."""
     from tests.test_user_model import EXAMPLE, example_env, example_overrides, standardize
 
     data = tmp_path / "fashion"
     prepared = subprocess.run(
-        [sys.executable, "-m", "fashionnet.prepare", "--out", str(data), "--train", "1024", "--eval", "300"],
+        [sys.executable, "-m", "fashionnet.prepare", "--out", str(data), "--train", "256", "--eval", "300"],
         capture_output=True, text=True, timeout=180, env=example_env(),
     )
     assert prepared.returncode == 0, prepared.stderr
