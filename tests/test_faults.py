@@ -39,13 +39,6 @@ def test_storage_timeout_sets_tensorflow_retries_that_add_up_to_it(timeout_s):
     assert int(env["GCS_REQUEST_IDLE_TIMEOUT_SECS"]) <= max(2, timeout_s)
 
 
-@pytest.fixture(scope="module")
-def bucket_mnist(_gcs_fault_chain, tiny_mnist) -> str:
-    """tiny_mnist in a bucket of the fault chain's emulator, uploaded once: gs://<bucket>/mnist. Tests only read
-    it; each writes its run folder into a bucket of its own."""
-    return _gcs_fault_chain.upload_folder(tiny_mnist, _gcs_fault_chain.bucket(), "mnist")
-
-
 # storage.timeout_s 2 s: TensorFlow then waits 0.25-0.5 s (+ its jitter) before each of its 5 retries instead of the
 # default's 1-32 s, so the same faults and the same outage cost a fraction of the time; the retry count that
 # carries a request through consecutive faults is the same 5 as at storage.timeout_s 4 s.
@@ -53,11 +46,12 @@ FAST_RETRIES = {"timeout_s": 2}
 
 
 @pytest.mark.slow
-def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, bucket_mnist, mnist_job):
+def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, tiny_mnist, mnist_job):
     bucket = gcs_faults.bucket()
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")  # straight to the emulator, past the faults
     spec = mnist_job(
         "faulty",
-        data={"train": f"{bucket_mnist}/train-*.tfrecord", "eval": f"{bucket_mnist}/test-*.tfrecord"},
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": f"{data_url}/test-*.tfrecord"},
         output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
         checkpoint={"every_steps": 8},
         storage=FAST_RETRIES,
@@ -89,11 +83,13 @@ def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, bu
 
 
 @pytest.mark.slow
-def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(gcs_faults, bucket_mnist, mnist_job):
+def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(gcs_faults, tiny_mnist, mnist_job):
     bucket = gcs_faults.bucket()
+    # Data and run folder in one bucket: the error names the bucket of whichever request gives up first.
+    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
     spec = mnist_job(
         "outage",
-        data={"train": f"{bucket_mnist}/train-*.tfrecord", "eval": None},
+        data={"train": f"{data_url}/train-*.tfrecord", "eval": None},
         train={"epochs": 2, "steps_per_epoch": 16},
         output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
         checkpoint={"every_steps": 8},
