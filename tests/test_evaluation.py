@@ -166,14 +166,15 @@ def test_eval_validation_and_evaluate_count_every_record_exactly(uneven_mnist: P
     # The epoch's validation ran on the weights the model was saved with (one epoch, no early stopping).
     assert_matches(summary["epochs"][-1]["metrics"], expected_val, VAL_RECORDS, prefix="val_")
 
-    # `runner evaluate` restores the newest checkpoint (the same weights) on 1 and on 2 replicas.
-    for devices in (1, 2):
-        evaluated = run_cli("evaluate", spec, "--set", f"accelerator.cpu_devices={devices}")
-        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-        report = last_json(evaluated.stdout)
-        assert report["accelerator"]["replicas"] == devices
-        assert report["examples"] == TEST_RECORDS and isinstance(report["examples"], int)
-        assert_matches(report["metrics"], expected_test, TEST_RECORDS)
+    # `runner evaluate` restores the newest checkpoint (the same weights) on the other replica count: across
+    # the two cases it evaluates on 1 and on 2 replicas, each from a checkpoint another count wrote.
+    devices = 3 - replicas
+    evaluated = run_cli("evaluate", spec, "--set", f"accelerator.cpu_devices={devices}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = last_json(evaluated.stdout)
+    assert report["accelerator"]["replicas"] == devices
+    assert report["examples"] == TEST_RECORDS and isinstance(report["examples"], int)
+    assert_matches(report["metrics"], expected_test, TEST_RECORDS)
 
 
 @pytest.mark.slow
