@@ -232,7 +232,10 @@ def test_two_runs_started_together_one_trains_and_the_other_exits_2_having_writt
         gcs = request.getfixturevalue("gcs")
         bucket = gcs.bucket()
         env, output = cli_env(**gcs.env), f"gs://{bucket}/runs"
-    spec = mnist_job("together", data={"eval": None}, train={"epochs": 2}, output={"dir": output, "tensorboard": False})
+    spec = mnist_job(
+        "together", data={"eval": None, "global_batch_size": 32}, train={"epochs": 2, "steps_per_epoch": 16},
+        output={"dir": output, "tensorboard": False},
+    )
     runs = [start_run(spec, env=env), start_run(spec, env=env)]
     results = [finish(run, timeout=240) for run in runs]
     codes = sorted(code for code, _, _ in results)
@@ -266,7 +269,10 @@ def test_two_runs_started_together_one_trains_and_the_other_exits_2_having_writt
 def test_a_run_refused_by_a_live_lease_leaves_the_earlier_run_byte_for_byte_then_takes_over_once_it_dies(
     mnist_job, tmp_path: Path
 ) -> None:
-    spec = mnist_job("held", data={"eval": None}, train={"epochs": 1}, output={"tensorboard": False})
+    spec = mnist_job(
+        "held", data={"eval": None, "global_batch_size": 32}, train={"epochs": 1, "steps_per_epoch": 16},
+        output={"tensorboard": False},
+    )
     run_dir = tmp_path / "runs" / "held"
     first = run_cli("run", spec)
     assert first.returncode == 0, first.stderr[-3000:]

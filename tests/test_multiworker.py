@@ -51,7 +51,7 @@ def run_cluster(spec: Path, *overrides: str, timeout: float = 240) -> list[subpr
 
 
 def test_two_workers_train_one_job_and_resume_it(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("cluster", train={"epochs": 1})
+    spec = mnist_job("cluster", data={"global_batch_size": 32}, train={"epochs": 1, "steps_per_epoch": 16})
     chief, worker = run_cluster(spec)
     assert chief.returncode == 0, chief.stderr[-3000:]
     assert worker.returncode == 0, worker.stderr[-3000:]

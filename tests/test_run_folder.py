@@ -33,7 +33,9 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-# The job most tests start from: 2 epochs of 16 steps, finished (checkpoints 16 and 32, model.keras, summary).
+# The job most tests start from: 2 epochs of 16 steps (2,048 records in batches of 128: steps_per_epoch is
+# left to the data, so that a batch larger than the data is refused), finished (checkpoints 16 and 32,
+# model.keras, summary).
 DONE, DONE_STEP = "done", 32
 
 
@@ -181,7 +183,10 @@ def test_fewer_epochs_than_a_finished_job_holds_is_refused(finished: Finished, t
 
 
 def test_fewer_epochs_than_the_checkpoints_hold_is_refused(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("partial", data={"eval": None}, train={"epochs": 4}, output={"tensorboard": False})
+    spec = mnist_job(
+        "partial", data={"eval": None, "global_batch_size": 32}, train={"epochs": 4, "steps_per_epoch": 16},
+        output={"tensorboard": False},
+    )
     run_dir = tmp_path / "runs" / "partial"
     process = start_run(spec)
     wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= 32 or None, process)
@@ -268,7 +273,7 @@ def test_leftovers_of_a_save_killed_in_a_bucket_are_removed_and_the_checkpoints_
     bucket = gcs_faults.bucket()
     spec = mnist_job(
         "cut",
-        data={"eval": None},
+        data={"eval": None, "global_batch_size": 32},
         train={"epochs": 2, "steps_per_epoch": 24},
         checkpoint={"every_steps": 8},
         output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
