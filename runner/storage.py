@@ -117,7 +117,7 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
     kind = type(exc).__name__
     retried_out = kind == "AbortedError" and "retry attempts failed" in message
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
-        return _local_fault(exc, message)
+        return _gcs_no_folder(message, paths, timeout_s) or _local_fault(exc, message)
     named = re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message)
     buckets = sorted(set(named)) or buckets_in(*paths)
     where = ", ".join(f"gs://{b}" for b in buckets) or "the bucket"
@@ -125,6 +125,31 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
     return StorageError(
         f"storage unreachable: {where} did not answer within storage.timeout_s ({timeout_s:g} s): {first_line}; "
         "complete checkpoints are kept; run the same job again when the bucket answers"
+    )
+
+
+def _gcs_no_folder(message: str, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
+    """TensorFlow's gs:// client, asked whether a folder of a bucket exists while the bucket does not answer,
+    says "/runs/job/checkpoints is not a directory" (no bucket in the path): that is the outage, not a file in
+    the way, unless an object of that name really stands there. Only for a path under one of the job's gs://
+    paths that is no local file."""
+    found = re.search(r"(\S+) is not a directory", message)
+    if found is None:
+        return None
+    reported = found.group(1).strip("'\":;,")
+    if not reported.startswith(GCS_PREFIX) and os.path.lexists(reported):
+        return None  # a real local path: _local_fault says which file is in the way
+    gcs = [p for p in paths if p and is_gcs(p)]
+    name = reported[len(GCS_PREFIX):].partition("/")[2] if reported.startswith(GCS_PREFIX) else reported.lstrip("/")
+    under = [p for p in gcs if name.startswith(split_gcs(p)[1].strip("/"))]
+    if not under:
+        return None
+    bucket = split_gcs(under[0])[0]
+    return StorageError(
+        f"storage unreachable: gs://{bucket} did not answer within storage.timeout_s ({timeout_s:g} s): TensorFlow's "
+        f"gs:// client found no folder gs://{bucket}/{name}; complete checkpoints are kept; run the same job again "
+        f"when the bucket answers (should an object named gs://{bucket}/{name} stand where that folder belongs, "
+        "delete it first)"
     )
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from runner.storage import tensorflow_env
+from runner.storage import storage_error, tensorflow_env
 from tests.conftest import cli_env, last_json, run_cli
 from tests.support.runs import finish, indexed_step, start_run, wait_for
 
@@ -150,3 +150,22 @@ def test_prepare_into_an_unreachable_bucket_stops_with_exit_3_in_bounded_time(gc
     assert result.returncode == 3, result.stderr[-3000:]
     assert time.monotonic() - began < 60
     assert f"gs://{bucket} did not answer within 1 s" in result.stderr
+
+
+@pytest.mark.parametrize("reported", ["/runs/outage/checkpoints", "gs://b-1/runs/outage/checkpoints"])
+def test_no_folder_in_a_bucket_that_does_not_answer_is_the_outage_not_a_file_in_the_way(reported, tmp_path):
+    """TensorFlow's gs:// client, asked for a folder while the bucket gives 503s, says "PATH is not a directory"
+    with the bucket left out (seen when a checkpoint's background write met the outage). That is reported as
+    the bucket not answering, with the full gs:// path; a local file in the way is still named as one."""
+    import tensorflow as tf
+
+    paths = ("gs://b-1/mnist/train-*.tfrecord", None, "gs://b-1/runs")
+    error = storage_error(tf.errors.FailedPreconditionError(None, None, f"{reported} is not a directory"), paths, 2)
+    assert error is not None and error.exit_code == 3
+    assert str(error).startswith("storage unreachable: gs://b-1 did not answer within storage.timeout_s (2 s)")
+    assert "gs://b-1/runs/outage/checkpoints" in str(error) and "run the same job again" in str(error)
+
+    in_the_way = tmp_path / "checkpoints"
+    in_the_way.write_text("not a folder")
+    local = storage_error(OSError(f"{in_the_way} is not a directory"), (str(tmp_path / "d"), None, str(tmp_path)), 2)
+    assert str(local).startswith(f"storage fault: {in_the_way}: Not a directory; a file stands where a folder is needed")
