@@ -7,8 +7,6 @@ Debian bookworm stand-in tagged as the Dockerfile's real base, so the Dockerfile
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, last_json
-from tests.support.docker import Engine
+from tests.support.docker import IMAGE_UID, Engine, folders_for_the_container
 
-IMAGE_UID = 1000
 
 
 def _locked(name: str) -> str:
@@ -75,12 +72,7 @@ def test_image_trains_the_mnist_job_on_a_mounted_folder(
     docker_engine: Engine, runner_image: str, tiny_mnist: Path, tmp_path: Path
 ):
     # The image's own jobs/mnist_cnn.yaml, cut to a few steps, reads data/mnist and writes runs/ under /app.
-    data = tmp_path / "mnist"
-    shutil.copytree(tiny_mnist, data)
-    data.chmod(0o755)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    os.chown(runs, IMAGE_UID, IMAGE_UID)
+    data, runs = folders_for_the_container(tiny_mnist, tmp_path, "mnist")
     result = docker_engine.docker(
         "run", "--rm", "--network", "none",
         "--volume", f"{data}:/app/data/mnist:ro", "--volume", f"{runs}:/app/runs",

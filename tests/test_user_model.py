@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,10 +23,9 @@ from runner.errors import SpecError
 from runner.userimport import CodeRoots, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
-from tests.support.docker import Engine
+from tests.support.docker import IMAGE_UID, Engine, folders_for_the_container
 
 EXAMPLE = REPO / "examples" / "fashion"
-IMAGE_UID = 1000  # the runner image's unprivileged user
 BUILD_ARGS = ("params", "features", "inputs")
 
 
@@ -133,12 +131,7 @@ def test_example_image_built_on_the_runner_image_trains_the_job(
     )
     assert built.returncode == 0, built.stderr[-3000:]
     # The container runs as the image's uid 1000: it reads the data read-only and owns the run folder.
-    data = tmp_path / "fashion"
-    shutil.copytree(fashion_data, data)
-    data.chmod(0o755)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    os.chown(runs, IMAGE_UID, IMAGE_UID)
+    data, runs = folders_for_the_container(fashion_data, tmp_path, "fashion")
     try:
         result = docker_engine.docker(
             "run", "--rm", "--network", "none",

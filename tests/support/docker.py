@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -120,3 +121,18 @@ def runner_image(docker_engine: Engine, tmp_path_factory) -> str:
     docker_engine.docker("image", "prune", "--force")  # earlier builds' untagged images
     print(f"runner image built in {time.monotonic() - began:.0f}s; log {log}")
     return IMAGE_TAG
+
+
+IMAGE_UID = 1000  # the runner image's unprivileged user (Dockerfile: USER 1000:1000)
+
+
+def folders_for_the_container(source: Path, folder: Path, name: str) -> tuple[Path, Path]:
+    """A copy of the data at `source` as folder/name, readable by all, and an empty folder/runs owned by the
+    image's user: the container reads its data read-only and writes its run folder as uid 1000."""
+    data = folder / name
+    shutil.copytree(source, data)
+    data.chmod(0o755)
+    runs = folder / "runs"
+    runs.mkdir()
+    os.chown(runs, IMAGE_UID, IMAGE_UID)
+    return data, runs
