@@ -2,9 +2,11 @@
 
 * SkyPilot: its task loader (`sky.Task.from_yaml_config`, which validates against SkyPilot's schema) reads
   the printed task; the job_recovery keys are ones SkyPilot's schema declares.
-* GKE: the JobSet validates against tests/data/jobset_v1alpha2.schema.json (a hand-written subset of the
-  JobSet CRD's v1alpha2 schema, plus the JobSet webhook's checks, for the fields the manifest sets; its
-  x-source names the CRD file, commit and release), which refuses unknown fields at every level, and its Job
+* GKE: the JobSet reads back unchanged through JobSet's own v1alpha2 types (kubeflow-trainer-api, pinned:
+  every field at every level declared, strictly typed); it validates against
+  tests/data/jobset_v1alpha2.schema.json (a hand-written subset of the JobSet CRD's v1alpha2 schema for what
+  the types do not say: enums, required keys and the JobSet webhook's checks; its x-source names the CRD
+  file, commit and release), which refuses unknown fields at every level, and its Job
   template against kubernetes-validate (Kubernetes 1.33, strict); xpk's own parser takes the
   printed `xpk workload create` line and xpk's own --dry-run makes the same JobSet from it; the kubernetes
   client sends the manifest to a local fake API server.
@@ -199,6 +201,48 @@ def test_jobset_refuses_what_the_crd_would_drop(cloud_spec):
     manifest["spec"]["failurePolicy"]["maxRestart"] = 3
     with pytest.raises(jsonschema.ValidationError, match="maxRestart"):
         jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
+
+
+
+def jobset_types() -> Any:
+    """JobSet's own v1alpha2 types (JobSet's Go API, generated into Kubeflow Trainer's published models)."""
+    try:
+        from kubeflow_trainer_api.models.jobset_v1alpha2_job_set import JobsetV1alpha2JobSet
+    except ImportError:
+        message = "kubeflow-trainer-api is missing: `make test` installs it from requirements-engines-nodeps.txt"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    return JobsetV1alpha2JobSet
+
+
+def lost_on_read_back(made: Any, read: Any, path: str = "") -> list[str]:
+    """The paths of `made` that do not come back in `read`: fields the types do not have are dropped."""
+    if isinstance(made, dict) and isinstance(read, dict):
+        return [lost for key, value in made.items()
+                for lost in (lost_on_read_back(value, read[key], f"{path}.{key}".lstrip(".")) if key in read
+                             else [f"{path}.{key}".lstrip(".")])]
+    if isinstance(made, list) and isinstance(read, list) and len(made) == len(read):
+        return [lost for a, b in zip(made, read) for lost in lost_on_read_back(a, b, f"{path}[]")]
+    return [] if made == read else [path]
+
+
+def test_jobset_reads_back_unchanged_through_jobsets_own_types(cloud_spec):
+    """Every field at every level, the Job and pod template included, is one JobSet's API declares, with its
+    type (strict: a count given as text is refused); a field it does not declare would be dropped on read, as
+    the API server prunes it."""
+    types = jobset_types()
+    for extra in ([], ["--queue", "team-a", "--spot", "--max-restarts", "4"]):
+        manifest = gke_manifest(cloud_spec, *extra)
+        assert lost_on_read_back(manifest, types.from_dict(manifest).to_dict()) == []
+
+    manifest = gke_manifest(cloud_spec)
+    manifest["spec"]["failurePolicy"]["maxRestart"] = 3
+    manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"port": 1}]
+    assert lost_on_read_back(manifest, types.from_dict(manifest).to_dict()) == [
+        "spec.failurePolicy.maxRestart", "spec.replicatedJobs[].template.spec.template.spec.containers[].ports[].port"]
+    manifest = gke_manifest(cloud_spec)
+    manifest["spec"]["failurePolicy"]["maxRestarts"] = "3"
+    with pytest.raises(ValueError, match="maxRestarts"):
+        types.from_dict(manifest)
 
 
 # What the JobSet CRD (and, where the CRD leaves it open, the JobSet webhook) takes on the paths the manifest
