@@ -115,7 +115,9 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
     disk refused a write (full, read-only, a file where a folder belongs); None for other errors."""
     message = str(getattr(exc, "message", exc))
     kind = type(exc).__name__
-    retried_out = kind == "AbortedError" and "retry attempts failed" in message
+    # TensorFlow's GCS client gives up with "All N retry attempts failed" (tsl's retrying_utils); an op that
+    # meets it mid-way re-raises that text inside its own error type (MergeV2Checkpoints: InvalidArgumentError).
+    retried_out = "retry attempts failed" in message
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
         return _gcs_no_folder(message, paths, timeout_s) or _local_fault(exc, message)
     named = re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message)

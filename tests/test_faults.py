@@ -152,6 +152,23 @@ def test_prepare_into_an_unreachable_bucket_stops_with_exit_3_in_bounded_time(gc
     assert f"gs://{bucket} did not answer within 1 s" in result.stderr
 
 
+def test_tensorflow_giving_up_on_gcs_inside_another_op_is_the_outage():
+    """A checkpoint's merge step that meets the outage re-raises TensorFlow's retry text as InvalidArgumentError
+    (seen: the background write of a checkpoint during a 503 outage). That is the bucket not answering (exit 3,
+    run again), not a failed training (exit 1)."""
+    import tensorflow as tf
+
+    message = ("{{function_node __wrapped__MergeV2Checkpoints_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+               "allow_missing_files was set to false and gs://b-5/runs/outage/checkpoints/ckpt-16_temp/part-00000-of-00001 "
+               "did not exist.ABORTED: All 5 retry attempts failed. The last failure: Error executing an HTTP request: "
+               "HTTP response code 503 with body 'injected' [Op:MergeV2Checkpoints]")
+    error = storage_error(tf.errors.InvalidArgumentError(None, None, message), ("gs://b-5/mnist/*", None, "gs://b-5/runs"), 2)
+    assert error is not None and error.exit_code == 3
+    assert str(error).startswith("storage unreachable: gs://b-5 did not answer within storage.timeout_s (2 s)")
+    # The same error type with no retry text is a real argument error: not a storage fault.
+    assert storage_error(tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [2] vs. [3]"), (), 2) is None
+
+
 @pytest.mark.parametrize("reported", ["/runs/outage/checkpoints", "gs://b-1/runs/outage/checkpoints"])
 def test_no_folder_in_a_bucket_that_does_not_answer_is_the_outage_not_a_file_in_the_way(reported, tmp_path):
     """TensorFlow's gs:// client, asked for a folder while the bucket gives 503s, says "PATH is not a directory"
