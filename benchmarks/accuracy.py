@@ -83,12 +83,17 @@ def goal_for(job: str, folder: Path, summary: dict) -> tuple[str, float, float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("jobs", nargs="*", default=list(JOBS), choices=list(JOBS))
+    # Checked below, not with `choices`: argparse tests an empty nargs="*" against them as one value, [].
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help=f"one of {', '.join(JOBS)} (default: every one)")
     parser.add_argument("--data", default="data", help="folder of prepared datasets (data/<dataset>)")
     parser.add_argument("--out", default="benchmarks/out/accuracy", help="output.dir for the runs")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="extra --set for every job, e.g. train.mixed_precision=bfloat16 (the default is auto)")
     args = parser.parse_args()
+    unknown = [job for job in args.jobs if job not in JOBS]
+    if unknown:
+        parser.error(f"no job {', '.join(unknown)}: choose from {', '.join(JOBS)}")
+    args.jobs = args.jobs or list(JOBS)
     rows = []
     for job in args.jobs:
         folder = (REPO / args.data / JOBS[job]).resolve()

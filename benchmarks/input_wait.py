@@ -124,12 +124,17 @@ def pipeline_alone(job: str, folder: Path, extra: list[str], seconds: float) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("jobs", nargs="*", default=list(JOBS), choices=list(JOBS))
+    # Checked below, not with `choices`: argparse tests an empty nargs="*" against them as one value, [].
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help=f"one of {', '.join(JOBS)} (default: every one)")
     parser.add_argument("--quick", action="store_true", help="2 epochs of 10 steps per job")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=50, help="at most this many steps per epoch")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every job")
     args = parser.parse_args()
+    unknown = [job for job in args.jobs if job not in JOBS]
+    if unknown:
+        parser.error(f"no job {', '.join(unknown)}: choose from {', '.join(JOBS)}")
+    args.jobs = args.jobs or list(JOBS)
     epochs, cap = (2, 10) if args.quick else (args.epochs, args.steps)
     rows = []
     for job in args.jobs:

@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) on real `runner run` processes: handled like a preemption notice, but said as an interruption.
+"""Ctrl-C (SIGINT) on real `runner run` processes: handled like a preemption notice (SIGTERM, also here while
+TensorFlow loads), but said as an interruption.
 
 The first Ctrl-C saves at the next step boundary, writes the summary with status `interrupted` and exits
 130; running the job again continues it. A second Ctrl-C exits at once, saving nothing more.
@@ -14,16 +15,10 @@ import jsonschema
 import pytest
 
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, tensorflow_loading, wait_for
 from tests.support.runs import interruptible_job as job
 
 SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
-
-
-def tensorflow_loading(pid: int) -> bool | None:
-    """True once TensorFlow's library is mapped into the process: its Python import runs on for seconds."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return True if "libtensorflow" in maps.read() else None
 
 
 @pytest.mark.slow
@@ -56,20 +51,26 @@ def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_cont
     assert [json.loads(a.read_text())["status"] for a in attempts] == ["interrupted", "succeeded"]
 
 
-def test_ctrl_c_while_tensorflow_imports_ends_the_run_as_interrupted_having_saved_nothing(mnist_job, tmp_path):
+@pytest.mark.parametrize(("sent", "code", "status", "says"), [
+    (signal.SIGINT, 130, "interrupted", "interrupted while the job was starting"),
+    (signal.SIGTERM, 75, "preempted", "preemption notice received while the job was starting"),
+])
+def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(mnist_job, tmp_path, sent, code, status, says):
+    """Ctrl-C is an interruption (130), SIGTERM a preemption (75): either, before a step has run, is reported
+    as such in the summary, locally and in the run folder, and leaves no checkpoint."""
     spec = job(mnist_job, "early")
     run_dir = tmp_path / "runs" / "early"
     process = start_run(spec)
     wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
-    process.send_signal(signal.SIGINT)
-    code, out, err = finish(process)
-    assert code == 130, err[-3000:]
-    assert "interrupted while the job was starting" in err and "run the same job again" in err
+    process.send_signal(sent)
+    exit_code, out, err = finish(process)
+    assert exit_code == code, err[-3000:]
+    assert says in err and "run the same job again" in err
     assert "Traceback" not in err
     summary = last_json(out)
     jsonschema.validate(summary, SCHEMA)
-    assert summary["status"] == "interrupted"
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert summary["status"] == status
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == status
     assert local_index(run_dir) is None, "nothing was trained, so nothing is saved"
 
 

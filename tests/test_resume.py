@@ -80,26 +80,6 @@ def test_sigterm_saves_within_grace_exits_75_and_the_rerun_continues(mnist_job, 
     assert statuses == ["preempted", "succeeded"]
 
 
-def tensorflow_loading(pid: int) -> bool | None:
-    """True once TensorFlow's library is mapped into the process: its Python import runs on for seconds."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return True if "libtensorflow" in maps.read() else None
-
-
-def test_sigterm_while_tensorflow_imports_ends_the_run_as_preempted_having_saved_nothing(mnist_job, tmp_path):
-    spec = job(mnist_job, "early")
-    run_dir = tmp_path / "runs" / "early"
-    process = start_run(spec)
-    wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
-    process.send_signal(signal.SIGTERM)
-    code, out, err = finish(process)
-    assert code == 75, err[-3000:]
-    assert "preemption notice received while the job was starting" in err
-    assert last_json(out)["status"] == "preempted"
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
-    assert local_index(run_dir) is None, "nothing was trained, so nothing is saved"
-
-
 @pytest.mark.slow
 def test_a_half_written_checkpoint_on_disk_is_never_chosen(mnist_job, tmp_path):
     """What a kill during a save leaves (a temp folder, a data file without its index, an unindexed

@@ -75,3 +75,9 @@ def local_index(run_dir: Path) -> str | None:
         return path.read_text()
     except FileNotFoundError:
         return None
+
+
+def tensorflow_loading(pid: int) -> bool | None:
+    """True once TensorFlow's library is mapped into the process: its Python import runs on for seconds."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return True if "libtensorflow" in maps.read() else None
