@@ -9,7 +9,8 @@ import pytest
 
 from runner import host
 from runner.precision import decide
-from tests.conftest import cli_env, last_json, run_cli
+from runner.specfile import load_spec
+from tests.conftest import REPO, cli_env, last_json, run_cli
 
 # /proc/cpuinfo texts as Linux writes them (one processor shown; the flags line is what is read).
 _X86 = """processor\t: 0
@@ -60,12 +61,30 @@ def test_an_explicit_precision_is_taken_as_asked(asked: str) -> None:
 
 
 def test_a_model_kept_in_float32_under_auto_says_why() -> None:
-    kept = {"weather_rnn": "bfloat16 cost it 3% of MAE (benchmarks/RESULTS.md)"}
+    kept = {("weather_rnn", "*"): "bfloat16 cost it 3% of MAE (benchmarks/RESULTS.md)",
+            ("imdb_lstm", "cpu"): "bfloat16 ran it slower on a CPU"}
     chosen = decide("auto", "weather_rnn", "cpu", ZEN4, float32_models=kept)
     assert chosen.policy == "float32"
     assert chosen.reason == "cpu flag avx512_bf16, but model 'weather_rnn': bfloat16 cost it 3% of MAE (benchmarks/RESULTS.md): float32"
+    assert decide("auto", "weather_rnn", "tpu", None, float32_models=kept).policy == "float32"  # "*": every device
     assert decide("auto", "mnist_cnn", "cpu", ZEN4, float32_models=kept).policy == "bfloat16"
     assert decide("bfloat16", "weather_rnn", "cpu", ZEN3, float32_models=kept).policy == "bfloat16"  # asked: taken
+    # Kept for one kind of device only: a CPU keeps it in float32, a TPU computes it in bfloat16.
+    on_cpu = decide("auto", "imdb_lstm", "cpu", ZEN4, float32_models=kept)
+    assert (on_cpu.policy, on_cpu.reason) == ("float32", "cpu flag avx512_bf16, but model 'imdb_lstm': bfloat16 ran it slower on a CPU: float32")
+    assert decide("auto", "imdb_lstm", "tpu", None, float32_models=kept).policy == "bfloat16"
+
+
+def test_the_built_in_models_kept_in_float32_are_the_measured_ones() -> None:
+    """The list benchmarks/RESULTS.md justifies, applied by decide() with no list given."""
+    for model in ("imdb_lstm", "weather_rnn"):
+        assert decide("auto", model, "cpu", ZEN4).policy == "float32"
+        assert decide("auto", model, "tpu", None).policy == "bfloat16"
+    assert decide("auto", "mnist_cnn", "cpu", ZEN4).policy == "bfloat16"
+    assert decide("auto", "cifar10_cnn", "cpu", ZEN4).policy == "bfloat16"
+    # Fashion-MNIST trains the MNIST model: what bfloat16 cost it belongs to the job, so its spec says float32.
+    assert load_spec(REPO / "jobs" / "fashion_mnist_cnn.yaml").train.mixed_precision == "float32"
+    assert load_spec(REPO / "jobs" / "mnist_cnn.yaml").train.mixed_precision == "auto"
 
 
 def test_cpu_flags_are_read_from_the_flags_line() -> None:
