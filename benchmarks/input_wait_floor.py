@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 from _common import REPO
 
