@@ -11,7 +11,7 @@ DATA := data/mnist
 # Packages go in through uv (pinned below; pip puts it in the venv first): the same locks, installed in
 # seconds where pip took minutes (benchmarks/RESULTS.md, "make demo and make test"). --native-tls: uv trusts
 # the system's certificates, as pip does here. --compile-bytecode writes every package's .pyc at install: where
-# PYTHONDONTWRITEBYTECODE is set (this project's machines, its image) Python never writes them itself, and each
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python never writes them itself, and each
 # `import tensorflow` then compiled TensorFlow's sources again: 7-8 s instead of 3 (benchmarks/RESULTS.md).
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv pip install --quiet --native-tls --compile-bytecode --python $(BIN)/python
