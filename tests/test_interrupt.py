@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, tensorflow_loading, wait_for
+from tests.support.runs import (EPOCHS, STEPS, finish, indexed_step, local_index, signal_in_second_epoch, start_run,
+                                tensorflow_loading, wait_for)
 from tests.support.runs import interruptible_job as job
 
 SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
@@ -26,9 +27,7 @@ def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_cont
     spec = job(mnist_job, "interrupted", grace_s=20)  # epoch-end saves only: the interruption's save is its own
     run_dir = tmp_path / "runs" / "interrupted"
     process = start_run(spec)
-    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS or None, process)
-    time.sleep(0.2)  # a few steps into epoch 2
-    process.send_signal(signal.SIGINT)
+    signal_in_second_epoch(process, run_dir, signal.SIGINT)
     code, out, err = finish(process)
     assert code == 130, err[-3000:]
     saved = indexed_step(local_index(run_dir))

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import cli_env, last_json, run_cli
-from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, start_run, wait_for
+from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, signal_in_second_epoch, start_run, wait_for
 from tests.support.runs import interruptible_job as job
 
 
@@ -55,10 +55,7 @@ def test_sigterm_saves_within_grace_exits_75_and_the_rerun_continues(mnist_job, 
     spec = job(mnist_job, "preempted", grace_s=20)  # epoch-end saves only: the notice's save is its own
     run_dir = tmp_path / "runs" / "preempted"
     process = start_run(spec)
-    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS or None, process)
-    time.sleep(0.2)  # a few steps into epoch 2
-    noticed = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    noticed = signal_in_second_epoch(process, run_dir, signal.SIGTERM)
     code, out, err = finish(process)
     exited_after = time.monotonic() - noticed
     assert code == 75, err[-3000:]

@@ -81,3 +81,12 @@ def tensorflow_loading(pid: int) -> bool | None:
     """True once TensorFlow's library is mapped into the process: its Python import runs on for seconds."""
     with open(f"/proc/{pid}/maps") as maps:
         return True if "libtensorflow" in maps.read() else None
+
+
+def signal_in_second_epoch(process: subprocess.Popen, run_dir: Path, sent: int) -> float:
+    """Sends `sent` a few steps into epoch 2, once epoch 1's checkpoint is indexed; returns when (monotonic)."""
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS or None, process)
+    time.sleep(0.2)
+    sent_at = time.monotonic()
+    process.send_signal(sent)
+    return sent_at
