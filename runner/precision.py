@@ -21,11 +21,11 @@ from runner import host
 log = logging.getLogger(__name__)
 keras = tf.keras
 
-# Built-in models that `auto` keeps in float32, by (model, device kind; "*" for every device), with the reason
-# measured side by side (benchmarks/RESULTS.md, "accuracy: auto against float32"): bfloat16 cost the model more
-# accuracy than benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE), or ran it slower than
-# float32. Measured on this project's CPU only, so listed for "cpu": a TPU computes them in bfloat16. (A job
-# whose data, not its model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
+# Built-in models that `auto` keeps in float32, by (model, device kind), with the reason measured side by side
+# (benchmarks/RESULTS.md, "accuracy: auto against float32"): bfloat16 cost the model more accuracy than
+# benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE), or ran it slower than float32. Measured on
+# this project's CPU only, so listed for "cpu": a TPU computes them in bfloat16. (A job whose data, not its
+# model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
 FLOAT32_UNDER_AUTO: dict[tuple[str, str], str] = {
     ("imdb_lstm", "cpu"): "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
     ("weather_rnn", "cpu"): "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
@@ -68,12 +68,12 @@ def decide(
 ) -> Precision:
     """The precision for `train.mixed_precision` (`asked`) on a device of `kind` (tpu, gpu, cpu), from the
     host's facts as given: the /proc/cpuinfo text, the GPUs' (name, compute capability), and the built-in
-    models kept in float32 under auto, by (model, kind or "*") (default FLOAT32_UNDER_AUTO)."""
+    models kept in float32 under auto, by (model, kind) (default FLOAT32_UNDER_AUTO)."""
     if asked != "auto":
         return Precision(asked, f"train.mixed_precision: {asked}")
     policy, reason = host.native_precision(kind, cpuinfo, gpus)
     kept = FLOAT32_UNDER_AUTO if float32_models is None else float32_models
-    why = kept.get((model_name, kind)) or kept.get((model_name, "*"))
+    why = kept.get((model_name, kind))
     if policy == "bfloat16" and why:
         policy, reason = "float32", f"{reason}, but model {model_name!r}: {why}: float32"
     return Precision(policy, reason, auto=True)
