@@ -61,10 +61,15 @@ def submission(spec: Path, tpu_type: str = "v5litepod-8", **flags: Any):
     return prepare_submission(spec, [], tpu_type=tpu_type, zone=ZONE, image=IMAGE, project=PROJECT, **flags)
 
 
+def missing(what: str, made_from: str) -> None:
+    """An engine's library `make test` installs is not here: a failure in CI, a skip on a developer's machine."""
+    message = f"{what} is missing: `make test` installs it from {made_from}"
+    pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+
+
 def needs_xpk() -> None:
     if not XPK.exists():
-        message = f"{XPK} is missing: `make test` builds it from requirements-xpk.txt"
-        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+        missing(str(XPK), "requirements-xpk.txt")
 
 
 # --- every engine -----------------------------------------------------------------------------------
@@ -209,8 +214,7 @@ def jobset_types() -> Any:
     try:
         from kubeflow_trainer_api.models.jobset_v1alpha2_job_set import JobsetV1alpha2JobSet
     except ImportError:
-        message = "kubeflow-trainer-api is missing: `make test` installs it from requirements-engines-nodeps.txt"
-        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+        missing("kubeflow-trainer-api", "requirements-engines-nodeps.txt")
     return JobsetV1alpha2JobSet
 
 
