@@ -2,16 +2,18 @@
 
 The runner's input clock (runner/observe.py) times each GetNext of the training loop. On a machine whose cores
 the training step itself keeps busy, that time also holds the moments the loop's thread waits for a core,
-whatever feeds it. This script trains a job's model (the runner's own build, compile and precision) on the
-job's real pipeline (`data.make_dataset` on its prepared shards) and, alternating in the same process, on one
-batch of that pipeline held in memory and repeated (no reading, no decoding, nothing to wait for), each behind
-the same clock. A fresh model per fit; steady steps only (each fit's first epoch is left out).
+whatever feeds it. This script trains a job's model (the runner's own build, compile and precision) behind
+the same clock on three inputs, alternating in one process:
 
-    wait      real pipeline: clock wait per step, ms (what the summary reports)
-    floor     one batch repeated: clock wait per step, ms (the clock's reading with no input to wait for)
-    step      steady step time, ms, real and repeated
+    streamed  the job's shards read, parsed and batched every epoch (`data.make_dataset`, data.in_memory: false)
+    held      the split loaded once, decoded, each batch gathered from it (runner/in_memory.py, what
+              data.in_memory: auto chooses on a CPU for these jobs)
+    repeated  one batch held in memory and repeated: nothing to read, decode or gather (the clock's floor)
 
-    ratio     (wait - floor) / real step time: the share of the step the pipeline itself held the loop up
+A fresh model per fit; steady steps only (each fit's first epoch is left out). Per input: the clock's wait per
+step (ms), the steady step (ms), and the reported share (wait / step, what the summary's input_wait_fraction
+reads). The ratio printed per job is the held input's reported share (goal <= 0.02); `own` is the share the
+pipeline adds above the floor: (wait - floor wait) / step.
 
     .venv/bin/python benchmarks/input_wait_floor.py [JOB ...] [--rounds N] [--epochs N] [--steps N] [--quick]
 """
@@ -58,47 +60,52 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
     return {"wait_ms": (wait1 - wait0) / counted * 1e3, "step_ms": (t1 - t0) / counted * 1e3}
 
 
-def measure(job: str, rounds: int, epochs: int, steps: int) -> dict:
+def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> dict:
     import tensorflow as tf
 
-    from runner import data, precision
+    from runner import data, in_memory, precision
     from runner.specfile import load_spec
 
     folder = REPO / "benchmarks" / "out" / JOBS[job]
     if not (folder / "manifest.json").exists():
         raise SystemExit(f"{folder} is not prepared: run benchmarks/input_wait.py {job} first")
-    spec = load_spec(REPO / "jobs" / f"{job}.yaml", [f"data.train={folder}/train-*.tfrecord", "data.eval=null"])
+    spec = load_spec(REPO / "jobs" / f"{job}.yaml", [f"data.train={folder}/train-*.tfrecord", "data.eval=null", *sets])
     chosen = precision.choose(spec.train.mixed_precision, spec.model.name, "cpu")
     chosen.apply()
     d = spec.data
     shards = data.find_shards(d.train)
+    names = (*d.inputs, d.label)
+    loaded = in_memory.load(shards, names, "data.train")
 
-    def real() -> tf.data.Dataset:
+    def streamed() -> tf.data.Dataset:
         return data.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
                                  shuffle_buffer=d.shuffle_buffer, seed=0)
 
-    held = tf.data.Dataset.from_tensors(next(iter(real()))).repeat()
-    results: dict[str, list[dict[str, float]]] = {"real": [], "repeated": []}
+    def held() -> tf.data.Dataset:
+        return in_memory.make_dataset(loaded, shards.features, d.global_batch_size, d.inputs, d.label, shuffle=True, seed=0)
+
+    one_batch = tf.data.Dataset.from_tensors(next(iter(streamed()))).repeat()
+    inputs = {"streamed": streamed, "held": held, "repeated": lambda: one_batch}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in inputs}
     for index in range(rounds):
-        order = ("real", "repeated") if index % 2 == 0 else ("repeated", "real")
-        for variant in order:
-            dataset = real() if variant == "real" else held
-            results[variant].append(fit_once(spec, shards.features, dataset, epochs, steps))
-            row = results[variant][-1]
-            print(f"{job} round {index + 1} {variant:<8}: wait {row['wait_ms']:.3f} ms/step, step {row['step_ms']:.2f} ms",
+        order = list(inputs) if index % 2 == 0 else list(reversed(inputs))
+        for name in order:
+            results[name].append(fit_once(spec, shards.features, inputs[name](), epochs, steps))
+            row = results[name][-1]
+            print(f"{job} round {index + 1} {name:<9}: wait {row['wait_ms']:.3f} ms/step, step {row['step_ms']:.2f} ms",
                   flush=True)
     median = {v: {k: statistics.median(r[k] for r in rows) for k in ("wait_ms", "step_ms")} for v, rows in results.items()}
-    own = (median["real"]["wait_ms"] - median["repeated"]["wait_ms"]) / median["real"]["step_ms"]
-    return {
-        "benchmark": f"input_wait_floor[{job}]", "ratio": round(own, 4), "goal": "<= 0.02",
-        "detail": {
-            "wait_ms_real": round(median["real"]["wait_ms"], 3), "wait_ms_repeated": round(median["repeated"]["wait_ms"], 3),
-            "step_ms_real": round(median["real"]["step_ms"], 2), "step_ms_repeated": round(median["repeated"]["step_ms"], 2),
-            "reported_fraction_real": round(median["real"]["wait_ms"] / median["real"]["step_ms"], 4),
-            "reported_fraction_repeated": round(median["repeated"]["wait_ms"] / median["repeated"]["step_ms"], 4),
-            "batch": d.global_batch_size, "precision": chosen.policy, "rounds": rounds, "epochs": epochs, "steps": steps,
-        },
-    }
+    floor = median["repeated"]["wait_ms"]
+    detail: dict = {}
+    for name, m in median.items():
+        detail[f"wait_ms_{name}"] = round(m["wait_ms"], 3)
+        detail[f"step_ms_{name}"] = round(m["step_ms"], 2)
+        detail[f"reported_{name}"] = round(m["wait_ms"] / m["step_ms"], 4)
+        if name != "repeated":
+            detail[f"own_{name}"] = round((m["wait_ms"] - floor) / m["step_ms"], 4)
+    detail.update(batch=d.global_batch_size, precision=chosen.policy, rounds=rounds, epochs=epochs, steps=steps,
+                  held_mb=round(in_memory.held_bytes(shards, names) / 1e6, 1), sets=" ".join(sets))
+    return {"benchmark": f"input_wait_floor[{job}]", "ratio": detail["reported_held"], "goal": "<= 0.02", "detail": detail}
 
 
 def main() -> None:
@@ -108,17 +115,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override, e.g. train.mixed_precision=bfloat16")
     args = parser.parse_args()
     unknown = [job for job in args.jobs if job not in JOBS]
     if unknown:
         parser.error(f"no job {', '.join(unknown)}: choose from {', '.join(JOBS)}")
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, args.epochs, args.steps)
-    rows = [measure(job, rounds, epochs, steps) for job in (args.jobs or ["fashion_mnist_cnn", "weather_rnn"])]
-    print(f"\n{'job':<20}{'wait ms':>9}{'floor ms':>10}{'step ms':>9}{'reported':>10}{'pipeline own':>14}")
+    rows = [measure(job, rounds, epochs, steps, args.set) for job in (args.jobs or ["fashion_mnist_cnn", "weather_rnn"])]
+    print(f"\n{'job':<20}{'input':<10}{'wait ms':>9}{'step ms':>9}{'reported':>10}{'own':>8}")
     for row in rows:
         d = row["detail"]
-        print(f"{row['benchmark'][17:-1]:<20}{d['wait_ms_real']:>9.3f}{d['wait_ms_repeated']:>10.3f}{d['step_ms_real']:>9.2f}"
-              f"{d['reported_fraction_real']:>10.4f}{row['ratio']:>14.4f}")
+        for name in ("streamed", "held", "repeated"):
+            own = f"{d['own_' + name]:>8.4f}" if name != "repeated" else f"{'':>8}"
+            print(f"{row['benchmark'][17:-1]:<20}{name:<10}{d['wait_ms_' + name]:>9.3f}{d['step_ms_' + name]:>9.2f}"
+                  f"{d['reported_' + name]:>10.4f}{own}")
     for row in rows:
         print(json.dumps(row))
 

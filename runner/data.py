@@ -157,7 +157,7 @@ def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, 
         parsed = schema.parse_batch(serialized, used)
         if preprocess is not None:
             parsed = preprocess(parsed)
-        return _model_inputs(parsed, inputs), parsed[label]
+        return model_inputs(parsed, inputs), parsed[label]
 
     return decode
 
@@ -171,12 +171,12 @@ def example_inputs(features: dict[str, Feature], inputs: tuple[str, ...], prepro
         parsed = schema.parse_batch(serialized, used)
         if preprocess is not None:
             parsed = preprocess(parsed)
-        return _model_inputs(parsed, inputs)
+        return model_inputs(parsed, inputs)
 
     return to_inputs
 
 
-def _model_inputs(parsed: dict[str, tf.Tensor], inputs: tuple[str, ...]):
+def model_inputs(parsed: dict[str, tf.Tensor], inputs: tuple[str, ...]):
     """One input: its tensor; several: a dict by name (the model's named inputs)."""
     return parsed[inputs[0]] if len(inputs) == 1 else {n: parsed[n] for n in inputs}
 

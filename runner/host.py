@@ -1,6 +1,7 @@
 """Facts about this host that need no TensorFlow: which TPU a job points at, TPU device files, libtpu's
-lockfile, the malloc in use, whether the CPU computes bfloat16 natively. Read by runner/strategy.py (to choose a
-device), runner/precision.py (to choose what it computes in) and runner/doctor (to check it).
+lockfile, the malloc in use, whether the CPU computes bfloat16 natively, the memory a job may use. Read by
+runner/strategy.py (to choose a device), runner/precision.py (to choose what it computes in),
+runner/in_memory.py (whether training data fits in memory) and runner/doctor (to check it).
 """
 
 from __future__ import annotations
@@ -105,3 +106,24 @@ def read_cpuinfo(path: str = CPUINFO) -> str | None:
         return Path(path).read_text(errors="replace")
     except OSError:
         return None
+
+
+# cgroup v2's and v1's memory limits: a container started with `docker run --memory` sees its limit there.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_bytes(limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int | None:
+    """The memory this process may use: the machine's, or its container's limit when that is lower; None
+    when neither can be read."""
+    try:
+        found = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (ValueError, OSError, AttributeError):
+        found = []
+    for path in limits:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (cgroup v2) means no limit
+            found.append(int(text))
+    return min(found) if found else None

@@ -14,7 +14,7 @@ import time
 
 import tensorflow as tf
 
-from runner import data, integrity, models, observe, precision, progress, schema, train, userimport
+from runner import data, host, in_memory, integrity, models, observe, precision, progress, schema, train, userimport
 from runner.attempt import Attempt, JobResult, error_of
 from runner.errors import Diverged, Interrupted, Preempted, RunnerError
 from runner.preemption import EarlyNotice, PreemptionNotice
@@ -113,7 +113,7 @@ class _Job:
         self.precision.apply()
         keras.utils.set_random_seed(spec.train.seed)
         with attempt.phases.phase("data_init"):
-            self.inputs = _inputs(spec, attempt.accelerator)
+            self.inputs = _inputs(spec, attempt.accelerator, attempt.extra)
 
     def finish(self, status: str, error: RunnerError | None) -> dict:
         """The summary, written to the run folder by the chief (runner/attempt.py) and returned."""
@@ -172,7 +172,9 @@ class Inputs:
     input_method: str
 
 
-def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
+def _inputs(spec: JobSpec, accelerator: Accelerator, extra: dict) -> Inputs:
+    """The pipelines; `extra` (the summary's) gets train_input as soon as it is chosen, so a load that fails
+    is reported with it."""
     batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
     preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
 
@@ -189,10 +191,22 @@ def _inputs(spec: JobSpec, accelerator: Accelerator) -> Inputs:
     train_shards = data.find_shards(d.train)
     schema.check_declared(d.features, train_shards)
     steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(train_shards, batch, "data.train")
-    train_ds = data.make_dataset(
-        train_shards, batch, d.inputs, d.label, training=True, shuffle_buffer=d.shuffle_buffer, seed=spec.train.seed,
-        preprocess=preprocess, workers=workers, autotune=d.autotune,
-    )
+    held = in_memory.choose(d.in_memory, train_shards, (*d.inputs, d.label), accelerator.kind, workers, host.memory_bytes())
+    extra["train_input"] = held.to_dict()
+    if held.held:
+        loaded = in_memory.load(train_shards, (*d.inputs, d.label), "data.train")
+        held = dataclasses.replace(held, load_s=round(loaded.seconds, 3))
+        extra["train_input"] = held.to_dict()
+        log.info("data.train held in memory: %d records loaded in %.1f s (%s)", loaded.records, loaded.seconds, held.why)
+        train_ds = in_memory.make_dataset(
+            loaded, train_shards.features, batch, d.inputs, d.label, shuffle=d.shuffle_buffer > 1,
+            seed=spec.train.seed, preprocess=preprocess,
+        )
+    else:
+        train_ds = data.make_dataset(
+            train_shards, batch, d.inputs, d.label, training=True, shuffle_buffer=d.shuffle_buffer,
+            seed=spec.train.seed, preprocess=preprocess, workers=workers, autotune=d.autotune,
+        )
     clock, input_method = observe.input_clock_for(accelerator)
     if clock is not None:
         train_ds = clock.wrap(train_ds)

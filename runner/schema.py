@@ -128,7 +128,23 @@ def parse_spec(features: dict[str, Feature]) -> dict[str, tf.io.FixedLenFeature 
 
 
 def parse_batch(serialized: tf.Tensor, features: dict[str, Feature]) -> dict[str, tf.Tensor]:
-    """A batch of serialized Examples -> dense tensors of static shape [batch, *shape], one per feature."""
+    """A batch of serialized Examples -> dense tensors of static shape [batch, *shape], one per feature,
+    in the dtypes the model gets."""
+    return for_model(parse_stored(serialized, features), features)
+
+
+def for_model(decoded: dict[str, tf.Tensor], features: dict[str, Feature]) -> dict[str, tf.Tensor]:
+    """Decoded tensors as the model gets them: uint8 features as float32 (0..255), the rest unchanged."""
+    # Cast on the host: TPU infeed prefers float32/bfloat16 to uint8, and models rescale themselves.
+    return {
+        name: tf.cast(tensor, tf.float32) if stored(features[name]).dtype == "uint8" else tensor
+        for name, tensor in decoded.items()
+    }
+
+
+def parse_stored(serialized: tf.Tensor, features: dict[str, Feature]) -> dict[str, tf.Tensor]:
+    """A batch of serialized Examples -> dense tensors of static shape [batch, *shape], uint8 features still
+    uint8 (a quarter of the memory float32 takes: runner/in_memory.py holds them so)."""
     parsed = tf.io.parse_example(serialized, parse_spec(features))
     batch = serialized.shape[0]  # static when batches drop their remainder; kept static for XLA
     decoded = {}
@@ -140,9 +156,6 @@ def parse_batch(serialized: tf.Tensor, features: dict[str, Feature]) -> dict[str
             tensor = tf.reshape(tf.io.decode_raw(tensor, tf.uint8), (batch or -1, *full.shape))
         elif full.decode in ("png", "jpeg"):
             tensor = _decode_images(tensor, full, batch)
-        if full.dtype == "uint8":
-            # Cast on the host: TPU infeed prefers float32/bfloat16 to uint8, and models rescale themselves.
-            tensor = tf.cast(tensor, tf.float32)
         decoded[name] = tensor
     return decoded
 

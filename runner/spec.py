@@ -123,6 +123,12 @@ class FeatureSpec(_Strict):
         return {"dtype": self.dtype, "shape": list(self.shape), "var_len": self.var_len, "decode": self.decode}
 
 
+def _auto_or_bool(value: Any) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{value!r} is none of auto, true, false")
+
+
 class DataSpec(_Strict):
     # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`
     # (built-in datasets) or `runner manifest` (your own TFRecords).
@@ -136,6 +142,10 @@ class DataSpec(_Strict):
     # parallelism is the machine's core count. On, tearing down an input iterator waits out the tuner's
     # current sleep (up to 60 s), so model.fit returns late (runner/data.py).
     autotune: StrictBool = False
+    # Hold the training split in host memory, decoded, instead of streaming it from the shards every epoch
+    # (runner/in_memory.py). auto: held when one worker trains on a CPU or GPUs and it takes at most 1 GiB
+    # decoded (and an eighth of the memory); true: held, or the job is refused; false: streamed.
+    in_memory: Annotated[Literal["auto"] | bool, PlainValidator(_auto_or_bool)] = "auto"
     # Before training, every shard the job reads is checked against its manifest (docs/data.md): size (stat:
     # present, the listed size), sha256 (also reads and hashes every byte), or off.
     # A bare `off` in YAML (and --set) reads as false: it means off.

@@ -184,7 +184,12 @@ def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mn
 
 
 @pytest.mark.slow
-def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path):
+@pytest.mark.parametrize(
+    ("in_memory", "said"),
+    [(False, "data.train: a batch could not be decoded"),  # streamed: met by the training step's batch
+     (True, "data.train: a record could not be decoded while loading it into memory")],  # held: met loading it
+)
+def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path, in_memory, said):
     """A readable shard swapped in after `runner prepare`, one image 10 bytes short: exit 2, not a traceback."""
     import tensorflow as tf
 
@@ -200,10 +205,11 @@ def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tin
         for record in records:
             writer.write(record)
     # data.verify off: its size changed, which the default check would refuse before training (test_integrity).
-    spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "verify": "off"}, train={"epochs": 1})
+    spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "verify": "off", "in_memory": in_memory},
+                     train={"epochs": 1})
     result = run_cli("run", spec)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "data.train: a batch could not be decoded" in result.stderr
+    assert said in result.stderr
     assert f"shards that differ from their manifest: {shard}: sha256" in result.stderr
     assert "Traceback" not in result.stderr
     assert last_json(result.stdout)["status"] == "failed"

@@ -258,3 +258,20 @@ def test_run_all_rewrites_only_its_block_and_keeps_rows_it_did_not_rerun(tmp_pat
     assert text.count(run_all.BEGIN) == 1 and text.count(run_all.END) == 1
     assert "| gcs_read |  | 0.900 | >= 0.8 | met |" in text, "a row not re-run is kept"
     assert "| runner_vs_keras |  | 1.070 | <= 1.05 | NOT met | runner_wall_s=70.1 | d2 | `c2` |" in text
+
+
+def test_runs_fed_from_memory_and_streamed_are_flagged_beside_the_speed_up() -> None:
+    doc = report.read_summary(str(V1))
+
+    def run(job: str, mode: str | None) -> report.Row:
+        fed = {"train_input": {"mode": mode, "why": "auto", "bytes": 1, "load_s": None}} if mode else {}
+        return report.to_row(job, {**doc, "job": job, **fed})
+
+    same = [run("a", "in_memory"), run("b", "in_memory"), run("v1", None)]
+    assert same[2].train_input is None
+    assert not any("fed training differently" in line for line in report.notes(same, same[0])), "unknown is not different"
+    mixed = [run("held", "in_memory"), run("streamed", "streamed")]
+    assert report.notes(mixed, mixed[0])[-1] == (
+        "the runs fed training differently (data.in_memory), which the speed-up includes: held: in memory; "
+        "streamed: streamed"
+    )

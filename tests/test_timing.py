@@ -249,14 +249,21 @@ def test_a_preempted_run_still_writes_its_summary(mnist_job, tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_a_run_failing_on_corrupt_data_still_writes_its_summary(tiny_mnist: Path, mnist_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("in_memory", "failed_in"),
+    [(False, "train_s"),  # streamed: the first batch to read the damaged record fails the training step
+     (True, "data_init_s")],  # held in memory: loading the split fails, before training
+)
+def test_a_run_failing_on_corrupt_data_still_writes_its_summary(
+    tiny_mnist: Path, mnist_job, tmp_path: Path, in_memory: bool, failed_in: str
+) -> None:
     data = tmp_path / "data"
     shutil.copytree(tiny_mnist, data)
     shard = data / "train-00001-of-00004.tfrecord"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # the record checksums no longer match
     shard.write_bytes(bytes(raw))
-    spec = mnist_job("corrupt", data={"train": f"{data}/train-*.tfrecord", "eval": None})
+    spec = mnist_job("corrupt", data={"train": f"{data}/train-*.tfrecord", "eval": None, "in_memory": in_memory})
     result = run_cli("run", spec)
     assert result.returncode == 2, result.stderr
     summary = last_json(result.stdout)
@@ -264,4 +271,5 @@ def test_a_run_failing_on_corrupt_data_still_writes_its_summary(tiny_mnist: Path
     assert json.loads((tmp_path / "runs" / "corrupt" / "summary.json").read_text()) == summary
     jsonschema.validate(summary, SCHEMA)
     assert_phases_add_up(summary)
-    assert summary["timing"]["train_s"] > 0, "the time spent before the failure is still accounted"
+    assert summary["timing"][failed_in] > 0, "the time spent before the failure is still accounted"
+    assert (summary["train_input"]["mode"] == "in_memory") is in_memory

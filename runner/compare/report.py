@@ -46,6 +46,7 @@ class Row:
     input_wait_fraction: float | None
     speedup: float | None = None
     software: tuple[tuple[str, str], ...] = ()  # (TensorFlow | Keras | malloc, version), as far as recorded
+    train_input: str | None = None  # in_memory | streamed (summary train_input.mode); None when not recorded
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -169,6 +170,7 @@ def to_row(source: str, doc: dict[str, Any]) -> Row:
         accuracy=metrics.get("accuracy"),
         input_wait_fraction=timing.get("input_wait_fraction"),
         software=tuple((name, accelerator[key]) for key, name in _SOFTWARE if accelerator.get(key)),
+        train_input=(doc.get("train_input") or {}).get("mode"),
     )
 
 
@@ -267,6 +269,9 @@ def notes(rows: list[Row], baseline: Row) -> list[str]:
     if _software_differs(rows):  # a speed-up then measures the software too (tcmalloc alone: up to 1.38x input)
         runs = "; ".join(f"{r.job}: {_software_text(r)}" for r in rows if r.software)
         lines.append(f"the runs differ in software, which the speed-up includes: {runs}")
+    if len({r.train_input for r in rows if r.train_input}) > 1:  # a streamed split costs CPU a held one does not
+        runs = "; ".join(f"{r.job}: {r.train_input.replace('_', ' ')}" for r in rows if r.train_input)
+        lines.append(f"the runs fed training differently (data.in_memory), which the speed-up includes: {runs}")
     return lines
 
 
