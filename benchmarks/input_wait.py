@@ -4,8 +4,9 @@ Each job's own spec (jobs/*.yaml, and the own-model example examples/fashion/job
 `runner run` for a few hundred steps (`--epochs` x at most `--steps` steps per epoch) on its real offline
 data, prepared into benchmarks/out/<dataset> the first time. CIFAR-10 offline holds 20 real images: they are
 repeated into 10,240 training records (same format and decode cost as the real set). Reported per job: the
-training's steady examples/s, the share of training time the loop waited for its input (goal <= 0.02), and
-the input pipeline alone (the job's `data.make_dataset`, no model, same batch), as examples/s and as the
+training's steady examples/s, how data.train fed it (`input`: in_memory or streamed, the summary's train_input),
+the share of training time the loop waited for its input (goal <= 0.02), and the input pipeline alone (the one
+the run trained from, held or streamed; no model, same batch), as examples/s and as the
 headroom over training: the factor by which training could speed up (bfloat16: about 2x where the CPU has
 it) before the pipeline, as measured alone, would fall behind.
 
@@ -102,8 +103,14 @@ spec = load_spec(sys.argv[1], json.loads(sys.argv[2]))
 d = spec.data
 preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
 shards = data.find_shards(d.train)
-dataset = data.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True, shuffle_buffer=d.shuffle_buffer,
-                            seed=0, preprocess=preprocess, autotune=d.autotune)
+if sys.argv[4] == "in_memory":  # what the run trained from: the split held in memory (loading not timed)
+    from runner import in_memory
+    held = in_memory.load(shards, (*d.inputs, d.label), "data.train")
+    dataset = in_memory.make_dataset(held, shards.features, d.global_batch_size, d.inputs, d.label,
+                                     shuffle=d.shuffle_buffer > 1, seed=0, preprocess=preprocess)
+else:
+    dataset = data.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
+                                shuffle_buffer=d.shuffle_buffer, seed=0, preprocess=preprocess, autotune=d.autotune)
 batches = iter(dataset)
 for _ in range(5):
     next(batches)
@@ -115,10 +122,10 @@ print(json.dumps({"examples_per_sec": count * d.global_batch_size / (time.monoto
 """
 
 
-def pipeline_alone(job: str, folder: Path, extra: list[str], seconds: float) -> float:
+def pipeline_alone(job: str, folder: Path, extra: list[str], seconds: float, mode: str) -> float:
     spec, _, _ = JOBS[job]
     sets = [s for s in overrides(job, folder, 1, None, extra)[1::2]]
-    result = run(sys.executable, "-c", PIPELINE_ALONE, spec, json.dumps(sets), str(seconds))
+    result = run(sys.executable, "-c", PIPELINE_ALONE, spec, json.dumps(sets), str(seconds), mode)
     return json.loads(result.stdout.strip().splitlines()[-1])["examples_per_sec"]
 
 
@@ -148,19 +155,20 @@ def main() -> None:
         result = run(sys.executable, "-m", "runner", "run", spec, *overrides(job, folder, epochs, steps, args.sets))
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         timing = summary["timing"]
-        alone = pipeline_alone(job, folder, args.sets, 5.0 if args.quick else 15.0)
+        mode = summary["train_input"]["mode"]
+        alone = pipeline_alone(job, folder, args.sets, 5.0 if args.quick else 15.0, mode)
         row = {
             "job": job, "batch": batch, "steps": epochs * steps, "examples_per_sec": timing["examples_per_sec"],
             "input_wait_fraction": timing["input_wait_fraction"], "input_wait_method": timing["input_wait_method"],
             "pipeline_alone_examples_per_sec": round(alone), "headroom": round(alone / timing["examples_per_sec"], 2),
-            "precision": summary["accelerator"]["precision"]["policy"],
+            "precision": summary["accelerator"]["precision"]["policy"], "input": mode,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'job':<20}{'batch':>6}{'steps':>6}{'train ex/s':>12}{'input wait':>12}{'pipeline ex/s':>15}{'headroom':>10}")
+    print(f"\n{'job':<20}{'batch':>6}{'steps':>6}{'input':>11}{'train ex/s':>12}{'input wait':>12}{'pipeline ex/s':>15}{'headroom':>10}")
     for r in rows:
-        print(f"{r['job']:<20}{r['batch']:>6}{r['steps']:>6}{r['examples_per_sec']:>12,.0f}{r['input_wait_fraction']:>12.4f}"
-              f"{r['pipeline_alone_examples_per_sec']:>15,}{r['headroom']:>10.1f}")
+        print(f"{r['job']:<20}{r['batch']:>6}{r['steps']:>6}{r['input']:>11}{r['examples_per_sec']:>12,.0f}"
+              f"{r['input_wait_fraction']:>12.4f}{r['pipeline_alone_examples_per_sec']:>15,}{r['headroom']:>10.1f}")
     for r in rows:
         print(json.dumps({"benchmark": f"input_wait[{r['job']}]", "ratio": r["input_wait_fraction"], "goal": "<= 0.02", "detail": {
             k: v for k, v in r.items() if k not in ("job", "input_wait_method")} | {"quick": args.quick}}))

@@ -2,10 +2,10 @@
 
 Why: where the host's cores also compute the training steps (a CPU, or a GPU machine with few cores), a
 streaming pipeline reads, parses and batches every record every epoch on threads that take CPU from the
-steps. On 2 cores that slowed Fashion-MNIST's and the weather job's steps, and the loop waited for input for
-2.2-3.4% of training; held in memory, each batch is one gather of a block of shuffled indices (no reads, no
-parsing, no per-record work) and the wait fell to 1.4-1.5%, near what the clock reads with no input at all
-(benchmarks/input_wait_floor.py, benchmarks/RESULTS.md).
+steps. Held, each batch is one gather of a block of shuffled indices: no reads, no parsing, no per-record
+work. On 2 cores the weather job and the PNG Fashion-MNIST example waited for input 2.8% and 3.3% of their
+training streamed, 1.3% and 1.1% held, and trained 1.14x and 1.34x faster (benchmarks/input_wait.py,
+benchmarks/RESULTS.md).
 
     auto   held when one worker trains on a CPU or GPUs and the decoded split takes at most AUTO_MAX_BYTES
            and an eighth of the memory this process may use (runner/host.py: the machine's, or its
