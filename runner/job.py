@@ -194,10 +194,11 @@ def _inputs(spec: JobSpec, accelerator: Accelerator, extra: dict) -> Inputs:
     held = in_memory.choose(d.in_memory, train_shards, (*d.inputs, d.label), accelerator.kind, workers, host.memory_bytes())
     extra["train_input"] = held.to_dict()
     if held.held:
+        log.info("loading data.train into memory: %d records (%s)", train_shards.records, held.why)
         loaded = in_memory.load(train_shards, (*d.inputs, d.label), "data.train")
         held = dataclasses.replace(held, load_s=round(loaded.seconds, 3))
         extra["train_input"] = held.to_dict()
-        log.info("data.train held in memory: %d records loaded in %.1f s (%s)", loaded.records, loaded.seconds, held.why)
+        log.info("data.train held in memory: %d records loaded in %.1f s", loaded.records, loaded.seconds)
         train_ds = in_memory.make_dataset(
             loaded, train_shards.features, batch, d.inputs, d.label, shuffle=d.shuffle_buffer > 1,
             seed=spec.train.seed, preprocess=preprocess,
