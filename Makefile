@@ -31,7 +31,7 @@ $(TEST_STAMP): $(STAMP) requirements-test.lock requirements-engines.txt requirem
 	$(UV) --no-deps -r requirements-engines-nodeps.txt
 	touch $@
 
-# xpk in a venv of its own (its pins differ from requirements.lock): tests/test_engines.py runs its parser.
+# xpk in a venv of its own (its pins differ from requirements.lock): tests/test_engines_gke.py runs its parser.
 XPK_STAMP := .venv-xpk/.installed
 $(XPK_STAMP): requirements-xpk.txt | $(STAMP)
 	test -x .venv-xpk/bin/python || $(PYTHON) -m venv .venv-xpk

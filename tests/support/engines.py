@@ -1,0 +1,41 @@
+"""What the engine tests share: the submit flags they all use, the submit command, and the rule for an
+engine library that is not installed (tests/test_engines.py, tests/test_engines_gke.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.cloud.submit import prepare_submission
+from tests.conftest import run_cli
+from tests.support.engine_fake import EngineFake, start_engine_fake
+
+PROJECT, ZONE = "runner-test", "us-central1-a"
+IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory) -> Iterator[EngineFake]:
+    """A local fake of the engines' API servers (Kubernetes, Vertex AI) that records each request."""
+    with start_engine_fake(tmp_path_factory.mktemp("engines")) as server:
+        yield server
+
+
+def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_cli("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--image", IMAGE, "--project", PROJECT,
+                   *extra, env=env, timeout=120)
+
+
+def submission(spec: Path, tpu_type: str = "v5litepod-8", **flags: Any):
+    return prepare_submission(spec, [], tpu_type=tpu_type, zone=ZONE, image=IMAGE, project=PROJECT, **flags)
+
+
+def missing(what: str, made_from: str) -> None:
+    """An engine's library `make test` installs is not here: a failure in CI, a skip on a developer's machine."""
+    message = f"{what} is missing: `make test` installs it from {made_from}"
+    pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)

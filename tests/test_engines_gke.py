@@ -1,0 +1,357 @@
+"""`runner submit --on gke`, checked by JobSet's, Kubernetes's and xpk's own code, offline:
+
+the JobSet reads back unchanged through JobSet's own v1alpha2 types (kubeflow-trainer-api, pinned: every field
+at every level declared, strictly typed); it validates against tests/data/jobset_v1alpha2.schema.json (a
+hand-written subset of the JobSet CRD's v1alpha2 schema for what the types do not say: enums, required keys
+and the JobSet webhook's checks; its x-source names the CRD file, commit and release), which refuses unknown
+fields at every level, and its Job template against kubernetes-validate (Kubernetes 1.33, strict); xpk's own
+parser takes the printed `xpk workload create` line and xpk's own --dry-run makes the same JobSet from it; the
+kubernetes client sends the manifest to a local fake API server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runner.cloud import engines
+from runner.cloud.engines import gke
+from tests.conftest import REPO, cli_env, last_json
+from tests.support.engines import IMAGE, missing, submit
+
+pytest_plugins = ["tests.support.cloud_fixtures", "tests.support.engines"]  # cloud_spec; fake
+
+KUBERNETES = "1.33.0"  # the Kubernetes version the Job template is validated for (GKE's regular channel, 2026)
+XPK = REPO / ".venv-xpk" / "bin" / "python"
+SCHEMA = Path(__file__).parent / "data" / "jobset_v1alpha2.schema.json"
+
+
+def needs_xpk() -> None:
+    if not XPK.exists():
+        missing(str(XPK), "requirements-xpk.txt")
+
+
+# --- GKE ---------------------------------------------------------------------------------------------
+
+
+def gke_manifest(spec: Path, *extra: str, tpu_type: str = "v5litepod-8") -> dict[str, Any]:
+    result = submit(spec, "--on", "gke", "--dry-run", *extra, tpu_type=tpu_type)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(cloud_spec):
+    jsonschema = pytest.importorskip("jsonschema")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+    manifest = gke_manifest(cloud_spec, "--queue", "team-a", "--spot", "--max-restarts", "4")
+    jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice-job"}, "spec": replicated["template"]["spec"]}
+    kubernetes_validate.validate(job, KUBERNETES, strict=True)
+
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 4
+    assert manifest["spec"]["failurePolicy"]["rules"][0] == {
+        "name": "FailOnNonRetryableExit", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    assert replicated["replicas"] == 1
+    job_spec = replicated["template"]["spec"]
+    assert (job_spec["parallelism"], job_spec["completions"], job_spec["backoffLimit"]) == (1, 1, 0)
+    (rule,) = job_spec["podFailurePolicy"]["rules"]
+    codes = rule["onExitCodes"]
+    assert (rule["action"], codes["operator"], codes["containerName"]) == ("FailJob", "NotIn", "runner")
+    assert {3, 75} <= set(codes["values"]) and not {1, 2} & set(codes["values"])  # 1, 2 fail; 3, 75 restart
+    pod = job_spec["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                   "cloud.google.com/gke-tpu-topology": "2x4", "cloud.google.com/gke-spot": "true"}
+    (container,) = pod["containers"]
+    assert container["resources"] == {"limits": {"google.com/tpu": 8}, "requests": {"google.com/tpu": 8}}
+    assert container["image"] == IMAGE and container["command"] == ["bash", "-c", engines.COMMAND]
+
+
+def test_jobset_refuses_what_the_crd_would_drop(cloud_spec):
+    """The schema is strict where the API server would prune a field in silence."""
+    jsonschema = pytest.importorskip("jsonschema")
+    manifest = gke_manifest(cloud_spec)
+    manifest["spec"]["failurePolicy"]["maxRestart"] = 3
+    with pytest.raises(jsonschema.ValidationError, match="maxRestart"):
+        jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
+
+
+
+def jobset_types() -> Any:
+    """JobSet's own v1alpha2 types (JobSet's Go API, generated into Kubeflow Trainer's published models)."""
+    try:
+        from kubeflow_trainer_api.models.jobset_v1alpha2_job_set import JobsetV1alpha2JobSet
+    except ImportError:
+        missing("kubeflow-trainer-api", "requirements-engines-nodeps.txt")
+    return JobsetV1alpha2JobSet
+
+
+def lost_on_read_back(made: Any, read: Any, path: str = "") -> list[str]:
+    """The paths of `made` that do not come back in `read`: fields the types do not have are dropped."""
+    if isinstance(made, dict) and isinstance(read, dict):
+        return [lost for key, value in made.items()
+                for lost in (lost_on_read_back(value, read[key], f"{path}.{key}".lstrip(".")) if key in read
+                             else [f"{path}.{key}".lstrip(".")])]
+    if isinstance(made, list) and isinstance(read, list) and len(made) == len(read):
+        return [lost for a, b in zip(made, read) for lost in lost_on_read_back(a, b, f"{path}[]")]
+    return [] if made == read else [path]
+
+
+def test_jobset_reads_back_unchanged_through_jobsets_own_types(cloud_spec):
+    """Every field at every level, the Job and pod template included, is one JobSet's API declares, with its
+    type (strict: a count given as text is refused); a field it does not declare would be dropped on read, as
+    the API server prunes it."""
+    types = jobset_types()
+    for extra in ([], ["--queue", "team-a", "--spot", "--max-restarts", "4"]):
+        manifest = gke_manifest(cloud_spec, *extra)
+        assert lost_on_read_back(manifest, types.from_dict(manifest).to_dict()) == []
+
+    manifest = gke_manifest(cloud_spec)
+    manifest["spec"]["failurePolicy"]["maxRestart"] = 3
+    manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"port": 1}]
+    assert lost_on_read_back(manifest, types.from_dict(manifest).to_dict()) == [
+        "spec.failurePolicy.maxRestart", "spec.replicatedJobs[].template.spec.template.spec.containers[].ports[].port"]
+    manifest = gke_manifest(cloud_spec)
+    manifest["spec"]["failurePolicy"]["maxRestarts"] = "3"
+    with pytest.raises(ValueError, match="maxRestarts"):
+        types.from_dict(manifest)
+
+
+# What the JobSet CRD (and, where the CRD leaves it open, the JobSet webhook) takes on the paths the manifest
+# uses, entered a second time here so that an edit of the schema file alone shows up.
+CRD_RULE_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
+WEBHOOK_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                           "PodFailurePolicy"}
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def jobset_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA.read_text())
+
+
+def schema_at(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        node = root["$defs"][node["$ref"].removeprefix("#/$defs/")]
+    return node
+
+
+def walk(value: Any, node: dict[str, Any], root: dict[str, Any], path: str = "") -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """Every value of the manifest with the schema that applies to it, by path (a.b[].c)."""
+    node = schema_at(node, root)
+    yield path, value, node
+    if isinstance(value, dict):
+        for key, item in value.items():
+            child = node["properties"][key] if "properties" in node else node["additionalProperties"]
+            yield from walk(item, child, root, f"{path}.{key}".lstrip("."))
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item, node["items"], root, f"{path}[]")
+
+
+def test_jobset_schema_names_the_crd_it_was_written_from_and_is_not_a_copy():
+    schema = jobset_schema()
+    source = schema["x-source"]
+    assert source["repository"] == "https://github.com/kubernetes-sigs/jobset"
+    assert source["path"] == "config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"
+    assert re.fullmatch(r"[0-9a-f]{40}", source["commit"])
+    assert "v0.9.0" in source["release"] and "hand-written subset" in source["kind"]
+    # Written by hand for the manifest's paths: none of the CRD's wrapping, descriptions or extensions, and a
+    # small fraction of its size (the CRD file is about 750,000 characters).
+    text = SCHEMA.read_text()
+    assert len(text) < 20_000
+    for marker in ("openAPIV3Schema:", '"description"', "x-kubernetes-", "CustomResourceDefinition"):
+        assert marker not in text, marker
+
+
+def test_every_field_the_jobset_sets_is_declared_and_every_object_is_closed(cloud_spec):
+    """The likeliest drift: gke.py sets a field, or a value, the schema (and so the CRD) was never checked for;
+    or the schema stops refusing unknown keys."""
+    schema = jobset_schema()
+    manifest = gke_manifest(cloud_spec, "--queue", "team-a", "--spot")
+    checked_enums = {}
+    for path, value, node in walk(manifest, schema, schema):
+        if isinstance(value, dict) and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path or 'the JobSet'}: the schema must refuse unknown keys"
+            assert set(value) <= set(node["properties"]), path
+        elif isinstance(value, dict):  # a map: labels, annotations, nodeSelector, resource quantities
+            assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
+        if "enum" in node:
+            assert value in node["enum"], (path, value)
+            checked_enums[path] = set(node["enum"])
+    assert checked_enums["spec.failurePolicy.rules[].action"] == CRD_RULE_ACTIONS
+    assert checked_enums["spec.failurePolicy.rules[].onJobFailureReasons[]"] == WEBHOOK_FAILURE_REASONS
+    assert {"spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].action",
+            "spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].onExitCodes.operator"} <= set(checked_enums)
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    (rule,) = replicated["template"]["spec"]["podFailurePolicy"]["rules"]
+    values = rule["onExitCodes"]["values"]
+    assert values == sorted(set(values)) and 0 not in values and len(values) <= 255  # batch/v1's rules for the list
+
+
+def test_jobset_schema_refuses_what_the_crd_or_the_jobset_webhook_would_not_take(cloud_spec):
+    """Fields the CRD does not have (the API server would drop them without a word) and values the CRD or the
+    JobSet webhook refuses, each at its own level of the manifest."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = jobset_schema()
+    made = gke_manifest(cloud_spec)
+    jsonschema.validate(made, schema)
+
+    def spec(m):
+        return m["spec"]
+
+    def job(m):
+        return m["spec"]["replicatedJobs"][0]
+
+    def pod(m):
+        return job(m)["template"]["spec"]["template"]["spec"]
+
+    changes = {
+        "replicaCount": lambda m: job(m).update(replicaCount=1),
+        "completionsPerIndex": lambda m: job(m)["template"]["spec"].update(completionsPerIndex=1),
+        "onExitCode": lambda m: job(m)["template"]["spec"]["podFailurePolicy"]["rules"][0].update(onExitCode={}),
+        "nodeSelectors": lambda m: pod(m).update(nodeSelectors={}),
+        "runAsRoot": lambda m: pod(m)["containers"][0]["securityContext"].update(runAsRoot=True),
+        "generateName": lambda m: job(m)["template"]["spec"]["template"]["metadata"].update(generateName="x-"),
+        # Job-level words in the JobSet's own failure policy: the CRD and the webhook refuse them.
+        "'FailJob' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(action="FailJob"),
+        "'Evicted' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(onJobFailureReasons=["Evicted"]),
+        "'fail-on-exit' does not match": lambda m: spec(m)["failurePolicy"]["rules"][0].update(name="fail-on-exit"),
+        "'1-mnist' does not match": lambda m: m["metadata"].update(name="1-mnist"),
+    }
+    for says, change in changes.items():
+        manifest = json.loads(json.dumps(made))
+        change(manifest)
+        with pytest.raises(jsonschema.ValidationError) as refused:
+            jsonschema.validate(manifest, schema)
+        assert says in refused.value.message, (says, refused.value.message)
+
+
+def test_the_longest_gke_name_makes_pod_names_the_jobset_webhook_takes(cloud_spec):
+    """The webhook refuses a JobSet whose longest pod name (NAME-JOB-JOBINDEX-PODINDEX-xxxxx) is not a DNS-1035
+    label of at most 63 characters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    manifest = gke_manifest(cloud_spec, "--name", "a" * gke.NAME_LIMIT)
+    jsonschema.validate(manifest, jobset_schema())
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    job_spec = replicated["template"]["spec"]
+    pod_name = (f"{manifest['metadata']['name']}-{replicated['name']}-{replicated['replicas'] - 1}-"
+                f"{job_spec['completions'] - 1}-abcde")
+    assert len(pod_name) <= 63 and DNS_1035_LABEL.fullmatch(pod_name), pod_name
+
+
+def xpk_run(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "HOME": str(cwd), "TELEMETRY_ENABLED": "false"}
+    return subprocess.run([str(XPK), "-c", code, *args], capture_output=True, text=True, timeout=180, env=env, cwd=cwd,
+                          check=False)
+
+
+_PARSE = """
+import argparse, json, shlex, sys
+from xpk.parser.core import set_parser
+parser = argparse.ArgumentParser(prog="xpk"); set_parser(parser)
+words = shlex.split(sys.argv[1])
+args = parser.parse_args(words[1:])
+print(json.dumps({k: v for k, v in vars(args).items() if isinstance(v, (str, int, list, type(None), bool))}))
+"""
+
+
+def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tmp_path):
+    needs_xpk()
+    result = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "tpu-cluster", "--max-restarts", "2",
+                    tpu_type="v6e-4")
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    parsed = xpk_run(_PARSE, line, cwd=tmp_path)
+    assert parsed.returncode == 0, parsed.stderr
+    args = json.loads(parsed.stdout)
+    assert (args["tpu_type"], args["docker_image"], args["max_restarts"]) == ("v6e-4", IMAGE, "2")  # xpk keeps it a string
+    assert args["restart_on_exit_codes"] == "3,75" and args["command"] == engines.COMMAND
+
+    # xpk's own dry run writes the manifest it would apply; ours must agree wherever both speak.
+    out = tmp_path / "xpk.yaml"
+    words = [*shlex.split(line)[1:], "--dry-run", "--skip-validation", "--quiet", "--output-manifest-file", str(out)]
+    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TELEMETRY_ENABLED": "false"})
+    assert made.returncode == 0, made.stdout + made.stderr
+    theirs = yaml.safe_load(out.read_text())
+    ours = gke_manifest(cloud_spec, "--max-restarts", "2", tpu_type="v6e-4")
+    assert ours["apiVersion"] == theirs["apiVersion"] and ours["kind"] == theirs["kind"]
+    assert ours["spec"]["failurePolicy"]["maxRestarts"] == theirs["spec"]["failurePolicy"]["maxRestarts"] == 2
+    assert [{k: v for k, v in r.items() if k != "name"} for r in ours["spec"]["failurePolicy"]["rules"]] == \
+        theirs["spec"]["failurePolicy"]["rules"]
+    (our_job,), (their_job,) = ours["spec"]["replicatedJobs"], theirs["spec"]["replicatedJobs"]
+    assert {k: our_job[k] for k in ("name", "replicas")} == {k: their_job[k] for k in ("name", "replicas")}
+    our_spec, their_spec = our_job["template"]["spec"], their_job["template"]["spec"]
+    for key in ("parallelism", "completions", "backoffLimit", "podFailurePolicy"):
+        assert our_spec[key] == their_spec[key], key
+    our_pod, their_pod = our_spec["template"]["spec"], their_spec["template"]["spec"]
+    assert our_pod["nodeSelector"] == {k: v for k, v in their_pod["nodeSelector"].items() if v is not None}
+    for key in ("restartPolicy", "hostNetwork", "dnsPolicy", "tolerations"):
+        assert our_pod[key] == their_pod[key], key
+    (our_box,), (their_box,) = our_pod["containers"], their_pod["containers"]
+    for key in ("name", "image", "env"):
+        assert our_box[key] == their_box[key], key
+    assert our_box["resources"]["limits"] == their_box["resources"]["limits"] == {"google.com/tpu": 4}
+    assert engines.COMMAND in their_box["command"][-1]
+
+
+def test_single_host_table_agrees_with_xpks_catalog(tmp_path):
+    needs_xpk()
+    code = ("import json; from xpk.core.system_characteristics import UserFacingNameToSystemCharacteristics as U; "
+            "print(json.dumps({k: [s.gke_accelerator, s.topology, s.chips_per_vm, s.vms_per_slice] "
+            "for k, s in U.items()}))")
+    done = xpk_run(code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    catalog = json.loads(done.stdout)
+    for name, host in gke.HOSTS.items():
+        if host.xpk_hosts == 0:
+            assert name not in catalog
+        elif host.xpk_hosts == 1:
+            assert catalog[name] == [host.accelerator, host.topology, host.chips, 1], name
+        else:  # xpk runs the type on several smaller hosts of the same accelerator and topology
+            accelerator, topology, chips, hosts = catalog[name]
+            assert (accelerator, topology, chips * hosts, hosts) == (host.accelerator, host.topology, host.chips,
+                                                                     host.xpk_hosts), name
+
+
+def test_xpk_format_refuses_a_type_xpk_runs_on_two_hosts(cloud_spec):
+    result = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "c", tpu_type="v5litepod-8")
+    assert result.returncode == 2
+    assert "v5litepod-8 is 2 hosts of 4 chips in xpk's catalog" in result.stderr
+    assert result.stdout == ""
+
+
+def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, fake, tmp_path):
+    pytest.importorskip("kubernetes")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": fake.endpoint}}],
+        "users": [{"name": "fake", "user": {"token": "fake-token"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "default"}}],
+    }))
+    env = cli_env(KUBECONFIG=str(kubeconfig))
+    result = submit(cloud_spec, "--on", "gke", "--namespace", "ml", "--queue", "team-a", env=env)
+    assert result.returncode == 0, result.stderr
+    answer = last_json(result.stdout)
+    assert (answer["on"], answer["name"], answer["namespace"]) == ("gke", "mnist-cnn", "ml") and answer["uid"]
+    posts = [r for r in fake.requests() if r["path"] == "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets"]
+    assert len(posts) == 1
+    assert posts[0]["body"] == gke_manifest(cloud_spec, "--namespace", "ml", "--queue", "team-a")
+
+    again = submit(cloud_spec, "--on", "gke", "--namespace", "ml", "--queue", "team-a", env=env)
+    assert again.returncode == 2
+    assert "a JobSet 'mnist-cnn' already exists in namespace 'ml'" in again.stderr
+
+
