@@ -27,7 +27,7 @@ from runner.specfile import load_spec
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engines import IMAGE, PROJECT, ZONE, submission, submit
 
-pytest_plugins = ["tests.support.cloud_fixtures", "tests.support.engines"]  # cloud_spec; fake
+pytest_plugins = ["tests.support.cloud_fixtures"]  # cloud_spec, engine_api
 
 
 # --- every engine -----------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def custom_job_of(body: dict[str, Any]):
     return json_format.ParseDict(body, aiplatform_v1.CustomJob.pb(aiplatform_v1.CustomJob()))
 
 
-def test_vertex_client_sends_the_custom_job_to_the_api(cloud_spec, fake):
+def test_vertex_client_sends_the_custom_job_to_the_api(cloud_spec, engine_api):
     """The real JobServiceClient (REST, anonymous credentials) against the local fake."""
     aiplatform_v1 = pytest.importorskip("google.cloud.aiplatform_v1")
     from google.api_core.client_options import ClientOptions
@@ -162,23 +162,23 @@ def test_vertex_client_sends_the_custom_job_to_the_api(cloud_spec, fake):
 
     sub = submission(cloud_spec, spot=True)
     client = aiplatform_v1.JobServiceClient(credentials=AnonymousCredentials(), transport="rest",
-                                            client_options=ClientOptions(api_endpoint=fake.endpoint))
-    before = len(fake.requests())
+                                            client_options=ClientOptions(api_endpoint=engine_api.endpoint))
+    before = len(engine_api.requests())
     answer = vertex.create(sub, client=client)
-    (sent,) = fake.requests()[before:]
+    (sent,) = engine_api.requests()[before:]
     assert (sent["method"], sent["path"]) == ("POST", f"/v1/projects/{PROJECT}/locations/us-central1/customJobs")
     assert custom_job_of(sent["body"]) == vertex.build_job(sub)._pb
     assert answer["state"] == "JOB_STATE_QUEUED" and answer["job"].startswith(f"projects/{PROJECT}/locations/us-central1/customJobs/")
 
 
-def test_vertex_submit_from_the_command_line_sends_what_the_dry_run_prints(cloud_spec, fake):
+def test_vertex_submit_from_the_command_line_sends_what_the_dry_run_prints(cloud_spec, engine_api):
     pytest.importorskip("google.cloud.aiplatform_v1")
     printed = json.loads(submit(cloud_spec, "--on", "vertex", "--dry-run").stdout)
-    env = cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM=f"{fake.endpoint}/", CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token")
-    before = len(fake.requests())
+    env = cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM=f"{engine_api.endpoint}/", CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token")
+    before = len(engine_api.requests())
     result = submit(cloud_spec, "--on", "vertex", env=env)
     assert result.returncode == 0, result.stderr
-    (sent,) = fake.requests()[before:]
+    (sent,) = engine_api.requests()[before:]
     assert custom_job_of(sent["body"]) == custom_job_of(printed["customJob"])
     assert last_json(result.stdout)["run_dir"] == "gs://runner-test/runs/mnist_cnn"
 

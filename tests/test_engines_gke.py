@@ -28,7 +28,7 @@ from runner.cloud.engines import gke
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engines import IMAGE, missing, submit
 
-pytest_plugins = ["tests.support.cloud_fixtures", "tests.support.engines"]  # cloud_spec; fake
+pytest_plugins = ["tests.support.cloud_fixtures"]  # cloud_spec, engine_api
 
 KUBERNETES = "1.33.0"  # the Kubernetes version the Job template is validated for (GKE's regular channel, 2026)
 XPK = REPO / ".venv-xpk" / "bin" / "python"
@@ -332,12 +332,12 @@ def test_xpk_format_refuses_a_type_xpk_runs_on_two_hosts(cloud_spec):
     assert result.stdout == ""
 
 
-def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, fake, tmp_path):
+def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, engine_api, tmp_path):
     pytest.importorskip("kubernetes")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": fake.endpoint}}],
+        "clusters": [{"name": "fake", "cluster": {"server": engine_api.endpoint}}],
         "users": [{"name": "fake", "user": {"token": "fake-token"}}],
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "default"}}],
     }))
@@ -346,7 +346,7 @@ def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, fa
     assert result.returncode == 0, result.stderr
     answer = last_json(result.stdout)
     assert (answer["on"], answer["name"], answer["namespace"]) == ("gke", "mnist-cnn", "ml") and answer["uid"]
-    posts = [r for r in fake.requests() if r["path"] == "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets"]
+    posts = [r for r in engine_api.requests() if r["path"] == "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets"]
     assert len(posts) == 1
     assert posts[0]["body"] == gke_manifest(cloud_spec, "--namespace", "ml", "--queue", "team-a")
 

@@ -7,6 +7,8 @@ started once per pytest process, whichever modules use them):
     metadata_fake  the GCE metadata server fake (tests/support/metadata_fake.py), answering again for each
                    test, as worker 0 of a single-host slice
     cloud_spec     a job spec in tmp_path whose data and run folder are on gs://runner-test
+    engine_api     the engines' API fake (tests/support/engine_fake.py: Kubernetes, Vertex AI), recording every
+                   request; a test reads the requests it made after len(engine_api.requests()) before it
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_spec
+from tests.support.engine_fake import start_engine_fake
 from tests.support.metadata_fake import MetadataFake, start_metadata_fake
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
@@ -33,6 +36,7 @@ def _started_once(name: str, start, folder: str):
 
 _tpu_api = _started_once("_tpu_api", start_tpu_fake, "tpu_api")
 _metadata_server = _started_once("_metadata_server", start_metadata_fake, "metadata")
+engine_api = _started_once("engine_api", start_engine_fake, "engines")
 
 
 @pytest.fixture

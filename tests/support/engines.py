@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +12,9 @@ import pytest
 
 from runner.cloud.submit import prepare_submission
 from tests.conftest import run_cli
-from tests.support.engine_fake import EngineFake, start_engine_fake
 
 PROJECT, ZONE = "runner-test", "us-central1-a"
 IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory) -> Iterator[EngineFake]:
-    """A local fake of the engines' API servers (Kubernetes, Vertex AI) that records each request."""
-    with start_engine_fake(tmp_path_factory.mktemp("engines")) as server:
-        yield server
 
 
 def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
