@@ -365,14 +365,20 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
     # Keras tags the input iterator's op: only such errors are about a batch that could not be decoded.
     if not isinstance(exc, tf.errors.InvalidArgumentError) or "IteratorGetNext" not in exc.message:
         return None
-    changed = corrupt_shards(pattern)
     # TensorFlow's line ends "...transformation with iterator: Iterator::Root::ParallelMapV2: <the reason>."
     lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
     reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
     reason = reason.rsplit(": ", 1)[-1]
-    where = f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"
+    where = suspect_shards(pattern)
     return DataError(
         f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
         "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
         "or `runner prepare` for a built-in dataset; the run stopped, checkpoints kept"
     )
+
+
+def suspect_shards(pattern: str) -> str:
+    """Where a record that could not be decoded came from: the shards that differ from their manifest, when
+    some do, else any shard the pattern matches."""
+    changed = corrupt_shards(pattern)
+    return f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import posixpath
 import time
 from typing import Any, Callable, Literal
 
@@ -70,7 +71,7 @@ def held_bytes(shards: data.Shards, names: tuple[str, ...]) -> int:
     total = per_record * shards.records
     if text:
         entries = data.manifest_entries(shards.manifest)
-        total += sum(int(entries[f.rsplit("/", 1)[-1]][2].get("bytes") or 0) for f in shards.files)
+        total += sum(int(entries[posixpath.basename(f)][2].get("bytes") or 0) for f in shards.files)
     return total
 
 
@@ -82,7 +83,7 @@ def _size(n: int) -> str:
 
 def choose(
     setting: bool | Literal["auto"], shards: data.Shards, names: tuple[str, ...], kind: str, workers: int,
-    memory: int | None,
+    memory: int | None, batch_size: int,
 ) -> Choice:
     """Whether to hold data.train in memory (see the module docstring); `memory`: what this process may use
     (host.memory_bytes()). Raises SpecError for `true` when the split cannot be held."""
@@ -94,6 +95,8 @@ def choose(
         blocked = f"{workers} workers each read their share of the shards"
     elif kind == "tpu":
         blocked = "the job runs on a TPU, where holding the split in memory is not measured by this runner"
+    elif shards.records < batch_size:  # a pass is whole batches; streamed, batches run across passes
+        blocked = f"its {shards.records} records make no full batch of data.global_batch_size ({batch_size})"
     if setting is True:
         half = None if memory is None else memory // 2
         if blocked is None and half is not None and size > half:
@@ -152,8 +155,7 @@ def load(shards: data.Shards, names: tuple[str, ...], key: str) -> Held:
 def _load_error(exc: tf.errors.OpError, shards: data.Shards, key: str) -> DataError:
     if isinstance(exc, tf.errors.DataLossError):  # a damaged record: data.input_error names the shard
         return data.input_error(exc, shards.pattern, key)
-    changed = data.corrupt_shards(shards.pattern)
-    where = f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {shards.pattern!r}"
+    where = data.suspect_shards(shards.pattern)
     reason = exc.message.strip().splitlines()[0] if exc.message.strip() else type(exc).__name__
     return DataError(
         f"{key}: a record could not be decoded while loading it into memory ({reason}) in {where}; a record "

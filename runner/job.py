@@ -191,7 +191,8 @@ def _inputs(spec: JobSpec, accelerator: Accelerator, extra: dict) -> Inputs:
     train_shards = data.find_shards(d.train)
     schema.check_declared(d.features, train_shards)
     steps_per_epoch = spec.train.steps_per_epoch or data.steps_in(train_shards, batch, "data.train")
-    held = in_memory.choose(d.in_memory, train_shards, (*d.inputs, d.label), accelerator.kind, workers, host.memory_bytes())
+    held = in_memory.choose(d.in_memory, train_shards, (*d.inputs, d.label), accelerator.kind, workers, host.memory_bytes(),
+                            batch)
     extra["train_input"] = held.to_dict()
     if held.held:
         log.info("loading data.train into memory: %d records (%s)", train_shards.records, held.why)

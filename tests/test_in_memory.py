@@ -71,7 +71,7 @@ def test_held_bytes_count_uint8_as_one_byte_and_text_as_the_shards_size(mnist_sh
     ],
 )
 def test_auto_holds_a_split_that_fits_on_a_cpu_or_gpu_with_one_worker(mnist_shards, setting, kind, workers, memory, held, why):
-    choice = in_memory.choose(setting, mnist_shards, ("image", "label"), kind, workers, memory)
+    choice = in_memory.choose(setting, mnist_shards, ("image", "label"), kind, workers, memory, 128)
     assert (choice.held, choice.why) == (held, why)
     assert choice.bytes == 2048 * 792
     assert choice.to_dict() == {"mode": "in_memory" if held else "streamed", "why": why, "bytes": 2048 * 792, "load_s": None}
@@ -87,9 +87,18 @@ def test_auto_holds_a_split_that_fits_on_a_cpu_or_gpu_with_one_worker(mnist_shar
 )
 def test_true_that_cannot_be_honoured_is_refused_with_what_to_set(mnist_shards, kind, workers, memory, reason):
     with pytest.raises(SpecError) as caught:
-        in_memory.choose(True, mnist_shards, ("image", "label"), kind, workers, memory)
+        in_memory.choose(True, mnist_shards, ("image", "label"), kind, workers, memory, 128)
     assert str(caught.value).startswith("data.in_memory: true cannot be honoured: " + reason)
     assert str(caught.value).endswith("; set data.in_memory: auto or false")
+
+
+def test_a_split_smaller_than_one_batch_streams_where_batches_run_across_passes(mnist_shards):
+    # With train.steps_per_epoch set a job may train on fewer records than a batch: streamed, a batch then
+    # holds records of two passes; a held pass is whole batches only.
+    choice = in_memory.choose("auto", mnist_shards, ("image", "label"), "cpu", 1, 24 * GIB, 4096)
+    assert (choice.held, choice.why) == (False, "auto: streamed, its 2048 records make no full batch of data.global_batch_size (4096)")
+    with pytest.raises(SpecError, match=r"true cannot be honoured: its 2048 records make no full batch"):
+        in_memory.choose(True, mnist_shards, ("image", "label"), "cpu", 1, 24 * GIB, 4096)
 
 
 def test_the_memory_a_process_may_use_is_its_containers_limit_when_lower(tmp_path: Path) -> None:
