@@ -49,7 +49,7 @@ RUN image-install.sh list runtime >/requirements-runtime.txt \
 
 FROM base AS tf-cpu
 ARG TENSORFLOW="tensorflow-cpu==2.21.0"
-# tf-keras comes along for the jobs that need it (multi-worker training: runner/flavour.py picks it there).
+# tf-keras comes along for the jobs that need it (multi-worker training: runner/device/flavour.py picks it there).
 ARG TF_KERAS="tf-keras==2.21.0"
 COPY requirements.lock ./
 COPY --from=requirements /requirements-runtime.txt /tmp/

@@ -31,7 +31,7 @@ def fresh_model(features):
     import tensorflow as tf
 
     from runner import models
-    from runner.spec import JobSpec
+    from runner.spec.types import JobSpec
 
     tf.keras.utils.set_random_seed(0)
     spec = JobSpec()  # steps_per_execution auto: 1 on a CPU

@@ -49,10 +49,10 @@ def eval_arrays(folder: Path, inputs: str, label: str):
     """The whole test split as numpy arrays, read back from the prepared TFRecords."""
     import numpy as np
 
-    from runner import data
+    from runner.data import pipeline
 
-    shards = data.find_shards(f"{folder}/test-*.tfrecord")
-    batches = data.make_dataset(shards, 1, (inputs,), label, training=False)
+    shards = pipeline.find_shards(f"{folder}/test-*.tfrecord")
+    batches = pipeline.make_dataset(shards, 1, (inputs,), label, training=False)
     x, y = zip(*((a.numpy(), b.numpy()) for a, b in batches))
     return np.concatenate(x), np.concatenate(y)
 

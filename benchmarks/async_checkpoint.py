@@ -1,5 +1,5 @@
 """Checkpoint saves that do not stall training: the seconds the training loop is blocked per save, synchronous
-vs in the background (runner/saver.py), to gs:// on the GCS emulator.
+vs in the background (runner/train/saver.py), to gs:// on the GCS emulator.
 
 A model of about 100 MB of float32 weights (25.2 M: Dense 4096 -> 4096 -> 2048 -> 10) with Adam (so a
 checkpoint holds about 300 MB: weights and two slots) trains on random batches through the runner's own
@@ -36,10 +36,10 @@ def train_once(url: str, asynchronous: bool, epochs: int, steps: int, batch: int
     import numpy as np
     import tensorflow as tf
 
-    from runner import train
-    from runner.outputs import RunFolder
-    from runner.preemption import PreemptionNotice
-    from runner.saver import Saver
+    from runner.train import fit
+    from runner.rundir.outputs import RunFolder
+    from runner.train.preemption import PreemptionNotice
+    from runner.train.saver import Saver
 
     keras = tf.keras
     keras.utils.set_random_seed(0)
@@ -62,10 +62,10 @@ def train_once(url: str, asynchronous: bool, epochs: int, steps: int, batch: int
         saver.save(step)
         blocked.append(time.monotonic() - began)
 
-    recorder = train.Recorder(batch, checkpoint_clock=lambda: sum(blocked))
-    checkpointer = train.Checkpointer(save, None, PreemptionNotice())
+    recorder = fit.Recorder(batch, checkpoint_clock=lambda: sum(blocked))
+    checkpointer = fit.Checkpointer(save, None, PreemptionNotice())
     began = time.monotonic()
-    train.fit(model, dataset, train.Plan(steps, epochs), recorder, checkpointer)
+    fit.fit(model, dataset, fit.Plan(steps, epochs), recorder, checkpointer)
     waited = time.monotonic()
     saver.wait()
     end_wait = time.monotonic() - waited

@@ -23,7 +23,7 @@ from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: p
 
 import tensorflow as tf
 
-from runner import data
+from runner.data import pipeline
 
 
 class TrainEnd(tf.keras.callbacks.Callback):
@@ -40,11 +40,11 @@ def main() -> None:
     parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     rounds, epochs, steps = (2, 2, 10) if args.quick else (args.rounds, 3, 30)
-    shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
 
     def fit(autotune: bool) -> tuple[float, float]:
         model = fresh_model(shards.features)
-        dataset = data.make_dataset(
+        dataset = pipeline.make_dataset(
             shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0, autotune=autotune
         )
         timer, end = epoch_clock(), TrainEnd()

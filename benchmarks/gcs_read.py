@@ -63,20 +63,20 @@ def main() -> None:
         os.environ.update(gcs.env)  # before TensorFlow loads: its gs:// client reads them once
         if args.block_mb:
             os.environ["GCS_READ_CACHE_BLOCK_SIZE_MB"] = str(args.block_mb)
-        from runner import storage
+        from runner.data import storage
 
         storage.configure_tensorflow(storage.DEFAULT_TIMEOUT_S)
-        from runner import data
+        from runner.data import pipeline
 
         local = prepared(args.data)
         remote = gcs.upload_folder(local, gcs.bucket(), "mnist")
         sources = {"local": str(local), "gs://": remote}
-        shards = {name: data.find_shards(f"{folder}/train-*.tfrecord") for name, folder in sources.items()}
+        shards = {name: pipeline.find_shards(f"{folder}/train-*.tfrecord") for name, folder in sources.items()}
         size = sum(Path(f).stat().st_size for f in shards["local"].files)
         steps = shards["local"].records // BATCH * EPOCHS
 
         def pipeline(name: str):
-            dataset = data.make_dataset(shards[name], BATCH, ("image",), "label", training=True, seed=0)
+            dataset = pipeline.make_dataset(shards[name], BATCH, ("image",), "label", training=True, seed=0)
             return dataset.take(steps)
 
         rates: dict[str, list[float]] = {name: [] for name in sources}

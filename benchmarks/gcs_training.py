@@ -6,7 +6,7 @@ training and test shards read from local files or from a gs:// bucket on the emu
 the Python emulator behind the TLS proxy that TensorFlow's client is sent to; both run on this machine's
 cores too); the run folder is local in both, so only reading differs. Rounds alternate the order.
 The training split is streamed (`data.in_memory=false`): held in memory (the default for MNIST on a CPU,
-runner/in_memory.py) it would be read once before training, and training would read no bucket at all; a
+runner/data/in_memory.py) it would be read once before training, and training would read no bucket at all; a
 split too large to hold, or a TPU, streams, and that is what this measures.
 
     ratio  gs:// steady examples/s / local, median over rounds    goal >= 0.97

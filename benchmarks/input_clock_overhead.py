@@ -18,8 +18,9 @@ from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: p
 
 import tensorflow as tf
 
-from runner import data, observe
-from runner.strategy import Accelerator
+from runner.data import pipeline
+from runner.train import observe
+from runner.device.strategy import Accelerator
 
 
 def main() -> None:
@@ -29,11 +30,11 @@ def main() -> None:
     parser.add_argument("--data", default=str(MNIST))
     args = parser.parse_args()
     rounds, epochs, steps = (1, 2, 10) if args.quick else (args.rounds, 3, 30)
-    shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
 
     def rate(with_clock: bool) -> tuple[float, float | None]:
         model = fresh_model(shards.features)
-        dataset = data.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
+        dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
         clock = observe.InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)) if with_clock else None
         if clock:
             dataset = clock.wrap(dataset)

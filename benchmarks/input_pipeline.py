@@ -45,13 +45,13 @@ def tcmalloc_path() -> str:
 
 
 def worker_pipeline(folder: str, block: int, passes: int) -> list[dict]:
-    from runner import data
+    from runner.data import pipeline
 
-    shards = data.find_shards(f"{folder}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{folder}/train-*.tfrecord")
     steps = shards.records // BATCH * EPOCHS
     results = []
     for index in range(passes + 1):
-        dataset = data.make_dataset(
+        dataset = pipeline.make_dataset(
             shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=index, block=block
         ).take(steps)
         began, cpu = time.monotonic(), time.process_time()
@@ -65,11 +65,11 @@ def worker_pipeline(folder: str, block: int, passes: int) -> list[dict]:
 def worker_fit(folder: str, epochs: int, steps: int) -> list[dict]:
     from _common import epoch_clock, fresh_model
 
-    from runner import data
+    from runner.data import pipeline
 
-    shards = data.find_shards(f"{folder}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{folder}/train-*.tfrecord")
     model = fresh_model(shards.features)
-    dataset = data.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
+    dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
     clock = epoch_clock()
     model.fit(dataset, epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=[clock])
     return [{"examples_per_s": steps * BATCH / seconds} for seconds in clock.seconds[1:]]
@@ -102,11 +102,11 @@ def main() -> None:
     folder = prepared(args.data)
     tcmalloc = tcmalloc_path()
     rounds, passes, epochs, steps = (1, 1, 2, 10) if args.quick else (args.rounds, 2, 3, 30)
-    from runner import data as _  # noqa: F401  (fails here, not in every child, if the runner is missing)
+    from runner.data import pipeline as _  # noqa: F401  (fails here, not in every child, if the runner is missing)
 
     manifest = json.loads((folder / "manifest.json").read_text())
     shard_count = len(manifest["splits"]["train"]["shards"])
-    from runner.data import MAX_OPEN_SHARDS, block_for
+    from runner.data.pipeline import MAX_OPEN_SHARDS, block_for
 
     block = block_for(BATCH, min(shard_count, MAX_OPEN_SHARDS))
     arms = {

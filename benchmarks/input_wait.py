@@ -97,14 +97,15 @@ def overrides(job: str, folder: Path, epochs: int, steps: int | None, extra: lis
 
 PIPELINE_ALONE = """
 import json, sys, time
-from runner import data, userimport
-from runner.specfile import load_spec
+from runner.data import pipeline
+from runner.spec import usercode
+from runner.spec.load import load_spec
 spec = load_spec(sys.argv[1], json.loads(sys.argv[2]))
 d = spec.data
 preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
 shards = data.find_shards(d.train)
 if sys.argv[4] == "in_memory":  # what the run trained from: the split held in memory (loading not timed)
-    from runner import in_memory
+    from runner.data import in_memory
     held = in_memory.load(shards, (*d.inputs, d.label), "data.train")
     dataset = in_memory.make_dataset(held, shards.features, d.global_batch_size, d.inputs, d.label,
                                      shuffle=d.shuffle_buffer > 1, seed=0, preprocess=preprocess)

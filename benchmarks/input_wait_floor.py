@@ -1,12 +1,12 @@
 """What the summary's input wait reads when there is no input pipeline at all: its floor on this machine.
 
-The runner's input clock (runner/observe.py) times each GetNext of the training loop. On a machine whose cores
+The runner's input clock (runner/train/observe.py) times each GetNext of the training loop. On a machine whose cores
 the training step itself keeps busy, that time also holds the moments the loop's thread waits for a core,
 whatever feeds it. This script trains a job's model (the runner's own build, compile and precision) behind
 the same clock on three inputs, alternating in one process:
 
     streamed  the job's shards read, parsed and batched every epoch (`data.make_dataset`, data.in_memory: false)
-    held      the split loaded once, decoded, each batch gathered from it (runner/in_memory.py, what
+    held      the split loaded once, decoded, each batch gathered from it (runner/data/in_memory.py, what
               data.in_memory: auto chooses on a CPU for these jobs)
     repeated  one batch held in memory and repeated: nothing to read, decode or gather (the clock's floor)
 
@@ -39,7 +39,7 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
     import tensorflow as tf
 
     from runner import models
-    from runner.observe import InputClock
+    from runner.train.observe import InputClock
 
     class OneDevice:
         strategy = tf.distribute.get_strategy()
@@ -63,8 +63,10 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
 def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> dict:
     import tensorflow as tf
 
-    from runner import data, in_memory, precision
-    from runner.specfile import load_spec
+    from runner.data import pipeline
+    from runner.data import in_memory
+    from runner.device import precision
+    from runner.spec.load import load_spec
 
     folder = REPO / "benchmarks" / "out" / JOBS[job]
     if not (folder / "manifest.json").exists():
@@ -73,12 +75,12 @@ def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> 
     chosen = precision.choose(spec.train.mixed_precision, spec.model.name, "cpu")
     chosen.apply()
     d = spec.data
-    shards = data.find_shards(d.train)
+    shards = pipeline.find_shards(d.train)
     names = (*d.inputs, d.label)
     loaded = in_memory.load(shards, names, "data.train")
 
     def streamed() -> tf.data.Dataset:
-        return data.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
+        return pipeline.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
                                  shuffle_buffer=d.shuffle_buffer, seed=0)
 
     def held() -> tf.data.Dataset:

@@ -32,7 +32,7 @@ from _common import BATCH, MNIST, REPO, prepared
 
 
 def cpu() -> dict[str, str]:
-    from runner import host
+    from runner.device import host
 
     text = host.read_cpuinfo() or ""
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "unknown")

@@ -15,7 +15,7 @@ import statistics
 
 from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
-from runner import data
+from runner.data import pipeline
 from runner.prepare.datasets import load_dataset
 
 
@@ -34,15 +34,15 @@ def main() -> None:
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, 3, None)
 
     mnist = load_dataset("mnist")
-    shards = data.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{prepared(args.data)}/train-*.tfrecord")
     x = mnist.splits["train"]["image"].astype("float32")
     y = mnist.splits["train"]["label"]
     steps = steps or len(x) // BATCH
     examples = steps * BATCH
-    pipeline = data.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
+    dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
 
     def tfrecord(clock, n):
-        fresh_model(shards.features).fit(pipeline, epochs=n, steps_per_epoch=steps, callbacks=[clock], verbose=0)
+        fresh_model(shards.features).fit(dataset, epochs=n, steps_per_epoch=steps, callbacks=[clock], verbose=0)
 
     def numpy(clock, n):
         # Sliced to whole batches so both variants do the same number of steps and examples.

@@ -2,7 +2,7 @@
 and how fast `runner verify` reads.
 
 1. MNIST (60,000 + 10,000 records, 7 shards, 58.7 MB): the check `runner run` makes before touching its run
-   folder (runner/integrity.py check_job_data: manifests, globs, then one stat per shard or every byte
+   folder (runner/data/integrity.py check_job_data: manifests, globs, then one stat per shard or every byte
    hashed), local and on gs:// (the GCS emulator behind the TLS proxy, tests/support/gcs.py), median of
    ROUNDS each with the page cache warm, over the steady epoch of `runner run jobs/mnist_cnn.yaml` with the
    same data (2 epochs, the runner's defaults). Ratios: verify seconds / epoch seconds.
@@ -120,11 +120,13 @@ def main() -> None:
     ) as gcs:
         if gcs is not None:
             os.environ.update(gcs.env)  # before TensorFlow loads: its gs:// client reads them once
-        from runner import storage
+        from runner.data import storage
 
         storage.configure_tensorflow(storage.DEFAULT_TIMEOUT_S)
-        from runner import data, integrity, verify
-        from runner.spec import JobSpec
+        from runner.data import pipeline
+        from runner.data import integrity
+        from runner.data import verify
+        from runner.spec.types import JobSpec
 
         local = prepared(args.data)
         sources = {"local": str(local)}
@@ -150,7 +152,7 @@ def main() -> None:
         shutil.rmtree(big, ignore_errors=True)
         big.mkdir()
         shards = hard_linked_copies(local, big, copies)
-        manifest = data.read_manifest(str(big))
+        manifest = pipeline.read_manifest(str(big))
         entries = [
             verify.Listed(str(big / e["file"]), "", e["records"], e["bytes"], e["sha256"])
             for e in manifest["splits"]["all"]["shards"]

@@ -12,10 +12,11 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from runner import precision, userimport
-from runner.schema import Feature
-from runner.errors import SpecError
-from runner.spec import JobSpec
+from runner.device import precision
+from runner.spec import usercode
+from runner.data.schema import Feature
+from runner import SpecError
+from runner.spec.types import JobSpec
 
 keras = tf.keras
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
     A `package.module:function` name is imported here, inside the scope, so a module that creates
     variables when imported places them on the strategy's devices too.
     """
-    if userimport.is_import_path(spec.model.name):
+    if usercode.is_import_path(spec.model.name):
         return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs, spec.code_roots)
     if spec.model.name not in MODELS:
         raise SpecError(f"model.name: unknown model {spec.model.name!r}; built in: {', '.join(sorted(MODELS))}")
@@ -153,9 +154,9 @@ def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
 
 
 def _build_user_model(
-    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: userimport.CodeRoots
+    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: usercode.CodeRoots
 ) -> keras.Model:
-    build = userimport.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
+    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
@@ -172,10 +173,10 @@ def _build_user_model(
     return model
 
 
-def _loss_or_metric(value: str, key: str, roots: userimport.CodeRoots) -> Any:
+def _loss_or_metric(value: str, key: str, roots: usercode.CodeRoots) -> Any:
     """A Keras name stays a name; `package.module:function` becomes the imported (y_true, y_pred) function."""
-    if userimport.is_import_path(value):
-        return userimport.load_callable(value, key, ("y_true", "y_pred"), roots)
+    if usercode.is_import_path(value):
+        return usercode.load_callable(value, key, ("y_true", "y_pred"), roots)
     return value
 
 
@@ -194,7 +195,7 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
     model.compile(
         optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
         loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),
-        # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data.py), and
+        # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data/pipeline.py), and
         # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
         weighted_metrics=[_loss_or_metric(m, "train.metrics", spec.code_roots) for m in spec.train.metrics],
         steps_per_execution=steps_per_execution(spec, accelerator_kind),
@@ -207,7 +208,7 @@ def build_compiled(
     """The spec's model, built and compiled under the accelerator's strategy, and the checkpoint object that
     saves and restores its weights, optimizer state and step (training, evaluation and prediction share it).
 
-    `chosen`: the precision the job set (runner/precision.py). The output layer stays float32: a model whose
+    `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     with accelerator.strategy.scope():
         model = build_model(spec, features)

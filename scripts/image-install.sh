@@ -12,7 +12,7 @@
 #   image-install.sh check-libtpu libtpu==V   the installed libtpu is V and its libtpu.so is where
 #                                            libtpu.get_library_path() says (what PJRT loads)
 #   image-install.sh check-pjrt               with the runner installed: the device API settings
-#                                            runner/tpu_env.py makes for a v5e are complete, and TensorFlow
+#                                            runner/device/tpu_env.py makes for a v5e are complete, and TensorFlow
 #                                            registers libtpu as its PJRT plugin when it imports
 #
 # A CA certificate handed over as the BuildKit secret `pip_cert` is trusted by pip (for a TLS-inspecting

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (runner/saver.py): the copy is what was checked at the save, the index
+"""Checkpoints written in the background (runner/train/saver.py): the copy is what was checked at the save, the index
 names a checkpoint only once its files are written, a failed write stops the job with its error, and a real
 run saves this way and waits for its last write.
 
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     import tensorflow as tf
-    from runner.saver import Saver
+    from runner.train.saver import Saver
 
     keras = tf.keras
     folder = sys.argv[1]

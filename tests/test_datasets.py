@@ -15,7 +15,7 @@ import pytest
 from runner.prepare import series
 from runner.prepare import text
 from runner.prepare.datasets import load_dataset
-from runner.errors import DataError
+from runner import DataError
 from tests.conftest import cli_env, run_cli
 
 # The first 16 labels of the CIFAR-10 test set (cat, ship, ship, airplane, frog, ...).

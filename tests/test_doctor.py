@@ -25,7 +25,7 @@ import pytest
 
 from runner.doctor import report as doctor_module
 from runner.doctor import checks
-from runner.spec import JobSpec
+from runner.spec.types import JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 from tests.test_doctor_checks import HOLD_LOCK, spawn, stop

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from runner.doctor import checks
-from runner.host import TCMALLOC_PRELOAD
-from runner.spec import AcceleratorSpec
+from runner.device.host import TCMALLOC_PRELOAD
+from runner.spec.types import AcceleratorSpec
 
 
 def spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -154,7 +154,7 @@ def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
 
 
 def test_tpu_precedence_spec_then_tpu_name_then_colab_then_device_files(tmp_path: Path) -> None:
-    from runner import host
+    from runner.device import host
 
     assert host.named_tpu("spec-tpu", {"TPU_NAME": "env-tpu"}) == "spec-tpu"
     assert host.named_tpu(None, {"TPU_NAME": "env-tpu", "COLAB_TPU_ADDR": "10.0.0.2:8470"}) == "env-tpu"

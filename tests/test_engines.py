@@ -22,8 +22,8 @@ import yaml
 
 from runner.cloud import engines, tpu_types
 from runner.cloud.engines import vertex
-from runner.errors import SpecError
-from runner.specfile import load_spec
+from runner import SpecError
+from runner.spec.load import load_spec
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engines import IMAGE, PROJECT, ZONE, submission, submit
 

@@ -82,11 +82,11 @@ def assert_matches(reported: dict, expected: dict, records: int, prefix: str = "
 
 
 def test_evaluation_batches_hold_every_record_once_then_weightless_padding(uneven_mnist: Path):
-    from runner import data
+    from runner.data import pipeline
 
-    shards = data.find_shards(f"{uneven_mnist}/test-*.tfrecord")
-    assert shards.records == TEST_RECORDS and data.eval_steps(shards, BATCH, "data.eval") == 4
-    dataset = data.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
+    shards = pipeline.find_shards(f"{uneven_mnist}/test-*.tfrecord")
+    assert shards.records == TEST_RECORDS and pipeline.eval_steps(shards, BATCH, "data.eval") == 4
+    dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
     # One static shape for every batch, the last one included (a TPU compiles one program).
     assert [tuple(spec.shape) for spec in dataset.element_spec] == [(BATCH, 28, 28, 1), (BATCH,), (BATCH,)]
     images, labels, weights = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy(), w.numpy()) for x, y, w in dataset)))
@@ -107,8 +107,8 @@ def test_evaluation_batches_hold_every_record_once_then_weightless_padding(uneve
 def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluation(uneven_mnist: Path, tmp_path: Path):
     import shutil
 
-    from runner import data
-    from runner.errors import DataError
+    from runner.data import pipeline
+    from runner import DataError
 
     folder = tmp_path / "data"
     shutil.copytree(uneven_mnist, folder)
@@ -116,11 +116,11 @@ def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluatio
     manifest["splits"]["val"]["shards"][0]["records"] += 1  # the bytes are right, the count is not
     manifest["splits"]["val"]["records"] += 1
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    shards = data.find_shards(f"{folder}/val-*.tfrecord")
-    dataset = data.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
+    shards = pipeline.find_shards(f"{folder}/val-*.tfrecord")
+    dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
     with pytest.raises(tf.errors.FailedPreconditionError) as raised:
         list(dataset)
-    error = data.input_error(raised.value, str(shards.pattern), "data.eval")
+    error = pipeline.input_error(raised.value, str(shards.pattern), "data.eval")
     assert isinstance(error, DataError)
     assert f"hold only {VAL_RECORDS} records, their manifest lists {VAL_RECORDS + 1}" in str(error)
 

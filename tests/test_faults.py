@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from runner.storage import storage_error, tensorflow_env
+from runner.data.storage import storage_error, tensorflow_env
 from tests.conftest import cli_env, last_json, run_cli
 from tests.support.runs import finish, indexed_step, start_run, wait_for
 

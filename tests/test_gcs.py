@@ -229,13 +229,13 @@ def test_run_into_a_missing_output_bucket_fails_fast_naming_it(gcs, mnist_job):
 
 @pytest.mark.parametrize(("preset", "block_mb"), [(None, 8), ("64", 64)])
 def test_gs_shards_are_read_in_the_runners_block_size_unless_the_environment_names_one(gcs_faults, preset, block_mb):
-    """TensorFlow reads a gs:// file in blocks of GCS_READ_CACHE_BLOCK_SIZE_MB (runner/storage.py): with the
+    """TensorFlow reads a gs:// file in blocks of GCS_READ_CACHE_BLOCK_SIZE_MB (runner/data/storage.py): with the
     runner's 8 MB, a 20 MB shard takes three ranged GETs; a size already in the environment is kept."""
     bucket = gcs_faults.bucket()
     env = {**gcs_faults.env, **({"GCS_READ_CACHE_BLOCK_SIZE_MB": preset} if preset else {})}
     code = f"""
         import os, tempfile
-        from runner import storage
+        from runner.data import storage
         storage.configure_tensorflow(300)
         print(os.environ["GCS_READ_CACHE_BLOCK_SIZE_MB"])
         import tensorflow as tf

@@ -1,4 +1,4 @@
-"""data.in_memory: the training split held in memory, decoded, and gathered batch by batch (runner/in_memory.py).
+"""data.in_memory: the training split held in memory, decoded, and gathered batch by batch (runner/data/in_memory.py).
 
 The datasets are real TFRecords (tiny MNIST; records of every feature kind from test_schema); the runs are
 `runner run` in a child process, as a user runs it.
@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner import data, host, in_memory
-from runner.errors import DataError, SpecError
+from runner.data import pipeline
+from runner.device import host
+from runner.data import in_memory
+from runner import DataError, SpecError
 from tests.conftest import last_json, run_cli
 from tests.test_schema import FEATURES, RGB, ROWS, job, mixed_records  # noqa: F401 (a fixture)
 
@@ -29,12 +31,12 @@ def digest(image: np.ndarray) -> str:
 
 
 @pytest.fixture(scope="module")
-def mnist_shards(tiny_mnist: Path) -> data.Shards:
-    return data.find_shards(f"{tiny_mnist}/train-*.tfrecord")
+def mnist_shards(tiny_mnist: Path) -> pipeline.Shards:
+    return pipeline.find_shards(f"{tiny_mnist}/train-*.tfrecord")
 
 
 @pytest.fixture(scope="module")
-def held(mnist_shards: data.Shards) -> in_memory.Held:
+def held(mnist_shards: pipeline.Shards) -> in_memory.Held:
     return in_memory.load(mnist_shards, ("image", "label"), "data.train")
 
 
@@ -51,7 +53,7 @@ def test_held_bytes_count_uint8_as_one_byte_and_text_as_the_shards_size(mnist_sh
 
     spec = job(mixed_records, FEATURES, inputs=[n for n in FEATURES if n != "label"])
     index.write_user_manifests(spec, "schema.yaml", force=True)
-    shards = data.find_shards(spec.data.train)
+    shards = pipeline.find_shards(spec.data.train)
     shard_bytes = (mixed_records / "train-0.tfrecord").stat().st_size
     assert in_memory.held_bytes(shards, ("raw", "label")) == ROWS * (2 * 3 + 8)
     assert in_memory.held_bytes(shards, ("words", "label")) == ROWS * 8 + shard_bytes
@@ -115,7 +117,7 @@ def test_the_memory_a_process_may_use_is_its_containers_limit_when_lower(tmp_pat
 
 def test_each_pass_is_a_permutation_holding_every_record_once(mnist_shards, held):
     assert held.records == 2048 and held.columns["image"].dtype == tf.uint8, "uint8 is held as uint8"
-    from runner import schema
+    from runner.data import schema
 
     in_shard_order = tf.data.TFRecordDataset(list(mnist_shards.files)).batch(256).map(
         lambda block: (schema.parse_batch(block, mnist_shards.features)["image"], 0))
@@ -151,7 +153,7 @@ def test_a_batch_is_what_streaming_decodes_for_the_same_records(mnist_shards, he
 
     dataset = in_memory.make_dataset(held, mnist_shards.features, 128, ("image",), "label", shuffle=True, seed=1,
                                      preprocess=preprocess)
-    streamed = data.make_dataset(mnist_shards, 2048, ("image",), "label", training=False, preprocess=preprocess)
+    streamed = pipeline.make_dataset(mnist_shards, 2048, ("image",), "label", training=False, preprocess=preprocess)
     images, labels = next(iter(streamed))
     label_of = {digest(i): (i, int(l)) for i, l in zip(images.numpy(), labels.numpy())}
     for got, label in dataset.take(3):
@@ -167,7 +169,7 @@ def test_several_features_are_gathered_for_the_same_records(mixed_records):  # n
 
     spec = job(mixed_records, FEATURES, inputs=["rgb", "tokens", "words", "score"])
     index.write_user_manifests(spec, "schema.yaml", force=True)
-    shards = data.find_shards(spec.data.train)
+    shards = pipeline.find_shards(spec.data.train)
     loaded = in_memory.load(shards, ("rgb", "tokens", "words", "score", "label"), "data.train")
     dataset = in_memory.make_dataset(loaded, shards.features, 3, ("rgb", "tokens", "words", "score"), "label",
                                      shuffle=True, seed=5)
@@ -190,7 +192,7 @@ def test_a_damaged_record_stops_the_load_naming_its_shard(tiny_mnist: Path, tmp_
     raw = bytearray(victim.read_bytes())
     raw[5000:5010] = b"\xff" * 10
     victim.write_bytes(bytes(raw))
-    shards = data.find_shards(f"{copy}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{copy}/train-*.tfrecord")
     with pytest.raises(DataError) as caught:
         in_memory.load(shards, ("image", "label"), "data.train")
     assert str(caught.value).startswith(f"corrupt training data in {victim}: sha256 ")

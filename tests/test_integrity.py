@@ -1,5 +1,5 @@
 """A job trains on exactly the data its manifest promises, or stops before it writes anything (data.verify,
-runner/integrity.py, docs/data.md).
+runner/data/integrity.py, docs/data.md).
 
 Each fault below once trained with exit 0: a listed shard missing, emptied, cut at a record boundary or inside a
 record header; a wrong sha256 or record count in the manifest; a manifest without `splits`; a label the model has
@@ -77,8 +77,8 @@ def job_spec(folder: Path, data_dir: Path, name: str, **sections) -> Path:
 
 def run_in_process(spec: Path, *overrides: str):
     """`runner run SPEC --set ...` as the CLI runs it, in this process: (exit code, message, summary)."""
-    from runner.job import run_job
-    from runner.specfile import load_spec
+    from runner.job.run import run_job
+    from runner.spec.load import load_spec
 
     result = run_job(load_spec(spec, list(overrides)))
     code = 0 if result.error is None else result.error.exit_code
@@ -131,7 +131,7 @@ def label_outside_the_classes(folder: Path) -> None:
     import tensorflow as tf
 
     from runner.prepare.manifest import write_user_manifests
-    from runner.specfile import load_spec
+    from runner.spec.load import load_spec
 
     shard = folder / TRAIN_SHARD
     records = [r.numpy() for r in tf.data.TFRecordDataset(str(shard))]
@@ -212,8 +212,8 @@ def test_the_cli_exits_2_naming_the_shard_and_writes_no_run_folder(data_copy, tm
 
 def test_a_shard_replaced_by_one_of_the_same_size_passes_size_and_is_named_by_sha256(data_copy, tmp_path):
     """What `size` cannot see: the test shard (512 records of the same size) copied over a training shard."""
-    from runner.specfile import load_spec
-    from runner.integrity import check_job_data
+    from runner.spec.load import load_spec
+    from runner.data.integrity import check_job_data
 
     shutil.copy(data_copy / "test-00000-of-00001.tfrecord", data_copy / TRAIN_SHARD)
     spec = job_spec(tmp_path, data_copy, "replaced")
@@ -260,9 +260,10 @@ def test_labels_beyond_the_models_classes_are_named_by_shard_and_record(data_cop
 
 
 def test_the_classifiers_classes_are_those_the_models_are_built_with():
-    from runner import integrity, models
-    from runner.schema import Feature
-    from runner.spec import JobSpec
+    from runner import models
+    from runner.data import integrity
+    from runner.data.schema import Feature
+    from runner.spec.types import JobSpec
 
     for name, classes in integrity.CLASSIFIERS.items():
         shape = (28, 28, 1) if name == "mnist_cnn" else (32, 32, 3)
@@ -308,8 +309,8 @@ def strip_sizes(folder: Path) -> None:
 
 
 def test_a_manifest_without_sizes_names_the_fix_for_size_and_works_for_sha256_and_off(data_copy, tmp_path):
-    from runner.specfile import load_spec
-    from runner.integrity import check_job_data
+    from runner.spec.load import load_spec
+    from runner.data.integrity import check_job_data
 
     strip_sizes(data_copy)
     spec = job_spec(tmp_path, data_copy, "old")
@@ -346,8 +347,8 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
     assert f"{data_copy}/manifest.json: recorded the size of 5 shards" in result.stdout
     for entry in read_manifest(data_copy)["splits"]["train"]["shards"]:
         assert entry["bytes"] == (data_copy / entry["file"]).stat().st_size
-    from runner.specfile import load_spec
-    from runner.integrity import check_job_data
+    from runner.spec.load import load_spec
+    from runner.data.integrity import check_job_data
 
     assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized")))["mode"] == "size"
 
@@ -418,7 +419,7 @@ def test_a_trained_job_reports_what_verifying_by_sha256_cost(trained, tiny_mnist
     assert record["mode"] == "sha256" and record["shards"] == 5
     assert record["bytes"] == record["bytes_read"] == total
     assert record["mb_per_s"] > 0 and record["seconds"] <= summary["timing"]["data_init_s"]
-    schema = json.loads((Path(__file__).parents[1] / "runner" / "summary.schema.json").read_text())
+    schema = json.loads((Path(__file__).parents[1] / "runner" / "rundir" / "summary.schema.json").read_text())
     jsonschema.validate(summary, schema)
 
 

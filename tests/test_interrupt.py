@@ -19,7 +19,7 @@ from tests.support.runs import (EPOCHS, STEPS, finish, indexed_step, local_index
                                 tensorflow_loading, wait_for)
 from tests.support.runs import interruptible_job as job
 
-SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
+SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.host import TCMALLOC_PRELOAD
+from runner.device.host import TCMALLOC_PRELOAD
 from tests.conftest import cli_env, last_json, run_cli
 
 pytestmark = pytest.mark.slow

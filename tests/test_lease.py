@@ -1,4 +1,4 @@
-"""One run per run folder (runner/lease.py), with real concurrent processes, on a local folder and on the
+"""One run per run folder (runner/rundir/lease.py), with real concurrent processes, on a local folder and on the
 GCS emulator (whose uploads and deletes honour `ifGenerationMatch` as GCS does: tests/support/gcs_servers.py).
 
 The first tests race small processes that only take the lease (no TensorFlow: they start in a fraction of
@@ -24,7 +24,7 @@ from tests.support.runs import finish, start_run
 # line comes on stdin (so that several take it together); a HOLD_S below 0 holds it until stdin closes.
 TAKER = """
 import json, logging, select, sys, time
-from runner.lease import Lease, LeaseHeld
+from runner.rundir.lease import Lease, LeaseHeld
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 folder, hold_s, heartbeat_s, expiry_s = sys.argv[1], *map(float, sys.argv[2:5])
 if sys.argv[5] == "gated":

@@ -70,7 +70,7 @@ def build(params, features, inputs):
 
 def test_a_resumed_run_whose_loss_blows_up_fails_and_keeps_the_finite_checkpoint(mnist_job, tmp_path):
     """One finite epoch, saved; then the job is continued after a change that makes its loss NaN. The learning
-    rate is pinned to the checkpoints (runner/outputs.py), so the change here is in the user's own code beside
+    rate is pinned to the checkpoints (runner/rundir/outputs.py), so the change here is in the user's own code beside
     the spec: its preprocessing now divides by a standard deviation of 0 (0 / 0: every pixel is NaN)."""
     code = tmp_path / "blowup_data.py"
     code.write_text(PREPROCESS.format(expression='batch["image"] / 1.0'))

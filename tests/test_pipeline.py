@@ -1,4 +1,4 @@
-"""The input pipeline's reading order: shard readers hand over blocks of records (runner/data.py)."""
+"""The input pipeline's reading order: shard readers hand over blocks of records (runner/data/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def test_block_size_keeps_every_open_shard_in_each_batch() -> None:
-    from runner.data import MAX_READ_BLOCK, block_for
+    from runner.data.pipeline import MAX_READ_BLOCK, block_for
 
     assert block_for(1024, 6) == MAX_READ_BLOCK == 64
     assert block_for(256, 4) == 64
@@ -20,22 +20,22 @@ def test_blocks_read_every_record_once_and_mix_all_shards_in_each_batch(tiny_mni
     """4 shards of 512 records, batch 256: blocks of 64, so each batch holds 64 records of every shard."""
     import numpy as np
 
-    from runner import data
+    from runner.data import pipeline
 
     def digest(image: np.ndarray) -> str:
         return hashlib.sha1(image.tobytes()).hexdigest()
 
-    shards = data.find_shards(f"{tiny_mnist}/train-*.tfrecord")
-    assert len(shards.files) == 4 and data.block_for(256, 4) == 64
+    shards = pipeline.find_shards(f"{tiny_mnist}/train-*.tfrecord")
+    assert len(shards.files) == 4 and pipeline.block_for(256, 4) == 64
     shard_of = {}
     for index, path in enumerate(shards.files):
-        one = data.Shards(path, (path,), 0, shards.features, shards.manifest)
-        for images, _ in data.make_dataset(one, 64, ("image",), "label", training=False, block=1):
+        one = pipeline.Shards(path, (path,), 0, shards.features, shards.manifest)
+        for images, _ in pipeline.make_dataset(one, 64, ("image",), "label", training=False, block=1):
             shard_of.update((digest(image), index) for image in images.numpy())
     assert len(shard_of) == shards.records == 2048
 
     def epoch(block: int | None) -> list[list[str]]:
-        batches = data.make_dataset(shards, 256, ("image",), "label", training=False, block=block)
+        batches = pipeline.make_dataset(shards, 256, ("image",), "label", training=False, block=block)
         return [[digest(image) for image in images.numpy()] for images, _ in batches]
 
     in_blocks, one_by_one = epoch(None), epoch(1)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from runner import host
-from runner.precision import decide
-from runner.specfile import load_spec
+from runner.device import host
+from runner.device.precision import decide
+from runner.spec.load import load_spec
 from tests.conftest import REPO, cli_env, last_json, run_cli
 
 # /proc/cpuinfo texts as Linux writes them (one processor shown; the flags line is what is read).
@@ -158,7 +158,7 @@ def under(request):
 
 
 def _features() -> dict:
-    from runner.schema import Feature
+    from runner.data.schema import Feature
 
     return {
         "image": Feature("float32", (28, 28, 1)), "tokens": Feature("int64", (40,)), "series": Feature("float32", (24, 5)),
@@ -174,8 +174,9 @@ def _features() -> dict:
     ],
 )
 def test_every_built_in_model_computes_in_bfloat16_with_a_float32_output(under, name, inputs, params) -> None:
-    from runner import models, precision
-    from runner.spec import JobSpec
+    from runner import models
+    from runner.device import precision
+    from runner.spec.types import JobSpec
 
     under("mixed_bfloat16")
     spec = JobSpec.model_validate({"model": {"name": name, "params": params}})
@@ -211,9 +212,9 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
     import tensorflow as tf
 
     from runner import models
-    from runner.precision import Precision
-    from runner.spec import JobSpec
-    from runner.strategy import Accelerator
+    from runner.device.precision import Precision
+    from runner.spec.types import JobSpec
+    from runner.device.strategy import Accelerator
 
     package, src = _own_models(tmp_path)
     cpu = Accelerator(tf.distribute.get_strategy(), "cpu", 1)

@@ -11,7 +11,7 @@ import pytest
 
 from runner.cloud import pricing
 from runner.cloud.tpu_types import GENERATIONS
-from runner.errors import SpecError
+from runner import SpecError
 
 TABLE = json.loads(pricing.TABLE.read_text())
 

@@ -37,7 +37,7 @@ def quiet_env(**extra: str) -> dict[str, str]:
 
 
 def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
-    from runner.progress import closing_line, duration
+    from runner.train.progress import closing_line, duration
 
     assert [duration(s) for s in (0.4, 59.4, 61, 3599, 3661)] == ["0 s", "59 s", "1m 01s", "59m 59s", "1h 01m"]
     summary = {

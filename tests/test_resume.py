@@ -1,4 +1,4 @@
-"""Resume semantics (runner/outputs.py docstring), tested on real processes that are killed and re-run.
+"""Resume semantics (runner/rundir/outputs.py docstring), tested on real processes that are killed and re-run.
 
 Each job runs 3 epochs of 40 steps over tiny MNIST (the training data repeats), so an epoch lasts a few
 seconds on a CPU: long enough to interrupt it in the middle.

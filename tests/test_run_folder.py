@@ -1,4 +1,4 @@
-"""The run folder's rules (runner/outputs.py, docs/resume.md), on real runs: what is pinned and when, storage
+"""The run folder's rules (runner/rundir/outputs.py, docs/resume.md), on real runs: what is pinned and when, storage
 faults (a read-only folder, a full disk, a file where checkpoints/ belongs) ending in exit 3 naming the path,
 leftovers of a save cut short removed by the next attempt, and train.epochs never shrinking a job.
 

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner import data, schema
+from runner.data import pipeline
+from runner.data import schema
 from runner.prepare import manifest as index
-from runner.errors import DataError
-from runner.spec import JobSpec
+from runner import DataError
+from runner.spec.types import JobSpec
 from tests.conftest import last_json, run_cli, write_spec
 from tests.support.cli import invoke
 
@@ -93,11 +94,11 @@ def mixed_records(tmp_path_factory) -> Path:
 def test_every_kind_of_feature_decodes_to_a_static_shape(mixed_records: Path):
     spec = job(mixed_records, FEATURES, inputs=[n for n in FEATURES if n != "label"])
     (manifest_path,) = index.write_user_manifests(spec, "schema.yaml")
-    shards = data.find_shards(spec.data.train)
+    shards = pipeline.find_shards(spec.data.train)
     schema.check_declared(spec.data.features, shards)
     assert shards.records == ROWS
 
-    dataset = data.make_dataset(shards, ROWS, spec.data.inputs, "label", training=False)
+    dataset = pipeline.make_dataset(shards, ROWS, spec.data.inputs, "label", training=False)
     inputs, labels = next(iter(dataset))
     # Static shapes on every input, batch included: the padded var-len lists too (one compiled program on a TPU).
     assert {n: tuple(s.shape) for n, s in dataset.element_spec[0].items()} == {
@@ -117,7 +118,7 @@ def test_every_kind_of_feature_decodes_to_a_static_shape(mixed_records: Path):
     assert written["features"]["tokens"] == {"dtype": "int64", "shape": [3], "var_len": True, "decode": "none"}
     assert written["features"]["raw"]["decode"] == "raw"
     assert written["splits"]["train"]["records"] == ROWS
-    assert data.verify_shards(str(mixed_records)) == []
+    assert pipeline.verify_shards(str(mixed_records)) == []
 
 
 def test_a_manifest_is_not_replaced_without_force(mixed_records: Path):
@@ -207,7 +208,7 @@ def test_runner_manifest_command_indexes_user_records(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert {s: v["records"] for s, v in manifest["splits"].items()} == {"train": 17, "eval": 3}
     assert [e["file"] for e in manifest["splits"]["train"]["shards"]] == ["part-a.tfrecord", "part-b.tfrecord"]
-    assert data.verify_shards(str(tmp_path)) == []
+    assert pipeline.verify_shards(str(tmp_path)) == []
 
 
 # --- the spec against the manifest --------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_a_spec_that_disagrees_with_the_manifest_stops_before_training(tiny_mnis
 
 def test_a_prepared_manifest_agrees_with_the_same_schema_declared(tiny_mnist):
     spec = job(tiny_mnist, {"image": {"dtype": "uint8", "shape": [28, 28, 1]}, "label": {"dtype": "int64"}}, ["image"])
-    shards = data.find_shards(str(tiny_mnist / "train-*.tfrecord"))
+    shards = pipeline.find_shards(str(tiny_mnist / "train-*.tfrecord"))
     schema.check_declared(spec.data.features, shards)  # raw decode is the default for uint8, as `prepare` writes
 
 
@@ -241,7 +242,7 @@ def test_a_declared_feature_missing_from_the_manifest_is_named(tiny_mnist):
     with pytest.raises(DataError, match=r"data.features.caption: the spec declares \{dtype: string, shape: \[\], "
                                         r"var_len: false, decode: none\}, but .*manifest.json has no feature 'caption' "
                                         r"\(it has: image, label\)"):
-        schema.check_declared(spec.data.features, data.find_shards(str(tiny_mnist / "train-*.tfrecord")))
+        schema.check_declared(spec.data.features, pipeline.find_shards(str(tiny_mnist / "train-*.tfrecord")))
 
 
 # --- the schema in the spec --------------------------------------------------------------------

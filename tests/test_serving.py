@@ -1,4 +1,4 @@
-"""The run's SavedModel (runner/serving.py): `serve` and `serve_examples`, and what happens when preprocessing
+"""The run's SavedModel (runner/rundir/serving.py): `serve` and `serve_examples`, and what happens when preprocessing
 cannot run without a label. Trained runs are checked end to end in test_predict.py and test_user_model.py."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from runner import data, serving
-from runner.schema import Feature
+from runner.data import pipeline
+from runner.rundir import serving
+from runner.data.schema import Feature
 
 FEATURES = {"x": Feature("float32", (3,)), "label": Feature("int64", ())}
 
@@ -36,7 +37,7 @@ def test_serve_examples_parses_and_preprocesses_like_training(tmp_path: Path) ->
     rows = np.arange(12, dtype=np.float32).reshape(4, 3)
     trained = model()
     path = str(tmp_path / "saved_model")
-    assert serving.export(trained, path, data.example_inputs(FEATURES, ("x",), doubled)) == ["serve", "serve_examples"]
+    assert serving.export(trained, path, pipeline.example_inputs(FEATURES, ("x",), doubled)) == ["serve", "serve_examples"]
 
     loaded = tf.saved_model.load(path)
     expected = trained(rows * 2.0).numpy()
@@ -51,8 +52,8 @@ def test_a_preprocess_that_needs_the_label_leaves_serve_alone_and_says_why(tmp_p
         return {**batch, "x": batch["x"] * tf.cast(batch["label"][:, None], tf.float32)}
 
     path = str(tmp_path / "saved_model")
-    with caplog.at_level(logging.WARNING, logger="runner.serving"):
-        endpoints = serving.export(model(), path, data.example_inputs(FEATURES, ("x",), uses_label))
+    with caplog.at_level(logging.WARNING, logger="runner.rundir.serving"):
+        endpoints = serving.export(model(), path, pipeline.example_inputs(FEATURES, ("x",), uses_label))
     assert endpoints == ["serve"]
     assert "no serve_examples endpoint: data.preprocess could not be traced on the input features alone (KeyError" in caplog.text
     loaded = tf.saved_model.load(path)

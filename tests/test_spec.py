@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import SpecError
-from runner.spec import MODEL_NAMES, JobSpec
-from runner.specfile import MAX_BYTES, load_spec
-from runner.userimport import CodeRoots, find_code, load_callable
+from runner import SpecError
+from runner.spec.types import MODEL_NAMES, JobSpec
+from runner.spec.load import MAX_BYTES, load_spec
+from runner.spec.usercode import CodeRoots, find_code, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from runner.cli import app
-from runner.spec import JobSpec
+from runner.spec.types import JobSpec
 from tests.conftest import REPO
 
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.spec import AcceleratorSpec
-from runner.strategy import tpu_target
+from runner.spec.types import AcceleratorSpec
+from runner.device.strategy import tpu_target
 from tests.conftest import cli_env, last_json, run_cli
 
 
@@ -135,7 +135,7 @@ def test_tpu_requested_with_nothing_naming_one(mnist_job) -> None:
 
 def test_steps_per_execution_auto_is_32_on_tpu_and_1_elsewhere() -> None:
     from runner.models import steps_per_execution
-    from runner.spec import JobSpec
+    from runner.spec.types import JobSpec
 
     auto = JobSpec()
     assert steps_per_execution(auto, "tpu") == 32
@@ -148,8 +148,8 @@ def test_steps_per_execution_auto_is_32_on_tpu_and_1_elsewhere() -> None:
 def test_batch_arithmetic_for_eight_tpu_cores(caplog) -> None:
     import tensorflow as tf
 
-    from runner.errors import SpecError
-    from runner.strategy import Accelerator, per_replica_batch
+    from runner import SpecError
+    from runner.device.strategy import Accelerator, per_replica_batch
 
     # What a v5litepod-8 presents: the arithmetic needs only the replica count and the device kind.
     eight_cores = Accelerator(tf.distribute.get_strategy(), "tpu", 8)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from runner.specfile import load_spec
+from runner.spec.load import load_spec
 from tests.conftest import last_json
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 

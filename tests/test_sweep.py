@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import SpecError
+from runner import SpecError
 from runner.compare.sweep import finished_summary, plan_variants, split_values
 from tests.conftest import REPO, cli_env, run_cli
 from tests.support.cli import invoke

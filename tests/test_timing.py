@@ -16,10 +16,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from runner.timing import PHASES, EpochRecord, Phases, build_summary
+from runner.rundir.timing import PHASES, EpochRecord, Phases, build_summary
 from tests.conftest import REPO, cli_env, last_json, run_cli
 
-SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
+SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
 
 
 def phase_sum(timing: dict) -> float:
@@ -92,8 +92,8 @@ def test_a_wait_missing_from_one_epoch_is_not_summed_as_if_complete() -> None:
 def test_input_wait_is_the_time_the_consumer_blocked_on_the_pipeline() -> None:
     import tensorflow as tf
 
-    from runner.observe import InputClock
-    from runner.strategy import Accelerator
+    from runner.train.observe import InputClock
+    from runner.device.strategy import Accelerator
 
     def consume(producer_s: float, consumer_s: float, batches: int = 25) -> tuple[float, float]:
         clock = InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1))
@@ -118,18 +118,18 @@ def test_input_wait_is_the_time_the_consumer_blocked_on_the_pipeline() -> None:
 
 def test_the_input_pipeline_runs_without_the_tf_data_autotuner_unless_the_spec_asks(tiny_mnist: Path) -> None:
     """With the autotuner on, fit and evaluate return only when its sleeping thread wakes, up to a minute
-    late (runner/data.py; benchmarks/autotune_teardown.py): off by default, on with data.autotune."""
+    late (runner/data/pipeline.py; benchmarks/autotune_teardown.py): off by default, on with data.autotune."""
     import tensorflow as tf
 
-    from runner import data
-    from runner.observe import InputClock
-    from runner.spec import JobSpec
-    from runner.strategy import Accelerator
+    from runner.data import pipeline
+    from runner.train.observe import InputClock
+    from runner.spec.types import JobSpec
+    from runner.device.strategy import Accelerator
 
-    shards = data.find_shards(f"{tiny_mnist}/test-*.tfrecord")
-    default = data.make_dataset(shards, 32, ("image",), "label", training=False)
+    shards = pipeline.find_shards(f"{tiny_mnist}/test-*.tfrecord")
+    default = pipeline.make_dataset(shards, 32, ("image",), "label", training=False)
     clocked = InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)).wrap(default)
-    asked = data.make_dataset(shards, 32, ("image",), "label", training=False, autotune=True)
+    asked = pipeline.make_dataset(shards, 32, ("image",), "label", training=False, autotune=True)
     assert [d.options().autotune.enabled for d in (default, clocked, asked)] == [False, False, True]
     assert JobSpec().data.autotune is False
     assert sum(int(labels.shape[0]) for _, labels in default) == shards.records // 32 * 32

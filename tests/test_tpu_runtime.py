@@ -1,4 +1,4 @@
-"""The TPU device API (runner/tpu_env.py): chosen per generation, set before TensorFlow loads, recorded in the
+"""The TPU device API (runner/device/tpu_env.py): chosen per generation, set before TensorFlow loads, recorded in the
 summary, a crash of TPU initialisation reported by the doctor, and multi-host slices refused.
 
 No TPU exists here. What is real: the processes (`runner run`, `runner doctor`, `runner submit`), the metadata
@@ -26,13 +26,13 @@ import jsonschema
 import pytest
 
 from runner.cloud.tpu_types import parse_tpu_type, refuse_multi_host, single_host_types
-from runner.errors import SpecError
-from runner.tpu_env import MLIR_BRIDGE_FLAGS, choose_tpu_env
+from runner import SpecError
+from runner.device.tpu_env import MLIR_BRIDGE_FLAGS, choose_tpu_env
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 from tests.support.metadata_fake import start_metadata_fake
 
-SCHEMA = json.loads((REPO / "runner" / "summary.schema.json").read_text())
+SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
 
 
 def closed_port() -> int:
@@ -150,7 +150,7 @@ def test_pjrt_points_tensorflow_at_libtpus_own_library_path(tmp_path: Path, no_m
     env.pop("TF_PLUGGABLE_DEVICE_LIBRARY_PATH", None)
     applied = in_child("""
         import json, os, sys
-        from runner.tpu_env import prepare_tpu_env
+        from runner.device.tpu_env import prepare_tpu_env
         runtime = prepare_tpu_env("tpu", "local")
         keys = ("PJRT_DEVICE", "NEXT_PLUGGABLE_DEVICE_USE_C_API", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH", "TF_XLA_FLAGS")
         print(json.dumps({"runtime": runtime.to_dict(), "environ": {k: os.environ.get(k) for k in keys},
@@ -169,7 +169,7 @@ def test_settings_that_come_after_tensorflow_loaded_are_refused_not_set(tmp_path
         import json, os
         import tensorflow  # it loads TF_PLUGGABLE_DEVICE_LIBRARY_PATH now, if set: here it is not yet
         os.environ["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] = os.environ["LIBTPU_SO"]
-        from runner.tpu_env import apply_tpu_env
+        from runner.device.tpu_env import apply_tpu_env
         runtime = apply_tpu_env("local")
         print(json.dumps({"problem": runtime.problem, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE")}))
     """, env)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner.errors import SpecError
-from runner.userimport import CodeRoots, load_callable
+from runner import SpecError
+from runner.spec.usercode import CodeRoots, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 from tests.support.docker import IMAGE_UID, Engine, folders_for_the_container
@@ -237,8 +237,8 @@ def test_a_build_function_that_returns_no_model_stops_the_run_at_start_up(user_p
 
 def test_a_build_function_that_refuses_its_params_is_a_start_up_error(monkeypatch):
     from runner import models
-    from runner.schema import Feature
-    from runner.spec import JobSpec
+    from runner.data.schema import Feature
+    from runner.spec.types import JobSpec
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
     spec = JobSpec.model_validate(
@@ -249,7 +249,7 @@ def test_a_build_function_that_refuses_its_params_is_a_start_up_error(monkeypatc
 
 
 def test_a_preprocess_function_must_return_the_features(tiny_mnist, tmp_path, monkeypatch):
-    from runner import data
+    from runner.data import pipeline
 
     module = tmp_path / "mnist_steps.py"
     module.write_text(textwrap.dedent("""
@@ -266,11 +266,11 @@ def test_a_preprocess_function_must_return_the_features(tiny_mnist, tmp_path, mo
             return {**batch, "image": batch["image"] / 255.0}
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    shards = data.find_shards(f"{tiny_mnist}/train-*.tfrecord")
+    shards = pipeline.find_shards(f"{tiny_mnist}/train-*.tfrecord")
 
     def dataset(name: str):
         fn = load_callable(f"mnist_steps:{name}", "data.preprocess", ("features",), CodeRoots(str(tmp_path)))
-        return data.make_dataset(shards, 16, ("image",), "label", training=False, preprocess=fn)
+        return pipeline.make_dataset(shards, 16, ("image",), "label", training=False, preprocess=fn)
 
     with pytest.raises(SpecError, match=r"mnist_steps:drops_label returned no 'label' \(named by data.inputs"):
         dataset("drops_label")

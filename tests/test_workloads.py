@@ -89,7 +89,7 @@ def serves_records_like_the_model(run_dir: Path, pattern: str, model) -> None:
     trained Keras model does on the same records decoded by the runner's parser."""
     import tensorflow as tf
 
-    from runner.data import example_inputs, find_shards
+    from runner.data.pipeline import example_inputs, find_shards
 
     shards = find_shards(pattern)
     records = tf.constant([r.numpy() for r in tf.data.TFRecordDataset(list(shards.files)).take(32)])
@@ -102,7 +102,7 @@ def serves_records_like_the_model(run_dir: Path, pattern: str, model) -> None:
 def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_path: Path) -> None:
     import keras
 
-    from runner.data import find_shards, make_dataset
+    from runner.data.pipeline import find_shards, make_dataset
 
     data = prepared("imdb", 256)
     summary = run_job("imdb_lstm", data, tmp_path, "data.global_batch_size=32")
@@ -124,7 +124,7 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
 def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) -> None:
     import keras
 
-    from runner.data import find_shards, make_dataset
+    from runner.data.pipeline import find_shards, make_dataset
 
     data = prepared("weather", 256)
     summary = run_job(
@@ -174,7 +174,7 @@ def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, t
 
 def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
     from runner.models import weather_rnn
-    from runner.schema import Feature
+    from runner.data.schema import Feature
 
     model = weather_rnn({"target_feature": 2, "units": 8}, {"window": Feature("float32", (24, 5))}, ("window",))
     windows = np.random.default_rng(0).normal(size=(8, 24, 5)).astype(np.float32)
@@ -183,9 +183,9 @@ def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
 
 
 def test_workload_models_check_their_params_and_inputs() -> None:
-    from runner.errors import SpecError
+    from runner import SpecError
     from runner.models import imdb_lstm, weather_rnn
-    from runner.schema import Feature
+    from runner.data.schema import Feature
 
     tokens = {"tokens": Feature("int64", (250,))}
     with pytest.raises(SpecError, match=r"imdb_lstm has no param 'unit'; did you mean 'units'\?"):

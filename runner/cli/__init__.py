@@ -1,6 +1,6 @@
 """The `runner` command line: thin commands, each calling one library function and mapping errors to exit codes.
 
-Exit codes (runner/errors.py): 0 ok; 1 training failed; 2 bad spec, flag or data; 3 infrastructure
+Exit codes (runner/__init__.py): 0 ok; 1 training failed; 2 bad spec, flag or data; 3 infrastructure
 (accelerator, storage); 75 preempted after saving a checkpoint (run the same job again to continue);
 130 interrupted by Ctrl-C after saving a checkpoint (the same; a second Ctrl-C exits at once).
 TensorFlow is imported only by the commands that need it, so `validate` and `--help` stay fast.

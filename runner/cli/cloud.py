@@ -41,7 +41,7 @@ def _say(line: str) -> None:
 def _where(project: str | None, zone: str | None, need: bool = True) -> tuple[str | None, str | None]:
     """--project and --zone, else gcloud's configuration (read from its files: no gcloud run, no network)."""
     from runner.cloud import gcloud_config
-    from runner.errors import SpecError
+    from runner import SpecError
 
     project = project or gcloud_config.default_project()
     zone = zone or gcloud_config.default_zone()
@@ -118,7 +118,7 @@ def submit(
     from runner.cli.common import fail
     from runner.cloud import engines, jobs, record, tpu_api
     from runner.cloud import submit as submit_mod
-    from runner.errors import RunnerError
+    from runner import RunnerError
 
     try:
         options = engines.Options(queue=queue, namespace=namespace or "default", cluster=cluster,
@@ -192,7 +192,7 @@ def watch(
     """
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner.errors import RunnerError
+    from runner import RunnerError
 
     try:
         project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
@@ -222,7 +222,7 @@ def status(
     """
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner.errors import RunnerError
+    from runner import RunnerError
 
     try:
         if name is None:
@@ -247,7 +247,7 @@ def cancel(name: Name, zone: Zone = None, project: Project = None) -> None:
     """
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner.errors import RunnerError
+    from runner import RunnerError
 
     try:
         project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
@@ -283,7 +283,7 @@ def logs(
     from runner.cli.common import fail
     from runner.cloud import jobs
     from runner.cloud import logs as joblogs
-    from runner.errors import RunnerError, SpecError
+    from runner import RunnerError, SpecError
 
     try:
         if source not in ("auto", "cloud-logging", "bucket"):

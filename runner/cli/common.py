@@ -1,5 +1,5 @@
 """What every command shares: the spec argument and flags, logging set-up, loading a spec, and turning a
-RunnerError into its message and exit code (runner/errors.py holds the exit-code table)."""
+RunnerError into its message and exit code (runner/__init__.py holds the exit-code table)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from runner.errors import RunnerError
-from runner.spec import JobSpec
-from runner.specfile import load_spec
-from runner.storage import configure_tensorflow
+from runner import RunnerError
+from runner.spec.types import JobSpec
+from runner.spec.load import load_spec
+from runner.data.storage import configure_tensorflow
 
 SpecPath = Annotated[
     Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.")
@@ -129,7 +129,7 @@ def trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) 
     job = load(spec, overrides)
     setup_logging(debug)
     configure_tensorflow(job.storage.timeout_s)
-    from runner.flavour import choose_keras
+    from runner.device.flavour import choose_keras
 
     try:
         choose_keras()

@@ -55,7 +55,7 @@ def sweep(
     from runner.cli.common import fail, setup_logging
     from runner.compare import plot
     from runner.compare import sweep as sweep_mod
-    from runner.errors import RunnerError
+    from runner import RunnerError
 
     setup_logging(debug)
     try:
@@ -107,7 +107,7 @@ def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, 
     from runner.compare import plot
     from runner.compare import report as report_mod
     from runner.cli.common import fail
-    from runner.errors import EXIT_USAGE, RunnerError
+    from runner import EXIT_USAGE, RunnerError
 
     try:
         if plot_path:

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from runner.cli.common import Debug, fail, load, load_tensorflow, setup_logging
-from runner.errors import EXIT_USAGE, RunnerError, SpecError
-from runner.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
+from runner import EXIT_USAGE, RunnerError, SpecError
+from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
 
 app = typer.Typer()
 
@@ -94,12 +94,12 @@ def verify(
     setup_logging(debug)
     configure_tensorflow(DEFAULT_TIMEOUT_S)
     load_tensorflow(debug)
-    from runner import data
-    from runner.storage import storage_error
+    from runner.data import pipeline
+    from runner.data.storage import storage_error
 
     folder = folder.rstrip("/")
     try:
-        checked, manifest = data.verify_folder(folder)
+        checked, manifest = pipeline.verify_folder(folder)
     except RunnerError as error:
         raise fail(error, debug) from None
     except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
@@ -111,12 +111,12 @@ def verify(
         typer.secho(problem, err=True, fg=typer.colors.RED)
     if checked.problems:
         typer.secho(
-            f"{len(checked.problems)} of {checked.shards} shards differ from {folder}/{data.MANIFEST}: copy them again "
-            f"from their source, or {data.WRITE_AGAIN} if the data changed on purpose",
+            f"{len(checked.problems)} of {checked.shards} shards differ from {folder}/{pipeline.MANIFEST}: copy them again "
+            f"from their source, or {pipeline.WRITE_AGAIN} if the data changed on purpose",
             err=True, fg=typer.colors.RED,
         )
         raise typer.Exit(EXIT_USAGE)
-    unsized = sum(entry.get("bytes") is None for _, _, entry in data.manifest_entries(manifest).values())
+    unsized = sum(entry.get("bytes") is None for _, _, entry in pipeline.manifest_entries(manifest).values())
     if unsized and record_sizes:
         from runner.prepare.manifest import record_sizes as add_sizes
 
@@ -124,7 +124,7 @@ def verify(
         typer.echo(f"{path}: recorded the size of {added} shards")
     elif unsized:
         typer.secho(
-            f"{folder}/{data.MANIFEST} lists no size for {unsized} shards (written by an older runner): add them with "
+            f"{folder}/{pipeline.MANIFEST} lists no size for {unsized} shards (written by an older runner): add them with "
             f"`runner verify {folder} --record-sizes`; `runner run` checks sizes before training (data.verify: size)",
             err=True, fg=typer.colors.YELLOW,
         )

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from runner.cli.common import fail, load
-from runner.errors import SpecError
+from runner import SpecError
 
 app = typer.Typer()
 

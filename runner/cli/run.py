@@ -13,9 +13,9 @@ import typer
 from runner.cli.common import (
     Debug, Overrides, SpecPath, fail, load, load_tensorflow, setup_logging, trained_command_setup,
 )
-from runner.errors import RunnerError
-from runner.preemption import EarlyNotice
-from runner.storage import configure_tensorflow
+from runner import RunnerError
+from runner.train.preemption import EarlyNotice
+from runner.data.storage import configure_tensorflow
 
 app = typer.Typer()
 
@@ -35,8 +35,8 @@ def validate(spec: SpecPath, overrides: Overrides = None) -> None:
     * `runner validate jobs/mnist_cnn.yaml`
     * `runner validate jobs/mnist_cnn.yaml --set data.global_batch_size=4096`
     """
-    from runner.errors import EXIT_USAGE
-    from runner.specfile import preflight
+    from runner import EXIT_USAGE
+    from runner.spec.load import preflight
 
     try:
         checked = preflight(spec, overrides or [])
@@ -84,18 +84,18 @@ def run(
     loaded_at = time.monotonic()
     setup_logging(debug)
     configure_tensorflow(job.storage.timeout_s)  # before TensorFlow loads: it reads them once
-    from runner.flavour import choose_keras
+    from runner.device.flavour import choose_keras
 
     try:
         choose_keras()
     except RunnerError as error:
         raise fail(error) from None
-    from runner.tpu_env import prepare_tpu_env
+    from runner.device.tpu_env import prepare_tpu_env
 
     prepare_tpu_env(job.accelerator.kind, job.accelerator.tpu)  # PJRT or not: TensorFlow reads it while loading
     load_tensorflow(debug)
-    from runner.errors import Interrupted, Preempted
-    from runner.job import run_job
+    from runner import Interrupted, Preempted
+    from runner.job.run import run_job
 
     if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
         early.restore()
@@ -103,7 +103,7 @@ def run(
             raise fail(Interrupted("interrupted while starting; nothing was run; run the job again"))
         if early.at is not None:
             raise fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
-    from runner.progress import closing_line
+    from runner.train.progress import closing_line
 
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
     typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
@@ -124,7 +124,7 @@ def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) 
     * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
     """
     job = trained_command_setup(spec, overrides, debug)
-    from runner import predict as predict_mod
+    from runner.job import predict as predict_mod
 
     try:
         report = predict_mod.evaluate(job)
@@ -153,7 +153,7 @@ def predict(
     job = trained_command_setup(spec, overrides, debug)
     import numpy as np
 
-    from runner import predict as predict_mod
+    from runner.job import predict as predict_mod
 
     try:
         outputs, trained = predict_mod.predict(job, input)

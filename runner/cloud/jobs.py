@@ -14,10 +14,10 @@ from typing import Any
 
 import yaml
 
-from runner import storage
+from runner.data import storage
 from runner.cloud import record, submit, tpu_api, tpu_types, usage
-from runner.errors import RunnerError, SpecError
-from runner.spec import JobSpec
+from runner import RunnerError, SpecError
+from runner.spec.types import JobSpec
 
 # --- the job record: what a watcher needs to create the same request again ---------------------------
 

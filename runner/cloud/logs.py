@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.cloud import record
-from runner.errors import DataError, RunnerError, StorageError
+from runner import DataError, RunnerError, StorageError
 
 LOGGING_API = "https://logging.googleapis.com"
 DOCKER_LOG = "gcplogs-docker-driver"

@@ -9,7 +9,7 @@
     RUN_DIR/logs/SUB/worker-N.started.json    written when the job's container starts (time, log driver)
     RUN_DIR/logs/SUB/worker-N.exit.json       the job's exit code, or why the startup script ran nothing
     RUN_DIR/logs/SUB/cancelled.json           `runner cancel` was here: a watcher stops instead of restarting
-    RUN_DIR/summary.json, checkpoints/        written by the job itself (runner/outputs.py)
+    RUN_DIR/summary.json, checkpoints/        written by the job itself (runner/rundir/outputs.py)
 
 SUB is the submission id (time of submission and 4 random hex digits). Each submission writes only under
 its own folder, so an old exit record can never answer for a new submission.
@@ -30,8 +30,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from runner import storage
-from runner.errors import StorageError
+from runner.data import storage
+from runner import StorageError
 
 JOB_FILE = "job.json"
 
@@ -151,7 +151,7 @@ def summary(run_dir: str) -> dict[str, Any] | None:
 
 
 def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:
-    """The rule runner/outputs.py uses: `succeeded` for at least the requested epochs (None: any success)."""
+    """The rule runner/rundir/outputs.py uses: `succeeded` for at least the requested epochs (None: any success)."""
     if not found or found.get("status") != "succeeded":
         return False
     return epochs is None or int(found.get("train_epochs") or 0) >= epochs

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.cloud import jobs, record, submit, tpu_api, usage
-from runner.errors import AcceleratorError, RunnerError, SpecError, StorageError
+from runner import AcceleratorError, RunnerError, SpecError, StorageError
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}

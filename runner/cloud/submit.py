@@ -28,11 +28,11 @@ from typing import Any
 
 import yaml
 
-from runner import storage
+from runner.data import storage
 from runner.cloud import pricing, record, tpu_types
-from runner.errors import RunnerError, SpecError
-from runner.spec import JobSpec
-from runner.specfile import load_spec
+from runner import RunnerError, SpecError
+from runner.spec.types import JobSpec
+from runner.spec.load import load_spec
 
 API_HOST = "https://tpu.googleapis.com"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"  # the VM's scopes; Cloud Logging and Storage included
@@ -282,7 +282,7 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_KEEP": "1" if sub.keep else "0",
         "RUNNER_MAX_RESTARTS": str(sub.max_restarts),
         "RUNNER_TPU_TYPE": sub.tpu.name,
-        "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # the job's summary records it (runner/tpu_env.py)
+        "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # the job's summary records it (runner/device/tpu_env.py)
         "RUNNER_SPOT": "true" if sub.spot else "false",
         "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
         # The startup script skips a job whose summary is complete for these epochs (none for a benchmark).

@@ -18,7 +18,7 @@ from runner.cloud.submit import (
     check_zone,
     settings_of,
 )
-from runner.errors import AcceleratorError, RunnerError, SpecError
+from runner import AcceleratorError, RunnerError, SpecError
 
 _CALL_TIMEOUT_S = 60.0
 

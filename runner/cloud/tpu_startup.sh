@@ -88,7 +88,7 @@ if gcloud storage ls "$logs/worker-$worker.exit.json" >/dev/null 2>&1; then
   exit 0
 fi
 
-# A complete job (runner/outputs.py's rule: summary.json says succeeded for at least the requested epochs)
+# A complete job (runner/rundir/outputs.py's rule: summary.json says succeeded for at least the requested epochs)
 # is not run again; an old exit record says nothing about that.
 if [ -n "${RUNNER_EPOCHS:-}" ]; then
   if ! command -v python3 >/dev/null; then

@@ -26,7 +26,7 @@ import difflib
 import math
 import re
 
-from runner.errors import SpecError
+from runner import SpecError
 
 DOCS = "docs/tpu.md"
 

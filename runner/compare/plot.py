@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from runner import storage
+from runner.data import storage
 from runner.compare.report import _GCS_TIMEOUT_S, Row, SummaryError, _common_prefix
 
 

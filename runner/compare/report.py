@@ -17,9 +17,9 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterable
 
-from runner import storage
-from runner.errors import DataError
-from runner.timing import PHASES
+from runner.data import storage
+from runner import DataError
+from runner.rundir.timing import PHASES
 
 READABLE_VERSIONS = (1, 2)
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from runner.compare import report
-from runner.errors import EXIT_PREEMPTED, RunnerError, SpecError
-from runner.spec import JobSpec
-from runner.specfile import load_spec, parse_override
-from runner.timing import completion
+from runner import EXIT_PREEMPTED, RunnerError, SpecError
+from runner.spec.types import JobSpec
+from runner.spec.load import load_spec, parse_override
+from runner.rundir.timing import completion
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ class _Forwarder:
 
 def finished_summary(variant: Variant) -> dict[str, Any] | None:
     """The summary of a variant its run folder holds as finished, read without TensorFlow (google-cloud-storage
-    for gs://), so a finished sweep runs again in seconds. The rule is the run's own (runner/timing.py
-    `completion`, which runner/outputs.py applies), and the folder's spec.json must be this variant's spec;
+    for gs://), so a finished sweep runs again in seconds. The rule is the run's own (runner/rundir/timing.py
+    `completion`, which runner/rundir/outputs.py applies), and the folder's spec.json must be this variant's spec;
     on any doubt (no summary, another spec, a folder that cannot be read) None: the variant runs, and the run
     applies every resume rule itself."""
     spec = variant.spec

@@ -28,15 +28,15 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from runner.host import (
+from runner.device.host import (
     TCMALLOC_PRELOAD,
     allocator_in_use,
     named_tpu,
     tpu_devices,
     tpu_target,
 )
-from runner.spec import AcceleratorSpec
-from runner.tpu_env import choose_tpu_env
+from runner.spec.types import AcceleratorSpec
+from runner.device.tpu_env import choose_tpu_env
 
 KNOWN_GOOD = Path(__file__).with_name("known_good.json")
 # The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
@@ -178,7 +178,7 @@ def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_roo
 
 
 def check_tpu_runtime(accelerator: AcceleratorSpec, environ: dict[str, str], dev_root: str = "/dev") -> Check:
-    """The device API the TPU's generation needs (runner/tpu_env.py), what is set for it here, and what
+    """The device API the TPU's generation needs (runner/device/tpu_env.py), what is set for it here, and what
     `runner run` sets itself before TensorFlow loads."""
     target = tpu_target(accelerator.tpu, environ, dev_root) if accelerator.kind in ("auto", "tpu") else None
     if target is None:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from runner.doctor.checks import Check
-from runner.spec import JobSpec
-from runner.tpu_env import prepare_tpu_env
-from runner.storage import is_gcs, split_gcs
+from runner.spec.types import JobSpec
+from runner.device.tpu_env import prepare_tpu_env
+from runner.data.storage import is_gcs, split_gcs
 
 Step = Callable[[JobSpec, float], Iterator[Check]]
 
@@ -49,9 +49,9 @@ def tensorflow_step(spec: JobSpec, bound: float) -> Iterator[Check]:
 
 def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
     """What `runner run` would do about a TPU: the same target and the same connect_tpu, bounded."""
-    from runner.errors import AcceleratorError
-    from runner.strategy import connect_tpu, tpu_target
-    from runner.tpu_env import applied_tpu_env
+    from runner import AcceleratorError
+    from runner.device.strategy import connect_tpu, tpu_target
+    from runner.device.tpu_env import applied_tpu_env
 
     kind, target = spec.accelerator.kind, tpu_target(spec.accelerator)
     if target is None:
@@ -97,7 +97,7 @@ def _read_manifest(folder: str) -> Check:
     """A gs:// data folder's manifest.json, read as the job reads it."""
     import tensorflow as tf
 
-    from runner.data import MANIFEST
+    from runner.data.pipeline import MANIFEST
 
     path, bucket = posixpath.join(folder, MANIFEST), f"gs://{split_gcs(folder)[0]}"
     began = time.monotonic()
@@ -162,29 +162,29 @@ def storage_step(spec: JobSpec, bound: float) -> Iterator[Check]:
 
 
 def _data_check(spec: JobSpec, key: str, pattern: str, seconds: float) -> Check:
-    from runner import data
-    from runner.errors import DataError
+    from runner.data import pipeline
+    from runner import DataError
 
     name = f"data_{key}"
     try:
-        shards = data.find_shards(pattern)
-        data.check_columns(shards, spec.data.inputs, spec.data.label)
+        shards = pipeline.find_shards(pattern)
+        pipeline.check_columns(shards, spec.data.inputs, spec.data.label)
     except DataError as exc:
         return Check(name, "fail", str(exc), f"fix data.{key} in the spec, or run `runner prepare`")
     entries = {e["file"]: e for info in shards.manifest["splits"].values() for e in info["shards"]}
-    split = data.split_of(pattern, shards.manifest)
+    split = pipeline.split_of(pattern, shards.manifest)
     listed = len(shards.manifest["splits"][split]["shards"]) if split else len(shards.files)
     checked, bad, deadline = 0, [], time.monotonic() + seconds
     for path in shards.files:
         if time.monotonic() > deadline:
             break
-        if data.sha256_of(path) != entries[posixpath.basename(path)]["sha256"]:
+        if pipeline.sha256_of(path) != entries[posixpath.basename(path)]["sha256"]:
             bad.append(path)
         checked += 1
     facts = {"records": shards.records, "files": len(shards.files), "hashed": checked}
     if bad:
         return Check(
-            name, "fail", f"sha256 of {', '.join(bad)} does not match {posixpath.dirname(pattern)}/{data.MANIFEST}",
+            name, "fail", f"sha256 of {', '.join(bad)} does not match {posixpath.dirname(pattern)}/{pipeline.MANIFEST}",
             "re-run `runner prepare`, or copy the shard again from its source", data=facts,
         )
     evidence = f"{pattern}: {len(shards.files)} shard(s), {shards.records} records"
@@ -214,7 +214,7 @@ STEPS: dict[str, Step] = {"tensorflow": tensorflow_step, "tpu": tpu_step, "stora
 def _save(spec: JobSpec, path: str, report: dict[str, Any]) -> Check:
     import tensorflow as tf
 
-    from runner.outputs import RunFolder
+    from runner.rundir.outputs import RunFolder
 
     folder = RunFolder(posixpath.dirname(path))
     try:

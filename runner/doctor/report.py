@@ -36,13 +36,13 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from runner import host
-from runner.bounded import Bounded
+from runner.device import host
+from runner.device.bounded import Bounded
 from runner.doctor import checks
 from runner.doctor.checks import Check
-from runner.errors import EXIT_INFRA, EXIT_OK, EXIT_USAGE
-from runner.spec import JobSpec
-from runner.storage import buckets_in, tensorflow_env
+from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE
+from runner.spec.types import JobSpec
+from runner.data.storage import buckets_in, tensorflow_env
 
 SCHEMA_VERSION = 1
 _USAGE_CHECKS = ("data_train", "data_eval", "batch")

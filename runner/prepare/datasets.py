@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from runner.errors import DataError
-from runner.schema import Feature
+from runner import DataError
+from runner.data.schema import Feature
 
 
 @dataclasses.dataclass(frozen=True)

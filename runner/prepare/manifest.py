@@ -17,10 +17,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner import data, schema, verify
+from runner.data import pipeline
+from runner.data import schema
+from runner.data import verify
 from runner.prepare.shards import holds_class_ids, label_range, write_manifest
-from runner.errors import DataError, SpecError
-from runner.spec import JobSpec
+from runner import DataError, SpecError
+from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,12 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
     folders = _shards_by_folder(spec)
     written = []
     for folder, splits in folders.items():
-        path = posixpath.join(folder, data.MANIFEST)
+        path = posixpath.join(folder, pipeline.MANIFEST)
         if tf.io.gfile.exists(path) and not force:
             raise DataError(f"{path} exists; pass --force to replace it with one made from {spec_path}")
         entries = {split: [_index_shard(f, features, spec.data.label) for f in files] for split, files in splits.items()}
         manifest: dict[str, Any] = {
-            "manifest_version": data.MANIFEST_VERSION,
+            "manifest_version": pipeline.MANIFEST_VERSION,
             "dataset": spec.name,
             "source": f"TFRecords described by data.features of {spec_path} (runner manifest)",
             "license": None,

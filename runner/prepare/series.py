@@ -19,7 +19,7 @@ import zipfile
 
 import numpy as np
 
-from runner.errors import DataError
+from runner import DataError
 
 # Chronological split points, as fractions of the covered hours.
 _SPLIT_AT = {"train": 0.70, "validation": 0.85, "test": 1.0}

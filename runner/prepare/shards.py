@@ -1,7 +1,7 @@
 """`runner prepare`: a real dataset -> sharded TFRecords + manifest.json in a folder or bucket.
 
 For gs:// the shards are written and hashed in a local staging folder, then uploaded in parallel with
-google-cloud-storage (retried, checksummed, bounded by `storage_timeout_s`; runner/storage.py). The
+google-cloud-storage (retried, checksummed, bounded by `storage_timeout_s`; runner/data/storage.py). The
 manifest goes up last, so a manifest in the bucket always lists shards that are all there.
 """
 
@@ -23,9 +23,11 @@ from rich.progress import (
     BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
 )
 
-from runner import data, storage, verify
+from runner.data import pipeline
+from runner.data import storage
+from runner.data import verify
 from runner.prepare.datasets import Dataset, load_dataset
-from runner.schema import Feature
+from runner.data.schema import Feature
 
 log = logging.getLogger(__name__)
 _TARGET_SHARD_BYTES = 8 << 20
@@ -47,18 +49,18 @@ def prepare(
     dataset = _load(name, source, limit, params)
     with tempfile.TemporaryDirectory(prefix="runner-prepare-") as staging:
         local_manifest = _write(dataset, staging, shards)
-        names = sorted(n for n in os.listdir(staging) if n != data.MANIFEST)
+        names = sorted(n for n in os.listdir(staging) if n != pipeline.MANIFEST)
         with _progress() as progress:
             total = sum(os.path.getsize(os.path.join(staging, n)) for n in names)
             task = progress.add_task(f"uploading {len(names)} shards to {out}", total=total)
             pairs = [(os.path.join(staging, n), f"{out}/{n}") for n in names]
             uploader.upload(pairs, lambda size: progress.advance(task, size))
-            transfer = uploader.upload([(local_manifest, f"{out}/{data.MANIFEST}")])
+            transfer = uploader.upload([(local_manifest, f"{out}/{pipeline.MANIFEST}")])
     log.info(
         "uploaded %d files, %.1f MB, to %s in %.1f s (%d retries)",
         transfer.files, transfer.bytes / 1e6, out, transfer.seconds, transfer.retries,
     )
-    return f"{out}/{data.MANIFEST}"
+    return f"{out}/{pipeline.MANIFEST}"
 
 
 def _load(name: str, source: str, limit: int | None, params: dict[str, str] | None):
@@ -144,7 +146,7 @@ def label_range(labels: np.ndarray, feature: Feature) -> list[int] | None:
 
 def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {
-        "manifest_version": data.MANIFEST_VERSION,
+        "manifest_version": pipeline.MANIFEST_VERSION,
         "dataset": dataset.name,
         "source": dataset.source,
         "license": dataset.license,
@@ -160,7 +162,7 @@ def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> d
 
 def write_manifest(out_dir: str, manifest: dict[str, Any]) -> str:
     """Writes manifest.json whole or not at all (a temporary name, then a rename), so a reader never sees half."""
-    path = posixpath.join(out_dir, data.MANIFEST)
+    path = posixpath.join(out_dir, pipeline.MANIFEST)
     partial = f"{path}.partial"
     with tf.io.gfile.GFile(partial, "w") as handle:
         handle.write(json.dumps(manifest, indent=2) + "\n")

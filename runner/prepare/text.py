@@ -13,7 +13,7 @@ import csv
 
 import numpy as np
 
-from runner.errors import DataError
+from runner import DataError
 
 PAD, OOV = 0, 1  # TextVectorization's reserved ids
 

@@ -24,7 +24,7 @@ import yaml
 
 from runner.cloud import tpu_types
 from runner.cloud.submit import Submission, spec_yaml
-from runner.errors import (
+from runner import (
     EXIT_INFRA,
     EXIT_PREEMPTED,
     EXIT_TRAINING,

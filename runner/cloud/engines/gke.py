@@ -30,7 +30,7 @@ from runner.cloud.engines import (
     dump_yaml,
 )
 from runner.cloud.submit import Submission
-from runner.errors import AcceleratorError, SpecError
+from runner import AcceleratorError, SpecError
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 # xpk restarts on these unless told otherwise (`xpk workload create --help`, --restart-on-exit-codes).

@@ -19,7 +19,7 @@ from typing import Any
 from runner.cloud import pricing
 from runner.cloud.engines import COMMAND, RETRY_UNBOUNDED, container_env, dump_yaml
 from runner.cloud.submit import Submission
-from runner.errors import AcceleratorError, SpecError
+from runner import AcceleratorError, SpecError
 
 INSTALL = "pip install 'tpu-job-runner[skypilot]' (the client; its API server needs skypilot[gcp])"
 

@@ -1,0 +1,183 @@
+"""The data a job promises, checked before its run folder is touched (`data.verify`, docs/data.md; the
+manifest and byte checks themselves are runner/data/verify.py's).
+
+`runner run` calls check_job_data first: a job whose data is not what its manifest says stops with exit 2
+naming the shard (or the manifest field) and what differs, and nothing is written to the run folder: no
+spec.json, no attempt, no checkpoint rotated, no summary there (stdout still gets one).
+
+For every pattern the job reads (data.train, data.eval, and data.validation when it validates per epoch):
+  - the manifest is well formed (`splits`, per shard `file` and `records`, split totals that add up),
+  - every file the pattern matches is listed, every listed shard it names is there, and it names whole
+    splits: steps per epoch are the manifest's record count, never what happens to be on disk,
+  - the labels the manifest records (`label_range`) are classes the model has (built-in classifiers),
+  - data.verify: size (default) stats each shard: present, exactly its listed size (a shard emptied, cut at
+    a record boundary or inside a record, or replaced); sha256 also reads every byte once and compares its
+    hash, and the summary's `data_verify` reports what that cost; off skips both byte checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from runner.data import pipeline
+from runner.data import schema
+from runner.data import storage
+from runner.data import verify
+from runner import DataError, RunnerError
+from runner.spec.types import JobSpec
+
+log = logging.getLogger(__name__)
+
+# The built-in classifiers and the default of their `classes` param (runner/models.py): their labels are class
+# ids 0 .. classes - 1. tests/test_integrity.py checks these against the models as built.
+CLASSIFIERS = {"mnist_cnn": 10, "cifar10_cnn": 10}
+
+
+def patterns_of(spec: JobSpec) -> dict[str, str]:
+    """The shard patterns the job reads, by spec key."""
+    d = spec.data
+    found = {"data.train": d.train, "data.eval": d.eval}
+    if spec.train.validate_every_epoch:
+        found["data.validation"] = d.validation
+    return {key: pattern for key, pattern in found.items() if pattern}
+
+
+def check_job_data(spec: JobSpec) -> dict[str, Any]:
+    """Raises DataError (exit 2) when the job's data is not what its manifests promise, StorageError (exit 3)
+    when a bucket does not answer; returns the summary's `data_verify` record."""
+    patterns = patterns_of(spec)
+    try:
+        listed: dict[str, verify.Listed] = {}
+        for key, pattern in patterns.items():
+            shards = pipeline.find_shards(pattern, key)
+            check_whole_splits(shards, key)
+            check_labels(spec, shards)
+            for shard in pipeline.listed_in(shards):
+                listed.setdefault(shard.path, shard)
+        _check_sizes_listed(spec, list(listed.values()))
+        checked = verify.check_bytes(list(listed.values()), spec.data.verify, spec.storage.timeout_s)
+    except RunnerError:
+        raise
+    except tf.errors.OpError as exc:
+        raise storage.storage_error(exc, patterns.values(), spec.storage.timeout_s) or DataError(
+            f"cannot read the data of {', '.join(patterns)}: {exc.message.splitlines()[0]}"
+        ) from None
+    if checked.problems:
+        raise DataError(
+            f"data.verify ({spec.data.verify}): {len(checked.problems)} of the {checked.shards} shards the job reads "
+            "differ from their manifest:\n  " + "\n  ".join(checked.problems) + "\nNothing was written to the run "
+            "folder. Copy the shards again from their source; if the data changed on purpose, write its manifest "
+            "again (`runner prepare` for a built-in dataset, `runner manifest --force` for your own records)"
+        )
+    if spec.data.verify != "off":
+        rate = f", {checked.mb_per_s:,.0f} MB/s on {checked.threads} threads" if checked.mb_per_s else ""
+        log.info(
+            "data.verify %s: %d shards, %.1f MB as listed, in %.2f s%s",
+            spec.data.verify, checked.shards, checked.bytes / 1e6, checked.seconds, rate,
+        )
+    return checked.to_dict()
+
+
+def check_whole_splits(shards: pipeline.Shards, key: str) -> None:
+    """A pattern names whole splits of its manifest: one naming part of a split would train on (or evaluate)
+    other records than the split's, with other steps per epoch, whenever a shard is added or lost."""
+    names = {posixpath.basename(f) for f in shards.files}
+    folder = posixpath.dirname(shards.pattern)
+    for split, info in shards.manifest["splits"].items():
+        listed = [entry["file"] for entry in info["shards"]]
+        left = [name for name in listed if name not in names]
+        if left and len(left) < len(listed):
+            example = f" (e.g. {folder}/{split}-*.tfrecord)" if all(n.startswith(f"{split}-") for n in listed) else ""
+            raise DataError(
+                f"{key} ({shards.pattern!r}) names {len(listed) - len(left)} of the {len(listed)} shards of split "
+                f"{split!r} in {posixpath.join(folder, pipeline.MANIFEST)}; not named: {', '.join(left[:3])}"
+                f"{' ...' if len(left) > 3 else ''}. A pattern must name whole splits, so that what is trained and "
+                f"evaluated, and the steps per epoch, are the manifest's: name all of {split!r}{example}. For fewer "
+                "steps set train.steps_per_epoch; for fewer records prepare a smaller split (`runner prepare "
+                "--limit N`) or `runner manifest` a folder that holds only those shards"
+            )
+
+
+def classes_of(spec: JobSpec) -> int | None:
+    """The number of classes of a built-in classifier (its `classes` param), None for other models."""
+    default = CLASSIFIERS.get(spec.model.name)
+    if default is None:
+        return None
+    classes = spec.model.params.get("classes", default)
+    return classes if isinstance(classes, int) and not isinstance(classes, bool) else None
+
+
+def check_labels(spec: JobSpec, shards: pipeline.Shards) -> None:
+    """The manifest's label ranges (written by `runner prepare` and `runner manifest`) against the model's
+    classes. A label outside them fails on a CPU but is read as garbage on a TPU or GPU: refuse it here,
+    naming the shard and its first record that holds one."""
+    classes, label = classes_of(spec), spec.data.label
+    if classes is None or shards.manifest.get("label") != label:
+        return
+    unrecorded, entries = 0, pipeline.manifest_entries(shards.manifest)
+    for shard in pipeline.listed_in(shards):
+        entry = entries[posixpath.basename(shard.path)][2]
+        labels = entry.get("label_range")
+        if labels is None:
+            unrecorded += entry["records"] > 0
+            continue
+        low, high = labels
+        if low >= 0 and high < classes:
+            continue
+        field = f"{shard.where}.label_range"
+        allowed = f"the {classes} classes of model {spec.model.name} (0 to {classes - 1}, model.params.classes)"
+        found = _first_label_outside(shard.path, shards.features[label], label, classes)
+        if found is None:
+            raise DataError(
+                f"{field} is [{low}, {high}], outside {allowed}, but the shard's records are all inside them: "
+                f"the manifest is wrong; {verify.WRITE_AGAIN}"
+            )
+        record, value = found
+        raise DataError(
+            f"{shard.path}: record {record} (counting from 0) has {label} {value}, outside {allowed}; "
+            f"{field} is [{low}, {high}]. Set model.params.classes to at least {high + 1}, or fix the labels"
+        )
+    if unrecorded:
+        log.warning(
+            "%s records no label_range for %d shard(s): labels are not checked against the %d classes of model %s; "
+            "write the manifest again to have them checked",
+            posixpath.join(posixpath.dirname(shards.pattern), pipeline.MANIFEST), unrecorded, classes, spec.model.name,
+        )
+
+
+def _first_label_outside(path: str, feature: schema.Feature, label: str, classes: int) -> tuple[int, int] | None:
+    """(record index, label) of the shard's first record whose label is not a class id, if its bytes read."""
+    parsed = tf.data.TFRecordDataset(path).batch(4096).map(lambda batch: schema.parse_batch(batch, {label: feature})[label])
+    seen = 0
+    try:
+        for batch in parsed:
+            values = batch.numpy().reshape(len(batch), -1)[:, 0]
+            outside = np.flatnonzero((values < 0) | (values >= classes))
+            if outside.size:
+                return seen + int(outside[0]), int(values[outside[0]])
+            seen += len(values)
+    except tf.errors.OpError:  # a shard that does not read names itself in the byte checks
+        return None
+    return None
+
+
+def _check_sizes_listed(spec: JobSpec, listed: list[verify.Listed]) -> None:
+    if spec.data.verify != "size":
+        return
+    unsized = [shard for shard in listed if shard.bytes is None]
+    if not unsized:
+        return
+    manifests = sorted({shard.where.split(": ")[0] for shard in unsized})
+    folders = " ".join(posixpath.dirname(m) for m in manifests)
+    raise DataError(
+        f"data.verify (size): {', '.join(manifests)} lists no size for {len(unsized)} of the {len(listed)} shards "
+        f"(e.g. {unsized[0].where}.bytes): it was written before manifests recorded sizes. Record them once with "
+        f"`runner verify {folders} --record-sizes` (it checks every shard's sha256 first), or write the manifest "
+        "again (`runner prepare`, `runner manifest --force`); or run with --set data.verify=sha256 (reads every byte) "
+        "or --set data.verify=off"
+    )

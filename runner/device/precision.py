@@ -1,0 +1,108 @@
+"""`train.mixed_precision`: what a job computes in, and why (the summary's `accelerator.precision`).
+
+`auto` (the default) computes in bfloat16 where the device does so natively and in float32 elsewhere:
+every TPU; GPUs of compute capability 8.0 or more; CPUs with AVX512_BF16 or AMX (their flags in
+/proc/cpuinfo, read by runner/device/host.py). Variables stay float32 either way, and so does every model's output
+layer (runner/models.py). Under `auto`, a model whose output layer would compute in bfloat16 (an own model
+without `dtype="float32"` on it) trains in float32, and so does a built-in model listed in
+FLOAT32_UNDER_AUTO for the device (bfloat16 measured to cost it accuracy, or to be slower there).
+`float32`, `bfloat16` and `float16` are taken as asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tensorflow as tf
+
+from runner.device import host
+
+log = logging.getLogger(__name__)
+keras = tf.keras
+
+# Built-in models that `auto` keeps in float32, by (model, device kind), with the reason measured side by side
+# (benchmarks/RESULTS.md, "accuracy: auto against float32"): bfloat16 cost the model more accuracy than
+# benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE), or ran it slower than float32. Measured on
+# this project's CPU only, so listed for "cpu": a TPU computes them in bfloat16. (A job whose data, not its
+# model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
+FLOAT32_UNDER_AUTO: dict[tuple[str, str], str] = {
+    ("imdb_lstm", "cpu"): "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
+    ("weather_rnn", "cpu"): "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
+}
+
+
+@dataclasses.dataclass
+class Precision:
+    """The policy a job computes in (float32 | bfloat16 | float16), why, and whether `auto` chose it."""
+
+    policy: str
+    reason: str
+    auto: bool = False
+
+    def to_dict(self) -> dict[str, str]:
+        return {"policy": self.policy, "reason": self.reason}
+
+    def apply(self) -> None:
+        """Sets Keras's global policy: layers built from now on compute in it (variables stay float32)."""
+        keras.mixed_precision.set_global_policy("float32" if self.policy == "float32" else f"mixed_{self.policy}")
+
+    def fall_back(self, reason: str) -> None:
+        """`auto` chose bfloat16 but the model cannot have it: float32, with the reason."""
+        self.policy, self.reason = "float32", reason
+        self.apply()
+
+
+def _gpus() -> list[tuple[str, tuple[int, int] | None]]:
+    found = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        found.append((details.get("device_name", gpu.name), details.get("compute_capability")))
+    return found
+
+
+def decide(
+    asked: str, model_name: str, kind: str, cpuinfo: str | None = None,
+    gpus: list[tuple[str, tuple[int, int] | None]] = (),
+    float32_models: dict[tuple[str, str], str] | None = None,
+) -> Precision:
+    """The precision for `train.mixed_precision` (`asked`) on a device of `kind` (tpu, gpu, cpu), from the
+    host's facts as given: the /proc/cpuinfo text, the GPUs' (name, compute capability), and the built-in
+    models kept in float32 under auto, by (model, kind) (default FLOAT32_UNDER_AUTO)."""
+    if asked != "auto":
+        return Precision(asked, f"train.mixed_precision: {asked}")
+    policy, reason = host.native_precision(kind, cpuinfo, gpus)
+    kept = FLOAT32_UNDER_AUTO if float32_models is None else float32_models
+    why = kept.get((model_name, kind))
+    if policy == "bfloat16" and why:
+        policy, reason = "float32", f"{reason}, but model {model_name!r}: {why}: float32"
+    return Precision(policy, reason, auto=True)
+
+
+def choose(asked: str, model_name: str, kind: str) -> Precision:
+    """decide() with this host's facts: its CPU flags for a CPU job, its GPUs' compute capability for a GPU one."""
+    cpuinfo = host.read_cpuinfo() if kind == "cpu" and asked == "auto" else None
+    gpus = _gpus() if kind == "gpu" and asked == "auto" else []
+    return decide(asked, model_name, kind, cpuinfo, gpus)
+
+
+def output_not_float32(model: keras.Model) -> str | None:
+    """Why the model's output is not float32 (the layer computing it in another type), None when it is."""
+    for tensor in model.outputs:
+        dtype = getattr(tensor.dtype, "name", tensor.dtype)
+        if dtype != "float32":
+            history = getattr(tensor, "_keras_history", None)  # Keras 3: .operation; tf-keras: .layer
+            layer = getattr(history, "operation", None) or getattr(history, "layer", None)
+            named = f"its output layer {layer.name!r}" if layer is not None else "its output"
+            return f"{named} computes in {dtype} (give that layer dtype='float32' to train the rest in bfloat16)"
+    return None
+
+
+def onednn_enabled() -> bool | None:
+    """Whether TensorFlow runs its oneDNN CPU kernels (runner/__init__.py turns them on unless
+    TF_ENABLE_ONEDNN_OPTS says otherwise); None when this TensorFlow cannot tell."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())

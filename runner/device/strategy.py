@@ -1,0 +1,237 @@
+"""The one place that chooses a device and builds the tf.distribute strategy; everything else is handed it.
+
+Order for `accelerator.kind: auto`:
+  1. a TPU, if one is indicated: `accelerator.tpu`, else $TPU_NAME, else $COLAB_TPU_ADDR (grpc://),
+     else `local` when TPU device files exist (/dev/accel*, /dev/vfio). No indication: no TPU attempt,
+     so a CPU-only run does not wait for a TPU that is not there;
+  2. GPUs: MirroredStrategy over every visible GPU (MultiWorkerMirroredStrategy when TF_CONFIG names
+     several workers);
+  3. the CPU (MirroredStrategy over `accelerator.cpu_devices` logical devices when more than one).
+`kind: tpu|gpu|cpu` asks for exactly that and fails (exit 3) when it is not there.
+A TPU's device API (PJRT or stream executor, per generation) is set before TensorFlow loads: runner/device/tpu_env.py.
+Every TPU step runs under `accelerator.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import tensorflow as tf
+
+from runner.device import host
+from runner.device.bounded import Bounded
+from runner import AcceleratorError, SpecError
+from runner.spec.types import AcceleratorSpec
+from runner.device.tpu_env import TpuRuntime, applied_tpu_env, apply_tpu_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """What the job runs on: handed to data, training and the summary."""
+
+    strategy: tf.distribute.Strategy
+    kind: str  # tpu | gpu | cpu
+    replicas: int
+    workers: int = 1
+    worker_index: int = 0
+    detail: str = ""
+    tpu_runtime: TpuRuntime | None = None  # the TPU device API and its settings (runner/device/tpu_env.py)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.worker_index == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        legacy = os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
+        return {
+            "kind": self.kind,
+            "replicas": self.replicas,
+            "workers": self.workers,
+            "detail": self.detail,
+            "tensorflow": tf.__version__,
+            "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
+            # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
+            "allocator": host.allocator_in_use()[0],
+            "tpu_runtime": self.tpu_runtime.to_dict() if self.tpu_runtime else None,
+        }
+
+
+def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
+    """The global batch split evenly across the replicas; refused when it does not divide."""
+    replicas = accelerator.replicas
+    if global_batch % replicas:
+        raise SpecError(
+            f"data.global_batch_size ({global_batch}) must be divisible by the number of replicas ({replicas}); "
+            f"try {max(replicas, global_batch // replicas * replicas)}"
+        )
+    per_replica = global_batch // replicas
+    if accelerator.kind == "tpu" and per_replica % 8:
+        log.warning("per-replica batch %d is not a multiple of 8: TPU cores pad it (128 per core is best)", per_replica)
+    return per_replica
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:
+    """The TPU to try, from the spec or the environment (runner/device/host.py); None when nothing points at a TPU."""
+    return host.tpu_target(spec.tpu, environ)
+
+
+def _bounded(what: str, seconds: float, fn: Callable[[], Any]) -> Any:
+    """fn() within `seconds`. A thread, not a process: the TPU system must be initialised in this process."""
+    try:
+        return Bounded(what, fn).result(seconds)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not finish within accelerator.timeout_s ({seconds:g} s)") from None
+
+
+def _probe_grpc(target: str, seconds: float) -> None:
+    """A remote TPU that does not answer makes experimental_connect_to_cluster hang forever: knock first."""
+    address = urlparse(target)
+    try:
+        with socket.create_connection((address.hostname, address.port or 8470), timeout=min(seconds, 5.0)):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address.hostname}:{address.port or 8470} ({exc})") from None
+
+
+def _tpu_hints(target: str) -> str:
+    hints = [
+        "the TPU runtime version matches the TensorFlow in the image (tensorflow-tpu and its pinned libtpu)",
+        "the container runs with --privileged --net=host so /dev/accel* and the TPU driver are visible",
+    ]
+    if target == "local" and os.path.exists(host.LIBTPU_LOCKFILE):
+        hints.append(f"a stale {host.LIBTPU_LOCKFILE} left by a killed run (`runner doctor` tells whether a process holds it)")
+    if target.startswith("grpc://"):
+        hints.append("the address and port of the TPU node, and that this machine can reach it")
+    return "; ".join(hints)
+
+
+def _cause(exc: BaseException) -> str:
+    """The line of a TensorFlow error that says what went wrong, not "Graph execution error:" and the node."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    boilerplate = ("Graph execution error", "Detected at node", "<stack traces unavailable>", "[[")
+    telling = [line for line in lines if not line.startswith(boilerplate)]
+    return (telling or lines or [""])[0]
+
+
+def connect_tpu(target: str, timeout_s: float) -> Accelerator:
+    # The device API was chosen before TensorFlow loaded (`runner run`); a caller that skipped that gets the
+    # choice recorded here, and a problem if TensorFlow loaded too early for it.
+    runtime = applied_tpu_env() or apply_tpu_env(target)
+    steps = [f"device API: {runtime.describe()}"]
+    if runtime.problem:
+        raise AcceleratorError(f"could not start the TPU {target!r} (device API {runtime.describe()}): {runtime.problem}")
+    try:
+        if target.startswith("grpc://"):
+            steps.append(f"probe {target}")
+            _probe_grpc(target, timeout_s)
+        steps.append("TPUClusterResolver")
+        resolver = _bounded(
+            "TPUClusterResolver", timeout_s, lambda: tf.distribute.cluster_resolver.TPUClusterResolver(tpu=target)
+        )
+        if target != "local":
+            steps.append("experimental_connect_to_cluster")
+            _bounded("connect_to_cluster", timeout_s, lambda: tf.config.experimental_connect_to_cluster(resolver))
+        steps.append("initialize_tpu_system")
+        topology = _bounded("initialize_tpu_system", timeout_s, lambda: tf.tpu.experimental.initialize_tpu_system(resolver))
+        strategy = tf.distribute.TPUStrategy(resolver)
+    except Exception as exc:  # each TF version raises its own types here; all mean "no usable TPU"
+        raise AcceleratorError(
+            f"could not start the TPU {target!r} at step {steps[-1] if steps else '?'} "
+            f"({type(exc).__name__}: {_cause(exc)}); "
+            f"tried: {' -> '.join(steps)}. Check: {_tpu_hints(target)}"
+        ) from exc
+    workers = getattr(topology, "num_tasks", 1)
+    cores = strategy.num_replicas_in_sync
+    detail = f"{target}: {cores} cores, {workers} worker(s), mesh {list(getattr(topology, 'mesh_shape', []))}"
+    return Accelerator(strategy, "tpu", cores, workers=workers, detail=detail, tpu_runtime=runtime)
+
+
+def _split_cpu(devices: int) -> None:
+    cpus = tf.config.list_physical_devices("CPU")
+    current = tf.config.get_logical_device_configuration(cpus[0])
+    if current is None or len(current) != devices:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(devices)]
+        )
+
+
+def cluster_from_env(environ: dict[str, str]) -> tuple[int, int]:
+    """(workers, this worker's index) from TF_CONFIG; (1, 0) when it is absent."""
+    config = json.loads(environ.get("TF_CONFIG", "") or "{}")
+    workers = len(config.get("cluster", {}).get("worker", [])) + len(config.get("cluster", {}).get("chief", []))
+    task = config.get("task", {})
+    index = task.get("index", 0) + (1 if task.get("type") == "worker" and "chief" in config.get("cluster", {}) else 0)
+    return max(workers, 1), index
+
+
+def _mirrored(kind: str, devices: int, environ: dict[str, str]) -> Accelerator:
+    workers, index = cluster_from_env(environ)
+    if workers > 1:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        detail = f"MultiWorkerMirroredStrategy over {workers} workers ({devices} {kind} device(s) each), worker {index}"
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, workers=workers, worker_index=index, detail=detail)
+    if devices > 1:
+        strategy = tf.distribute.MirroredStrategy()
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, detail=f"MirroredStrategy over {devices} {kind} devices")
+    return Accelerator(tf.distribute.get_strategy(), kind, 1, detail=f"one {kind} device")
+
+
+def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> Accelerator:
+    """Builds the strategy for the spec (the order is in the module docstring); logs the choice once."""
+    environ = dict(os.environ if environ is None else environ)
+    started = time.monotonic()
+    accelerator = _resolve(spec, environ)
+    if accelerator.kind != "tpu" and applied_tpu_env() is not None:
+        # Fell back from a TPU: the summary still says which device API the TPU was tried with.
+        accelerator = dataclasses.replace(accelerator, tpu_runtime=applied_tpu_env())
+    log.info(
+        "accelerator: %s x%d (%s) in %.2f s", accelerator.kind, accelerator.replicas, accelerator.detail,
+        time.monotonic() - started,
+    )
+    return accelerator
+
+
+def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
+    if spec.kind in ("auto", "tpu"):
+        target = tpu_target(spec, environ)
+        if target is not None:
+            try:
+                return connect_tpu(target, spec.timeout_s)
+            except AcceleratorError as exc:
+                if spec.kind == "tpu":
+                    raise
+                log.warning("no TPU, falling back: %s", exc)
+        elif spec.kind == "tpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'tpu' but nothing names a TPU: set accelerator.tpu (local, a TPU name or "
+                "grpc://host:8470), or TPU_NAME / COLAB_TPU_ADDR, or run on a TPU VM"
+            )
+    if spec.kind in ("auto", "gpu"):
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            return _mirrored("gpu", len(gpus), environ)
+        if spec.kind == "gpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'gpu' but TensorFlow sees no GPU: check the image has a CUDA build of "
+                "TensorFlow and the container runs with --gpus all"
+            )
+    if spec.cpu_devices > 1:
+        _split_cpu(spec.cpu_devices)
+    return _mirrored("cpu", spec.cpu_devices, environ)

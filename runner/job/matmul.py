@@ -1,0 +1,120 @@
+"""`kind: matmul_bench`: the classic CPU/GPU/TPU comparison, an N x N matrix multiplied in a chain, in TFLOPS.
+
+Every replica multiplies its own copy of the operands, so the figure covers the whole accelerator (all
+TPU cores, all GPUs). Two numbers, because they answer different questions:
+  cold  the first call: tracing, compilation (XLA on a TPU) and the run, as a one-off job pays them;
+  warm  the median of the later calls: what the device sustains once compiled.
+Each timed call ends by reading its (reduced, scalar) result back to the host: dispatch is asynchronous,
+and without that sync a call would return before the device has done the work. In the summary,
+`timing.build_s` is making the operands and `timing.train_s` the timed calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+
+import tensorflow as tf
+
+from runner.rundir.attempt import Attempt, JobResult, error_of
+from runner import RunnerError
+from runner.spec.types import JobSpec, MatmulSpec
+from runner.device.strategy import resolve_accelerator
+
+log = logging.getLogger(__name__)
+
+
+def chain_call(strategy: tf.distribute.Strategy, matmul: MatmulSpec):
+    """A compiled function computing sum(A @ B @ ... @ B) on every replica, summed across replicas."""
+    dtype = tf.dtypes.as_dtype(matmul.dtype)
+    shape = (matmul.size, matmul.size)
+    with strategy.scope():
+        a = tf.Variable(tf.cast(tf.random.stateless_normal(shape, seed=(0, 1)), dtype), trainable=False)
+        # B is scaled by 1/sqrt(N) so each product keeps values near 1: a float16 chain would overflow otherwise.
+        b = tf.Variable(
+            tf.cast(tf.random.stateless_normal(shape, seed=(0, 2)) / math.sqrt(matmul.size), dtype), trainable=False
+        )
+
+    def replica_chain() -> tf.Tensor:
+        x = a.read_value()
+        for _ in range(matmul.chain):
+            x = tf.matmul(x, b)
+        return tf.reduce_sum(tf.cast(x, tf.float32))
+
+    @tf.function
+    def call() -> tf.Tensor:
+        per_replica = strategy.run(replica_chain)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return call
+
+
+def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
+    """Times the cold call and `iterations` warm calls; returns the summary's `matmul` block and TFLOPS."""
+    flops = 2 * matmul.size**3 * matmul.chain * replicas
+    began = time.monotonic()
+    checksum = float(call().numpy())  # .numpy() waits for the device: the sync that makes the timing real
+    cold_s = time.monotonic() - began
+    warm = []
+    for _ in range(matmul.iterations):
+        began = time.monotonic()
+        call().numpy()
+        warm.append(time.monotonic() - began)
+    if not math.isfinite(checksum):
+        raise RunnerError(
+            f"the matmul chain's result is not finite ({checksum}) in {matmul.dtype}: lower matmul.chain "
+            "or use matmul.dtype float32"
+        )
+    warm_s = statistics.median(warm)
+    return {
+        "tflops": {"cold": _significant(flops / cold_s / 1e12), "warm": _significant(flops / warm_s / 1e12)},
+        "matmul": {
+            "size": matmul.size,
+            "chain": matmul.chain,
+            "dtype": matmul.dtype,
+            "replicas": replicas,
+            "flops_per_call": flops,
+            "cold_s": round(cold_s, 6),
+            "warm_s": round(warm_s, 6),
+            "warm_calls_s": [round(s, 6) for s in warm],
+            "checksum": checksum,
+        },
+    }
+
+
+def _significant(value: float, digits: int = 4) -> float:
+    """Rounded to `digits` significant figures: a CPU's 0.0004 TFLOPS and a TPU's 180 both keep their precision."""
+    return float(f"{value:.{digits}g}")
+
+
+def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> JobResult:
+    """Runs a matmul_bench job; returns its summary and the error that ended it, if any.
+
+    A benchmark is measured afresh on every run: each run is a new attempt and replaces summary.json.
+    """
+    attempt = Attempt.begin(spec, spec_loaded_at)
+    attempt.number = attempt.run.next_attempt()
+    attempt.run.write_json("spec.json", spec.to_dict())
+    attempt.extra.update(kind="matmul_bench", attempt=attempt.number, run_dir=attempt.run.path)
+    status, error = "failed", None
+    try:
+        with attempt.phases.phase("strategy"):
+            attempt.accelerator = accelerator = resolve_accelerator(spec.accelerator)
+        with attempt.phases.phase("build"):
+            call = chain_call(accelerator.strategy, spec.matmul)
+        with attempt.phases.phase("train"):
+            result = measure(call, spec.matmul, accelerator.replicas)
+        attempt.extra.update(result)
+        log.info(
+            "matmul %d x %d, chain %d, %s on %s: %.4g TFLOPS cold, %.4g TFLOPS warm",
+            spec.matmul.size, spec.matmul.size, spec.matmul.chain, spec.matmul.dtype, accelerator.kind,
+            result["tflops"]["cold"], result["tflops"]["warm"],
+        )
+        status = "succeeded"
+    except Exception as exc:  # the summary must still be written
+        error = error_of(exc, spec, "matmul_bench")
+    summary = attempt.summary(status, error)  # no batches: a benchmark of the device alone
+    attempt.finish(summary, keep_succeeded=False)
+    return JobResult(summary, error)

@@ -1,0 +1,101 @@
+"""One attempt at a job: its run folder, its number, its timed phases, and the summary it always writes.
+
+A job (runner/job/run.py) and the matmul benchmark (runner/job/matmul.py) both end through `Attempt.finish`, in a
+`finally`-like epilogue: whatever stopped the attempt, its summary is built, written by the chief, and
+returned for stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from runner import PROCESS_START
+from runner.data import storage
+from runner import RunnerError
+from runner.rundir.outputs import RunFolder
+from runner.spec.types import JobSpec
+from runner.device.strategy import Accelerator
+from runner.rundir.timing import EpochRecord, Phases, build_summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class JobResult:
+    summary: dict
+    error: RunnerError | None = None
+    already_complete: bool = False
+
+
+@dataclasses.dataclass
+class Attempt:
+    spec: JobSpec
+    run: RunFolder
+    phases: Phases
+    number: int = 0  # 0 until the run folder gives it one
+    worker_index: int = 0  # this process's place in a multi-worker cluster (TF_CONFIG); 0 is the chief
+    accelerator: Accelerator | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def begin(cls, spec: JobSpec, spec_loaded_at: float | None) -> "Attempt":
+        """Starts the clock's phases: the process start-up, then TensorFlow's import after the spec was checked."""
+        phases = Phases(start=PROCESS_START)
+        entered = time.monotonic()
+        phases.add("startup", (spec_loaded_at or entered) - PROCESS_START)
+        phases.add("import", entered - (spec_loaded_at or entered))
+        return cls(spec, RunFolder(spec.run_dir), phases)
+
+    def summary(
+        self,
+        status: str,
+        error: RunnerError | None,
+        *,
+        epochs: list[EpochRecord] = (),
+        metrics: dict[str, Any] | None = None,
+        global_batch: int | None = None,
+        input_wait_method: str = "not measured",
+    ) -> dict[str, Any]:
+        return build_summary(
+            status=status,
+            job=self.spec.name,
+            accelerator=None if self.accelerator is None else self.accelerator.to_dict(),
+            phases=self.phases,
+            epochs=list(epochs),
+            global_batch=global_batch,
+            metrics=metrics or {},
+            error=None if error is None else str(error),
+            extra=self.extra,
+            input_wait_method=input_wait_method,
+        )
+
+    def finish(self, summary: dict[str, Any], *, keep_succeeded: bool = True) -> None:
+        """Writes the summary (the chief only): attempts/<n>.json and summary.json. With `keep_succeeded`, a
+        summary that did not succeed never replaces a succeeded one (runner/rundir/outputs.py). Then the run folder's
+        lease is released, whatever the status."""
+        try:
+            if self.accelerator is None or self.accelerator.is_chief:
+                self.run.write_summary(summary, self.number, keep_succeeded=keep_succeeded)
+        except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
+            log.error("could not write the summary to %s: %s", self.run.path, exc.message.splitlines()[0])
+        finally:
+            self.run.close()
+
+
+def error_of(exc: Exception, spec: JobSpec, what: str = "training") -> RunnerError:
+    """A RunnerError for any exception that ended an attempt: a storage fault (exit 3) naming the bucket, else
+    the exception's own text (exit 1). The original stays as __cause__ for `--debug`."""
+    if isinstance(exc, RunnerError):
+        return exc
+    log.debug("%s failed", what, exc_info=True)
+    paths = (spec.data.train, spec.data.eval, spec.output.dir)
+    error = storage.storage_error(exc, paths, spec.storage.timeout_s) or RunnerError(
+        f"{what} failed: {type(exc).__name__}: {exc}"
+    )
+    error.__cause__ = exc
+    return error

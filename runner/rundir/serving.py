@@ -1,0 +1,65 @@
+"""The run's SavedModel (`saved_model/`), for TF Serving and TensorFlow without Keras or the runner.
+
+Two endpoints:
+    serve            the model's own inputs (what `model.export` writes; also `serving_default`)
+    serve_examples   a batch of serialized tf.train.Example, as the shards hold them: parsed and decoded by
+                     the runner's own parser (runner/data/schema.py) and passed through `data.preprocess`, so a
+                     client sends records and gets the model's outputs with the exact input handling of
+                     training
+
+    loaded = tf.saved_model.load("runs/mnist_cnn/saved_model")
+    loaded.serve_examples(tf.constant([record_bytes, ...]))     # -> the model's outputs
+
+`serve_examples` parses the input features only (no label needed). A `data.preprocess` that needs the label
+(or anything else a record without it lacks) cannot be traced that way: the SavedModel then has `serve`
+alone and a warning says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+SERVE, SERVE_EXAMPLES = "serve", "serve_examples"
+
+
+_RECORDS = tf.TensorSpec([None], tf.string, name="examples")
+
+
+def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any] | None) -> list[str]:
+    """Writes the SavedModel at `path`; returns the endpoints written (serve first: the serving default).
+
+    `examples_to_inputs` maps a [batch] string tensor of serialized Examples to the model's inputs
+    (data.example_inputs); None exports `serve` alone, as `model.export` does.
+    """
+    parse = None
+    if examples_to_inputs is not None:
+        try:
+            parse = tf.function(examples_to_inputs, input_signature=[_RECORDS]).get_concrete_function()
+        except Exception as exc:  # a preprocess that needs what a record without its label lacks
+            log.warning("saved_model: no %s endpoint: data.preprocess could not be traced on the input features "
+                        "alone (%s: %s)", SERVE_EXAMPLES, type(exc).__name__, str(exc).splitlines()[0])
+    if parse is None:
+        model.export(path, **_quiet(model.export))
+        return [SERVE]
+    archive = tf.keras.export.ExportArchive()
+    archive.track(model)
+    # The model's inputs are what the parser produces, with the batch dimension left open.
+    inputs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parse.structured_outputs)
+    archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs]))
+    archive.add_endpoint(
+        SERVE_EXAMPLES,
+        tf.function(lambda examples: model(examples_to_inputs(examples), training=False), input_signature=[_RECORDS]),
+    )
+    archive.write_out(path, **_quiet(archive.write_out))
+    return [SERVE, SERVE_EXAMPLES]
+
+
+def _quiet(method: Callable) -> dict[str, Any]:
+    # Keras 3 prints every exported variable unless told not to; tf-keras has no such argument.
+    return {"verbose": False} if "verbose" in inspect.signature(method).parameters else {}

@@ -1,0 +1,336 @@
+"""Loading a job spec from YAML: `load_spec` reads the file, applies `--set` overrides and validates the
+whole of it against runner/spec/types.py's JobSpec before TensorFlow is imported; every error names the file, the
+line and the dotted key (or the `--set` it came from). This module must never import TensorFlow.
+
+Loading is bounded, whatever the input: a file over MAX_BYTES is not read, a `--set` over MAX_OVERRIDE_CHARS
+is not parsed, and the YAML itself is parsed within runner/spec/yaml_lines.py's bounds (depth, values counted through
+aliases, one document, plain keys).
+
+`preflight` is what `runner validate` adds: the checks that read the disk but import nothing (user modules
+found inside the spec's code roots, the data's manifest against the batch size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import stat
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from runner import SpecError
+from runner.spec.types import JobSpec
+from runner.spec.yaml_lines import MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
+from runner.spec.usercode import find_code
+
+MAX_OVERRIDES = 256
+MAX_OVERRIDE_CHARS = 64 << 10
+# Problems listed in one error: a spec with thousands of bad keys gets the first ones and a count.
+MAX_PROBLEMS = 20
+_KEY = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+# --- reading the file and the overrides ---------------------------------------------------------------
+
+
+def _read(path: Path) -> str:
+    try:
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise SpecError("is a folder; pass the path of a job spec such as jobs/mnist_cnn.yaml", file=path)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError("is not a regular file (a pipe or a device); pass a job spec file", file=path)
+        if info.st_size > MAX_BYTES:
+            raise SpecError(f"is {info.st_size:,} bytes; a job spec is at most {MAX_BYTES:,} (1 MiB)", file=path)
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        folder = path.parent.absolute()
+        near = difflib.get_close_matches(path.name, sorted(p.name for p in folder.glob("*.y*ml")), n=1) if folder.is_dir() else []
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise SpecError(f"no such file in {folder}{hint}; pass the path of a job spec such as jobs/mnist_cnn.yaml",
+                        file=path) from None
+    except PermissionError:
+        raise SpecError("cannot be read (permission denied)", file=path) from None
+    except OSError as exc:
+        raise SpecError(f"cannot be read ({exc.strerror or exc})", file=path) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError(f"is over {MAX_BYTES:,} bytes; a job spec is at most 1 MiB", file=path)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(f"byte {exc.start} is not UTF-8 text; a job spec is a UTF-8 YAML file", file=path, line=line) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` -> (dotted key, YAML-typed value), within the same bounds as a spec file."""
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise SpecError(f"--set {shown(text)}: {len(text):,} characters; a --set is at most {MAX_OVERRIDE_CHARS:,}")
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(rf"{_KEY}(\.{_KEY})*", key):
+        raise SpecError(f"--set {shown(text)} must look like key.sub=value (for example train.epochs=3)")
+    if key.count(".") >= MAX_DEPTH:
+        raise SpecError(f"--set {shown(text)}: the key is nested more than {MAX_DEPTH} levels deep")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(f"--set {shown(text)}: the value holds bytes that are not UTF-8 text") from None
+    if not raw.strip():
+        return key, ""
+    try:
+        value, _ = parse_yaml(raw)
+    except SpecError as exc:
+        raise SpecError(f"--set {shown(text)}: the value is not usable YAML ({exc.message})") from None
+    return key, value
+
+
+def _set_dotted(doc: dict, dotted: str, value: Any, text: str) -> None:
+    parts = dotted.split(".")
+    node = doc
+    for index, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SpecError(f"--set {shown(text)}: {'.'.join(parts[: index + 1])!r} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+# --- validation ----------------------------------------------------------------------------------------
+
+
+def _allowed_keys(path: tuple) -> list[str]:
+    model: type[BaseModel] | None = JobSpec
+    parts = iter(path)
+    for part in parts:
+        field = model.model_fields.get(part) if model and isinstance(part, str) else None
+        annotation = field.annotation if field else None
+        # A section may be optional (`profile: ProfileSpec | None`): its model is the union's model member.
+        model = next(
+            (c for c in (annotation, *typing.get_args(annotation)) if isinstance(c, type) and issubclass(c, BaseModel)),
+            None,
+        )
+        if model is None and (values := _mapping_of_models(annotation)) is not None:
+            model = values
+            next(parts, None)  # the mapping's own key (e.g. a feature name under data.features)
+    return sorted(model.model_fields) if model else []
+
+
+def _mapping_of_models(annotation: Any) -> type[BaseModel] | None:
+    """The model of `dict[str, Model]` (or `dict[str, Model] | None`), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(candidate) is dict:
+            value = typing.get_args(candidate)[1]
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                return value
+    return None
+
+
+def _describe(error: dict, listed: set[tuple]) -> tuple[tuple, str]:
+    """(dotted key path, message) of one pydantic error; `listed` holds the sections whose allowed keys an
+    earlier message already listed (listed once, not once per unknown key)."""
+    path = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":
+        parent, unknown = path[:-1], str(path[-1])
+        allowed = _allowed_keys(parent)
+        close = difflib.get_close_matches(unknown, allowed, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        listing = "" if parent in listed else f" (allowed here: {', '.join(allowed)})"
+        listed.add(parent)
+        return path, f"unknown key {shown(unknown)}{hint}{listing}"
+    message = error["msg"].removeprefix("Value error, ")
+    # Pydantic's own messages do not quote the value; the spec's validators (value_error) do.
+    if "input" in error and error["type"] not in ("model_type", "value_error") and not isinstance(error["input"], dict):
+        message += f" (got {_shown_value(error['input'])})"
+    return path, message
+
+
+def _shown_value(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:76] + "..."
+
+
+def _line_for(lines: dict[tuple, int], key_path: tuple) -> int | None:
+    for end in range(len(key_path), 0, -1):
+        if key_path[:end] in lines:
+            return lines[key_path[:end]]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where each key of a loaded spec came from, to name it in an error: the file's line or the `--set`."""
+
+    path: Path
+    lines: dict[tuple, int]
+    overridden: dict[tuple, str]
+
+    def holds(self, key_path: tuple) -> bool:
+        return key_path in self.lines or any(key_path[: len(p)] == p for p in self.overridden)
+
+    def where(self, key_path: tuple) -> str:
+        texts = [o for p, o in self.overridden.items() if key_path[: len(p)] == p or p[: len(key_path)] == key_path]
+        if texts:
+            return f"--set {shown(texts[-1])}"
+        line = _line_for(self.lines, key_path)
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[JobSpec, Source]:
+    path = Path(path)
+    text = _read(path)
+    try:
+        doc, node = parse_yaml(text)
+    except SpecError as exc:
+        raise exc.at(path) from None
+    if doc is None:
+        raise SpecError("the file is empty; a job spec is a mapping such as `name: my_job`", file=path)
+    if not isinstance(doc, dict):
+        raise SpecError(f"a job spec must be a mapping of keys, not a {type(doc).__name__}", file=path, line=1)
+    if len(overrides) > MAX_OVERRIDES:
+        raise SpecError(f"{len(overrides)} --set options; at most {MAX_OVERRIDES}")
+    overridden: dict[tuple, str] = {}
+    for text_override in overrides:
+        key, value = parse_override(text_override)
+        _set_dotted(doc, key, value, text_override)
+        overridden[tuple(key.split("."))] = text_override
+    source = Source(path, key_lines(node), overridden)
+    context = {"base": os.path.dirname(os.path.abspath(path)), "from_cli": frozenset(overridden)}
+    try:
+        return JobSpec.model_validate(doc, context=context), source
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        problems: list[str] = []
+        listed: set[tuple] = set()
+        for error in errors[:MAX_PROBLEMS]:
+            key_path, message = _describe(error, listed)
+            if len(message) > 600:
+                message = message[:597] + "..."
+            where = source.where(key_path)
+            if not key_path or len(key_path) == 1 and error["type"] == "value_error" and _allowed_keys(key_path):
+                # A check across keys: its line is that of the first key it names that the file or a --set holds.
+                named = [tuple(k.split(".")) for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", message)]
+                named += [(w,) for w in re.findall(r"\b[a-z_]+\b", message) if w in JobSpec.model_fields]
+                where = source.where(next((k for k in named if source.holds(k)), key_path))
+            dotted = ".".join(str(part) for part in key_path)
+            problems.append(f"{where}: {dotted}: {message}" if dotted else f"{where}: {message}")
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(f"... and {len(errors) - MAX_PROBLEMS} more problems")
+        raise SpecError("\n".join(problems)) from None
+    except (RecursionError, ValueError, TypeError) as exc:  # pydantic itself gave up on a value
+        raise SpecError(f"cannot be checked ({type(exc).__name__}: {shown(str(exc))})", file=path) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Reads, checks and returns the job spec at `path` with `--set key=value` overrides applied."""
+    return _load(path, overrides)[0]
+
+
+# --- what `runner validate` adds ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Preflight:
+    """What validate found beyond the spec itself: problems (exit 2) and notes (what it could not check)."""
+
+    spec: JobSpec
+    problems: list[str]
+    notes: list[str]
+    code: dict[str, str]  # spec key -> the file its import path loads from
+
+
+def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Preflight:
+    """Loads the spec (SpecError as load_spec) and checks, importing nothing: every import path's module
+    inside the spec's code roots, and the local data against its manifest and the batch size."""
+    spec, source = _load(path, overrides)
+    problems: list[str] = []
+    code: dict[str, str] = {}
+    for key, import_path in spec.import_paths.items():
+        key_path = tuple(re.sub(r"\[\d+\]$", "", key).split("."))
+        try:
+            code[key] = find_code(import_path, key, spec.code_roots).origin
+        except SpecError as exc:
+            problems.append(f"{source.where(key_path)}: {exc}")
+    notes: list[str] = []
+    batch, devices = spec.data.global_batch_size, spec.accelerator.cpu_devices
+    if spec.kind == "train" and spec.accelerator.kind in ("auto", "cpu") and batch % devices:
+        # `runner run` refuses it once the strategy is built (after TensorFlow loads); on a TPU or GPU the
+        # CPU devices are not used, so only a spec that can end on the CPU is held to it here.
+        lower, upper = max(devices, batch // devices * devices), (batch // devices + 1) * devices
+        key = ("data", "global_batch_size") if source.holds(("data", "global_batch_size")) else ("accelerator", "cpu_devices")
+        problems.append(
+            f"{source.where(key)}: data.global_batch_size ({batch}) must be divisible by accelerator.cpu_devices "
+            f"({devices}), the replicas on the CPU: set it to {lower} or {upper}"
+        )
+    if spec.kind == "train":
+        for key in ("train", "eval", "validation"):
+            pattern = getattr(spec.data, key)
+            if pattern:
+                found, note = _check_data(spec, key, pattern, Path(path))
+                for about, problem in found:  # named where the key it is about was set, else at data.<key>
+                    problems.append(f"{source.where(about if source.holds(about) else ('data', key))}: {problem}")
+                if note and note not in notes:
+                    notes.append(note)
+    return Preflight(spec, problems, notes, code)
+
+
+def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple[list[tuple[tuple, str]], str | None]:
+    """The local shards of `data.<key>` against their manifest, as `runner run` will read them (no TensorFlow:
+    plain file reads): (problems, each with the key it is about; a note on what was not checked).
+    gs:// data is left to `runner run` and `runner doctor`."""
+    folder, name = os.path.dirname(pattern) or ".", os.path.basename(pattern)
+
+    def problem(message: str, about: tuple = ("data", key)) -> tuple[list[tuple[tuple, str]], None]:
+        return [(about, f"data.{key}: {message}")], None
+
+    if pattern.startswith("gs://"):
+        return [], f"data in {folder} not checked: validate reads no bucket (`runner doctor SPEC` does)"
+    if not os.path.isdir(folder):
+        return [], (
+            f"data not checked: {folder} does not exist yet; write it with `runner prepare DATASET --out {folder}` "
+            f"(a built-in dataset), or for your own TFRecords `runner manifest {spec_path}`"
+        )
+    files = sorted(glob.glob(pattern))
+    manifest_path = os.path.join(folder, "manifest.json")
+    if not files:
+        held = sorted(os.listdir(folder))
+        near = difflib.get_close_matches(name, held, n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
+        return problem(f"no files match {name!r} in {folder}{hint} (it holds: {shown})")
+    if not os.path.isfile(manifest_path):
+        return problem(
+            f"{folder} holds {len(files)} file(s) matching {name!r} but no manifest.json: for your own TFRecords, "
+            f"declare data.features and run `runner manifest {spec_path}`; for a built-in dataset, "
+            f"`runner prepare DATASET --out {folder}`"
+        )
+    try:
+        with open(manifest_path, "rb") as handle:
+            manifest = json.loads(handle.read(64 << 20))
+        shards = {e["file"]: int(e["records"]) for split in manifest["splits"].values() for e in split["shards"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return problem(
+            f"{manifest_path} cannot be read as a manifest ({type(exc).__name__}: {shown(str(exc))}); write it "
+            "again with `runner prepare` or `runner manifest --force`"
+        )
+    unlisted = [f for f in files if os.path.basename(f) not in shards]
+    if unlisted:
+        return problem(f"{unlisted[0]} matches {name!r} but {manifest_path} does not list it; narrow the pattern "
+                       "or write the manifest again")
+    records = sum(shards[os.path.basename(f)] for f in files)
+    batch = spec.data.global_batch_size
+    if key == "train" and spec.train.steps_per_epoch is None and records < batch:
+        return problem(
+            f"{records:,} records in {pattern} make no full batch of data.global_batch_size ({batch:,}); set "
+            f"data.global_batch_size to at most {records:,}, or add data",
+            about=("data", "global_batch_size"),
+        )
+    return [], None

@@ -1,0 +1,256 @@
+"""The one way a job spec reaches code: an import path `package.module:function`.
+
+A job spec names code (model.name, data.preprocess, train.loss, train.metrics), so a spec must be trusted
+like the Python script it amounts to: running a spec runs the functions it names. What the runner
+guarantees is the boundary: a spec reaches only the code it declares, a module in its code folder
+(`code.folder`, by default the spec file's own folder) or an installed package it lists (`code.packages`),
+plus the runner's built-ins by name (`model.name: mnist_cnn`, Keras loss and metric names). Any other
+importable module (the standard library, setuptools, TensorFlow, the runner's own modules) is refused,
+whatever its functions do.
+
+`check_import_path` checks the form at spec load; `find_code` finds the module inside those roots without
+importing or running anything (`runner validate`); `load_callable` imports it at start-up, from those roots
+only, and turns every way that can fail into a SpecError (exit 2) naming the path and what was found.
+There is no eval, no pickle, no code fetched from a bucket. This module imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import inspect
+import os
+import pkgutil
+import re
+import sys
+from importlib.machinery import ModuleSpec, PathFinder
+from types import ModuleType
+from typing import Any, Callable
+
+from runner import SpecError
+
+IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+IMPORT_PATH = re.compile(rf"{IDENTIFIER}(\.{IDENTIFIER})*:{IDENTIFIER}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeRoots:
+    """Where a spec's import paths may point: modules in `folder`, and the installed `packages` it lists."""
+
+    folder: str
+    packages: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """Where an import path's module is, found without importing it."""
+
+    path: str
+    origin: str  # the file (or folder) the module loads from
+    top: str  # the file (or folder) of its top-level package
+    in_folder: bool  # in the code folder (else an installed package the spec lists)
+
+
+def is_import_path(value: str) -> bool:
+    """True when `value` asks for user code (it has a colon), as opposed to naming a built-in."""
+    return ":" in value
+
+
+def check_import_path(value: str) -> str:
+    """Validates the form `package.module:function` (no import); raises ValueError for the spec loader."""
+    if not IMPORT_PATH.fullmatch(value):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise ValueError(
+            f"{shown!r} is not an import path: write `package.module:function` "
+            "(dotted module, one colon, a function name), e.g. `my_models.cnn:build`"
+        )
+    module = value.partition(":")[0]
+    top = module.split(".")[0]
+    if top in sys.stdlib_module_names:
+        raise ValueError(
+            f"{value!r} names the standard module {module!r}; name a function of your own code instead"
+        )
+    if top == "runner":
+        raise ValueError(
+            f"{value!r} names the runner's own module {module!r}: built-in models are named without a module "
+            f"({', '.join(_builtin_names())}), your own code as `package.module:function`"
+        )
+    return value
+
+
+def _builtin_names() -> tuple[str, ...]:
+    from runner.spec.types import MODEL_NAMES
+
+    return MODEL_NAMES
+
+
+def find_code(path: str, key: str, roots: CodeRoots) -> Found:
+    """Finds `path`'s module inside `roots` without importing or running anything; SpecError when it is not there.
+
+    `key` is the spec key that named it (e.g. `model.name`), quoted in every error.
+    """
+    _check_form(path, key)
+    module_name = path.partition(":")[0]
+    parts = module_name.split(".")
+    top = parts[0]
+
+    def refuse(reason: str) -> SpecError:
+        return SpecError(f"{key}: cannot import {module_name!r} for {path!r}: {reason}")
+
+    importlib.invalidate_caches()  # modules written since the last look (a test, an editor) are seen
+    folder = roots.folder
+    spec = PathFinder.find_spec(top, [folder]) if os.path.isdir(folder) else None
+    installed = _installed_spec(top)
+    in_folder = spec is not None
+    if in_folder:
+        if installed is not None and _location(installed) != _location(spec):
+            raise refuse(
+                f"{top!r} in the code folder {folder} has the name of an installed module ({_location(installed)}), "
+                "which Python imports first; rename your module"
+            )
+    elif top in roots.packages:
+        if installed is None:
+            raise refuse(
+                f"code.packages lists {top!r}, but it is not installed here: pip install it, or add the folder "
+                f"holding it to PYTHONPATH (searched: {_search_path()})"
+            )
+        spec = installed
+    else:
+        raise refuse(_outside_roots(top, folder, installed))
+    top_location = _location(spec)
+    for depth in range(1, len(parts)):
+        parent, name = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+        locations = list(spec.submodule_search_locations or [])
+        if not locations:
+            raise refuse(f"{parent!r} ({_location(spec)}) is a module, not a package: it has no {parts[depth]!r}")
+        found = PathFinder.find_spec(name, locations)
+        if found is None:
+            held = sorted(m.name for m in pkgutil.iter_modules(locations))
+            close = difflib.get_close_matches(parts[depth], held, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise refuse(
+                f"package {parent!r} ({locations[0]}) has no module {parts[depth]!r}{hint} "
+                f"(it holds: {', '.join(held) or 'no modules'})"
+            )
+        spec = found
+    return Found(path, _location(spec), top_location, in_folder)
+
+
+def _outside_roots(top: str, folder: str, installed: ModuleSpec | None) -> str:
+    if os.path.isdir(folder):
+        held = sorted(m.name for m in pkgutil.iter_modules([folder]))
+        close = difflib.get_close_matches(top, held, n=1)
+        where = f"{top!r} is not in the code folder {folder}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    else:
+        where = f"the code folder {folder} does not exist"
+    reason = (
+        f"{where}, and code.packages does not list it. Put your module there ({top}.py or {top}/), set "
+        "code.folder to the folder holding it, or list your installed package in code.packages"
+    )
+    if installed is not None:
+        reason += f" ({top!r} is installed at {_location(installed)}: list it only if it is your own code)"
+    return reason
+
+
+def _installed_spec(top: str) -> ModuleSpec | None:
+    """The spec Python's own import system would use for the top-level name; finding it runs no module code."""
+    try:
+        return importlib.util.find_spec(top)
+    except (ImportError, ValueError, AttributeError):
+        return None
+
+
+def _location(spec: ModuleSpec) -> str:
+    if spec.has_location and spec.origin:
+        return os.path.realpath(spec.origin)
+    locations = list(spec.submodule_search_locations or [])
+    return os.path.realpath(locations[0]) if locations else str(spec.origin or spec.name)
+
+
+def load_callable(path: str, key: str, arguments: tuple[str, ...], roots: CodeRoots) -> Callable[..., Any]:
+    """Imports `path` (`package.module:function`) from `roots` and checks it can be called with `arguments`.
+
+    `key` is the spec key that named it (e.g. `model.name`), quoted in every error.
+    """
+    found = find_code(path, key, roots)
+    module_name, _, attribute = path.partition(":")
+    if found.in_folder and roots.folder not in sys.path:
+        # Appended, never prepended: the code folder adds modules, it never replaces one Python already has.
+        sys.path.append(roots.folder)
+    module = _import(module_name, path, key)
+    top = sys.modules.get(module_name.split(".")[0])
+    loaded = _location(top.__spec__) if top is not None and top.__spec__ is not None else None
+    if loaded != found.top:
+        raise SpecError(f"{key}: {path!r} was imported from {loaded}, not from {found.top}; rename your module")
+    if not hasattr(module, attribute):
+        found_names = _callables_in(module)
+        listing = ", ".join(found_names) if found_names else "no public functions or classes"
+        raise SpecError(
+            f"{key}: module {module_name!r} ({_origin(module)}) has no attribute {attribute!r}; "
+            f"it defines: {listing}"
+        )
+    target = getattr(module, attribute)
+    if not callable(target):
+        shown = repr(target) if len(repr(target)) <= 40 else repr(target)[:37] + "..."
+        raise SpecError(f"{key}: {path!r} is not callable (a {type(target).__name__}: {shown}); name a function")
+    if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
+        # C built-ins and odd callables (functools.partial of os.system, ...) are not build functions.
+        raise SpecError(f"{key}: {path!r} is a {type(target).__name__}; name a Python function defined in your package")
+    _check_signature(target, path, key, arguments)
+    return target
+
+
+def _check_form(path: str, key: str) -> None:
+    try:
+        check_import_path(path)
+    except ValueError as exc:
+        raise SpecError(f"{key}: {exc}") from None
+
+
+def _import(module_name: str, path: str, key: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise SpecError(f"{key}: cannot import {module_name!r} for {path!r} ({exc})") from exc
+        raise SpecError(f"{key}: importing {module_name!r} for {path!r} failed: it needs {missing!r} ({exc})") from exc
+    except SyntaxError as exc:
+        raise SpecError(f"{key}: {exc.filename}:{exc.lineno}: syntax error in {module_name!r}: {exc.msg}") from exc
+    except Exception as exc:  # the user's module raised while importing: name it, keep the cause for --debug
+        raise SpecError(f"{key}: importing {module_name!r} for {path!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _callables_in(module: ModuleType) -> list[str]:
+    """Public functions and classes of the module, its own first (those are the likely build functions)."""
+    public = {
+        n: v for n, v in vars(module).items() if not n.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
+    }
+    own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
+    return own or sorted(public)
+
+
+def _check_signature(target: Callable[..., Any], path: str, key: str, arguments: tuple[str, ...]) -> None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        raise SpecError(f"{key}: cannot read the signature of {path!r}; name a plain Python function") from None
+    try:
+        signature.bind(*arguments)
+    except TypeError as exc:
+        name = path.partition(":")[2]
+        raise SpecError(
+            f"{key}: {path!r} has signature {name}{signature}, but the runner calls it as "
+            f"{name}({', '.join(arguments)}) ({exc})"
+        ) from None
+
+
+def _origin(module: ModuleType) -> str:
+    return getattr(module, "__file__", None) or "a namespace package"
+
+
+def _search_path() -> str:
+    shown = [p or "." for p in sys.path[:6]]
+    return ", ".join(shown) + (", ..." if len(sys.path) > 6 else "")

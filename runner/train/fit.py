@@ -1,0 +1,253 @@
+"""The training core: Keras `fit` with the runner's callbacks. It is handed built objects and does no I/O
+of its own; checkpoint saves go through the `save` function it is given, and a preemption notice
+(runner/train/preemption.py) arrives as a flag it reads between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import tensorflow as tf
+
+from runner import Diverged
+from runner.train.preemption import PreemptionNotice
+from runner.rundir.timing import EpochRecord
+
+keras = tf.keras
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where training starts and ends, in steps; an epoch is `steps_per_epoch` steps."""
+
+    steps_per_epoch: int
+    epochs: int
+    start_step: int = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    def legs(self) -> list[tuple[int, int, int]]:
+        """(initial_epoch, epochs, steps_per_epoch) for each `fit` call: a resumed partial epoch runs alone first."""
+        epoch, into = divmod(self.start_step, self.steps_per_epoch)
+        legs = []
+        if into:
+            legs.append((epoch, epoch + 1, self.steps_per_epoch - into))
+            epoch += 1
+        if epoch < self.epochs:
+            legs.append((epoch, self.epochs, self.steps_per_epoch))
+        return legs
+
+
+class Recorder(keras.callbacks.Callback):
+    """Times epochs and the first device execution; records loss and metrics per epoch.
+
+    `checkpoint_clock` and `input_clock` return running totals (seconds spent saving checkpoints, seconds
+    the loop waited on input); each epoch records its share, and its `seconds` exclude the saves.
+    """
+
+    def __init__(
+        self,
+        global_batch: int,
+        on_epoch: Callable[[EpochRecord], None] = lambda r: None,
+        checkpoint_clock: Callable[[], float] = lambda: 0.0,
+        input_clock: Callable[[], float | None] = lambda: None,
+    ):
+        super().__init__()
+        self.global_batch = global_batch
+        self._checkpoint_clock, self._input_clock = checkpoint_clock, input_clock
+        self._saved_at_begin, self._waited_at_begin = 0.0, None
+        self.epochs: list[EpochRecord] = []
+        self.train_s = 0.0
+        self._on_epoch = on_epoch
+        self._first_step_s: float | None = None
+        self._epoch_start = self._batch_start = 0.0
+        self._step_at_begin = 0
+        # Per-epoch validation runs inside fit's epoch; its seconds are kept out of training throughput.
+        self.validation_s = 0.0
+        self._validation_in_epoch = self._test_start = 0.0
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._step_at_begin = self._step()
+        self._first_in_epoch: float | None = None
+        self._validation_in_epoch = 0.0
+        self._saved_at_begin, self._waited_at_begin = self._checkpoint_clock(), self._input_clock()
+        self._epoch_start = time.monotonic()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._test_start = time.monotonic()
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        seconds = time.monotonic() - self._test_start
+        self._validation_in_epoch += seconds
+        self.validation_s += seconds
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._first_step_s is None:
+            self._batch_start = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._first_step_s is None:
+            self._first_step_s = self._first_in_epoch = time.monotonic() - self._batch_start
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        saved = self._checkpoint_clock() - self._saved_at_begin
+        seconds = time.monotonic() - self._epoch_start - self._validation_in_epoch - saved
+        waited = self._input_clock()
+        self.train_s += seconds
+        logs = dict(logs or {})
+        loss = logs.pop("loss", None)
+        steps = self._step() - self._step_at_begin
+        record = EpochRecord(
+            epoch=epoch + 1,
+            seconds=round(seconds, 4),
+            steps=steps,
+            examples_per_sec=round(steps * self.global_batch / seconds, 1) if seconds > 0 else 0.0,
+            loss=None if loss is None else float(loss),
+            metrics={k: float(v) for k, v in logs.items()},
+            first_step_s=None if self._first_in_epoch is None else round(self._first_in_epoch, 4),
+            checkpoint_s=round(saved, 4),
+            input_wait_s=None if waited is None or self._waited_at_begin is None else round(waited - self._waited_at_begin, 4),
+        )
+        self.epochs.append(record)
+        self._on_epoch(record)
+
+
+def _diverged(what: str, epoch: int, step: int) -> Diverged:
+    return Diverged(f"training diverged: {what} at epoch {epoch}, step {step}")
+
+
+def weights_finite(model: keras.Model) -> bool:
+    """Whether every floating-point variable of the model and its optimizer (slots included) is finite."""
+    variables = [*model.weights, *model.optimizer.variables]
+    checks = [tf.reduce_all(tf.math.is_finite(v)) for v in variables if tf.as_dtype(v.dtype).is_floating]
+    return bool(tf.reduce_all(tf.stack(checks))) if checks else True
+
+
+class FiniteLoss(keras.callbacks.Callback):
+    """Stops training at the first step whose loss is NaN or infinite, raising Diverged (exit 1).
+
+    It runs before the other callbacks, so a diverged step is never recorded nor saved. The loss Keras
+    reports at a step is the epoch's running mean, finite until a step's loss is not; with
+    steps_per_execution > 1 it is checked once per execution, naming its last step. Reading it waits for
+    the step to finish (as the progress bar does); the checkpoint saves check the weights themselves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch + 1
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._check(logs, "loss")
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._check(logs, "loss", "val_loss")
+
+    def _check(self, logs: dict | None, *keys: str) -> None:
+        for key in keys:
+            value = (logs or {}).get(key)
+            if value is not None and not math.isfinite(float(value)):
+                what = "the loss" if key == "loss" else "the validation loss"
+                step = int(self.model.optimizer.iterations.numpy())
+                raise _diverged(f"{what} is not finite ({float(value)})", self._epoch, step)
+
+
+class Checkpointer(keras.callbacks.Callback):
+    """Saves every `every_steps` steps and at each epoch end; on a preemption notice, saves and stops.
+    Weights that are not finite are never saved: Diverged (exit 1) instead."""
+
+    def __init__(self, save: Callable[[int], None], every_steps: int | None, notice: PreemptionNotice):
+        super().__init__()
+        self._save, self._every, self._notice = save, every_steps, notice
+        self.preempted = False
+        self.saved_after_notice_s: float | None = None
+        self._last_saved = -1
+        self._epoch = 0
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch + 1
+
+    def _save_once(self) -> None:
+        step = self._step()
+        if step != self._last_saved:
+            # A step can leave NaN weights behind a finite loss (the loss is computed before the update).
+            if not weights_finite(self.model):
+                raise _diverged("the weights are not finite (the loss before the update was)", self._epoch, step)
+            self._save(step)
+            self._last_saved = step
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._notice.received.is_set():
+            self._save_once()
+            self.saved_after_notice_s = self._notice.seconds_since()
+            self.preempted = True
+            self.model.stop_training = True
+        elif self._every and self._step() % self._every == 0:
+            self._save_once()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.preempted:
+            self._save_once()
+
+
+def plateau_callbacks(
+    early_stopping_patience: int | None, reduce_lr_patience: int | None, reduce_lr_factor: float
+) -> list[keras.callbacks.Callback]:
+    """Callbacks that watch val_loss: early stopping (keeping the best weights) and learning-rate cuts."""
+    callbacks: list[keras.callbacks.Callback] = []
+    if reduce_lr_patience is not None:
+        callbacks.append(
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=reduce_lr_factor, patience=reduce_lr_patience)
+        )
+    if early_stopping_patience is not None:
+        callbacks.append(
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=early_stopping_patience, restore_best_weights=True)
+        )
+    return callbacks
+
+
+def fit(
+    model: keras.Model,
+    dataset: tf.data.Dataset,
+    plan: Plan,
+    recorder: Recorder,
+    checkpointer: Checkpointer,
+    extra_callbacks: list[keras.callbacks.Callback] = (),
+    verbose: int = 0,
+    validation: tuple[tf.data.Dataset, int] | None = None,
+) -> None:
+    """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice
+    or when a callback (early stopping) ends training, and with Diverged when the loss is NaN or infinite.
+    `validation` is (dataset, steps), run after every epoch."""
+    val_data, val_steps = validation if validation is not None else (None, None)
+    finite = FiniteLoss()
+    for initial_epoch, epochs, steps in plan.legs():
+        model.fit(
+            dataset,
+            initial_epoch=initial_epoch,
+            epochs=epochs,
+            steps_per_epoch=steps,
+            validation_data=val_data,
+            validation_steps=val_steps,
+            # A non-finite loss stops training before any other callback records or saves the step; the
+            # checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
+            callbacks=[finite, recorder, checkpointer, *extra_callbacks],
+            verbose=verbose,
+            shuffle=False,  # the dataset shuffles itself; Keras would only warn
+        )
+        # A leg stopped by a notice or by early stopping ends the job; the next leg would need a fresh epoch.
+        if checkpointer.preempted or model.stop_training:
+            return

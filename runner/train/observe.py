@@ -1,0 +1,187 @@
+"""What a run shows about itself while it trains: input wait, TensorBoard scalars, a profiler trace.
+
+Input wait is measured, not estimated. Keras pulls each batch inside its compiled step (an
+IteratorGetNext op in the graph), so no callback can time that call. Instead the input pipeline gets
+one last stage that times its own GetNext: a clock dataset is zipped in front of the real one, so
+the clock is read when a batch is asked for, then the real pipeline is pulled (blocking until its
+prefetch buffer holds a batch), and a final map adds `now - asked_at` to a host variable. That is the
+time the consumer of the pipeline was blocked on it. When the training step is itself the consumer
+(one replica, steps_per_execution 1) that is the time the device waited for input. When the runtime
+fetches the next batch while the device computes (several replicas or a TPU prefetch to the device;
+steps_per_execution > 1) the blocked time overlaps compute, so it is an upper bound of the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from runner.device.strategy import Accelerator
+from runner.rundir.timing import EpochRecord
+
+log = logging.getLogger(__name__)
+keras = tf.keras
+
+INPUT_WAIT_METHOD = "getnext_blocked"
+
+
+class InputClock:
+    """Wraps a training dataset so that the time spent waiting for each batch is summed on the host."""
+
+    def __init__(self, accelerator: Accelerator):
+        with tf.device(_input_host(accelerator.strategy)):
+            self._waited = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="input_wait_s")
+
+    def wrap(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        asked = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat().map(lambda _: tf.timestamp())
+
+        def add_wait(asked_at: tf.Tensor, batch: Any) -> Any:
+            update = self._waited.assign_add(tf.timestamp() - asked_at)
+            with tf.control_dependencies([update]):
+                return tf.nest.map_structure(tf.identity, batch)
+
+        options = tf.data.Options()
+        # tf.data would otherwise put a prefetch after the last stage, and the clock would then time the
+        # prefetch thread instead of the training loop.
+        options.experimental_optimization.inject_prefetch = False
+        return tf.data.Dataset.zip((asked, dataset)).map(add_wait).with_options(options)
+
+    def seconds(self) -> float:
+        return float(self._waited.numpy())
+
+
+def _input_host(strategy: tf.distribute.Strategy) -> str:
+    """The host CPU of the first device, where the input pipeline runs: this machine on a TPU VM or a GPU
+    machine, the TPU worker's host for a remote TPU."""
+    try:
+        first = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    except RuntimeError:  # the default strategy (one device) has no device list: this process's CPU
+        return "/job:localhost/replica:0/task:0/device:CPU:0"
+    return first.replace(device_type="CPU", device_index=0).to_string()
+
+
+def input_clock_for(accelerator: Accelerator) -> tuple[InputClock | None, str]:
+    """The clock and the method named in the summary; several workers shard files, which the clock's
+    extra source would block, so there the wait is not measured (and the summary says so)."""
+    if accelerator.workers > 1:
+        return None, "not measured: several workers (the timing stage would stop tf.data from sharding files)"
+    return InputClock(accelerator), INPUT_WAIT_METHOD
+
+
+def _scalar_metadata() -> Any:
+    from tensorflow.core.framework import summary_pb2
+
+    # What tf.summary.scalar writes, without needing the tensorboard package: the "scalars" plugin
+    # reads a float tensor with this metadata.
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    )
+
+
+class ScalarLog:
+    """TensorBoard scalars in <run>/tensorboard/{train,eval}: loss, metrics, examples/s, epoch and wait times."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._writers: dict[str, Any] = {}
+        self._metadata = _scalar_metadata()
+
+    def _write(self, run: str, values: dict[str, float | None], step: int) -> None:
+        if run not in self._writers:
+            self._writers[run] = tf.summary.create_file_writer(posixpath.join(self.folder, run))
+        with self._writers[run].as_default():
+            for tag, value in values.items():
+                if value is not None:
+                    tf.summary.write(tag, tf.constant(float(value), tf.float32), step=step, metadata=self._metadata)
+        self._writers[run].flush()
+
+    def epoch(self, record: EpochRecord) -> None:
+        values = {"loss": record.loss, **record.metrics}
+        values.update(
+            {
+                "examples_per_sec": record.examples_per_sec,
+                "epoch_s": record.seconds,
+                "input_wait_s": record.input_wait_s,
+                "checkpoint_s": record.checkpoint_s,
+            }
+        )
+        self._write("train", values, record.epoch)
+
+    def evaluation(self, metrics: dict[str, float], epoch: int) -> None:
+        self._write("eval", {k: v for k, v in metrics.items() if k != "examples"}, epoch)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+
+
+class ProfileWindow(keras.callbacks.Callback):
+    """Traces global steps start_step .. start_step + steps - 1 (1-based) with the TensorFlow profiler.
+
+    The trace is <folder>/plugins/profile/<time>/<host>.xplane.pb, which TensorBoard's profile plugin
+    opens. The traced steps run slower; they stay in the epoch times, so trace a run you are not timing.
+    """
+
+    def __init__(self, folder: str, start_step: int, steps: int):
+        super().__init__()
+        self.folder, self.start_step, self.steps = folder, start_step, steps
+        self.traced: list[int] = []  # first and last step traced
+        self.error: str | None = None
+        self._active = False
+
+    def _next_step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy()) + 1
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        step = self._next_step()
+        if self._active or self.traced or self.error or not self.start_step <= step < self.start_step + self.steps:
+            return
+        try:
+            tf.profiler.experimental.start(self.folder)
+        except Exception as exc:  # a trace is a diagnosis: it must never stop the training it watches
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("profiler did not start at step %d: %s", step, self.error)
+            return
+        self._active, self.traced = True, [step, step]
+        log.info("profiling steps %d-%d into %s", step, self.start_step + self.steps - 1, self.folder)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._active:
+            self.traced[1] = self._next_step() - 1
+            if self.traced[1] >= self.start_step + self.steps - 1:
+                self.close()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._active:
+            self._active = False
+            tf.profiler.experimental.stop()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start_step": self.start_step,
+            "steps": self.steps,
+            "dir": self.folder,
+            "traced_steps": self.traced or None,
+            "error": self.error,
+        }
+
+
+def epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
+    """Logs one line per epoch: time, steps, throughput, loss and metrics."""
+
+    def report(record: EpochRecord) -> None:
+        metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
+        loss = "" if record.loss is None else f" loss {record.loss:.4f}"
+        log.info(
+            "epoch %d/%d: %.2f s, %d steps, %.0f examples/s,%s %s",
+            record.epoch, total_epochs, record.seconds, record.steps, record.examples_per_sec, loss, metrics,
+        )
+
+    return report
