@@ -30,13 +30,13 @@ def fresh_model(features):
     """The runner's MNIST Basic CNN, built and compiled for the CPU from seed 0: a new one for every fit."""
     import tensorflow as tf
 
-    from runner import models
     from runner.spec.types import JobSpec
+    from runner.train import build
 
     tf.keras.utils.set_random_seed(0)
     spec = JobSpec()  # steps_per_execution auto: 1 on a CPU
-    model = models.build_model(spec, features)
-    models.compile_model(model, spec, "cpu")
+    model = build.build_model(spec, features)
+    build.compile_model(model, spec, "cpu")
     return model
 
 

@@ -34,7 +34,8 @@ def load(split):
     """The split as numpy arrays: images (N, 28, 28, 1) uint8, labels (N,) int64."""
     spec = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
     images, labels = [], []
-    for record in tf.data.TFRecordDataset(sorted(glob.glob(os.path.join(args.data, f"{split}-*.tfrecord")))).batch(10_000):
+    files = sorted(glob.glob(os.path.join(args.data, f"{split}-*.tfrecord")))
+    for record in tf.data.TFRecordDataset(files).batch(10_000):
         parsed = tf.io.parse_example(record, spec)
         images.append(tf.reshape(tf.io.decode_raw(parsed["image"], tf.uint8), (-1, 28, 28, 1)).numpy())
         labels.append(parsed["label"].numpy())

@@ -53,7 +53,7 @@ def eval_arrays(folder: Path, inputs: str, label: str):
 
     shards = pipeline.find_shards(f"{folder}/test-*.tfrecord")
     batches = pipeline.make_dataset(shards, 1, (inputs,), label, training=False)
-    x, y = zip(*((a.numpy(), b.numpy()) for a, b in batches))
+    x, y = zip(*((a.numpy(), b.numpy()) for a, b in batches), strict=True)
     return np.concatenate(x), np.concatenate(y)
 
 
@@ -113,15 +113,17 @@ def main() -> None:
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         metric, measured, goal, met, note = goal_for(job, folder, summary)
         row = {
-            "job": job, "metric": metric, "measured": round(float(measured), 4), "goal": round(float(goal), 4), "met": bool(met),
-            "epochs": len(summary["epochs"]), "examples_per_sec": summary["timing"]["examples_per_sec"],
-            "wall_s": round(wall, 1), "note": note, "precision": summary["accelerator"].get("precision", {}).get("policy"),
+            "job": job, "metric": metric, "measured": round(float(measured), 4), "goal": round(float(goal), 4),
+            "met": bool(met), "epochs": len(summary["epochs"]),
+            "examples_per_sec": summary["timing"]["examples_per_sec"], "wall_s": round(wall, 1), "note": note,
+            "precision": summary["accelerator"].get("precision", {}).get("policy"),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'job':<20}{'metric':<10}{'measured':>10}{'goal':>10}  met  epochs  examples/s  wall s  note")
     for r in rows:
-        print(f"{r['job']:<20}{r['metric']:<10}{r['measured']:>10.4f}{r['goal']:>10.4f}  {'yes' if r['met'] else 'NO ':<3}"
+        print(f"{r['job']:<20}{r['metric']:<10}{r['measured']:>10.4f}{r['goal']:>10.4f}"
+              f"  {'yes' if r['met'] else 'NO ':<3}"
               f"  {r['epochs']:>6}  {r['examples_per_sec'] or 0:>10.0f}  {r['wall_s']:>6.0f}  {r['note']}")
     if not all(r["met"] for r in rows) or len(rows) < len(args.jobs):
         sys.exit(1)

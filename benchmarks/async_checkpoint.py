@@ -36,8 +36,8 @@ def train_once(url: str, asynchronous: bool, epochs: int, steps: int, batch: int
     import numpy as np
     import tensorflow as tf
 
-    from runner.train import fit
     from runner.rundir.outputs import RunFolder
+    from runner.train import fit
     from runner.train.preemption import PreemptionNotice
     from runner.train.saver import Saver
 
@@ -109,7 +109,8 @@ def main() -> None:
     total = {mode: statistics.median(r["loop_s"] + r["end_wait_s"] for r in runs) for mode, runs in results.items()}
     write_per_save = statistics.median(r["write_s"] / r["saves"] for r in results["async"])
     first = results["sync"][0]
-    print(f"\nmodel {first['weights_mb']:.0f} MB of weights, checkpoint {first['checkpoint_mb']:.0f} MB, {epochs} epochs of {steps} steps, "
+    print(f"\nmodel {first['weights_mb']:.0f} MB of weights, checkpoint {first['checkpoint_mb']:.0f} MB, "
+          f"{epochs} epochs of {steps} steps, "
           f"one save per epoch, gs:// on the emulator")
     print(f"{'mode':<6}{'blocked per save (median)':>27}{'end wait':>10}{'training + saves, s':>21}")
     for mode in ("sync", "async"):

@@ -19,9 +19,8 @@ import json
 import statistics
 import time
 
-from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
-
 import tensorflow as tf
+from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
 from runner.data import pipeline
 

@@ -32,7 +32,8 @@ def run_job(data: str, out: str, epochs: int, steps: int | None, env: dict[str, 
     ]
     if steps:
         overrides.append(f"train.steps_per_epoch={steps}")
-    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml", *(a for o in overrides for a in ("--set", o))]
+    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml",
+               *(a for o in overrides for a in ("--set", o))]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env=env)
     if result.returncode != 0:
         raise SystemExit(f"runner run failed ({result.returncode}): {result.stderr[-3000:]}")

@@ -34,9 +34,11 @@ from tests.support.gcs import start_gcs  # noqa: E402
 def run_job(data: str, out: str, name: str, epochs: int, steps: int | None, env: dict[str, str]) -> dict:
     overrides = [
         f"data.train={data}/train-*.tfrecord", f"data.eval={data}/test-*.tfrecord", f"train.epochs={epochs}",
-        f"output.dir={out}", "output.tensorboard=false", f"name={name}", "data.in_memory=false", *([f"train.steps_per_epoch={steps}"] if steps else []),
+        f"output.dir={out}", "output.tensorboard=false", f"name={name}", "data.in_memory=false",
+        *([f"train.steps_per_epoch={steps}"] if steps else []),
     ]
-    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml", *(a for o in overrides for a in ("--set", o))]
+    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml",
+               *(a for o in overrides for a in ("--set", o))]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env=env)
     if result.returncode != 0:
         raise SystemExit(f"runner run failed ({result.returncode}): {result.stderr[-3000:]}")
@@ -64,20 +66,25 @@ def main() -> None:
             order = ("local", "gs://") if round_ % 2 == 0 else ("gs://", "local")
             for where in order:
                 data, env = (args.data, base_env) if where == "local" else (url, {**base_env, **gcs.env})
-                summary = run_job(data, str(Path(scratch) / "runs"), f"r{round_}-{where.rstrip(':/')}", epochs, steps, env)
+                name = f"r{round_}-{where.rstrip(':/')}"
+                summary = run_job(data, str(Path(scratch) / "runs"), name, epochs, steps, env)
                 rates[where].append(summary["timing"]["examples_per_sec"])
                 waits[where].append(summary["timing"]["input_wait_fraction"])
                 print(f"round {round_ + 1} {where:6s}: {summary['timing']['examples_per_sec']:8.0f} examples/s steady, "
-                      f"input wait {summary['timing']['input_wait_fraction']}, accuracy {summary['metrics']['accuracy']:.4f}", flush=True)
-    ratios = [g / loc for g, loc in zip(rates["gs://"], rates["local"])]
+                      f"input wait {summary['timing']['input_wait_fraction']}, "
+                      f"accuracy {summary['metrics']['accuracy']:.4f}", flush=True)
+    ratios = [g / loc for g, loc in zip(rates["gs://"], rates["local"], strict=True)]
     print(f"\ngs:// / local per round: {', '.join(f'{r:.3f}' for r in ratios)}")
-    print(json.dumps({"benchmark": "gcs_training", "ratio": round(statistics.median(ratios), 3), "goal": ">= 0.97", "detail": {
+    detail = {
         "local_examples_per_sec": round(statistics.median(rates["local"]), 1),
-        "gcs_examples_per_sec": round(statistics.median(rates["gs://"]), 1), "round_ratios": " ".join(f"{r:.3f}" for r in ratios),
+        "gcs_examples_per_sec": round(statistics.median(rates["gs://"]), 1),
+        "round_ratios": " ".join(f"{r:.3f}" for r in ratios),
         "input_wait_fraction_local": " ".join(str(w) for w in waits["local"]),
         "input_wait_fraction_gcs": " ".join(str(w) for w in waits["gs://"]),
         "epochs": epochs, "rounds": rounds, "quick": args.quick,
-    }}))
+    }
+    print(json.dumps({"benchmark": "gcs_training", "ratio": round(statistics.median(ratios), 3), "goal": ">= 0.97",
+                      "detail": detail}))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ import argparse
 import json
 import statistics
 
+import tensorflow as tf
 from _common import BATCH, MNIST, epoch_clock, fresh_model, prepared  # first: puts the repository on sys.path
 
-import tensorflow as tf
-
 from runner.data import pipeline
-from runner.train import observe
 from runner.device.strategy import Accelerator
+from runner.train import observe
 
 
 def main() -> None:
@@ -34,7 +33,8 @@ def main() -> None:
 
     def rate(with_clock: bool) -> tuple[float, float | None]:
         model = fresh_model(shards.features)
-        dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000, seed=0)
+        dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=True, shuffle_buffer=10_000,
+                                        seed=0)
         clock = observe.InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1)) if with_clock else None
         if clock:
             dataset = clock.wrap(dataset)

@@ -147,11 +147,13 @@ def main() -> None:
         label = f"training, {name}"
         print(f"{label:<26}{steady[name]:>12,.0f}{min(values):>12,.0f}{max(values):>12,.0f}{'':>12}  examples/s")
     ratios = {
-        "input_pipeline_blocks": (median[("blocks", "glibc")] / median[("one by one", "glibc")], "blocks / one by one, glibc"),
-        "input_pipeline_tcmalloc": (median[("blocks", "tcmalloc")] / median[("blocks", "glibc")], "tcmalloc / glibc, blocks"),
+        "input_pipeline_blocks": (median[("blocks", "glibc")] / median[("one by one", "glibc")],
+                                  "blocks / one by one, glibc"),
+        "input_pipeline_tcmalloc": (median[("blocks", "tcmalloc")] / median[("blocks", "glibc")],
+                                    "tcmalloc / glibc, blocks"),
         "training_tcmalloc": (steady["tcmalloc"] / steady["glibc"], "tcmalloc / glibc, MNIST CNN training"),
     }
-    for name, (ratio, what) in ratios.items():
+    for _name, (ratio, what) in ratios.items():
         print(f"{what}: {ratio:.3f}")
     detail = {
         f"records_per_s_{arm[0].replace(' ', '_')}_{arm[1]}": round(value) for arm, value in median.items()
@@ -160,7 +162,7 @@ def main() -> None:
         "rounds": rounds,
         "passes_per_arm_and_round": passes,
     }
-    for name, (ratio, what) in ratios.items():
+    for name, (ratio, _what) in ratios.items():
         print(json.dumps({"benchmark": name, "ratio": round(ratio, 3), "goal": "measured", "detail": detail}))
 
 

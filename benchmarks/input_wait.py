@@ -75,13 +75,16 @@ def repeat_cifar(folder: Path) -> None:
     from runner.prepare.datasets import Dataset, load_dataset
 
     real = load_dataset("cifar10")
-    pool = {k: np.concatenate([v for v in real.splits.values()][0:0] + [s[k] for s in real.splits.values()]) for k in real.splits["train"]}
+    pool = {k: np.concatenate([v for v in real.splits.values()][0:0] + [s[k] for s in real.splits.values()])
+            for k in real.splits["train"]}
     count = len(pool["label"])
     picks = {"train": np.arange(10_240) % count, "test": np.arange(2_048) % count}
     splits = {split: {k: v[index] for k, v in pool.items()} for split, index in picks.items()}
-    repeated = Dataset(real.name, splits, real.features, real.inputs, real.label, real.source + " (20 real images, repeated)", real.license)
+    repeated = Dataset(real.name, splits, real.features, real.inputs, real.label,
+                       real.source + " (20 real images, repeated)", real.license)
     folder.mkdir(parents=True, exist_ok=True)
-    entries = {split: shards.write_split(repeated, split, str(folder), 4 if split == "train" else 1) for split in splits}
+    entries = {split: shards.write_split(repeated, split, str(folder), 4 if split == "train" else 1)
+               for split in splits}
     shards.write_manifest(str(folder), shards.manifest_for(repeated, entries))
 
 
@@ -102,7 +105,8 @@ from runner.spec import usercode
 from runner.spec.load import load_spec
 spec = load_spec(sys.argv[1], json.loads(sys.argv[2]))
 d = spec.data
-preprocess = userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots) if d.preprocess else None
+preprocess = (userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots)
+              if d.preprocess else None)
 shards = data.find_shards(d.train)
 if sys.argv[4] == "in_memory":  # what the run trained from: the split held in memory (loading not timed)
     from runner.data import in_memory
@@ -166,13 +170,15 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'job':<20}{'batch':>6}{'steps':>6}{'input':>11}{'train ex/s':>12}{'input wait':>12}{'pipeline ex/s':>15}{'headroom':>10}")
+    print(f"\n{'job':<20}{'batch':>6}{'steps':>6}{'input':>11}{'train ex/s':>12}{'input wait':>12}"
+          f"{'pipeline ex/s':>15}{'headroom':>10}")
     for r in rows:
         print(f"{r['job']:<20}{r['batch']:>6}{r['steps']:>6}{r['input']:>11}{r['examples_per_sec']:>12,.0f}"
               f"{r['input_wait_fraction']:>12.4f}{r['pipeline_alone_examples_per_sec']:>15,}{r['headroom']:>10.1f}")
     for r in rows:
-        print(json.dumps({"benchmark": f"input_wait[{r['job']}]", "ratio": r["input_wait_fraction"], "goal": "<= 0.02", "detail": {
-            k: v for k, v in r.items() if k not in ("job", "input_wait_method")} | {"quick": args.quick}}))
+        detail = {k: v for k, v in r.items() if k not in ("job", "input_wait_method")} | {"quick": args.quick}
+        print(json.dumps({"benchmark": f"input_wait[{r['job']}]", "ratio": r["input_wait_fraction"], "goal": "<= 0.02",
+                          "detail": detail}))
     print(f"median input wait: {statistics.median(r['input_wait_fraction'] for r in rows):.4f}")
 
 

@@ -38,7 +38,7 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
     import keras
     import tensorflow as tf
 
-    from runner import models
+    from runner.train import build
     from runner.train.observe import InputClock
 
     class OneDevice:
@@ -46,8 +46,8 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
 
     clock = InputClock(OneDevice())
     keras.utils.set_random_seed(0)
-    model = models.build_model(spec, features)
-    models.compile_model(model, spec, "cpu")
+    model = build.build_model(spec, features)
+    build.compile_model(model, spec, "cpu")
     marks: list[tuple[float, float]] = []  # (clock seconds, wall time) at the end of each epoch
 
     class Marks(keras.callbacks.Callback):
@@ -63,8 +63,7 @@ def fit_once(spec, features, dataset, epochs: int, steps: int) -> dict[str, floa
 def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> dict:
     import tensorflow as tf
 
-    from runner.data import pipeline
-    from runner.data import in_memory
+    from runner.data import in_memory, pipeline
     from runner.device import precision
     from runner.spec.load import load_spec
 
@@ -84,7 +83,8 @@ def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> 
                                  shuffle_buffer=d.shuffle_buffer, seed=0)
 
     def held() -> tf.data.Dataset:
-        return in_memory.make_dataset(loaded, shards.features, d.global_batch_size, d.inputs, d.label, shuffle=True, seed=0)
+        return in_memory.make_dataset(loaded, shards.features, d.global_batch_size, d.inputs, d.label, shuffle=True,
+                                      seed=0)
 
     one_batch = tf.data.Dataset.from_tensors(next(iter(streamed()))).repeat()
     inputs = {"streamed": streamed, "held": held, "repeated": lambda: one_batch}
@@ -96,7 +96,8 @@ def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> 
             row = results[name][-1]
             print(f"{job} round {index + 1} {name:<9}: wait {row['wait_ms']:.3f} ms/step, step {row['step_ms']:.2f} ms",
                   flush=True)
-    median = {v: {k: statistics.median(r[k] for r in rows) for k in ("wait_ms", "step_ms")} for v, rows in results.items()}
+    median = {v: {k: statistics.median(r[k] for r in rows) for k in ("wait_ms", "step_ms")}
+              for v, rows in results.items()}
     floor = median["repeated"]["wait_ms"]
     detail: dict = {}
     for name, m in median.items():
@@ -107,7 +108,8 @@ def measure(job: str, rounds: int, epochs: int, steps: int, sets: list[str]) -> 
             detail[f"own_{name}"] = round((m["wait_ms"] - floor) / m["step_ms"], 4)
     detail.update(batch=d.global_batch_size, precision=chosen.policy, rounds=rounds, epochs=epochs, steps=steps,
                   held_mb=round(in_memory.held_bytes(shards, names) / 1e6, 1), sets=" ".join(sets))
-    return {"benchmark": f"input_wait_floor[{job}]", "ratio": detail["reported_held"], "goal": "<= 0.02", "detail": detail}
+    return {"benchmark": f"input_wait_floor[{job}]", "ratio": detail["reported_held"], "goal": "<= 0.02",
+            "detail": detail}
 
 
 def main() -> None:
@@ -117,13 +119,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override, e.g. train.mixed_precision=bfloat16")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a spec override, e.g. train.mixed_precision=bfloat16")
     args = parser.parse_args()
     unknown = [job for job in args.jobs if job not in JOBS]
     if unknown:
         parser.error(f"no job {', '.join(unknown)}: choose from {', '.join(JOBS)}")
     rounds, epochs, steps = (1, 2, 20) if args.quick else (args.rounds, args.epochs, args.steps)
-    rows = [measure(job, rounds, epochs, steps, args.set) for job in (args.jobs or ["fashion_mnist_cnn", "weather_rnn"])]
+    jobs = args.jobs or ["fashion_mnist_cnn", "weather_rnn"]
+    rows = [measure(job, rounds, epochs, steps, args.set) for job in jobs]
     print(f"\n{'job':<20}{'input':<10}{'wait ms':>9}{'step ms':>9}{'reported':>10}{'own':>8}")
     for row in rows:
         d = row["detail"]

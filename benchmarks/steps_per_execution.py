@@ -64,13 +64,15 @@ def main() -> None:
                   f"first epoch {first[spe][-1]:.1f} s", flush=True)
 
     median = {spe: statistics.median(r) for spe, r in rates.items()}
-    ratios = {spe: [n / one for n, one in zip(rates[spe], rates[1])] for spe in settings}
+    ratios = {spe: [n / one for n, one in zip(rates[spe], rates[1], strict=True)] for spe in settings}
     print(f"\n{'steps_per_execution':>20s} {'examples/s':>12s} {'first epoch s':>14s} {'vs 1':>6s}")
     for spe in settings:
-        print(f"{spe:20d} {median[spe]:12.0f} {statistics.median(first[spe]):14.1f} {statistics.median(ratios[spe]):6.2f}")
+        print(f"{spe:20d} {median[spe]:12.0f} {statistics.median(first[spe]):14.1f} "
+              f"{statistics.median(ratios[spe]):6.2f}")
     for spe in settings[1:]:
         print(json.dumps({
-            "benchmark": "steps_per_execution", "ratio": round(statistics.median(ratios[spe]), 3), "goal": "none (measured)",
+            "benchmark": "steps_per_execution", "ratio": round(statistics.median(ratios[spe]), 3),
+            "goal": "none (measured)",
             "detail": {"case": f"{spe} vs 1", "round_ratios": " ".join(f"{r:.3f}" for r in ratios[spe]),
                        "examples_per_s": {str(k): round(v) for k, v in median.items()},
                        "batch": BATCH, "epochs": epochs, "rounds": rounds, "device": "cpu", "quick": args.quick},

@@ -52,7 +52,8 @@ def main() -> None:
 
     rates = {"tfrecord": [], "numpy": []}
     for round_ in range(rounds):
-        for name, fit in (("numpy", numpy), ("tfrecord", tfrecord)) if round_ % 2 else (("tfrecord", tfrecord), ("numpy", numpy)):
+        order = (("numpy", numpy), ("tfrecord", tfrecord)) if round_ % 2 else (("tfrecord", tfrecord), ("numpy", numpy))
+        for name, fit in order:
             rates[name].append(steady_rate(fit, examples, epochs))
             print(f"round {round_ + 1}: {name:8s} {rates[name][-1]:8.0f} examples/s", flush=True)
     tfr, npy = statistics.median(rates["tfrecord"]), statistics.median(rates["numpy"])

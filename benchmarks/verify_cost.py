@@ -53,7 +53,8 @@ def epoch_seconds(folder: Path, out: str) -> dict:
         f"data.train={folder}/train-*.tfrecord", f"data.eval={folder}/test-*.tfrecord", "train.epochs=2",
         f"output.dir={out}", "output.tensorboard=false", "name=verify_cost",
     ]
-    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml", *(a for o in overrides for a in ("--set", o))]
+    command = [sys.executable, "-m", "runner", "run", "jobs/mnist_cnn.yaml",
+               *(a for o in overrides for a in ("--set", o))]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"runner run failed ({result.returncode}): {result.stderr[-3000:]}")
@@ -123,9 +124,7 @@ def main() -> None:
         from runner.data import storage
 
         storage.configure_tensorflow(storage.DEFAULT_TIMEOUT_S)
-        from runner.data import pipeline
-        from runner.data import integrity
-        from runner.data import verify
+        from runner.data import integrity, pipeline, verify
         from runner.spec.types import JobSpec
 
         local = prepared(args.data)
@@ -177,7 +176,8 @@ def main() -> None:
         readers = {
             "check_bytes sha256, 1 thread": rates(checked(1)),
             f"check_bytes sha256, {cores} threads (runner verify's reader)": rates(checked(None)),
-            "before: tf.io.gfile 4 MB reads, 1 shard at a time": rates(lambda: old_reader([e.path for e in entries[: max(7, len(entries) // 5)]])),
+            "before: tf.io.gfile 4 MB reads, 1 shard at a time": rates(
+                lambda: old_reader([e.path for e in entries[: max(7, len(entries) // 5)]])),
             "hashlib sha256 of 256 MB in memory, 1 thread": rates(lambda: hashlib_in_memory(block)),
         }
         shutil.rmtree(big)
@@ -197,13 +197,15 @@ def main() -> None:
             "detail": {"verify_s": round(seconds, 4), "steady_epoch_s": epoch, "mb_per_s": rate and round(rate),
                        "rounds": rounds},
         })
-    print(f"\n{shards} shards ({copies} hard-linked copies of 7), {size_bytes / 1e6:,.0f} MB from the page cache, {cores} cores")
+    print(f"\n{shards} shards ({copies} hard-linked copies of 7), {size_bytes / 1e6:,.0f} MB from the page cache, "
+          f"{cores} cores")
     print(f"{'reader':<62}{'MB/s':>8}{'MB/CPU-s':>10}")
     print(f"{'runner verify (the CLI: the MB/s it prints)':<62}{cli_rate:>8,.0f}")
     for name, (wall, per_cpu, _) in readers.items():
         print(f"{name:<62}{wall:>8,.0f}{per_cpu:>10,.0f}")
     reader = readers[f"check_bytes sha256, {cores} threads (runner verify's reader)"]
-    print(f"{cores} idle cores would give about {cores} x {reader[1]:,.0f} = {cores * reader[1]:,.0f} MB/s (CPU-bound: MB/CPU-s x cores)")
+    print(f"{cores} idle cores would give about {cores} x {reader[1]:,.0f} = {cores * reader[1]:,.0f} MB/s "
+          "(CPU-bound: MB/CPU-s x cores)")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     results.append({
         "benchmark": "verify_cost:runner_verify_mb_per_s", "ratio": round(cli_rate), "goal": ">= 800",

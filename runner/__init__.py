@@ -69,7 +69,7 @@ class SpecError(RunnerError):
         where = f"{self.file}:{self.line}" if self.line else str(self.file)
         return f"{where}: {self.message}"
 
-    def at(self, file: str | Path) -> "SpecError":
+    def at(self, file: str | Path) -> SpecError:
         return SpecError(self.message, file=file, line=self.line)
 
 

@@ -1,37 +1,43 @@
-"""The built-in models: MODELS maps a spec's `model.name` to a function that builds an uncompiled Keras model.
+"""The built-in models: one table with everything known about each, read without TensorFlow.
 
-A build function takes the spec's `model.params` (a dict) and the input features (name -> Feature) and
-returns a `keras.Model`. The table is explicit: no import-time registration.
+`BUILTIN` maps a spec's `model.name` to a `BuiltinModel`: the function that builds it (uncompiled), the default
+of its `classes` param when it is a classifier (labels are class ids 0 .. classes - 1), and the devices where
+`train.mixed_precision: auto` keeps it in float32 (bfloat16 measured slower or less accurate there). Spec
+validation reads the names without TensorFlow; the build functions import Keras only when called.
+
+A build function takes the spec's `model.params` (a dict), the input features (name -> Feature: `.shape`,
+`.dtype`) and the input names, and returns a `keras.Model`. The table is explicit: no import-time registration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import tensorflow as tf
-
-from runner.device import precision
-from runner.spec import usercode
-from runner.data.schema import Feature
 from runner import SpecError
-from runner.spec.types import JobSpec
-
-keras = tf.keras
-log = logging.getLogger(__name__)
 
 
-def _image_input(features: dict[str, Feature], inputs: tuple[str, ...]) -> tuple[Any, Any]:
+def _keras() -> Any:
+    """tf.keras: Keras 3, or tf-keras where the job chose it (runner/device/flavour.py) before TensorFlow loaded."""
+    import tensorflow as tf
+
+    return tf.keras
+
+
+def _image_input(features: dict[str, Any], inputs: tuple[str, ...]) -> tuple[Any, Any]:
+    keras = _keras()
     (name,) = inputs
     inp = keras.Input(shape=features[name].shape, name=name)
     # Pixels arrive as float32 in 0..255; rescaling inside the model keeps predict() on raw images honest.
     return inp, keras.layers.Rescaling(1.0 / 255)(inp)
 
 
-def mnist_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+def mnist_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The Basic CNN of the classic Colab TPU MNIST example."""
     params = _params(params, {"classes": 10}, "mnist_cnn")
+    keras = _keras()
     layers = keras.layers
     inp, x = _image_input(features, inputs)
     x = layers.Conv2D(64, 2, padding="same", activation="relu")(x)
@@ -58,18 +64,19 @@ def _params(params: dict[str, Any], defaults: dict[str, Any], model: str) -> dic
     return {**defaults, **params}
 
 
-def _one_input(features: dict[str, Feature], inputs: tuple[str, ...], dtype: str, rank: int, model: str, what: str) -> Any:
+def _one_input(features: dict[str, Any], inputs: tuple[str, ...], dtype: str, rank: int, model: str, what: str) -> Any:
     """The model's single input layer, after checking the feature is what the model reads."""
     feature = features[inputs[0]] if len(inputs) == 1 else None
     if feature is None or feature.dtype != dtype or len(feature.shape) != rank:
         got = f"{len(inputs)} inputs" if feature is None else f"{inputs[0]!r}: {feature.dtype} {list(feature.shape)}"
         raise SpecError(f"model.name: {model} reads one {dtype} feature of {what}; data.inputs gives {got}")
-    return keras.Input(shape=feature.shape, dtype=dtype, name=inputs[0])
+    return _keras().Input(shape=feature.shape, dtype=dtype, name=inputs[0])
 
 
-def cifar10_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+def cifar10_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The CIFAR-10 CNN of the classic Colab TPU example: (BatchNorm, Conv x2, pool, dropout) x2, Dense 512."""
     p = _params(params, {"classes": 10}, "cifar10_cnn")
+    keras = _keras()
     layers = keras.layers
     inp, x = _image_input(features, inputs)
     for filters in (32, 64):
@@ -85,9 +92,10 @@ def cifar10_cnn(params: dict[str, Any], features: dict[str, Feature], inputs: tu
     return keras.Model(inp, out, name="cifar10_cnn")
 
 
-def imdb_lstm(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+def imdb_lstm(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The IMDB sentiment LSTM: word ids -> Embedding(15000, 32) -> LSTM(100) -> probability of positive."""
     p = _params(params, {"vocab_size": 15000, "embedding_dim": 32, "units": 100}, "imdb_lstm")
+    keras = _keras()
     layers = keras.layers
     inp = _one_input(features, inputs, "int64", 1, "imdb_lstm", "token ids [length] (runner prepare imdb)")
     # Ids at or above vocab_size fail on a CPU but read as zeros on a TPU: the data's vocab_size must match.
@@ -97,10 +105,10 @@ def imdb_lstm(params: dict[str, Any], features: dict[str, Feature], inputs: tupl
     return keras.Model(inp, out, name="imdb_lstm")
 
 
-_RNN_CELLS = {"gru": keras.layers.GRU, "lstm": keras.layers.LSTM}
+_RNN_CELLS = ("gru", "lstm")
 
 
-def weather_rnn(params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...]) -> keras.Model:
+def weather_rnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """Past hours of weather [window, features] -> GRU or LSTM -> the next hour's value (a regression).
 
     With `target_feature` (the target's column among the inputs, manifest `preprocessing.target_index`)
@@ -110,7 +118,9 @@ def weather_rnn(params: dict[str, Any], features: dict[str, Feature], inputs: tu
     if p["cell"] not in _RNN_CELLS:
         raise SpecError(f"model.params.cell: {p['cell']!r} is not one of {', '.join(_RNN_CELLS)}")
     inp = _one_input(features, inputs, "float32", 2, "weather_rnn", "[window, features] (runner prepare weather)")
-    x = _RNN_CELLS[p["cell"]](p["units"], dropout=p["dropout"])(inp)
+    keras = _keras()
+    cell = keras.layers.GRU if p["cell"] == "gru" else keras.layers.LSTM
+    x = cell(p["units"], dropout=p["dropout"])(inp)
     index = p["target_feature"]
     if index is None:
         return keras.Model(inp, keras.layers.Dense(1, dtype="float32")(x), name="weather_rnn")
@@ -123,107 +133,51 @@ def weather_rnn(params: dict[str, Any], features: dict[str, Feature], inputs: tu
     return keras.Model(inp, keras.layers.Add(dtype="float32")([last, change]), name="weather_rnn")
 
 
-BuildFn = Callable[[dict[str, Any], dict[str, Feature], tuple[str, ...]], "keras.Model"]
+@dataclasses.dataclass(frozen=True)
+class BuiltinModel:
+    """What is known about one built-in model."""
 
-MODELS: dict[str, BuildFn] = {
-    "mnist_cnn": mnist_cnn,
-    "cifar10_cnn": cifar10_cnn,
-    "imdb_lstm": imdb_lstm,
-    "weather_rnn": weather_rnn,
+    build: Callable[[dict[str, Any], dict[str, Any], tuple[str, ...]], Any]
+    # The default of its `classes` param for a classifier (labels 0 .. classes - 1); None for other models.
+    classes: int | None = None
+    # Device kinds where `auto` precision keeps it in float32, with the reason measured side by side
+    # (benchmarks/RESULTS.md, "accuracy: auto against float32"): bfloat16 cost more accuracy than
+    # benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE), or ran slower than float32. Measured on
+    # this project's CPUs only, so listed for "cpu": a TPU computes them in bfloat16. (A job whose data, not its
+    # model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
+    float32_under_auto: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+BUILTIN: dict[str, BuiltinModel] = {
+    "mnist_cnn": BuiltinModel(mnist_cnn, classes=10),
+    "cifar10_cnn": BuiltinModel(cifar10_cnn, classes=10),
+    "imdb_lstm": BuiltinModel(imdb_lstm, float32_under_auto={
+        "cpu": "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
+    }),
+    "weather_rnn": BuiltinModel(weather_rnn, float32_under_auto={
+        "cpu": "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
+    }),
 }
-
-_OPTIMIZERS = {
-    "adam": lambda lr: keras.optimizers.Adam(learning_rate=lr),
-    "adamw": lambda lr: keras.optimizers.AdamW(learning_rate=lr),
-    "sgd": lambda lr: keras.optimizers.SGD(learning_rate=lr, momentum=0.9),
-    "rmsprop": lambda lr: keras.optimizers.RMSprop(learning_rate=lr),
-}
+MODEL_NAMES = tuple(BUILTIN)
 
 
-def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
-    """Builds the spec's model; call inside the strategy's scope so variables are placed on its devices.
-
-    A `package.module:function` name is imported here, inside the scope, so a module that creates
-    variables when imported places them on the strategy's devices too.
-    """
-    if usercode.is_import_path(spec.model.name):
-        return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs, spec.code_roots)
-    if spec.model.name not in MODELS:
-        raise SpecError(f"model.name: unknown model {spec.model.name!r}; built in: {', '.join(sorted(MODELS))}")
-    return MODELS[spec.model.name](dict(spec.model.params), features, spec.data.inputs)
+def float32_under_auto(model_name: str, kind: str) -> str | None:
+    """Why `auto` keeps this built-in model in float32 on a device of `kind`; None when it does not."""
+    known = BUILTIN.get(model_name)
+    return known.float32_under_auto.get(kind) if known else None
 
 
-def _build_user_model(
-    path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: usercode.CodeRoots
-) -> keras.Model:
-    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
-    try:
-        model = build(params, features, inputs)
-    except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
-        raise SpecError(
-            f"model.name: {path!r} raised {type(exc).__name__} while building: {exc} "
-            f"(model.params: {params}, data.inputs: {list(inputs)})"
-        ) from exc
-    if not isinstance(model, keras.Model):
-        found = f"{type(model).__module__}.{type(model).__qualname__}"
-        raise SpecError(
-            f"model.name: {path!r} returned a {found}; return an uncompiled keras.Model built with tf.keras "
-            f"(here {keras.Model.__module__}: Keras 3, or tf-keras on TPU images and multi-worker runs)"
-        )
-    return model
+def classes_of(model_name: str, params: dict[str, Any]) -> int | None:
+    """The number of classes of a built-in classifier (its `classes` param), None for other models."""
+    known = BUILTIN.get(model_name)
+    if known is None or known.classes is None:
+        return None
+    classes = params.get("classes", known.classes)
+    return classes if isinstance(classes, int) and not isinstance(classes, bool) else None
 
 
-def _loss_or_metric(value: str, key: str, roots: usercode.CodeRoots) -> Any:
-    """A Keras name stays a name; `package.module:function` becomes the imported (y_true, y_pred) function."""
-    if usercode.is_import_path(value):
-        return usercode.load_callable(value, key, ("y_true", "y_pred"), roots)
-    return value
-
-
-def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
-    """The spec's value, or for `auto` 32 on a TPU (dividing checkpoint.every_steps when set) and 1 elsewhere."""
-    value = spec.train.steps_per_execution
-    if value != "auto":
-        return value
-    if accelerator_kind != "tpu":
-        return 1
-    every = spec.checkpoint.every_steps
-    return max(n for n in range(1, 33) if every is None or every % n == 0)
-
-
-def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu") -> None:
-    model.compile(
-        optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
-        loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),
-        # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data/pipeline.py), and
-        # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
-        weighted_metrics=[_loss_or_metric(m, "train.metrics", spec.code_roots) for m in spec.train.metrics],
-        steps_per_execution=steps_per_execution(spec, accelerator_kind),
-    )
-
-
-def build_compiled(
-    spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None
-) -> tuple[keras.Model, tf.train.Checkpoint]:
-    """The spec's model, built and compiled under the accelerator's strategy, and the checkpoint object that
-    saves and restores its weights, optimizer state and step (training, evaluation and prediction share it).
-
-    `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
-    output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
-    with accelerator.strategy.scope():
-        model = build_model(spec, features)
-        if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):
-            if chosen.auto:
-                chosen.fall_back(f"{chosen.reason}, but model {spec.model.name!r}: {why}: float32")
-                model = build_model(spec, features)
-            else:
-                log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
-        compile_model(model, spec, accelerator.kind)
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-    return model, checkpoint
-
-
-def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
-    """Restores a checkpoint (weights, optimizer, step); returns the optimizer step it was saved at."""
-    checkpoint.restore(path).expect_partial()
-    return int(checkpoint.optimizer.iterations.numpy())
+def build(model_name: str, params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
+    """Builds the built-in model `model_name` (uncompiled); call inside the strategy's scope."""
+    if model_name not in BUILTIN:
+        raise SpecError(f"model.name: unknown model {model_name!r}; built in: {', '.join(sorted(BUILTIN))}")
+    return BUILTIN[model_name].build(dict(params), features, inputs)

@@ -34,7 +34,9 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time."""
     return subprocess.run(
         [sys.executable, "-m", "runner", *map(str, args)],

@@ -33,7 +33,8 @@ CHILD = textwrap.dedent("""
     folder = sys.argv[1]
 
     def build():
-        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(4096), keras.layers.Dense(1, dtype="float32")])
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(4096),
+                                  keras.layers.Dense(1, dtype="float32")])
         model.compile(optimizer="adam", loss="mse")
         model.fit(np.ones((8, 512), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0)
         return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer)
@@ -111,7 +112,9 @@ def test_the_loop_goes_on_while_a_slow_write_completes_and_the_index_waits_for_i
     assert seen["saver"]["write_s"] >= 3.0
 
 
-def test_a_write_that_fails_in_the_background_raises_at_the_next_save_and_is_never_indexed(gcs_faults, tmp_path: Path) -> None:
+def test_a_write_that_fails_in_the_background_raises_at_the_next_save_and_is_never_indexed(
+    gcs_faults, tmp_path: Path
+) -> None:
     bucket = gcs_faults.bucket()
     # Checkpoint 2's files are refused (403 is not retried): its write fails in the background.
     gcs_faults.faults.set([{"match": r"^(POST|PUT) /upload/.*ckpt-2", "action": "status", "status": 403}])
@@ -124,7 +127,8 @@ def test_a_write_that_fails_in_the_background_raises_at_the_next_save_and_is_nev
 
 
 def test_a_run_saves_in_the_background_and_waits_for_its_last_write(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("async", train={"epochs": 2, "steps_per_epoch": 6}, data={"eval": None}, checkpoint={"every_steps": 3})
+    spec = mnist_job("async", train={"epochs": 2, "steps_per_epoch": 6}, data={"eval": None},
+                     checkpoint={"every_steps": 3})
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = last_json(result.stdout)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import yaml

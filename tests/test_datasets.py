@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner.prepare import series
-from runner.prepare import text
-from runner.prepare.datasets import load_dataset
 from runner import DataError
+from runner.prepare import series, text
+from runner.prepare.datasets import load_dataset
 from tests.conftest import cli_env, run_cli
 
 # The first 16 labels of the CIFAR-10 test set (cat, ship, ship, airplane, frog, ...).
@@ -77,7 +76,7 @@ def test_reviews_are_tokenised_pre_padded_and_decode_back_to_their_words() -> No
     words = [vocabulary[i] for i in row[row != 0]]
     original = re.sub(r"[!\"#$%&()*+,\-./:;<=>?@\[\\\]^_`{|}~']", "", texts[test_rows[0]].lower()).split()
     assert len(words) == len(original) > 5
-    assert all(w in ("[UNK]", o) for w, o in zip(words, original))
+    assert all(w in ("[UNK]", o) for w, o in zip(words, original, strict=True))
     assert sum(w != "[UNK]" for w in words) > len(words) / 2
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from runner.doctor import report as doctor_module
 from runner.doctor import checks
+from runner.doctor import report as doctor_module
 from runner.spec.types import JobSpec
 from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from runner.doctor import checks
 from runner.device.host import TCMALLOC_PRELOAD
+from runner.doctor import checks
 from runner.spec.types import AcceleratorSpec
 
 
@@ -125,7 +125,8 @@ def test_devices_follow_what_is_asked(tmp_path: Path) -> None:
 def allocator_of_a_process(preload: str | None) -> dict[str, Any]:
     """check_allocator as run by a fresh Python process started with (or without) LD_PRELOAD."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
-    code = "import json; from runner.doctor.checks import check_allocator; print(json.dumps(check_allocator().to_dict()))"
+    code = ("import json; from runner.doctor.checks import check_allocator; "
+            "print(json.dumps(check_allocator().to_dict()))")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -148,7 +149,8 @@ def test_allocator_reads_the_mapped_libraries(tmp_path: Path) -> None:
         "7f10-7f20 rw-p 00000000 00:00 0 \n"
         "7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n"
     )
-    assert checks.check_allocator(str(maps)).data == {"allocator": "jemalloc", "library": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+    assert checks.check_allocator(str(maps)).data == {
+        "allocator": "jemalloc", "library": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
     maps.write_text("7f20-7f30 r-xp 00000000 08:01 43   /usr/lib/x86_64-linux-gnu/libc.so.6\n")
     assert checks.check_allocator(str(maps)).status == "warn"
 
@@ -196,7 +198,8 @@ def test_tpu_runtime_says_what_each_generation_needs_and_what_is_set(tmp_path: P
 def test_tpu_runtime_fails_what_cannot_start_and_warns_on_an_unknown_generation(tmp_path: Path) -> None:
     local = {"TPU_NAME": "local", "GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
     no_libtpu = checks.check_tpu_runtime(AcceleratorSpec(kind="tpu"), {**local, "TPU_ACCELERATOR_TYPE": "v6e-8"})
-    assert no_libtpu.status == "fail" and "v6e-8 (TPU_ACCELERATOR_TYPE) needs PJRT; PJRT needs libtpu" in no_libtpu.evidence
+    assert (no_libtpu.status == "fail"
+            and "v6e-8 (TPU_ACCELERATOR_TYPE) needs PJRT; PJRT needs libtpu" in no_libtpu.evidence)
     off = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v5p-8",
                                                        "NEXT_PLUGGABLE_DEVICE_USE_C_API": "0"})
     assert off.status == "fail" and "NEXT_PLUGGABLE_DEVICE_USE_C_API=0 turns PJRT off, but v5p needs it" in off.evidence

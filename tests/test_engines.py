@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+from runner import SpecError
 from runner.cloud import engines, tpu_types
 from runner.cloud.engines import vertex
-from runner import SpecError
 from runner.spec.load import load_spec
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engines import IMAGE, PROJECT, ZONE, submission, submit

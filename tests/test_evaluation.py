@@ -89,14 +89,15 @@ def test_evaluation_batches_hold_every_record_once_then_weightless_padding(uneve
     dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
     # One static shape for every batch, the last one included (a TPU compiles one program).
     assert [tuple(spec.shape) for spec in dataset.element_spec] == [(BATCH, 28, 28, 1), (BATCH,), (BATCH,)]
-    images, labels, weights = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy(), w.numpy()) for x, y, w in dataset)))
+    images, labels, weights = (np.concatenate(parts) for parts in
+                               zip(*((x.numpy(), y.numpy(), w.numpy()) for x, y, w in dataset), strict=True))
     assert len(labels) == 4 * BATCH
     expected_x, expected_y = read_split(uneven_mnist, "test")
     # Shards are read in parallel in blocks; each record comes once, with its own label.
     real = weights > 0
     assert real.sum() == TEST_RECORDS
     def rows(x: np.ndarray, y: np.ndarray) -> Counter:
-        return Counter((image.tobytes(), int(label)) for image, label in zip(x, y))
+        return Counter((image.tobytes(), int(label)) for image, label in zip(x, y, strict=True))
 
     assert rows(images[real], labels[real]) == rows(expected_x, expected_y)
     assert np.all(weights[real] == np.float32(4 * BATCH / TEST_RECORDS)) and np.all(weights[~real] == 0)
@@ -107,8 +108,8 @@ def test_evaluation_batches_hold_every_record_once_then_weightless_padding(uneve
 def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluation(uneven_mnist: Path, tmp_path: Path):
     import shutil
 
-    from runner.data import pipeline
     from runner import DataError
+    from runner.data import pipeline
 
     folder = tmp_path / "data"
     shutil.copytree(uneven_mnist, folder)
@@ -185,7 +186,8 @@ def test_eval_validation_and_evaluate_count_every_record_exactly(uneven_mnist: P
 def test_an_eval_split_smaller_than_one_batch_is_evaluated_whole(uneven_mnist: Path, tmp_path: Path):
     """300 validation records at batch 512: one batch, 212 rows of it padding."""
     spec = job(
-        uneven_mnist, tmp_path, "small", 2, eval=f"{uneven_mnist}/val-*.tfrecord", validation=None, global_batch_size=512
+        uneven_mnist, tmp_path, "small", 2, eval=f"{uneven_mnist}/val-*.tfrecord", validation=None,
+        global_batch_size=512,
     )
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -210,7 +212,8 @@ def test_a_user_model_metric_and_preprocess_count_every_record(tmp_path: Path):
         capture_output=True, text=True, timeout=180, env=example_env(),
     )
     assert prepared.returncode == 0, prepared.stderr
-    indexed = run_cli("manifest", EXAMPLE / "job.yaml", *example_overrides(data, data / "unused")[:4], env=example_env())
+    indexed = run_cli("manifest", EXAMPLE / "job.yaml", *example_overrides(data, data / "unused")[:4],
+                      env=example_env())
     assert indexed.returncode == 0, indexed.stderr
     result = run_cli(
         "run", EXAMPLE / "job.yaml", *example_overrides(data, tmp_path / "runs"), "--set", "train.epochs=1",

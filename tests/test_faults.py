@@ -83,7 +83,9 @@ def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, ti
 
 
 @pytest.mark.slow
-def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(gcs_faults, tiny_mnist, mnist_job):
+def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(
+    gcs_faults, tiny_mnist, mnist_job
+):
     bucket = gcs_faults.bucket()
     # Data and run folder in one bucket: the error names the bucket of whichever request gives up first.
     data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
@@ -133,7 +135,8 @@ def test_prepare_retries_through_faults_and_reports_them(gcs_faults):
     stats = gcs_faults.faults.stats()
     injected = stats["status"] + stats["drop"] + stats["cut"]
     assert stats["status"] >= 1 and stats["drop"] >= 1 and stats["cut"] >= 1, stats
-    assert re.search(rf"uploaded 9 files, .* to {out} in .* \({injected} retries\)", result.stderr), result.stderr[-2000:]
+    assert re.search(rf"uploaded 9 files, .* to {out} in .* \({injected} retries\)", result.stderr), (
+        result.stderr[-2000:])
     gcs_faults.faults.clear()
     result = run_cli("verify", out, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -159,10 +162,12 @@ def test_tensorflow_giving_up_on_gcs_inside_another_op_is_the_outage():
     import tensorflow as tf
 
     message = ("{{function_node __wrapped__MergeV2Checkpoints_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
-               "allow_missing_files was set to false and gs://b-5/runs/outage/checkpoints/ckpt-16_temp/part-00000-of-00001 "
+               "allow_missing_files was set to false and "
+               "gs://b-5/runs/outage/checkpoints/ckpt-16_temp/part-00000-of-00001 "
                "did not exist.ABORTED: All 5 retry attempts failed. The last failure: Error executing an HTTP request: "
                "HTTP response code 503 with body 'injected' [Op:MergeV2Checkpoints]")
-    error = storage_error(tf.errors.InvalidArgumentError(None, None, message), ("gs://b-5/mnist/*", None, "gs://b-5/runs"), 2)
+    error = storage_error(tf.errors.InvalidArgumentError(None, None, message),
+                          ("gs://b-5/mnist/*", None, "gs://b-5/runs"), 2)
     assert error is not None and error.exit_code == 3
     assert str(error).startswith("storage unreachable: gs://b-5 did not answer within storage.timeout_s (2 s)")
     # The same error type with no retry text is a real argument error: not a storage fault.
@@ -185,4 +190,5 @@ def test_no_folder_in_a_bucket_that_does_not_answer_is_the_outage_not_a_file_in_
     in_the_way = tmp_path / "checkpoints"
     in_the_way.write_text("not a folder")
     local = storage_error(OSError(f"{in_the_way} is not a directory"), (str(tmp_path / "d"), None, str(tmp_path)), 2)
-    assert str(local).startswith(f"storage fault: {in_the_way}: Not a directory; a file stands where a folder is needed")
+    assert str(local).startswith(
+        f"storage fault: {in_the_way}: Not a directory; a file stands where a folder is needed")

@@ -16,7 +16,8 @@ from tests.conftest import cli_env, last_json, run_cli
 
 def run_python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=cli_env(**env)
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+        env=cli_env(**env),
     )
 
 
@@ -79,7 +80,7 @@ def test_prepare_writes_shards_and_sha256_to_a_bucket_and_verify_checks_them(gcs
     assert result.stdout.strip().splitlines()[-1] == f"{out}/manifest.json"
     assert "uploaded 7 files" in result.stderr and "(0 retries)" in result.stderr
     manifest = json.loads(gcs.read(bucket, "mnist/manifest.json"))
-    for split, info in manifest["splits"].items():
+    for _split, info in manifest["splits"].items():
         assert len(info["shards"]) == 3
         for shard in info["shards"]:
             content = gcs.read(bucket, f"mnist/{shard['file']}")
@@ -105,7 +106,8 @@ def test_prepare_writes_shards_and_sha256_to_a_bucket_and_verify_checks_them(gcs
 
 
 def test_prepare_to_a_missing_bucket_fails_fast_naming_it(gcs):
-    result = run_cli("prepare", "mnist", "--out", "gs://no-such-bucket-here/mnist", "--limit", "10", env=cli_env(**gcs.env))
+    result = run_cli("prepare", "mnist", "--out", "gs://no-such-bucket-here/mnist", "--limit", "10",
+                     env=cli_env(**gcs.env))
     assert result.returncode == 3
     assert "gs://no-such-bucket-here does not exist" in result.stderr
 
@@ -189,7 +191,9 @@ def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mn
     [(False, "data.train: a batch could not be decoded"),  # streamed: met by the training step's batch
      (True, "data.train: a record could not be decoded while loading it into memory")],  # held: met loading it
 )
-def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path, in_memory, said):
+def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(
+    tiny_mnist, mnist_job, tmp_path, in_memory, said
+):
     """A readable shard swapped in after `runner prepare`, one image 10 bytes short: exit 2, not a traceback."""
     import tensorflow as tf
 
@@ -205,7 +209,8 @@ def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(tin
         for record in records:
             writer.write(record)
     # data.verify off: its size changed, which the default check would refuse before training (test_integrity).
-    spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "verify": "off", "in_memory": in_memory},
+    spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "verify": "off",
+                                     "in_memory": in_memory},
                      train={"epochs": 1})
     result = run_cli("run", spec)
     assert result.returncode == 2, result.stderr[-3000:]

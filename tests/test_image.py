@@ -17,7 +17,6 @@ from tests.conftest import REPO, last_json
 from tests.support.docker import IMAGE_UID, Engine, folders_for_the_container
 
 
-
 def _locked(name: str) -> str:
     """The version requirements.lock pins for a package."""
     for line in (REPO / "requirements.lock").read_text().splitlines():
@@ -43,7 +42,8 @@ def test_image_runs_runner_as_an_unprivileged_user(docker_engine: Engine, runner
     helped = docker_engine.docker("run", "--rm", "--network", "none", runner_image, check=True)
     for command in ("run", "validate", "submit", "status", "cancel", "logs"):
         assert f" {command} " in helped.stdout, f"`runner --help` in the image does not list {command!r}"
-    whoami = docker_engine.docker("run", "--rm", "--network", "none", "--entrypoint", "id", runner_image, "-u", check=True)
+    whoami = docker_engine.docker("run", "--rm", "--network", "none", "--entrypoint", "id", runner_image, "-u",
+                                  check=True)
     assert whoami.stdout.strip() == str(IMAGE_UID)
 
 
@@ -59,10 +59,12 @@ def test_image_imports_the_pinned_tensorflow_with_tcmalloc(docker_engine: Engine
         "import importlib.util as u, pathlib as p, sys;"
         "tag = sys.implementation.cache_tag;"
         "roots = [p.Path(u.find_spec(n).origin).parent for n in ('tensorflow', 'keras', 'runner')];"
-        "print(sum(not (f.parent / '__pycache__' / f'{f.stem}.{tag}.pyc').exists() for r in roots for f in r.rglob('*.py')))"
+        "print(sum(not (f.parent / '__pycache__' / f'{f.stem}.{tag}.pyc').exists()"
+        " for r in roots for f in r.rglob('*.py')))"
     )
     result = docker_engine.docker(
-        "run", "--rm", "--network", "none", "--entrypoint", "python3", runner_image, "-c", probe, check=True, timeout=180
+        "run", "--rm", "--network", "none", "--entrypoint", "python3", runner_image, "-c", probe, check=True,
+        timeout=180,
     )
     tf_version, cpu_wheel, keras, tf_keras, allocator, uncompiled = result.stdout.split()
     assert tf_version == cpu_wheel == _locked("tensorflow-cpu")

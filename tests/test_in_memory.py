@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.device import host
-from runner.data import in_memory
 from runner import DataError, SpecError
+from runner.data import in_memory, pipeline
+from runner.device import host
 from tests.conftest import last_json, run_cli
 from tests.test_schema import FEATURES, RGB, ROWS, job, mixed_records  # noqa: F401 (a fixture)
 
@@ -64,19 +63,24 @@ def test_held_bytes_count_uint8_as_one_byte_and_text_as_the_shards_size(mnist_sh
     [
         ("auto", "cpu", 1, 24 * GIB, True, "auto: 1.5 MiB decoded, within auto's limit of 1.0 GiB, one worker on cpu"),
         ("auto", "gpu", 1, 24 * GIB, True, "auto: 1.5 MiB decoded, within auto's limit of 1.0 GiB, one worker on gpu"),
-        ("auto", "cpu", 1, 8 * (1 << 20), False, "auto: streamed, the split takes 1.5 MiB decoded, over auto's limit of 1.0 MiB"),
+        ("auto", "cpu", 1, 8 * (1 << 20), False,
+         "auto: streamed, the split takes 1.5 MiB decoded, over auto's limit of 1.0 MiB"),
         ("auto", "cpu", 1, None, True, "auto: 1.5 MiB decoded, within auto's limit of 1.0 GiB, one worker on cpu"),
-        ("auto", "tpu", 1, 24 * GIB, False, "auto: streamed, the job runs on a TPU, where holding the split in memory is not measured by this runner"),
+        ("auto", "tpu", 1, 24 * GIB, False,
+         "auto: streamed, the job runs on a TPU, where holding the split in memory is not measured by this runner"),
         ("auto", "cpu", 2, 24 * GIB, False, "auto: streamed, 2 workers each read their share of the shards"),
         (True, "cpu", 1, 4 * (1 << 20), True, "data.in_memory: true"),
         (False, "cpu", 1, 24 * GIB, False, "data.in_memory: false"),
     ],
 )
-def test_auto_holds_a_split_that_fits_on_a_cpu_or_gpu_with_one_worker(mnist_shards, setting, kind, workers, memory, held, why):
+def test_auto_holds_a_split_that_fits_on_a_cpu_or_gpu_with_one_worker(
+    mnist_shards, setting, kind, workers, memory, held, why
+):
     choice = in_memory.choose(setting, mnist_shards, ("image", "label"), kind, workers, memory, 128)
     assert (choice.held, choice.why) == (held, why)
     assert choice.bytes == 2048 * 792
-    assert choice.to_dict() == {"mode": "in_memory" if held else "streamed", "why": why, "bytes": 2048 * 792, "load_s": None}
+    assert choice.to_dict() == {"mode": "in_memory" if held else "streamed", "why": why, "bytes": 2048 * 792,
+                                "load_s": None}
 
 
 @pytest.mark.parametrize(
@@ -84,7 +88,8 @@ def test_auto_holds_a_split_that_fits_on_a_cpu_or_gpu_with_one_worker(mnist_shar
     [
         ("tpu", 1, 24 * GIB, "the job runs on a TPU"),
         ("cpu", 3, 24 * GIB, "3 workers each read their share of the shards"),
-        ("cpu", 1, 2 * (1 << 20), "the split takes 1.5 MiB decoded, more than half of the 2.0 MiB this process may use"),
+        ("cpu", 1, 2 * (1 << 20),
+         "the split takes 1.5 MiB decoded, more than half of the 2.0 MiB this process may use"),
     ],
 )
 def test_true_that_cannot_be_honoured_is_refused_with_what_to_set(mnist_shards, kind, workers, memory, reason):
@@ -98,7 +103,8 @@ def test_a_split_smaller_than_one_batch_streams_where_batches_run_across_passes(
     # With train.steps_per_epoch set a job may train on fewer records than a batch: streamed, a batch then
     # holds records of two passes; a held pass is whole batches only.
     choice = in_memory.choose("auto", mnist_shards, ("image", "label"), "cpu", 1, 24 * GIB, 4096)
-    assert (choice.held, choice.why) == (False, "auto: streamed, its 2048 records make no full batch of data.global_batch_size (4096)")
+    assert (choice.held, choice.why) == (
+        False, "auto: streamed, its 2048 records make no full batch of data.global_batch_size (4096)")
     with pytest.raises(SpecError, match=r"true cannot be honoured: its 2048 records make no full batch"):
         in_memory.choose(True, mnist_shards, ("image", "label"), "cpu", 1, 24 * GIB, 4096)
 
@@ -130,13 +136,17 @@ def test_each_pass_is_a_permutation_holding_every_record_once(mnist_shards, held
     assert sorted(first) == sorted(second) == sorted(streamed), "every record once per pass"
     assert first != second, "a fresh permutation each pass"
     assert first != streamed, "shuffled, not in shard order"
-    again = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=True, seed=3), 16)
-    other = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=True, seed=4), 8)
+    again = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=True,
+                                           seed=3), 16)
+    other = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=True,
+                                           seed=4), 8)
     assert again == two_passes, "the same seed gives the same order"
     assert sum(other, []) != first
 
-    in_order = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=False, seed=3), 9)
-    assert sum(in_order[:8], []) == streamed and in_order[8] == streamed[:256], "no shuffle: shard order, pass after pass"
+    in_order = batches(in_memory.make_dataset(held, mnist_shards.features, 256, ("image",), "label", shuffle=False,
+                                              seed=3), 9)
+    assert sum(in_order[:8], []) == streamed and in_order[8] == streamed[:256], (
+        "no shuffle: shard order, pass after pass")
 
 
 def test_records_left_over_by_the_batch_change_from_pass_to_pass(mnist_shards, held):
@@ -155,9 +165,9 @@ def test_a_batch_is_what_streaming_decodes_for_the_same_records(mnist_shards, he
                                      preprocess=preprocess)
     streamed = pipeline.make_dataset(mnist_shards, 2048, ("image",), "label", training=False, preprocess=preprocess)
     images, labels = next(iter(streamed))
-    label_of = {digest(i): (i, int(l)) for i, l in zip(images.numpy(), labels.numpy())}
+    label_of = {digest(i): (i, int(l)) for i, l in zip(images.numpy(), labels.numpy(), strict=True)}
     for got, label in dataset.take(3):
-        for image, value in zip(got.numpy(), label.numpy()):
+        for image, value in zip(got.numpy(), label.numpy(), strict=True):
             want, want_label = label_of[digest(image)]
             np.testing.assert_array_equal(image, want)
             assert int(value) == want_label
@@ -219,7 +229,8 @@ def test_a_run_records_how_its_training_was_fed(mnist_job, tmp_path: Path):
     assert "data.train held in memory: 2048 records" in held_run.stderr
     assert summary["metrics"]["accuracy"] > 0.5, "it learned from the held split"
 
-    streamed = run_cli("run", mnist_job("streamed", data={"in_memory": False}, accelerator={"cpu_devices": 2}), timeout=300)
+    streamed = run_cli("run", mnist_job("streamed", data={"in_memory": False}, accelerator={"cpu_devices": 2}),
+                       timeout=300)
     assert streamed.returncode == 0, streamed.stderr[-3000:]
     assert last_json(streamed.stdout)["train_input"] == {"mode": "streamed", "why": "data.in_memory: false",
                                                          "bytes": 2048 * 792, "load_s": None}
@@ -229,7 +240,8 @@ def test_a_run_records_how_its_training_was_fed(mnist_job, tmp_path: Path):
 
 @pytest.mark.slow
 def test_two_replicas_train_from_the_held_split(mnist_job):
-    result = run_cli("run", mnist_job("mirrored", data={"in_memory": True}, accelerator={"cpu_devices": 2}), timeout=300)
+    result = run_cli("run", mnist_job("mirrored", data={"in_memory": True}, accelerator={"cpu_devices": 2}),
+                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = last_json(result.stdout)
     assert summary["accelerator"]["replicas"] == 2

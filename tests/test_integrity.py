@@ -18,8 +18,8 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from typer.testing import CliRunner
@@ -148,10 +148,16 @@ def label_outside_the_classes(folder: Path) -> None:
 
 # fault -> (spec overrides, what the message must say: a regex)
 FAULTS: dict[str, tuple[Callable[[Path], None], tuple[str, ...], str]] = {
-    "missing": (missing, (), rf"{TRAIN_SHARD}: missing; .*manifest\.json lists it \(splits\.train\.shards\[1\]: 512 records\)"),
-    "empty": (empty, (), rf"{TRAIN_SHARD}: empty \(0 bytes\), the manifest lists [\d,]+ bytes \(.*splits\.train\.shards\[1\]\)"),
+    "missing": (
+        missing, (), rf"{TRAIN_SHARD}: missing; .*manifest\.json lists it \(splits\.train\.shards\[1\]: 512 records\)"
+    ),
+    "empty": (
+        empty, (), rf"{TRAIN_SHARD}: empty \(0 bytes\), the manifest lists [\d,]+ bytes "
+                   r"\(.*splits\.train\.shards\[1\]\)"
+    ),
     "cut_at_a_record_boundary": (
-        cut_at_a_record_boundary, (), rf"{TRAIN_SHARD}: [\d,]+ bytes, the manifest lists [\d,]+ bytes \(.*splits\.train\.shards\[1\]\)"
+        cut_at_a_record_boundary, (), rf"{TRAIN_SHARD}: [\d,]+ bytes, the manifest lists [\d,]+ bytes "
+                                      r"\(.*splits\.train\.shards\[1\]\)"
     ),
     "cut_inside_a_record_header": (
         cut_inside_a_record_header, (), rf"{TRAIN_SHARD}: [\d,]+ bytes, the manifest lists [\d,]+ bytes"
@@ -203,7 +209,8 @@ def test_the_cli_exits_2_naming_the_shard_and_writes_no_run_folder(data_copy, tm
     assert result.returncode == 2, result.stderr[-3000:]
     shard = data_copy / TRAIN_SHARD
     assert re.search(rf"error: data\.verify \(size\): 1 of the 5 shards the job reads differ from their manifest:\n"
-                     rf"  {shard}: 83,800 bytes, the manifest lists 429,\d+ bytes", result.stderr), result.stderr[-3000:]
+                     rf"  {shard}: 83,800 bytes, the manifest lists 429,\d+ bytes", result.stderr), (
+        result.stderr[-3000:])
     assert "Nothing was written to the run folder" in result.stderr
     assert last_json(result.stdout)["status"] == "failed"
     assert "Traceback" not in result.stderr
@@ -212,8 +219,8 @@ def test_the_cli_exits_2_naming_the_shard_and_writes_no_run_folder(data_copy, tm
 
 def test_a_shard_replaced_by_one_of_the_same_size_passes_size_and_is_named_by_sha256(data_copy, tmp_path):
     """What `size` cannot see: the test shard (512 records of the same size) copied over a training shard."""
-    from runner.spec.load import load_spec
     from runner.data.integrity import check_job_data
+    from runner.spec.load import load_spec
 
     shutil.copy(data_copy / "test-00000-of-00001.tfrecord", data_copy / TRAIN_SHARD)
     spec = job_spec(tmp_path, data_copy, "replaced")
@@ -261,14 +268,16 @@ def test_labels_beyond_the_models_classes_are_named_by_shard_and_record(data_cop
 
 def test_the_classifiers_classes_are_those_the_models_are_built_with():
     from runner import models
-    from runner.data import integrity
     from runner.data.schema import Feature
     from runner.spec.types import JobSpec
+    from runner.train.build import build_model
 
-    for name, classes in integrity.CLASSIFIERS.items():
+    classifiers = {name: known.classes for name, known in models.BUILTIN.items() if known.classes}
+    assert classifiers == {"mnist_cnn": 10, "cifar10_cnn": 10}
+    for name, classes in classifiers.items():
         shape = (28, 28, 1) if name == "mnist_cnn" else (32, 32, 3)
         spec = JobSpec.model_validate({"model": {"name": name}})
-        model = models.build_model(spec, {"image": Feature("uint8", shape), "label": Feature("int64", ())})
+        model = build_model(spec, {"image": Feature("uint8", shape), "label": Feature("int64", ())})
         assert model.output_shape[-1] == classes, name
 
 
@@ -278,7 +287,7 @@ def test_the_classifiers_classes_are_those_the_models_are_built_with():
 def test_prepare_records_each_shards_size_and_label_range(tiny_mnist):
     import tensorflow as tf
 
-    for split, info in read_manifest(tiny_mnist)["splits"].items():
+    for _split, info in read_manifest(tiny_mnist)["splits"].items():
         for entry in info["shards"]:
             path = tiny_mnist / entry["file"]
             assert entry["bytes"] == path.stat().st_size
@@ -309,16 +318,17 @@ def strip_sizes(folder: Path) -> None:
 
 
 def test_a_manifest_without_sizes_names_the_fix_for_size_and_works_for_sha256_and_off(data_copy, tmp_path):
-    from runner.spec.load import load_spec
     from runner.data.integrity import check_job_data
+    from runner.spec.load import load_spec
 
     strip_sizes(data_copy)
     spec = job_spec(tmp_path, data_copy, "old")
     code, message, _ = run_in_process(spec)
     assert code == 2
     assert message.startswith(
-        f"data.verify (size): {data_copy}/manifest.json lists no size for 5 of the 5 shards (e.g. {data_copy}/manifest.json: "
-        "splits.train.shards[0].bytes): it was written before manifests recorded sizes. Record them once with "
+        f"data.verify (size): {data_copy}/manifest.json lists no size for 5 of the 5 shards "
+        f"(e.g. {data_copy}/manifest.json: splits.train.shards[0].bytes): it was written before manifests recorded "
+        "sizes. Record them once with "
         f"`runner verify {data_copy} --record-sizes`"
     ), message
     assert "--set data.verify=sha256" in message and not (tmp_path / "runs").exists()
@@ -338,17 +348,18 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
     strip_sizes(data_copy)
     result = invoke("verify", str(data_copy))
     assert result.exit_code == 0, result.output
-    assert re.search(r"every shard matches manifest\.json \(sha256\): 5 shards, 2\.\d MB in [\d.]+ s, [\d,]+ MB/s on \d threads",
-                     result.stdout), result.output
-    assert f"lists no size for 5 shards (written by an older runner): add them with `runner verify {data_copy} --record-sizes`" in result.output
+    assert re.search(r"every shard matches manifest\.json \(sha256\): 5 shards, 2\.\d MB in [\d.]+ s, "
+                     r"[\d,]+ MB/s on \d threads", result.stdout), result.output
+    assert (f"lists no size for 5 shards (written by an older runner): add them with "
+            f"`runner verify {data_copy} --record-sizes`") in result.output
 
     result = invoke("verify", str(data_copy), "--record-sizes")
     assert result.exit_code == 0, result.output
     assert f"{data_copy}/manifest.json: recorded the size of 5 shards" in result.stdout
     for entry in read_manifest(data_copy)["splits"]["train"]["shards"]:
         assert entry["bytes"] == (data_copy / entry["file"]).stat().st_size
-    from runner.spec.load import load_spec
     from runner.data.integrity import check_job_data
+    from runner.spec.load import load_spec
 
     assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized")))["mode"] == "size"
 
@@ -384,7 +395,8 @@ def test_runner_verify_names_each_shard_that_differs_and_what_differs(data_copy)
     empty_shard.write_bytes(b"")
     result = invoke("verify", str(data_copy))
     assert result.exit_code == 2
-    assert f"{data_copy / TRAIN_SHARD}: missing; {data_copy}/manifest.json: splits.train.shards[1] lists it (512 records" in result.output
+    assert (f"{data_copy / TRAIN_SHARD}: missing; {data_copy}/manifest.json: splits.train.shards[1] lists it "
+            "(512 records") in result.output
     assert re.search(rf"{empty_shard}: sha256 [0-9a-f]{{12}}\.\.\. does not match the manifest's [0-9a-f]{{12}}\.\.\.; "
                      rf"empty \(0 bytes\), the manifest lists {size:,} bytes", result.output), result.output
     assert "2 of 5 shards differ" in result.output and "every shard matches" not in result.output
@@ -449,18 +461,21 @@ def test_gs_shards_are_checked_by_size_and_sha256_and_the_bucket_gets_no_run_fol
     content[len(content) // 2] ^= 0x01  # same size, other bytes
     flipped.write_bytes(bytes(content))
     url = gcs.upload_folder(data_copy, bucket, "mnist")
-    spec = job_spec(tmp_path, data_copy, "remote", data={"train": f"{url}/train-*.tfrecord", "eval": f"{url}/test-*.tfrecord"},
+    spec = job_spec(tmp_path, data_copy, "remote",
+                    data={"train": f"{url}/train-*.tfrecord", "eval": f"{url}/test-*.tfrecord"},
                     output={"dir": f"gs://{bucket}/runs"})
     env = cli_env(**gcs.env)
 
     result = run_cli("run", spec, env=env, timeout=180)  # data.verify: size
     assert result.returncode == 2, result.stderr[-3000:]
-    assert re.search(rf"{url}/{TRAIN_SHARD}: [\d,]+ bytes, the manifest lists [\d,]+ bytes", result.stderr), result.stderr[-3000:]
+    assert re.search(rf"{url}/{TRAIN_SHARD}: [\d,]+ bytes, the manifest lists [\d,]+ bytes", result.stderr), (
+        result.stderr[-3000:])
     assert "train-00003" not in result.stderr  # its size is right: only sha256 can tell
 
     result = run_cli("run", spec, "--set", "data.verify=sha256", env=env, timeout=180)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "2 of the 5 shards the job reads differ" in result.stderr
     assert re.search(rf"{url}/{TRAIN_SHARD}: sha256 .*; [\d,]+ bytes, the manifest lists", result.stderr)
-    assert re.search(rf"{url}/train-00003-of-00004\.tfrecord: sha256 [0-9a-f]{{12}}\.\.\. does not match", result.stderr)
+    assert re.search(rf"{url}/train-00003-of-00004\.tfrecord: sha256 [0-9a-f]{{12}}\.\.\. does not match",
+                     result.stderr)
     assert gcs.objects(bucket, "runs/") == []

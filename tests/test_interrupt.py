@@ -15,8 +15,17 @@ import jsonschema
 import pytest
 
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.runs import (EPOCHS, STEPS, finish, indexed_step, local_index, signal_in_second_epoch, start_run,
-                                tensorflow_loading, wait_for)
+from tests.support.runs import (
+    EPOCHS,
+    STEPS,
+    finish,
+    indexed_step,
+    local_index,
+    signal_in_second_epoch,
+    start_run,
+    tensorflow_loading,
+    wait_for,
+)
 from tests.support.runs import interruptible_job as job
 
 SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
@@ -54,7 +63,9 @@ def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_cont
     (signal.SIGINT, 130, "interrupted", "interrupted while the job was starting"),
     (signal.SIGTERM, 75, "preempted", "preemption notice received while the job was starting"),
 ])
-def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(mnist_job, tmp_path, sent, code, status, says):
+def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(
+    mnist_job, tmp_path, sent, code, status, says
+):
     """Ctrl-C is an interruption (130), SIGTERM a preemption (75): either, before a step has run, is reported
     as such in the summary, locally and in the run folder, and leaves no checkpoint."""
     spec = job(mnist_job, "early")

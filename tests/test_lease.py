@@ -258,7 +258,8 @@ def test_two_runs_started_together_one_trains_and_the_other_exits_2_having_writt
         names = [n[len(prefix):] for n in gcs.objects(bucket, prefix) if not n.endswith("/")]
         stored = json.loads(gcs.read(bucket, prefix + "summary.json"))
     assert stored == summary, "summary.json is the winner's"
-    assert [n for n in names if n.startswith("attempts/")] == ["attempts/001.json"], "the refused run recorded no attempt"
+    assert [n for n in names if n.startswith("attempts/")] == ["attempts/001.json"], (
+        "the refused run recorded no attempt")
     assert "lease.json" not in names, "the winner released its lease"
     assert {n for n in names if n.startswith("checkpoints/ckpt-")} == {
         f"checkpoints/ckpt-{step}.{kind}" for step in (16, 32) for kind in ("index", "data-00000-of-00001")

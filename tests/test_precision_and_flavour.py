@@ -20,9 +20,11 @@ flags\t\t: fpu vme sse sse2 avx avx2 fma {extra}
 bogomips\t: 4890.86
 """
 ZEN4 = _X86.format(vendor="AuthenticAMD", model="AMD EPYC 9B14", extra="avx512f avx512bw avx512_bf16 avx512_vnni")
-SAPPHIRE_RAPIDS = _X86.format(vendor="GenuineIntel", model="Intel(R) Xeon(R) Platinum 8481C", extra="avx512f amx_bf16 amx_tile amx_int8")
+SAPPHIRE_RAPIDS = _X86.format(vendor="GenuineIntel", model="Intel(R) Xeon(R) Platinum 8481C",
+                              extra="avx512f amx_bf16 amx_tile amx_int8")
 ZEN3 = _X86.format(vendor="AuthenticAMD", model="AMD EPYC", extra="vaes vpclmulqdq rdpid fsrm")
-SKYLAKE = _X86.format(vendor="GenuineIntel", model="Intel(R) Xeon(R) CPU @ 2.00GHz", extra="avx512f avx512bw avx512_vnni")
+SKYLAKE = _X86.format(vendor="GenuineIntel", model="Intel(R) Xeon(R) CPU @ 2.00GHz",
+                      extra="avx512f avx512bw avx512_vnni")
 GRAVITON3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
 
@@ -38,8 +40,10 @@ GRAVITON3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 
         ("cpu", None, [], "float32", "could not read /proc/cpuinfo: float32"),
         ("tpu", None, [], "bfloat16", "TPU"),
         ("tpu", ZEN3, [], "bfloat16", "TPU"),  # the TPU computes, not the host's CPU
-        ("gpu", ZEN3, [("NVIDIA A100-SXM4-40GB", (8, 0))], "bfloat16", "GPU NVIDIA A100-SXM4-40GB compute capability 8.0"),
-        ("gpu", None, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2, "bfloat16", "GPU NVIDIA H100 80GB HBM3 compute capability 9.0"),
+        ("gpu", ZEN3, [("NVIDIA A100-SXM4-40GB", (8, 0))], "bfloat16",
+         "GPU NVIDIA A100-SXM4-40GB compute capability 8.0"),
+        ("gpu", None, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2, "bfloat16",
+         "GPU NVIDIA H100 80GB HBM3 compute capability 9.0"),
         ("gpu", ZEN4, [("Tesla T4", (7, 5))], "float32", "GPU Tesla T4 compute capability 7.5 (below 8.0): float32"),
         ("gpu", None, [("NVIDIA L4", (8, 9)), ("Tesla V100-SXM2-16GB", (7, 0))], "float32",
          "GPU Tesla V100-SXM2-16GB compute capability 7.0 (below 8.0): float32"),  # every replica must have it
@@ -65,12 +69,14 @@ def test_a_model_kept_in_float32_under_auto_says_why() -> None:
             ("imdb_lstm", "cpu"): "bfloat16 ran it slower on a CPU"}
     chosen = decide("auto", "weather_rnn", "cpu", ZEN4, float32_models=kept)
     assert chosen.policy == "float32"
-    assert chosen.reason == "cpu flag avx512_bf16, but model 'weather_rnn': bfloat16 cost it 3% of MAE (benchmarks/RESULTS.md): float32"
+    assert chosen.reason == ("cpu flag avx512_bf16, but model 'weather_rnn': bfloat16 cost it 3% of MAE "
+                             "(benchmarks/RESULTS.md): float32")
     assert decide("auto", "mnist_cnn", "cpu", ZEN4, float32_models=kept).policy == "bfloat16"
     assert decide("bfloat16", "weather_rnn", "cpu", ZEN3, float32_models=kept).policy == "bfloat16"  # asked: taken
     # Kept for one kind of device only: a CPU keeps it in float32, a TPU computes it in bfloat16.
     on_cpu = decide("auto", "imdb_lstm", "cpu", ZEN4, float32_models=kept)
-    assert (on_cpu.policy, on_cpu.reason) == ("float32", "cpu flag avx512_bf16, but model 'imdb_lstm': bfloat16 ran it slower on a CPU: float32")
+    assert (on_cpu.policy, on_cpu.reason) == (
+        "float32", "cpu flag avx512_bf16, but model 'imdb_lstm': bfloat16 ran it slower on a CPU: float32")
     assert decide("auto", "imdb_lstm", "tpu", None, float32_models=kept).policy == "bfloat16"
 
 
@@ -97,12 +103,14 @@ def test_float32_is_one_set_away(mnist_job) -> None:
     spec = mnist_job("f32", train={"epochs": 1, "steps_per_epoch": 2}, data={"eval": None})
     result = run_cli("run", spec, "--set", "train.mixed_precision=float32")
     assert result.returncode == 0, result.stderr
-    assert last_json(result.stdout)["accelerator"]["precision"] == {"policy": "float32", "reason": "train.mixed_precision: float32"}
+    assert last_json(result.stdout)["accelerator"]["precision"] == {
+        "policy": "float32", "reason": "train.mixed_precision: float32"}
 
 
 @pytest.mark.slow
 def test_bfloat16_computes_in_bf16_with_a_float32_output(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("bf16", train={"epochs": 1, "steps_per_epoch": 4, "mixed_precision": "bfloat16"}, data={"eval": None})
+    spec = mnist_job("bf16", train={"epochs": 1, "steps_per_epoch": 4, "mixed_precision": "bfloat16"},
+                     data={"eval": None})
     result = run_cli("run", spec)
     assert result.returncode == 0, result.stderr
     summary = last_json(result.stdout)
@@ -161,7 +169,8 @@ def _features() -> dict:
     from runner.data.schema import Feature
 
     return {
-        "image": Feature("float32", (28, 28, 1)), "tokens": Feature("int64", (40,)), "series": Feature("float32", (24, 5)),
+        "image": Feature("float32", (28, 28, 1)), "tokens": Feature("int64", (40,)),
+        "series": Feature("float32", (24, 5)),
     }
 
 
@@ -180,7 +189,7 @@ def test_every_built_in_model_computes_in_bfloat16_with_a_float32_output(under, 
 
     under("mixed_bfloat16")
     spec = JobSpec.model_validate({"model": {"name": name, "params": params}})
-    model = models.MODELS[name](dict(params), _features(), inputs)
+    model = models.build(name, dict(params), _features(), inputs)
     assert precision.output_not_float32(model) is None
     assert any(layer.compute_dtype == "bfloat16" for layer in model.layers)  # the rest does compute in bfloat16
     assert model.output.dtype == "float32"
@@ -211,10 +220,10 @@ def _own_models(tmp_path: Path) -> tuple[str, Path]:
 def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_auto(under, tmp_path: Path) -> None:
     import tensorflow as tf
 
-    from runner import models
     from runner.device.precision import Precision
-    from runner.spec.types import JobSpec
     from runner.device.strategy import Accelerator
+    from runner.spec.types import JobSpec
+    from runner.train.build import build_compiled
 
     package, src = _own_models(tmp_path)
     cpu = Accelerator(tf.distribute.get_strategy(), "cpu", 1)
@@ -223,9 +232,10 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
     def build(function: str, chosen: Precision) -> tf.keras.Model:
         chosen.apply()
         spec = JobSpec.model_validate({
-            "model": {"name": f"{package}.nets:{function}"}, "data": {"inputs": ["image"]}, "code": {"folder": str(src)},
+            "model": {"name": f"{package}.nets:{function}"}, "data": {"inputs": ["image"]},
+            "code": {"folder": str(src)},
         })
-        return models.build_compiled(spec, features, cpu, chosen)[0]
+        return build_compiled(spec, features, cpu, chosen)[0]
 
     # auto chose bfloat16 (as on a CPU with avx512_bf16), but the model's softmax would compute in bfloat16.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)

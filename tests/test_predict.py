@@ -89,7 +89,8 @@ def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(two_repli
 def _image_of(record: bytes) -> np.ndarray:
     """The 28x28x1 image of a serialized MNIST Example, read without the runner's parser, as float32."""
     feature = tf.train.Example.FromString(record).features.feature["image"]
-    values = np.frombuffer(feature.bytes_list.value[0], np.uint8) if feature.bytes_list.value else np.array(feature.int64_list.value)
+    values = (np.frombuffer(feature.bytes_list.value[0], np.uint8) if feature.bytes_list.value
+              else np.array(feature.int64_list.value))
     return values.reshape(28, 28, 1).astype(np.float32)
 
 

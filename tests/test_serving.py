@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from runner.data import pipeline
-from runner.rundir import serving
 from runner.data.schema import Feature
+from runner.rundir import serving
 
 FEATURES = {"x": Feature("float32", (3,)), "label": Feature("int64", ())}
 
@@ -37,7 +37,8 @@ def test_serve_examples_parses_and_preprocesses_like_training(tmp_path: Path) ->
     rows = np.arange(12, dtype=np.float32).reshape(4, 3)
     trained = model()
     path = str(tmp_path / "saved_model")
-    assert serving.export(trained, path, pipeline.example_inputs(FEATURES, ("x",), doubled)) == ["serve", "serve_examples"]
+    assert serving.export(trained, path, pipeline.example_inputs(FEATURES, ("x",), doubled)) == [
+        "serve", "serve_examples"]
 
     loaded = tf.saved_model.load(path)
     expected = trained(rows * 2.0).numpy()
@@ -55,7 +56,8 @@ def test_a_preprocess_that_needs_the_label_leaves_serve_alone_and_says_why(tmp_p
     with caplog.at_level(logging.WARNING, logger="runner.rundir.serving"):
         endpoints = serving.export(model(), path, pipeline.example_inputs(FEATURES, ("x",), uses_label))
     assert endpoints == ["serve"]
-    assert "no serve_examples endpoint: data.preprocess could not be traced on the input features alone (KeyError" in caplog.text
+    assert ("no serve_examples endpoint: data.preprocess could not be traced on the input features alone "
+            "(KeyError") in caplog.text
     loaded = tf.saved_model.load(path)
     assert not hasattr(loaded, "serve_examples")
     assert loaded.serve(tf.ones((1, 3))).shape == (1, 2)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from runner import SpecError
-from runner.spec.types import MODEL_NAMES, JobSpec
 from runner.spec.load import MAX_BYTES, load_spec
+from runner.spec.types import MODEL_NAMES, JobSpec
 from runner.spec.usercode import CodeRoots, find_code, load_callable
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
@@ -32,7 +32,7 @@ CPU_S, WALL_S = 2.0, 20.0
 
 
 class Stopwatch:
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self.cpu, self.wall = time.process_time(), time.monotonic()
         return self
 
@@ -79,7 +79,8 @@ def test_a_file_holding_only_a_name_gets_every_default(tmp_path: Path) -> None:
     path.write_text("name: minimal\n")
     spec = load_spec(path)
     paths = {"data": {"train", "eval"}, "output": {"dir"}, "code": {"folder"}}
-    assert spec.model_dump(exclude={"name": True, **paths}) == JobSpec(name="minimal").model_dump(exclude={"name": True, **paths})
+    assert spec.model_dump(exclude={"name": True, **paths}) == JobSpec(name="minimal").model_dump(
+        exclude={"name": True, **paths})
     # The default paths are relative to the spec file, as a spec's own paths are.
     assert spec.data.train == f"{tmp_path}/data/mnist/train-*.tfrecord"
     assert spec.run_dir == f"{tmp_path}/runs/minimal"
@@ -91,7 +92,8 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
     path.write_text("name: job\n")
     spec = load_spec(path, ["train.epochs=3", "data.train=gs://b/train-*.tfrecord", "accelerator.kind=cpu"])
     assert (spec.train.epochs, spec.data.train, spec.accelerator.kind) == (3, "gs://b/train-*.tfrecord", "cpu")
-    with pytest.raises(SpecError, match=r"--set 'train\.epohcs=3': train\.epohcs: unknown key 'epohcs'; did you mean 'epochs'"):
+    with pytest.raises(SpecError,
+                       match=r"--set 'train\.epohcs=3': train\.epohcs: unknown key 'epohcs'; did you mean 'epochs'"):
         load_spec(path, ["train.epohcs=3"])
     with pytest.raises(SpecError, match=r"--set 'train\.epochs=many': train\.epochs: Input should be a valid integer"):
         load_spec(path, ["train.epochs=many"])
@@ -126,14 +128,16 @@ def test_validate_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
 
 def test_a_missing_spec_names_the_folder_and_a_close_name(tmp_path: Path) -> None:
     (tmp_path / "mnist_cnn.yaml").write_text("name: x\n")
-    with pytest.raises(SpecError, match=rf"mnist_cnm\.yaml: no such file in {tmp_path}; did you mean 'mnist_cnn\.yaml'\?"):
+    with pytest.raises(SpecError,
+                       match=rf"mnist_cnm\.yaml: no such file in {tmp_path}; did you mean 'mnist_cnn\.yaml'\?"):
         load_spec(tmp_path / "mnist_cnm.yaml")
 
 
 def test_validate_never_imports_tensorflow(tmp_path: Path) -> None:
     """Nor the spec's own code: validate finds the module (the `code:` line names its file) but never imports it."""
     marker = tmp_path / "imported"
-    (tmp_path / "mymodels.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef build(params, features, inputs): pass\n")
+    (tmp_path / "mymodels.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef build(params, features, inputs): pass\n")
     spec = write_spec(tmp_path, {"name": "own", "model": {"name": "mymodels:build"}})
     code = (
         "import sys\n"
@@ -164,10 +168,14 @@ def _alias_bomb(levels: int = 12) -> str:
 PATHOLOGICAL = {
     # name: (file text, what the error says)
     "alias_bomb": (_alias_bomb(), "aliases expand to more than 5,000 values"),
-    "deep_flow": ("name: x\nmodel: {params: {x: " + "[" * 200_000 + "]" * 200_000 + "}}\n", "nested more than 20 levels"),
+    "deep_flow": (
+        "name: x\nmodel: {params: {x: " + "[" * 200_000 + "]" * 200_000 + "}}\n", "nested more than 20 levels"
+    ),
     "deep_block": ("".join(" " * i + "a:\n" for i in range(1000)), "nested more than 20 levels"),
     "wide_list": ("name: x\nmodel: {params: {x: [" + ",".join(["1"] * 200_000) + "]}}\n", "more than 5,000 values"),
-    "many_keys": ("name: x\nmodel:\n  params:\n" + "".join(f"    k{i}: {i}\n" for i in range(50_000)), "more than 5,000 values"),
+    "many_keys": (
+        "name: x\nmodel:\n  params:\n" + "".join(f"    k{i}: {i}\n" for i in range(50_000)), "more than 5,000 values"
+    ),
     "long_scalar": ("name: " + "x" * 1_000_000 + "\n", "job name 'xxxx"),
     "long_key": ("x" * 1_000_000 + ": 1\n", "not valid YAML"),
     "huge_integer": ("name: x\ntrain:\n  seed: " + "9" * 900_000 + "\n", "an integer of 900,000 characters"),
@@ -273,7 +281,8 @@ def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override:
         ("checkpoint.keep", [1, 10_000], [0, 10_001]),
         ("checkpoint.every_steps", [1, 2**31 - 1], [0, 2**31]),
         ("storage.timeout_s", [1, 3600], [0, 32_800, ".inf"]),
-        ("output.dir", ["runs", "/abs/runs", "gs://bucket/runs"], ["", "a[1]", "r*", "r?", "s3://b/r", "gs://", "a\x00b"]),
+        ("output.dir", ["runs", "/abs/runs", "gs://bucket/runs"],
+         ["", "a[1]", "r*", "r?", "s3://b/r", "gs://", "a\x00b"]),
         ("output.tensorboard", [True], [0, "on"]),
         ("profile.steps", [1, 1000], [0, 1001]),
         ("model.params", [{}, {"a": [1, {"b": None}]}], [{"a": ".inf"}, {"a": {1: 2}}]),
@@ -304,7 +313,7 @@ def test_every_field_has_the_range_it_can_run_with(tmp_path: Path, key: str, goo
 def test_builtin_model_names_are_the_models_of_models_py() -> None:
     from runner import models
 
-    assert set(MODEL_NAMES) == set(models.MODELS)
+    assert set(MODEL_NAMES) == set(models.BUILTIN)
 
 
 # --- paths are relative to the spec file ----------------------------------------------------------------
@@ -334,8 +343,10 @@ def test_relative_paths_resolve_against_the_spec_file_and_set_paths_against_the_
 def test_a_spec_in_a_folder_named_with_glob_characters_needs_absolute_data_paths(tmp_path: Path) -> None:
     folder = tmp_path / "jobs[old]"
     folder.mkdir()
-    spec = write_spec(folder, {"name": "g", "data": {"train": "data/train-*.tfrecord", "eval": None}, "output": {"dir": "/tmp/r"}})
-    with pytest.raises(SpecError, match=r"job\.yaml:\d+: data\.train: 'data/train-\*\.tfrecord' is relative to .*jobs\[old\], whose name holds a glob"):
+    spec = write_spec(folder, {"name": "g", "data": {"train": "data/train-*.tfrecord", "eval": None},
+                               "output": {"dir": "/tmp/r"}})
+    with pytest.raises(SpecError, match=r"job\.yaml:\d+: data\.train: 'data/train-\*\.tfrecord' is relative to "
+                                        r".*jobs\[old\], whose name holds a glob"):
         load_spec(spec)
     load_spec(spec, [f"data.train={tmp_path}/train-*.tfrecord"])
 
@@ -364,7 +375,8 @@ def project(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("setuptools._distutils.spawn:spawn", "'setuptools' is not in the code folder {folder}, and code.packages does not list it"),
+        ("setuptools._distutils.spawn:spawn",
+         "'setuptools' is not in the code folder {folder}, and code.packages does not list it"),
         ("pytest:main", "'pytest' is not in the code folder {folder}"),
         ("os:system", "names the standard module 'os'"),
         ("json.decoder:JSONDecoder", "names the standard module 'json.decoder'"),
@@ -374,8 +386,11 @@ def project(tmp_path: Path) -> Path:
         ("mymodels.sub:build", "'mymodels' ({folder}/mymodels.py) is a module, not a package"),
     ],
 )
-def test_an_import_path_outside_the_spec_code_is_refused_by_validate(project: Path, name: str, expected: str) -> None:
-    spec = write_spec(project, {"name": "boundary", "model": {"name": name, "params": {"argv": ["touch", str(project / "ran")]}}})
+def test_an_import_path_outside_the_spec_code_is_refused_by_validate(
+    project: Path, name: str, expected: str
+) -> None:
+    spec = write_spec(project, {"name": "boundary",
+                                "model": {"name": name, "params": {"argv": ["touch", str(project / "ran")]}}})
     result = invoke("validate", spec)
     assert result.returncode == 2, result.stderr
     assert expected.format(folder=project) in result.stderr
@@ -403,7 +418,8 @@ def test_code_folder_and_listed_packages_are_found_without_importing(project: Pa
 
     missing = run_cli("validate", spec, "--set", "code.folder=nowhere", timeout=60)  # a --set path: from the cwd
     assert missing.returncode == 2 and f"the code folder {REPO}/nowhere does not exist" in missing.stderr
-    wrong = run_cli("validate", spec, "--set", "train.loss=ownpkg.lossess:focal", env=cli_env(PYTHONPATH=str(project / "src")))
+    wrong = run_cli("validate", spec, "--set", "train.loss=ownpkg.lossess:focal",
+                    env=cli_env(PYTHONPATH=str(project / "src")))
     assert "package 'ownpkg' (" in wrong.stderr and "has no module 'lossess'; did you mean 'losses'?" in wrong.stderr
 
 
@@ -424,7 +440,8 @@ def test_load_callable_imports_from_the_code_folder_only(project: Path, monkeypa
 def test_run_refuses_code_outside_the_spec_and_runs_no_command(mnist_job, tmp_path: Path) -> None:
     """The boundary holds at run time too (a spec edited after validate, or never validated)."""
     marker = tmp_path / "ran"
-    spec = mnist_job("spawn", model={"name": "setuptools._distutils.spawn:spawn", "params": {"cmd": ["touch", str(marker)]}},
+    spec = mnist_job("spawn",
+                     model={"name": "setuptools._distutils.spawn:spawn", "params": {"cmd": ["touch", str(marker)]}},
                      data={"eval": None})
     result = run_cli("run", spec, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -437,14 +454,17 @@ def test_run_refuses_code_outside_the_spec_and_runs_no_command(mnist_job, tmp_pa
 # --- validate catches what run would refuse ---------------------------------------------------------------
 
 
-def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(tiny_mnist: Path, tmp_path: Path) -> None:
+def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(
+    tiny_mnist: Path, tmp_path: Path
+) -> None:
     own = tmp_path / "own"
     own.mkdir()
     for shard in sorted(tiny_mnist.glob("train-*.tfrecord"))[:2]:
         shutil.copy(shard, own)
     spec = write_spec(tmp_path, {
         "name": "pre", "accelerator": {"kind": "cpu"},
-        "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": f"{tiny_mnist}/test-*.tfrecord", "global_batch_size": 128},
+        "data": {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": f"{tiny_mnist}/test-*.tfrecord",
+                 "global_batch_size": 128},
     })
     cases = {
         "ok": [],
@@ -479,7 +499,8 @@ def test_validate_checks_the_local_data_in_under_two_seconds_without_tensorflow(
         f"error: --set 'data.global_batch_size=4096': data.train: 2,048 records in {tiny_mnist}/train-*.tfrecord make "
         "no full batch of data.global_batch_size (4,096); set data.global_batch_size to at most 2,048"
     )
-    assert f"error: {spec}:7: data.global_batch_size (128) must be divisible by accelerator.cpu_devices (3)" in out["devices"][1]
+    assert (f"error: {spec}:7: data.global_batch_size (128) must be divisible by accelerator.cpu_devices (3)"
+            in out["devices"][1])
     assert "set it to 126 or 129" in out["devices"][1]
     assert f"{own} holds 2 file(s) matching 'train-*.tfrecord' but no manifest.json" in out["unlisted"][1]
     assert f"run `runner manifest {spec}`" in out["unlisted"][1]
@@ -493,15 +514,17 @@ def test_the_quick_path_from_another_folder_reads_and_writes_beside_the_spec(tin
     """`runner run ../project/jobs/job.yaml` from elsewhere: data and runs are the project's; nothing lands in cwd.
 
     It trains, for one step: the checkpoint and model.keras a run writes beside its spec exist only once it has
-    trained, and `evaluate` from a third folder reads that checkpoint. Where each relative path resolves is
-    checked without TensorFlow by test_relative_paths_resolve_against_the_spec_file_and_set_paths_against_the_current_folder."""
+    trained, and `evaluate` from a third folder reads that checkpoint. Where each relative path resolves is checked
+    without TensorFlow by
+    test_relative_paths_resolve_against_the_spec_file_and_set_paths_against_the_current_folder."""
     project, elsewhere, third = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "third"
     for folder in (project / "jobs", project / "data", elsewhere, third):
         folder.mkdir(parents=True)
     shutil.copytree(tiny_mnist, project / "data" / "mnist")
     write_spec(project / "jobs", {
         "name": "quick", "accelerator": {"kind": "cpu"},
-        "data": {"train": "../data/mnist/train-*.tfrecord", "eval": "../data/mnist/test-*.tfrecord", "global_batch_size": 128},
+        "data": {"train": "../data/mnist/train-*.tfrecord", "eval": "../data/mnist/test-*.tfrecord",
+                 "global_batch_size": 128},
         "train": {"epochs": 1, "steps_per_epoch": 1}, "output": {"dir": "../runs"},
     })
     result = run_cli("run", "../project/jobs/job.yaml", cwd=elsewhere)

@@ -187,7 +187,8 @@ def mutate_file(text: str, rng: random.Random) -> tuple[bytes, str]:
         elif kind == "unicode":
             chars = rng.choice(["\x00", "\x07", "\ufeff", "\u202e", "\u2028", "\ud800", "\U0001f642", "é", "\x85"])
             cut = rng.randrange(len(text) + 1)
-            return (text[:cut] + chars * rng.randint(1, 5) + text[cut:]).encode("utf-8", "surrogatepass"), "+".join(done)
+            mutated = (text[:cut] + chars * rng.randint(1, 5) + text[cut:]).encode("utf-8", "surrogatepass")
+            return mutated, "+".join(done)
         elif kind == "truncate":
             text = text[: rng.randrange(len(text) + 1)]
         elif kind == "indent":
@@ -195,11 +196,13 @@ def mutate_file(text: str, rng: random.Random) -> tuple[bytes, str]:
             lines[min(at, len(lines) - 1)] = rng.choice(["\t", "   ", " "]) + line
             text = "".join(lines)
         elif kind == "documents":
-            text = rng.choice(["---\n", "...\n---\n", "%YAML 1.1\n---\n"]) + text + rng.choice(["---\nname: x\n", "...\n", ""])
+            text = (rng.choice(["---\n", "...\n---\n", "%YAML 1.1\n---\n"]) + text
+                    + rng.choice(["---\nname: x\n", "...\n", ""]))
         elif kind == "number":
             number = rng.choice(["1e999", "-1e999", ".inf", ".NaN", "9" * 50, "9" * 5000, "0o777", "0x" + "f" * 30,
                                  "1:30:00", "-0", "+1", "1__0", "0b101"])
-            text = re.sub(r"(?<=: )\d+", number, text, count=1) if re.search(r": \d+", text) else text + f"seed: {number}\n"
+            text = (re.sub(r"(?<=: )\d+", number, text, count=1) if re.search(r": \d+", text)
+                    else text + f"seed: {number}\n")
         elif kind == "long":
             text += rng.choice(["# " + "x" * 200_000 + "\n", "name: " + "n" * 100_000 + "\n", "x" * 2000 + ": 1\n"])
         elif kind == "merge":

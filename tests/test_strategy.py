@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.spec.types import AcceleratorSpec
 from runner.device.strategy import tpu_target
+from runner.spec.types import AcceleratorSpec
 from tests.conftest import cli_env, last_json, run_cli
 
 
@@ -134,8 +134,8 @@ def test_tpu_requested_with_nothing_naming_one(mnist_job) -> None:
 
 
 def test_steps_per_execution_auto_is_32_on_tpu_and_1_elsewhere() -> None:
-    from runner.models import steps_per_execution
     from runner.spec.types import JobSpec
+    from runner.train.build import steps_per_execution
 
     auto = JobSpec()
     assert steps_per_execution(auto, "tpu") == 32

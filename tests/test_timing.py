@@ -92,8 +92,8 @@ def test_a_wait_missing_from_one_epoch_is_not_summed_as_if_complete() -> None:
 def test_input_wait_is_the_time_the_consumer_blocked_on_the_pipeline() -> None:
     import tensorflow as tf
 
-    from runner.train.observe import InputClock
     from runner.device.strategy import Accelerator
+    from runner.train.observe import InputClock
 
     def consume(producer_s: float, consumer_s: float, batches: int = 25) -> tuple[float, float]:
         clock = InputClock(Accelerator(tf.distribute.get_strategy(), "cpu", 1))
@@ -122,9 +122,9 @@ def test_the_input_pipeline_runs_without_the_tf_data_autotuner_unless_the_spec_a
     import tensorflow as tf
 
     from runner.data import pipeline
-    from runner.train.observe import InputClock
-    from runner.spec.types import JobSpec
     from runner.device.strategy import Accelerator
+    from runner.spec.types import JobSpec
+    from runner.train.observe import InputClock
 
     shards = pipeline.find_shards(f"{tiny_mnist}/test-*.tfrecord")
     default = pipeline.make_dataset(shards, 32, ("image",), "label", training=False)

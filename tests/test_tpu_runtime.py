@@ -25,8 +25,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from runner.cloud.tpu_types import parse_tpu_type, refuse_multi_host, single_host_types
 from runner import SpecError
+from runner.cloud.tpu_types import parse_tpu_type, refuse_multi_host, single_host_types
 from runner.device.tpu_env import MLIR_BRIDGE_FLAGS, choose_tpu_env
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke

@@ -236,16 +236,16 @@ def test_a_build_function_that_returns_no_model_stops_the_run_at_start_up(user_p
 
 
 def test_a_build_function_that_refuses_its_params_is_a_start_up_error(monkeypatch):
-    from runner import models
     from runner.data.schema import Feature
     from runner.spec.types import JobSpec
+    from runner.train import build
 
     monkeypatch.syspath_prepend(str(EXAMPLE / "src"))
     spec = JobSpec.model_validate(
         {"model": {"name": "fashionnet.model:build", "params": {"filtres": 8}}, "code": {"packages": ["fashionnet"]}}
     )
     with pytest.raises(SpecError, match=r"raised ValueError while building: unknown model.params \['filtres'\]"):
-        models.build_model(spec, {"image": Feature("uint8", (28, 28, 1)), "label": Feature("int64", ())})
+        build.build_model(spec, {"image": Feature("uint8", (28, 28, 1)), "label": Feature("int64", ())})
 
 
 def test_a_preprocess_function_must_return_the_features(tiny_mnist, tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
     model = keras.models.load_model(tmp_path / "imdb_lstm" / "model.keras")
     assert model.get_layer(index=1).input_dim == 15000
     batches = make_dataset(find_shards(f"{data}/test-*.tfrecord"), 32, ("tokens",), "label", training=False)
-    tokens, labels = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches)))
+    tokens, labels = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
     assert tokens.shape == (256, 250) and tokens.dtype == np.int64
     predicted = model.predict(tokens, verbose=0)[:, 0] > 0.5
     assert summary["metrics"]["accuracy"] == pytest.approx(np.mean(predicted == labels), abs=1e-6)
@@ -138,7 +138,7 @@ def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) 
     # The reported MAE is the per-example error of a float label against a [batch, 1] output (no broadcasting).
     model = keras.models.load_model(tmp_path / "weather_rnn" / "model.keras")
     batches = make_dataset(find_shards(f"{data}/test-*.tfrecord"), 32, ("window",), "target", training=False)
-    windows, targets = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches)))
+    windows, targets = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
     assert targets.dtype == np.float32 and windows.shape == (256, 24, 12)
     predicted = model.predict(windows, verbose=0)[:, 0]
     assert summary["metrics"]["mae"] == pytest.approx(np.mean(np.abs(predicted - targets)), rel=1e-4)
@@ -173,8 +173,8 @@ def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, t
 
 
 def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
-    from runner.models import weather_rnn
     from runner.data.schema import Feature
+    from runner.models import weather_rnn
 
     model = weather_rnn({"target_feature": 2, "units": 8}, {"window": Feature("float32", (24, 5))}, ("window",))
     windows = np.random.default_rng(0).normal(size=(8, 24, 5)).astype(np.float32)
@@ -184,8 +184,8 @@ def test_weather_rnn_starts_as_the_persistence_forecast() -> None:
 
 def test_workload_models_check_their_params_and_inputs() -> None:
     from runner import SpecError
-    from runner.models import imdb_lstm, weather_rnn
     from runner.data.schema import Feature
+    from runner.models import imdb_lstm, weather_rnn
 
     tokens = {"tokens": Feature("int64", (250,))}
     with pytest.raises(SpecError, match=r"imdb_lstm has no param 'unit'; did you mean 'units'\?"):

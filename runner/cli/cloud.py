@@ -40,8 +40,8 @@ def _say(line: str) -> None:
 
 def _where(project: str | None, zone: str | None, need: bool = True) -> tuple[str | None, str | None]:
     """--project and --zone, else gcloud's configuration (read from its files: no gcloud run, no network)."""
-    from runner.cloud import gcloud_config
     from runner import SpecError
+    from runner.cloud import gcloud_config
 
     project = project or gcloud_config.default_project()
     zone = zone or gcloud_config.default_zone()
@@ -115,10 +115,10 @@ def submit(
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --project my-project --image us-central1-docker.pkg.dev/my-project/runner/runner:tpu --set output.dir=gs://my-bucket/runs --dry-run`
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --image IMAGE`
     """
+    from runner import RunnerError
     from runner.cli.common import fail
     from runner.cloud import engines, jobs, record, tpu_api
     from runner.cloud import submit as submit_mod
-    from runner import RunnerError
 
     try:
         options = engines.Options(queue=queue, namespace=namespace or "default", cluster=cluster,
@@ -190,9 +190,9 @@ def watch(
 
     * `runner watch mnist-cnn --zone us-central1-a`
     """
+    from runner import RunnerError
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner import RunnerError
 
     try:
         project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
@@ -220,9 +220,9 @@ def status(
     * `runner status mnist-cnn --zone us-central1-a --project my-project`
     * `runner status`
     """
+    from runner import RunnerError
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner import RunnerError
 
     try:
         if name is None:
@@ -245,9 +245,9 @@ def cancel(name: Name, zone: Zone = None, project: Project = None) -> None:
 
     * `runner cancel mnist-cnn --zone us-central1-a`
     """
+    from runner import RunnerError
     from runner.cli.common import fail
     from runner.cloud import jobs
-    from runner import RunnerError
 
     try:
         project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
@@ -280,10 +280,10 @@ def logs(
     * `runner logs mnist-cnn --summary`
     * `runner logs gs://my-bucket/runs/mnist_cnn --worker 1`
     """
+    from runner import RunnerError, SpecError
     from runner.cli.common import fail
     from runner.cloud import jobs
     from runner.cloud import logs as joblogs
-    from runner import RunnerError, SpecError
 
     try:
         if source not in ("auto", "cloud-logging", "bucket"):

@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
-import tempfile
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from runner import RunnerError
-from runner.spec.types import JobSpec
+from runner.job import startup
 from runner.spec.load import load_spec
-from runner.data.storage import configure_tensorflow
+from runner.spec.types import JobSpec
 
 SpecPath = Annotated[
     Path, typer.Argument(help="Job spec (YAML), e.g. jobs/mnist_cnn.yaml.")
 ]
 Overrides = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", help="Override a spec key, e.g. `--set train.epochs=3` (repeatable; YAML values)."),
 ]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own log lines.")]
@@ -53,33 +51,6 @@ def setup_logging(debug: bool) -> None:
 
 
 _HANDLER_NAME = "runner-stderr"
-
-# What TensorFlow's C++ start-up writes to stderr before its log level applies: absl's warning about logging
-# before InitializeLog, and the oneDNN and CPU-feature notices (absl prints them whatever TF_CPP_MIN_LOG_LEVEL
-# says once TF_ENABLE_ONEDNN_OPTS is set, as runner/__init__.py does).
-_STARTUP_NOTICE = re.compile(r"absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|TF_ENABLE_ONEDNN_OPTS")
-
-
-def load_tensorflow(debug: bool) -> None:
-    """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
-    writes to stderr while loading is passed on. Call after the environment TensorFlow reads is set."""
-    if debug or "tensorflow" in sys.modules:
-        import tensorflow  # noqa: F401
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            import tensorflow  # noqa: F401
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _STARTUP_NOTICE.search(line)]
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
 
 
 def version_text() -> str:
@@ -125,15 +96,17 @@ def load(spec: Path, overrides: list[str] | None) -> JobSpec:
         raise fail(error) from None
 
 
-def trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) -> JobSpec:
-    job = load(spec, overrides)
+def start_tensorflow(job: JobSpec, debug: bool) -> None:
+    """Logging, then everything TensorFlow reads while it loads (runner/job/startup.py), then TensorFlow."""
     setup_logging(debug)
-    configure_tensorflow(job.storage.timeout_s)
-    from runner.device.flavour import choose_keras
-
     try:
-        choose_keras()
+        startup.before_tensorflow(job)
     except RunnerError as error:
         raise fail(error) from None
-    load_tensorflow(debug)
+    startup.load_tensorflow(debug)
+
+
+def trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) -> JobSpec:
+    job = load(spec, overrides)
+    start_tensorflow(job, debug)
     return job

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 app = typer.Typer()
 
 Baseline = Annotated[
-    Optional[str],
-    typer.Option(help="Run the speed-up is measured against: a job name, a path as given, or a row number (default: the first)."),
+    str | None,
+    typer.Option(help="Run the speed-up is measured against: a job name, a path as given, or a row number "
+                      "(default: the first)."),
 ]
 PlotPath = Annotated[
-    Optional[str], typer.Option("--plot", help="Also draw epoch time and throughput by batch size and device into this PNG.")
+    str | None,
+    typer.Option("--plot", help="Also draw epoch time and throughput by batch size and device into this PNG."),
 ]
 
 
@@ -35,7 +37,7 @@ def sweep(
     plot_path: PlotPath = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the closing table as Markdown.")] = False,
     progress_every: Annotated[
-        Optional[float],
+        float | None,
         typer.Option("--progress-every", min=0, metavar="SECONDS", help="Passed to each `runner run` (default 30)."),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own log lines.")] = False,
@@ -52,10 +54,10 @@ def sweep(
     * `runner sweep jobs/mnist_cnn.yaml --set data.global_batch_size=256,512,1024 --set train.epochs=3`
     * `runner sweep jobs/mnist_cnn.yaml --set accelerator.kind=tpu,cpu --markdown --plot compare.png`
     """
+    from runner import RunnerError
     from runner.cli.common import fail, setup_logging
     from runner.compare import plot
     from runner.compare import sweep as sweep_mod
-    from runner import RunnerError
 
     setup_logging(debug)
     try:
@@ -81,11 +83,15 @@ def sweep(
 @app.command()
 def report(
     runs: Annotated[
-        list[str], typer.Argument(help="Run folders or summary files (summary.json, or a saved stdout of `runner run`), local or gs://.")
+        list[str],
+        typer.Argument(help="Run folders or summary files (summary.json, or a saved stdout of `runner run`), "
+                            "local or gs://."),
     ],
     baseline: Baseline = None,
     plot_path: PlotPath = None,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown instead of plain text.")] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the table as Markdown instead of plain text.")
+    ] = False,
 ) -> None:
     """Compare runs: device, replicas, batch, first epoch (with compile), steady epoch, step time, examples/s,
     goodput, accuracy, input wait and speed-up over a baseline; optionally a PNG plot.
@@ -104,10 +110,10 @@ def report(
 
 
 def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool) -> None:
+    from runner import EXIT_USAGE, RunnerError
+    from runner.cli.common import fail
     from runner.compare import plot
     from runner.compare import report as report_mod
-    from runner.cli.common import fail
-    from runner import EXIT_USAGE, RunnerError
 
     try:
         if plot_path:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from runner.cli.common import Debug, fail, load, load_tensorflow, setup_logging
 from runner import EXIT_USAGE, RunnerError, SpecError
+from runner.cli.common import Debug, fail, load, setup_logging
 from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
+from runner.job.startup import load_tensorflow
 
 app = typer.Typer()
 
@@ -18,13 +19,17 @@ app = typer.Typer()
 def prepare(
     dataset: Annotated[str, typer.Argument(help="Dataset name, e.g. mnist.")],
     out: Annotated[str, typer.Option("--out", "-o", help="Folder or gs://bucket/prefix for shards + manifest.json.")],
-    source: Annotated[str, typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online); csv (weather): a CSV named by --param.")] = "offline",
-    shards: Annotated[Optional[int], typer.Option(min=1, help="Shards per split (default: about 8 MB each).")] = None,
+    source: Annotated[
+        str,
+        typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online); "
+                          "csv (weather): a CSV named by --param."),
+    ] = "offline",
+    shards: Annotated[int | None, typer.Option(min=1, help="Shards per split (default: about 8 MB each).")] = None,
     limit: Annotated[
-        Optional[int], typer.Option(min=1, help="Keep only the first N records of each split (a quick pipeline check).")
+        int | None, typer.Option(min=1, help="Keep only the first N records of each split (a quick pipeline check).")
     ] = None,
     params: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(
             "--param", "-p",
             help="A source setting as key=value (repeatable), e.g. `runner prepare weather --source csv "
@@ -45,7 +50,8 @@ def prepare(
 
     * `runner prepare mnist --out data/mnist`
     * `runner prepare mnist --out gs://my-bucket/mnist --limit 4096`
-    * `runner prepare weather --source csv --param location=weather.csv --param time=date --param target=temp --out data/weather`
+    * `runner prepare weather --source csv --param location=weather.csv --param time=date --param target=temp
+      --out data/weather`
     """
     setup_logging(debug)
     configure_tensorflow(storage_timeout)
@@ -111,8 +117,8 @@ def verify(
         typer.secho(problem, err=True, fg=typer.colors.RED)
     if checked.problems:
         typer.secho(
-            f"{len(checked.problems)} of {checked.shards} shards differ from {folder}/{pipeline.MANIFEST}: copy them again "
-            f"from their source, or {pipeline.WRITE_AGAIN} if the data changed on purpose",
+            f"{len(checked.problems)} of {checked.shards} shards differ from {folder}/{pipeline.MANIFEST}: "
+            f"copy them again from their source, or {pipeline.WRITE_AGAIN} if the data changed on purpose",
             err=True, fg=typer.colors.RED,
         )
         raise typer.Exit(EXIT_USAGE)
@@ -124,14 +130,15 @@ def verify(
         typer.echo(f"{path}: recorded the size of {added} shards")
     elif unsized:
         typer.secho(
-            f"{folder}/{pipeline.MANIFEST} lists no size for {unsized} shards (written by an older runner): add them with "
-            f"`runner verify {folder} --record-sizes`; `runner run` checks sizes before training (data.verify: size)",
+            f"{folder}/{pipeline.MANIFEST} lists no size for {unsized} shards (written by an older runner): "
+            f"add them with `runner verify {folder} --record-sizes`; `runner run` checks sizes before training "
+            "(data.verify: size)",
             err=True, fg=typer.colors.YELLOW,
         )
     rate = f"{checked.mb_per_s:,.0f} MB/s" if checked.mb_per_s else "no bytes to read"
     typer.echo(
-        f"{folder}: every shard matches manifest.json ({'sha256' if unsized and not record_sizes else 'size and sha256'}): "
-        f"{checked.shards} shards, "
+        f"{folder}: every shard matches manifest.json "
+        f"({'sha256' if unsized and not record_sizes else 'size and sha256'}): {checked.shards} shards, "
         f"{checked.bytes / 1e6:,.1f} MB in {checked.seconds:.2f} s, {rate} on {checked.threads} threads"
     )
 
@@ -143,7 +150,7 @@ def manifest(
         typer.Argument(help="Job spec whose data.train/data.eval globs and data.features describe your TFRecords."),
     ],
     overrides: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option("--set", "-s", help="Override a spec key, e.g. `--set data.train=/data/train-*.tfrecord`."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a manifest.json that is already there.")] = False,

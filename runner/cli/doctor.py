@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from runner.cli.common import fail, load
 from runner import SpecError
+from runner.cli.common import fail, load
 
 app = typer.Typer()
 
@@ -33,13 +33,13 @@ def _table(report) -> str:
 @app.command()
 def doctor(
     spec: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Argument(
             help="Job spec (YAML): also check its buckets, data and batch size."
         ),
     ] = None,
     overrides: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option("--set", "-s", help="Override a spec key, e.g. `--set data.global_batch_size=1000` (repeatable)."),
     ] = None,
     as_json: Annotated[
@@ -54,7 +54,7 @@ def doctor(
         typer.Option(min=1, help="Bound on each check, in seconds; the TPU start also within accelerator.timeout_s."),
     ] = 60.0,
     replicas: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(min=1, help="Check the batch arithmetic for this many replicas (e.g. 8 for a v3-8)."),
     ] = None,
 ) -> None:

@@ -6,16 +6,21 @@ import json
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from runner.cli.common import (
-    Debug, Overrides, SpecPath, fail, load, load_tensorflow, setup_logging, trained_command_setup,
-)
 from runner import RunnerError
+from runner.cli.common import (
+    Debug,
+    Overrides,
+    SpecPath,
+    fail,
+    load,
+    start_tensorflow,
+    trained_command_setup,
+)
 from runner.train.preemption import EarlyNotice
-from runner.data.storage import configure_tensorflow
 
 app = typer.Typer()
 
@@ -82,18 +87,7 @@ def run(
     early = EarlyNotice()
     job = load(spec, overrides)
     loaded_at = time.monotonic()
-    setup_logging(debug)
-    configure_tensorflow(job.storage.timeout_s)  # before TensorFlow loads: it reads them once
-    from runner.device.flavour import choose_keras
-
-    try:
-        choose_keras()
-    except RunnerError as error:
-        raise fail(error) from None
-    from runner.device.tpu_env import prepare_tpu_env
-
-    prepare_tpu_env(job.accelerator.kind, job.accelerator.tpu)  # PJRT or not: TensorFlow reads it while loading
-    load_tensorflow(debug)
+    start_tensorflow(job, debug)
     from runner import Interrupted, Preempted
     from runner.job.run import run_job
 
@@ -137,7 +131,7 @@ def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) 
 def predict(
     spec: SpecPath,
     input: Annotated[str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")] = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:

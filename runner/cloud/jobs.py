@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from runner.data import storage
-from runner.cloud import record, submit, tpu_api, tpu_types, usage
 from runner import RunnerError, SpecError
+from runner.cloud import record, submit, tpu_api, tpu_types, usage
+from runner.data import storage
 from runner.spec.types import JobSpec
 
 # --- the job record: what a watcher needs to create the same request again ---------------------------

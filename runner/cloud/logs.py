@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner.cloud import record
 from runner import DataError, RunnerError, StorageError
+from runner.cloud import record
 
 LOGGING_API = "https://logging.googleapis.com"
 DOCKER_LOG = "gcplogs-docker-driver"

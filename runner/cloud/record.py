@@ -30,8 +30,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from runner.data import storage
 from runner import StorageError
+from runner.data import storage
 
 JOB_FILE = "job.json"
 

@@ -40,8 +40,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner.cloud import jobs, record, submit, tpu_api, usage
 from runner import AcceleratorError, RunnerError, SpecError, StorageError
+from runner.cloud import jobs, record, submit, tpu_api, usage
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}

@@ -10,6 +10,11 @@
         watcher (runner/cloud/recovery.py) can create it again after a preemption.
     runner status [NAME] / cancel NAME / logs NAME / watch NAME     (runner/cloud/jobs.py finds NAME)
 
+Nothing bills unwatched: the job runs at most --max-run-duration (default 24h; `none` for no limit) and
+stops after --stall-timeout (default 30m) without progress; the job enforces both itself (`--set
+train.max_duration=S --set train.stall_timeout=S` on its `runner run` line: it saves and exits 124) and the
+startup script kills the container a grace period after the limit, then deletes the slice as after any end.
+
 `--dry-run` prints the request and a bash script sending the same request with gcloud, and sends nothing.
 The API client honours gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN, so both
 can be pointed at the same endpoint. google-cloud-tpu is imported only when a request is built or sent.
@@ -28,11 +33,11 @@ from typing import Any
 
 import yaml
 
-from runner.data import storage
-from runner.cloud import pricing, record, tpu_types
 from runner import RunnerError, SpecError
-from runner.spec.types import JobSpec
+from runner.cloud import pricing, record, tpu_types
+from runner.data import storage
 from runner.spec.load import load_spec
+from runner.spec.types import JobSpec
 
 API_HOST = "https://tpu.googleapis.com"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"  # the VM's scopes; Cloud Logging and Storage included
@@ -44,6 +49,9 @@ _RESOURCE_ID = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 _PROJECT = re.compile(r"[a-z][-a-z0-9.:]{4,61}[a-z0-9]")
 _EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[a-z]+")
 _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+# The job's wall-clock limit and stall guard when not given: finite, so that a job nobody watches stops billing.
+DEFAULT_MAX_RUN = "24h"
+DEFAULT_STALL_TIMEOUT = "30m"
 # registry[:port]/path[:tag][@digest]; the registry part has a dot or a port, or is localhost.
 _IMAGE = re.compile(r"(?P<registry>[a-z0-9.-]+\.[a-z0-9.-]+(:\d+)?|localhost(:\d+)?)/[a-z0-9._/-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?")
 _IMAGE_EXAMPLE = "us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu"
@@ -69,7 +77,11 @@ class Submission:
     subnetwork: str | None = None
     service_account: str | None = None
     reservation: str | None = None  # the project whose reservations the TPU may use
-    valid_until: str | None = None  # a duration (6h, 1h30m) or an RFC 3339 time, as given
+    valid_until: str | None = None  # a duration (6h, 1h30m), or an RFC 3339 time as gcloud sends it
+    max_run_s: int | None = None  # the job's wall-clock limit (None: no limit)
+    stall_timeout_s: int | None = None  # stop after this long without progress (None: no guard)
+    unverified: str | None = None  # why TensorFlow on this TPU type and runtime is unverified (tpu_types)
+    allow_unverified: bool = False
 
     @property
     def parent(self) -> str:

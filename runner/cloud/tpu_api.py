@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from runner import AcceleratorError, RunnerError, SpecError
 from runner.cloud.submit import (
     SCOPE,
     Submission,
@@ -18,7 +19,6 @@ from runner.cloud.submit import (
     check_zone,
     settings_of,
 )
-from runner import AcceleratorError, RunnerError, SpecError
 
 _CALL_TIMEOUT_S = 60.0
 

@@ -12,11 +12,14 @@ chips divided by the chips each TPU VM host carries; per Google's page for each 
     v3          cores   4           v3-8                         https://cloud.google.com/tpu/docs/v3
     v2          cores   4           v2-8                         https://cloud.google.com/tpu/docs/v2
 
-Only single-host types run here: `refuse_multi_host` says why and what works (docs/tpu.md has the sources).
-The runtime version of each generation is the one Google's "TPU software versions" page names for a framework
-installed by the user (https://cloud.google.com/tpu/docs/runtimes): this image brings its own TensorFlow and
-libtpu, so the VM needs only the OS, the TPU driver and Docker. This module imports no cloud client and no
-TensorFlow.
+Only single-host types are submitted: `refuse_multi_host` says why and what works (docs/tpu.md has the sources).
+
+The TPU VM software ("runtime version") of each generation is taken from a Google source for TensorFlow, and
+each row of RUNTIMES says which (docs/tpu.md shows the same table). A row is a *recipe* when its source creates
+that generation with that runtime and runs TensorFlow on it; every other combination, the default of a
+generation without a recipe (v6e) included, is **unverified**: `runner submit` says so and needs
+`--allow-unverified`. The image brings its own TensorFlow and libtpu, so the VM needs only the OS, the TPU
+driver and Docker. Nothing here ran on a TPU. This module imports no cloud client and no TensorFlow.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ class Generation:
     counts: str  # chips | cores: what the number after the dash counts
     chips_per_host: int
     sizes: tuple[int, ...] | None  # None: any multiple of 8
-    runtime_version: str
-    source: str
+    source: str  # Google's page for the generation (chips per host, sizes)
+
+    @property
+    def runtime_version(self) -> str:
+        """The default TPU VM software: the generation's first row in RUNTIMES."""
+        return RUNTIMES[self.name][0].version
 
     def chips(self, size: int) -> int:
         return size if self.counts == "chips" else size // 2
@@ -53,20 +60,77 @@ class Generation:
 GENERATIONS: dict[str, Generation] = {
     g.name: g
     for g in (
-        Generation("v6e", "chips", 8, (1, 4, 8, 16, 32, 64, 128, 256), "v2-alpha-tpuv6e",
-                   "https://cloud.google.com/tpu/docs/v6e"),
-        Generation("v5litepod", "chips", 8, (1, 4, 8, 16, 32, 64, 128, 256), "v2-alpha-tpuv5-lite",
-                   "https://cloud.google.com/tpu/docs/v5e"),
-        Generation("v5p", "cores", 4, None, "v2-alpha-tpuv5", "https://cloud.google.com/tpu/docs/v5p"),
-        Generation("v4", "cores", 4, None, "tpu-ubuntu2204-base", "https://cloud.google.com/tpu/docs/v4"),
-        Generation("v3", "cores", 4, (8, 32, 64, 128, 256, 512, 1024, 2048), "tpu-ubuntu2204-base",
-                   "https://cloud.google.com/tpu/docs/v3"),
-        Generation("v2", "cores", 4, (8, 32, 128, 256, 512), "tpu-ubuntu2204-base",
-                   "https://cloud.google.com/tpu/docs/v2"),
+        Generation("v6e", "chips", 8, (1, 4, 8, 16, 32, 64, 128, 256), "https://cloud.google.com/tpu/docs/v6e"),
+        Generation("v5litepod", "chips", 8, (1, 4, 8, 16, 32, 64, 128, 256), "https://cloud.google.com/tpu/docs/v5e"),
+        Generation("v5p", "cores", 4, None, "https://cloud.google.com/tpu/docs/v5p"),
+        Generation("v4", "cores", 4, None, "https://cloud.google.com/tpu/docs/v4"),
+        Generation("v3", "cores", 4, (8, 32, 64, 128, 256, 512, 1024, 2048), "https://cloud.google.com/tpu/docs/v3"),
+        Generation("v2", "cores", 4, (8, 32, 128, 256, 512), "https://cloud.google.com/tpu/docs/v2"),
     )
 }
 # Names people type for a generation, mapped to the name the Cloud TPU API uses.
 ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "trillium": "v6e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """A TPU VM software version for one generation, where a Google source names it for TensorFlow."""
+
+    version: str
+    source: str
+    recipe: bool  # the source creates this generation with this version and runs TensorFlow on it
+
+
+# Google's TensorFlow 2.18 release test, main branch: it creates each TPU on the runtime below, installs
+# tensorflow-tpu 2.18.0 on the VM and trains ResNet. (This image brings 2.19.1 in a container instead.)
+_TF_RELEASE_TEST = ("Google's TensorFlow 2.18 release test: GoogleCloudPlatform/ml-auto-solutions "
+                    "dags/solutions_team/solutionsteam_tf_release_supported.py (main, 7eda193b, 2026-08-21), "
+                    "tf_resnet_{test} on {runtime}")
+# Google's "TPU software versions" page: "TPU v6e, v5e, and v5p support TensorFlow 2.15.0 and newer" with
+# tpu-vm-tf-x.y.z[-pod]-pjrt; 2.18.0 is the newest TensorFlow in its table. It shows no run.
+_RUNTIMES_PAGE = ("Google's \"TPU software versions\" page (https://cloud.google.com/tpu/docs/supported-tpu-versions, "
+                  "copy updated 2025-08-11): v6e, v5e and v5p support TensorFlow 2.15.0 and newer as "
+                  "tpu-vm-tf-x.y.z-pjrt; newest listed 2.18.0. It names the version; it shows no run")
+RUNTIMES: dict[str, tuple[Runtime, ...]] = {
+    # v6e: the runtimes page and Vertex AI's TPU training page ("Starting with TPU v6e, TensorFlow is no
+    # longer supported") disagree, and no Google test on the main branch runs TensorFlow on v6e (a v6e-4 test
+    # on v2-alpha-tpuv6e was added on a branch, ml-auto-solutions 12936e9e, 2025-10-15, and not merged).
+    "v6e": (
+        Runtime("tpu-vm-tf-2.18.0-pjrt", _RUNTIMES_PAGE, recipe=False),
+        Runtime("v2-alpha-tpuv6e", "ml-auto-solutions commit 12936e9e (2025-10-15, a branch not merged into main): "
+                "tf_resnet_v6e_4 on v2-alpha-tpuv6e", recipe=False),
+    ),
+    "v5litepod": (
+        Runtime("v2-alpha-tpuv5-lite", _TF_RELEASE_TEST.format(test="v5e_4", runtime="v2-alpha-tpuv5-lite"), recipe=True),
+        Runtime("tpu-vm-tf-2.18.0-pjrt", _RUNTIMES_PAGE, recipe=False),
+    ),
+    "v5p": (
+        Runtime("v2-alpha-tpuv5", _TF_RELEASE_TEST.format(test="v5p_8", runtime="v2-alpha-tpuv5"), recipe=True),
+        Runtime("tpu-vm-tf-2.18.0-pjrt", _RUNTIMES_PAGE, recipe=False),
+    ),
+    "v4": (Runtime("v2-alpha-tpuv5", _TF_RELEASE_TEST.format(test="v4_8", runtime="v2-alpha-tpuv5"), recipe=True),),
+    "v3": (Runtime("v2-alpha-tpuv5", _TF_RELEASE_TEST.format(test="v3_8", runtime="v2-alpha-tpuv5"), recipe=True),),
+    "v2": (Runtime("v2-alpha-tpuv5", _TF_RELEASE_TEST.format(test="v2_8", runtime="v2-alpha-tpuv5"), recipe=True),),
+}
+
+
+def runtime_of(tpu: TpuType, runtime_version: str | None = None) -> tuple[str, Runtime | None]:
+    """The runtime version to create `tpu` with (the generation's default unless given) and its row in
+    RUNTIMES, or None when no Google source names it for TensorFlow on that generation."""
+    version = runtime_version or GENERATIONS[tpu.generation].runtime_version
+    return version, next((r for r in RUNTIMES[tpu.generation] if r.version == version), None)
+
+
+def unverified_reason(tpu: TpuType, runtime_version: str | None = None) -> str | None:
+    """Why TensorFlow on this type and runtime is unverified (no recipe ran it), or None when a recipe did."""
+    version, row = runtime_of(tpu, runtime_version)
+    if row is not None and row.recipe:
+        return None
+    recipes = [r.version for r in RUNTIMES[tpu.generation] if r.recipe]
+    named = f"named by {row.source}, but no recipe runs TensorFlow on it" if row else "no Google source names it for TensorFlow"
+    return (f"{tpu.name} on runtime {version} is unverified: {named}; "
+            + (f"the {tpu.generation} runtime with a recipe is {', '.join(recipes)}" if recipes
+               else f"no {tpu.generation} runtime has one") + f" ({DOCS})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from runner.data import storage
 from runner.compare.report import _GCS_TIMEOUT_S, Row, SummaryError, _common_prefix
+from runner.data import storage
 
 
 def check_plotting() -> None:

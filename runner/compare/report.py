@@ -14,11 +14,12 @@ import os
 import posixpath
 import shutil
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from runner.data import storage
 from runner import DataError
+from runner.data import storage
 from runner.rundir.timing import PHASES
 
 READABLE_VERSIONS = (1, 2)
@@ -95,7 +96,9 @@ def read_summary(source: str) -> dict[str, Any]:
     try:
         text = read_text(path)
     except FileNotFoundError:
-        raise SummaryError(f"{path}: no such file; pass a run folder (holding summary.json) or a summary file") from None
+        raise SummaryError(
+            f"{path}: no such file; pass a run folder (holding summary.json) or a summary file"
+        ) from None
     except (IsADirectoryError, UnicodeDecodeError) as exc:
         raise SummaryError(f"{path}: cannot be read as a summary ({type(exc).__name__})") from None
     try:
@@ -106,7 +109,9 @@ def read_summary(source: str) -> dict[str, Any]:
         try:
             doc = json.loads(lines[-1])
         except (json.JSONDecodeError, IndexError):
-            raise SummaryError(f"{path}: not JSON; a summary is summary.json or the last stdout line of `runner run`") from None
+            raise SummaryError(
+                f"{path}: not JSON; a summary is summary.json or the last stdout line of `runner run`"
+            ) from None
     return upgrade(doc, path)
 
 
@@ -136,7 +141,8 @@ def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
     phases = [timing[f"{n}_s"] for n in PHASES if timing[f"{n}_s"] is not None]
     total = timing.get("total_s")
     timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
-    timing.update({"input_wait_s": None, "input_wait_fraction": None, "input_wait_method": "not recorded (schema_version 1)"})
+    timing.update({"input_wait_s": None, "input_wait_fraction": None,
+                   "input_wait_method": "not recorded (schema_version 1)"})
     train, first = timing.get("train_s"), timing.get("first_epoch_s")
     timing["steady_train_s"] = None if train is None or first is None else round(max(0.0, train - first), 4)
     timing["fit_overhead_s"] = None  # its epoch times held checkpoint saves: the difference would mislead
@@ -262,7 +268,8 @@ def table(rows: list[Row]) -> list[list[str]]:
 
 
 def notes(rows: list[Row], baseline: Row) -> list[str]:
-    lines = [f"speed-up: examples/s over {baseline.job}'s; first epoch includes compilation and is kept out of step time"]
+    lines = [f"speed-up: examples/s over {baseline.job}'s; "
+             "first epoch includes compilation and is kept out of step time"]
     old = [r.job for r in rows if r.schema_version < 2]
     if old:
         lines.append(f"read from schema_version 1 (no input wait recorded): {', '.join(old)}")
@@ -326,7 +333,7 @@ def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
         lines = []
         for line in cells[1:]:
             lines.append(line[0])
-            pairs = ", ".join(f"{t} {v}" for t, v in zip(cells[0][1:], line[1:]))
+            pairs = ", ".join(f"{t} {v}" for t, v in zip(cells[0][1:], line[1:], strict=True))
             lines += textwrap.wrap(pairs, width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
     for note in ([f"run names start with {prefix}"] if prefix else []) + notes(rows, baseline):
         lines += textwrap.wrap(note, width, break_long_words=False, break_on_hyphens=False)
@@ -350,7 +357,7 @@ def _render(grid: list[list[str]], widths: list[int], left: int) -> list[str]:
     def cell(text: str, index: int) -> str:
         return text.ljust(widths[index]) if index < left else text.rjust(widths[index])
 
-    heads = [textwrap.wrap(title, w, break_long_words=False) or [""] for title, w in zip(grid[0], widths)]
+    heads = [textwrap.wrap(title, w, break_long_words=False) or [""] for title, w in zip(grid[0], widths, strict=True)]
     depth = max(len(h) for h in heads)
     heads = [[""] * (depth - len(h)) + h for h in heads]
     gap = " " * _GAP

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.compare import report
 from runner import EXIT_PREEMPTED, RunnerError, SpecError
-from runner.spec.types import JobSpec
-from runner.spec.load import load_spec, parse_override
+from runner.compare import report
 from runner.rundir.timing import completion
+from runner.spec.load import load_spec, parse_override
+from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ def plan_variants(spec_path: str | Path, sets: list[str]) -> list[Variant]:
     fixed = [f"{k}={vs[0]}" for k, vs in axes if len(vs) == 1]
     variants = []
     for combo in itertools.product(*(vs for _, vs in swept)):
-        labels = [_label(k, v) for (k, _), v in zip(swept, combo)]
+        labels = [_label(k, v) for (k, _), v in zip(swept, combo, strict=True)]
         name = f"{base.name}-{'-'.join(labels)}"[:128]
-        overrides = (*fixed, *(f"{k}={v}" for (k, _), v in zip(swept, combo)), f"name={name}")
+        overrides = (*fixed, *(f"{k}={v}" for (k, _), v in zip(swept, combo, strict=True)), f"name={name}")
         try:
             spec = load_spec(spec_path, list(overrides))
         except SpecError as exc:
@@ -99,7 +99,8 @@ def plan_variants(spec_path: str | Path, sets: list[str]) -> list[Variant]:
         variants.append(Variant(name, overrides, spec))
     names = [v.name for v in variants]
     if len(set(names)) < len(names):
-        raise SpecError(f"two variants would share a job name ({', '.join(names)}); make the values differ in letters or digits")
+        raise SpecError(f"two variants would share a job name ({', '.join(names)}); "
+                        "make the values differ in letters or digits")
     return variants
 
 
@@ -111,7 +112,7 @@ class _Forwarder:
         self.stopping = False
         self._previous: Any = None
 
-    def __enter__(self) -> "_Forwarder":
+    def __enter__(self) -> _Forwarder:
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 

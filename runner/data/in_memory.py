@@ -29,13 +29,13 @@ import logging
 import math
 import posixpath
 import time
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.data import schema
 from runner import DataError, SpecError
+from runner.data import pipeline, schema
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ class Choice:
     load_s: float | None = None  # reading and decoding it, when held
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": "in_memory" if self.held else "streamed", "why": self.why, "bytes": self.bytes, "load_s": self.load_s}
+        return {"mode": "in_memory" if self.held else "streamed", "why": self.why, "bytes": self.bytes,
+                "load_s": self.load_s}
 
 
 def held_bytes(shards: pipeline.Shards, names: tuple[str, ...]) -> int:
@@ -101,7 +102,8 @@ def choose(
     if setting is True:
         half = None if memory is None else memory // 2
         if blocked is None and half is not None and size > half:
-            blocked = f"the split takes {_size(size)} decoded, more than half of the {_size(memory)} this process may use"
+            blocked = (f"the split takes {_size(size)} decoded, "
+                       f"more than half of the {_size(memory)} this process may use")
         if blocked:
             raise SpecError(f"data.in_memory: true cannot be honoured: {blocked}; set data.in_memory: auto or false")
         return Choice(True, "data.in_memory: true", size)
@@ -109,8 +111,10 @@ def choose(
         return Choice(False, f"auto: streamed, {blocked}", size)
     limit = AUTO_MAX_BYTES if memory is None else min(AUTO_MAX_BYTES, memory // 8)
     if size > limit:
-        return Choice(False, f"auto: streamed, the split takes {_size(size)} decoded, over auto's limit of {_size(limit)}", size)
-    return Choice(True, f"auto: {_size(size)} decoded, within auto's limit of {_size(limit)}, one worker on {kind}", size)
+        return Choice(False, f"auto: streamed, the split takes {_size(size)} decoded, "
+                             f"over auto's limit of {_size(limit)}", size)
+    return Choice(True, f"auto: {_size(size)} decoded, within auto's limit of {_size(limit)}, one worker on {kind}",
+                  size)
 
 
 @dataclasses.dataclass(frozen=True)

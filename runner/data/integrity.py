@@ -24,18 +24,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.data import schema
-from runner.data import storage
-from runner.data import verify
-from runner import DataError, RunnerError
+from runner import DataError, RunnerError, models
+from runner.data import pipeline, schema, storage, verify
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
-# The built-in classifiers and the default of their `classes` param (runner/models.py): their labels are class
-# ids 0 .. classes - 1. tests/test_integrity.py checks these against the models as built.
-CLASSIFIERS = {"mnist_cnn": 10, "cifar10_cnn": 10}
 
 
 def patterns_of(spec: JobSpec) -> dict[str, str]:
@@ -105,11 +99,7 @@ def check_whole_splits(shards: pipeline.Shards, key: str) -> None:
 
 def classes_of(spec: JobSpec) -> int | None:
     """The number of classes of a built-in classifier (its `classes` param), None for other models."""
-    default = CLASSIFIERS.get(spec.model.name)
-    if default is None:
-        return None
-    classes = spec.model.params.get("classes", default)
-    return classes if isinstance(classes, int) and not isinstance(classes, bool) else None
+    return models.classes_of(spec.model.name, dict(spec.model.params))
 
 
 def check_labels(spec: JobSpec, shards: pipeline.Shards) -> None:

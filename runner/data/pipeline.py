@@ -15,15 +15,16 @@ import fnmatch
 import json
 import posixpath
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import tensorflow as tf
 
-from runner.data import schema
-from runner.data import verify
-from runner.data.schema import Feature
 from runner import DataError
+from runner.data import schema, verify
+from runner.data.schema import Feature
 from runner.data.verify import WRITE_AGAIN, Checked, Listed, check_bytes, sha256_of  # noqa: F401 (sha256_of: for callers)
+from runner.spec.types import FeatureSpec
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -110,6 +111,32 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
     features = schema.features_from_manifest(manifest, manifest_path)
     records = sum(entries[posixpath.basename(f)][2]["records"] for f in files)
     return Shards(pattern, files, records, features, manifest)
+
+
+def check_declared(declared: dict[str, FeatureSpec] | None, shards: Shards) -> None:
+    """Refuses a spec whose `data.features` differ from the manifest; names each feature and both schemas."""
+    if declared is None:
+        return
+    found = shards.features
+    manifest_path = posixpath.join(posixpath.dirname(shards.pattern), MANIFEST)
+    problems = []
+    for name, spec_feature in declared.items():
+        mine = schema.from_dict(spec_feature.to_dict(), f"data.features.{name}")
+        if name not in found:
+            problems.append(
+                f"data.features.{name}: the spec declares {schema.describe(mine)}, but {manifest_path} has no feature "
+                f"{name!r} (it has: {', '.join(sorted(found))})"
+            )
+        elif schema.stored(found[name]) != mine:
+            problems.append(
+                f"data.features.{name}: the spec declares {schema.describe(mine)}, but {manifest_path} says "
+                f"{schema.describe(found[name])}"
+            )
+    if problems:
+        raise DataError(
+            "\n".join(problems) + "\nfix data.features in the spec, or re-write the manifest from it with "
+            "`runner manifest SPEC --force` if the records changed"
+        )
 
 
 def listed_in(shards: Shards) -> list[Listed]:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import posixpath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorflow as tf
 from pydantic import ValidationError
@@ -23,8 +22,6 @@ from pydantic import ValidationError
 from runner import DataError, SpecError
 from runner.spec.types import FeatureSpec
 
-if TYPE_CHECKING:  # data imports this module
-    from runner.data.pipeline import Shards
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
@@ -81,34 +78,6 @@ def describe(feature: Feature) -> str:
         f"{{dtype: {full.dtype}, shape: {list(full.shape)}, var_len: {str(full.var_len).lower()}, "
         f"decode: {full.decode}}}"
     )
-
-
-def check_declared(declared: dict[str, FeatureSpec] | None, shards: Shards) -> None:
-    """Refuses a spec whose `data.features` differ from the manifest; names each feature and both schemas."""
-    if declared is None:
-        return
-    from runner.data.pipeline import MANIFEST  # here, not at the top: data imports this module
-
-    found = shards.features
-    manifest_path = posixpath.join(posixpath.dirname(shards.pattern), MANIFEST)
-    problems = []
-    for name, spec_feature in declared.items():
-        mine = from_dict(spec_feature.to_dict(), f"data.features.{name}")
-        if name not in found:
-            problems.append(
-                f"data.features.{name}: the spec declares {describe(mine)}, but {manifest_path} has no feature "
-                f"{name!r} (it has: {', '.join(sorted(found))})"
-            )
-        elif stored(found[name]) != mine:
-            problems.append(
-                f"data.features.{name}: the spec declares {describe(mine)}, but {manifest_path} says "
-                f"{describe(found[name])}"
-            )
-    if problems:
-        raise DataError(
-            "\n".join(problems) + "\nfix data.features in the spec, or re-write the manifest from it with "
-            "`runner manifest SPEC --force` if the records changed"
-        )
 
 
 # --- reading records ---------------------------------------------------------------------------

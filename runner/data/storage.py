@@ -31,7 +31,7 @@ import re
 import sys
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from runner import StorageError
 

@@ -15,12 +15,13 @@ import json
 import os
 import re
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from runner.data import storage
 from runner import DataError
+from runner.data import storage
 
 VERIFY_MODES = ("size", "sha256", "off")
 # Bytes per read when hashing a local shard: one reusable buffer per shard, each read hashed in place (no
@@ -87,7 +88,7 @@ def check_bytes(
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
         results = list(pool.map(lambda shard: _check_one(shard, mode == "sha256", timeout_s), listed))
     seconds = time.monotonic() - began
-    found = {shard.path: size for shard, (size, _, _) in zip(listed, results) if size is not None}
+    found = {shard.path: size for shard, (size, _, _) in zip(listed, results, strict=True) if size is not None}
     return Checked(
         mode, len(listed), sum(found.values()), sum(read for _, read, _ in results), seconds, threads,
         [problem for _, _, problem in results if problem], found,

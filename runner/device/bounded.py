@@ -6,7 +6,8 @@ cannot be killed); being a daemon, it does not keep the process from exiting. Te
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Bounded:

@@ -15,24 +15,16 @@ An explicit TF_USE_LEGACY_KERAS in the environment always wins.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 from runner import AcceleratorError
-
-
-def _workers(environ: dict[str, str]) -> int:
-    try:
-        cluster = json.loads(environ.get("TF_CONFIG") or "{}").get("cluster", {})
-    except json.JSONDecodeError as exc:
-        raise AcceleratorError(f"TF_CONFIG is not valid JSON ({exc.msg}); it must describe the cluster and this task") from None
-    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+from runner.device import host
 
 
 def choose_keras(environ: dict[str, str] | None = None) -> str:
     """Sets TF_USE_LEGACY_KERAS when the runner needs tf-keras; returns 'tf-keras' or 'keras3'."""
     environ = os.environ if environ is None else environ
-    if "TF_USE_LEGACY_KERAS" not in environ and _workers(environ) > 1:
+    if "TF_USE_LEGACY_KERAS" not in environ and host.cluster_from_env(environ)[0] > 1:
         environ["TF_USE_LEGACY_KERAS"] = "1"
     legacy = environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
     if legacy and importlib.util.find_spec("tf_keras") is None:

@@ -5,7 +5,7 @@ every TPU; GPUs of compute capability 8.0 or more; CPUs with AVX512_BF16 or AMX 
 /proc/cpuinfo, read by runner/device/host.py). Variables stay float32 either way, and so does every model's output
 layer (runner/models.py). Under `auto`, a model whose output layer would compute in bfloat16 (an own model
 without `dtype="float32"` on it) trains in float32, and so does a built-in model listed in
-FLOAT32_UNDER_AUTO for the device (bfloat16 measured to cost it accuracy, or to be slower there).
+in runner/models.py's table as kept in float32 on the device (bfloat16 measured to cost it accuracy, or to be slower there).
 `float32`, `bfloat16` and `float16` are taken as asked.
 """
 
@@ -16,20 +16,12 @@ import logging
 
 import tensorflow as tf
 
+from runner import models
 from runner.device import host
 
 log = logging.getLogger(__name__)
 keras = tf.keras
 
-# Built-in models that `auto` keeps in float32, by (model, device kind), with the reason measured side by side
-# (benchmarks/RESULTS.md, "accuracy: auto against float32"): bfloat16 cost the model more accuracy than
-# benchmarks/accuracy.py allows (0.3 points of accuracy, 2% of MAE), or ran it slower than float32. Measured on
-# this project's CPU only, so listed for "cpu": a TPU computes them in bfloat16. (A job whose data, not its
-# model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
-FLOAT32_UNDER_AUTO: dict[tuple[str, str], str] = {
-    ("imdb_lstm", "cpu"): "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
-    ("weather_rnn", "cpu"): "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
-}
 
 
 @dataclasses.dataclass
@@ -68,12 +60,14 @@ def decide(
 ) -> Precision:
     """The precision for `train.mixed_precision` (`asked`) on a device of `kind` (tpu, gpu, cpu), from the
     host's facts as given: the /proc/cpuinfo text, the GPUs' (name, compute capability), and the built-in
-    models kept in float32 under auto, by (model, kind) (default FLOAT32_UNDER_AUTO)."""
+    models kept in float32 under auto, by (model, kind) (default: runner/models.py's table)."""
     if asked != "auto":
         return Precision(asked, f"train.mixed_precision: {asked}")
     policy, reason = host.native_precision(kind, cpuinfo, gpus)
-    kept = FLOAT32_UNDER_AUTO if float32_models is None else float32_models
-    why = kept.get((model_name, kind))
+    if float32_models is None:
+        why = models.float32_under_auto(model_name, kind)
+    else:
+        why = float32_models.get((model_name, kind))
     if policy == "bfloat16" and why:
         policy, reason = "float32", f"{reason}, but model {model_name!r}: {why}: float32"
     return Precision(policy, reason, auto=True)

@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import tensorflow as tf
 
+from runner import AcceleratorError, SpecError
 from runner.device import host
 from runner.device.bounded import Bounded
-from runner import AcceleratorError, SpecError
-from runner.spec.types import AcceleratorSpec
 from runner.device.tpu_env import TpuRuntime, applied_tpu_env, apply_tpu_env
+from runner.spec.types import AcceleratorSpec
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ def _tpu_hints(target: str) -> str:
         "the container runs with --privileged --net=host so /dev/accel* and the TPU driver are visible",
     ]
     if target == "local" and os.path.exists(host.LIBTPU_LOCKFILE):
-        hints.append(f"a stale {host.LIBTPU_LOCKFILE} left by a killed run (`runner doctor` tells whether a process holds it)")
+        hints.append(f"a stale {host.LIBTPU_LOCKFILE} left by a killed run "
+                     "(`runner doctor` tells whether a process holds it)")
     if target.startswith("grpc://"):
         hints.append("the address and port of the TPU node, and that this machine can reach it")
     return "; ".join(hints)
@@ -136,7 +137,9 @@ def connect_tpu(target: str, timeout_s: float) -> Accelerator:
     runtime = applied_tpu_env() or apply_tpu_env(target)
     steps = [f"device API: {runtime.describe()}"]
     if runtime.problem:
-        raise AcceleratorError(f"could not start the TPU {target!r} (device API {runtime.describe()}): {runtime.problem}")
+        raise AcceleratorError(
+            f"could not start the TPU {target!r} (device API {runtime.describe()}): {runtime.problem}"
+        )
     try:
         if target.startswith("grpc://"):
             steps.append(f"probe {target}")
@@ -149,7 +152,8 @@ def connect_tpu(target: str, timeout_s: float) -> Accelerator:
             steps.append("experimental_connect_to_cluster")
             _bounded("connect_to_cluster", timeout_s, lambda: tf.config.experimental_connect_to_cluster(resolver))
         steps.append("initialize_tpu_system")
-        topology = _bounded("initialize_tpu_system", timeout_s, lambda: tf.tpu.experimental.initialize_tpu_system(resolver))
+        topology = _bounded("initialize_tpu_system", timeout_s,
+                            lambda: tf.tpu.experimental.initialize_tpu_system(resolver))
         strategy = tf.distribute.TPUStrategy(resolver)
     except Exception as exc:  # each TF version raises its own types here; all mean "no usable TPU"
         raise AcceleratorError(
@@ -172,24 +176,17 @@ def _split_cpu(devices: int) -> None:
         )
 
 
-def cluster_from_env(environ: dict[str, str]) -> tuple[int, int]:
-    """(workers, this worker's index) from TF_CONFIG; (1, 0) when it is absent."""
-    config = json.loads(environ.get("TF_CONFIG", "") or "{}")
-    workers = len(config.get("cluster", {}).get("worker", [])) + len(config.get("cluster", {}).get("chief", []))
-    task = config.get("task", {})
-    index = task.get("index", 0) + (1 if task.get("type") == "worker" and "chief" in config.get("cluster", {}) else 0)
-    return max(workers, 1), index
-
-
 def _mirrored(kind: str, devices: int, environ: dict[str, str]) -> Accelerator:
-    workers, index = cluster_from_env(environ)
+    workers, index = host.cluster_from_env(environ)
     if workers > 1:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         detail = f"MultiWorkerMirroredStrategy over {workers} workers ({devices} {kind} device(s) each), worker {index}"
-        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, workers=workers, worker_index=index, detail=detail)
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, workers=workers, worker_index=index,
+                           detail=detail)
     if devices > 1:
         strategy = tf.distribute.MirroredStrategy()
-        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, detail=f"MirroredStrategy over {devices} {kind} devices")
+        return Accelerator(strategy, kind, strategy.num_replicas_in_sync,
+                           detail=f"MirroredStrategy over {devices} {kind} devices")
     return Accelerator(tf.distribute.get_strategy(), kind, 1, detail=f"one {kind} device")
 
 

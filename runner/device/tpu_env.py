@@ -150,7 +150,8 @@ def _pjrt(base: dict[str, Any], environ: MutableMapping[str, str]) -> TpuRuntime
     found = {k: environ[k] for k in PJRT_VARIABLES if environ.get(k)}
     settings: dict[str, str] = {}
     problem = None
-    if environ.get("NEXT_PLUGGABLE_DEVICE_USE_C_API", "").lower() in _FALSE and "NEXT_PLUGGABLE_DEVICE_USE_C_API" in found:
+    if (environ.get("NEXT_PLUGGABLE_DEVICE_USE_C_API", "").lower() in _FALSE
+            and "NEXT_PLUGGABLE_DEVICE_USE_C_API" in found):
         problem = (f"NEXT_PLUGGABLE_DEVICE_USE_C_API={found['NEXT_PLUGGABLE_DEVICE_USE_C_API']} turns PJRT off, but "
                    f"{base.get('generation') or 'this TPU'} needs it ({RUNTIMES_DOC}): unset it")
     path = found.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH") or library
@@ -160,7 +161,8 @@ def _pjrt(base: dict[str, Any], environ: MutableMapping[str, str]) -> TpuRuntime
     elif problem is None and not os.path.isfile(path):
         problem = f"TF_PLUGGABLE_DEVICE_LIBRARY_PATH={path} is not a file: point it at libtpu.so, or unset it"
     if problem is None:
-        wanted = {"PJRT_DEVICE": "TPU", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": path}
+        wanted = {"PJRT_DEVICE": "TPU", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
+                  "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": path}
         settings = {k: v for k, v in wanted.items() if k not in found}
         flags = _xla_flags(environ.get("TF_XLA_FLAGS", ""))
         if flags != environ.get("TF_XLA_FLAGS", ""):
@@ -200,17 +202,20 @@ def choose_tpu_env(target: str, environ: MutableMapping[str, str] | None = None,
     asked_pjrt = environ.get("NEXT_PLUGGABLE_DEVICE_USE_C_API", "").lower() == "true"
     if generation in STREAM_EXECUTOR_GENERATIONS and not asked_pjrt:
         why = (f"{generation}: stream executor, TensorFlow's default; Google documents it and PJRT there from TF 2.15, "
-               f"and PJRT lacks the TPU embedding API and tf.summary with soft placement on {generation} ({RUNTIMES_DOC}); "
-               "NEXT_PLUGGABLE_DEVICE_USE_C_API=true asks for PJRT")
+               f"and PJRT lacks the TPU embedding API and tf.summary with soft placement on {generation} "
+               f"({RUNTIMES_DOC}); NEXT_PLUGGABLE_DEVICE_USE_C_API=true asks for PJRT")
         version, _ = _libtpu()
         found = {k: environ[k] for k in PJRT_VARIABLES if environ.get(k)}
         return TpuRuntime("stream_executor", why, libtpu=version, found=found, **base)
     if generation in STREAM_EXECUTOR_GENERATIONS:
-        why = f"{generation}: PJRT, asked for by NEXT_PLUGGABLE_DEVICE_USE_C_API=true (documented from TF 2.15; {RUNTIMES_DOC})"
+        why = (f"{generation}: PJRT, asked for by NEXT_PLUGGABLE_DEVICE_USE_C_API=true "
+               f"(documented from TF 2.15; {RUNTIMES_DOC})")
     elif generation in PJRT_GENERATIONS:
-        why = f"{generation}: PJRT, the only device API Google supports from v5e on ({RUNTIMES_DOC}); settings as {KERAS_PJRT_EXAMPLE}"
+        why = (f"{generation}: PJRT, the only device API Google supports from v5e on ({RUNTIMES_DOC}); "
+               f"settings as {KERAS_PJRT_EXAMPLE}")
     elif generation is not None:
-        why = f"{generation}: a generation after v6e, PJRT (Google: future generations only support PJRT; {RUNTIMES_DOC})"
+        why = (f"{generation}: a generation after v6e, PJRT "
+               f"(Google: future generations only support PJRT; {RUNTIMES_DOC})")
     else:
         why = ("generation unknown (TPU_ACCELERATOR_TYPE unset, no answer from the metadata server): PJRT, the device "
                f"API Google documents on every TPU generation from TF 2.15 ({RUNTIMES_DOC}); set TPU_ACCELERATOR_TYPE "

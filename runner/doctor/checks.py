@@ -35,8 +35,8 @@ from runner.device.host import (
     tpu_devices,
     tpu_target,
 )
-from runner.spec.types import AcceleratorSpec
 from runner.device.tpu_env import choose_tpu_env
+from runner.spec.types import AcceleratorSpec
 
 KNOWN_GOOD = Path(__file__).with_name("known_good.json")
 # The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
@@ -192,7 +192,8 @@ def check_tpu_runtime(accelerator: AcceleratorSpec, environ: dict[str, str], dev
     elif chosen.generation_from == "the TPU address":
         parts = [f"a remote TPU ({target}): {chosen.api}, TensorFlow's default"]
     else:
-        parts = [f"TPU generation unknown (TPU_ACCELERATOR_TYPE unset, the metadata server silent): {chosen.api} is chosen"]
+        parts = [f"TPU generation unknown (TPU_ACCELERATOR_TYPE unset, the metadata server silent): "
+                 f"{chosen.api} is chosen"]
     if chosen.problem:
         return Check("tpu_runtime", "fail", f"{parts[0]}; {chosen.problem}", "see docs/tpu.md (TPU image)", data=data)
     if chosen.settings:
@@ -223,7 +224,8 @@ def check_allocator(maps: str = "/proc/self/maps") -> Check:
         return Check("allocator", "ok", f"{name} ({library})", data={"allocator": name, "library": library})
     return Check(
         "allocator", "warn",
-        "glibc's malloc: TensorFlow's input pipeline ran 1.33-1.38x faster with tcmalloc (benchmarks/input_pipeline.py)",
+        "glibc's malloc: TensorFlow's input pipeline ran 1.33-1.38x faster with tcmalloc "
+        "(benchmarks/input_pipeline.py)",
         f"apt-get install libtcmalloc-minimal4, then export LD_PRELOAD={TCMALLOC_PRELOAD} (the runner image does)",
         data={"allocator": "glibc", "library": None},
     )

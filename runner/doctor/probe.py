@@ -16,13 +16,14 @@ import posixpath
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
+from runner.data.storage import is_gcs, split_gcs
+from runner.device.tpu_env import prepare_tpu_env
 from runner.doctor.checks import Check
 from runner.spec.types import JobSpec
-from runner.device.tpu_env import prepare_tpu_env
-from runner.data.storage import is_gcs, split_gcs
 
 Step = Callable[[JobSpec, float], Iterator[Check]]
 
@@ -79,7 +80,8 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
         # doctor's kill.
         accelerator = connect_tpu(target, bound * 0.8)
     except AcceleratorError as exc:
-        action = "see runner/doctor/known_good.json for the libtpu that matches the TensorFlow wheel; the lockfile check"
+        action = ("see runner/doctor/known_good.json for the libtpu that matches the TensorFlow wheel; "
+                  "the lockfile check")
         runtime = applied_tpu_env()
         data = {"target": target, "tpu_runtime": runtime.to_dict() if runtime else None}
         yield Check("tpu", "fail", str(exc), action, data=data)
@@ -162,8 +164,8 @@ def storage_step(spec: JobSpec, bound: float) -> Iterator[Check]:
 
 
 def _data_check(spec: JobSpec, key: str, pattern: str, seconds: float) -> Check:
-    from runner.data import pipeline
     from runner import DataError
+    from runner.data import pipeline
 
     name = f"data_{key}"
     try:

@@ -34,15 +34,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE
+from runner.data.storage import buckets_in, tensorflow_env
 from runner.device import host
 from runner.device.bounded import Bounded
 from runner.doctor import checks
 from runner.doctor.checks import Check
-from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE
 from runner.spec.types import JobSpec
-from runner.data.storage import buckets_in, tensorflow_env
 
 SCHEMA_VERSION = 1
 _USAGE_CHECKS = ("data_train", "data_eval", "batch")
@@ -117,7 +118,8 @@ class _Bounded:
             evidence = f"no answer within {self.seconds:g} s"
             return Check(self.check_name, "fail", evidence, "check DNS and the network", self.seconds)
         except Exception as exc:  # a check that broke is reported, not a doctor that breaks
-            return Check(self.check_name, "fail", f"the check itself failed: {type(exc).__name__}: {exc}", "run with --debug")
+            return Check(self.check_name, "fail", f"the check itself failed: {type(exc).__name__}: {exc}",
+                         "run with --debug")
 
 
 class _Probe:

@@ -18,10 +18,10 @@ import time
 
 import tensorflow as tf
 
-from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner import RunnerError
-from runner.spec.types import JobSpec, MatmulSpec
 from runner.device.strategy import resolve_accelerator
+from runner.rundir.attempt import Attempt, JobResult, error_of
+from runner.spec.types import JobSpec, MatmulSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from runner import models
-from runner.data import pipeline
-from runner.spec import usercode
 from runner import DataError, SpecError
-from runner.rundir.outputs import RunFolder
-from runner.spec.types import JobSpec
+from runner.data import pipeline
 from runner.device.strategy import Accelerator, resolve_accelerator
+from runner.rundir.outputs import RunFolder
+from runner.spec import usercode
+from runner.spec.types import JobSpec
+from runner.train import build
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def load_trained(spec: JobSpec) -> Trained:
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, checkpoint = models.build_compiled(spec, shards.features, accelerator)
-    step = models.restore(checkpoint, latest)
+    model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
+    step = build.restore(checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
     return Trained(model, accelerator, latest, step, shards.features)
 

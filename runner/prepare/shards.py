@@ -14,20 +14,24 @@ import os
 import posixpath
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
 import tensorflow as tf
 from rich.progress import (
-    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 
-from runner.data import pipeline
-from runner.data import storage
-from runner.data import verify
-from runner.prepare.datasets import Dataset, load_dataset
+from runner.data import pipeline, storage, verify
 from runner.data.schema import Feature
+from runner.prepare.datasets import Dataset, load_dataset
 
 log = logging.getLogger(__name__)
 _TARGET_SHARD_BYTES = 8 << 20
@@ -38,7 +42,8 @@ def prepare(
     limit: int | None = None, params: dict[str, str] | None = None,
     storage_timeout_s: float = storage.DEFAULT_TIMEOUT_S,
 ) -> str:
-    """Writes every split of dataset `name` under `out` (each cut to `limit` records if set); returns the manifest's path."""
+    """Writes every split of dataset `name` under `out` (each cut to `limit` records if set); returns the
+    manifest's path."""
     out = out.rstrip("/")
     if not storage.is_gcs(out):
         dataset = _load(name, source, limit, params)
@@ -155,7 +160,8 @@ def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> d
         "label": dataset.label,
         **({"preprocessing": dataset.preprocessing} if dataset.preprocessing else {}),
         "splits": {
-            split: {"records": sum(e["records"] for e in entries), "shards": entries} for split, entries in splits.items()
+            split: {"records": sum(e["records"] for e in entries), "shards": entries}
+            for split, entries in splits.items()
         },
     }
 

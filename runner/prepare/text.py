@@ -43,7 +43,8 @@ def split_rows(count: int, test_fraction: float, seed: int) -> tuple[np.ndarray,
 def pad(sequences: list, length: int) -> np.ndarray:
     import keras
 
-    return keras.utils.pad_sequences(sequences, maxlen=length, dtype="int64", padding="pre", truncating="pre", value=PAD)
+    return keras.utils.pad_sequences(sequences, maxlen=length, dtype="int64", padding="pre", truncating="pre",
+                                     value=PAD)
 
 
 def tokenize(

@@ -14,13 +14,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner import PROCESS_START
+from runner import PROCESS_START, RunnerError
 from runner.data import storage
-from runner import RunnerError
-from runner.rundir.outputs import RunFolder
-from runner.spec.types import JobSpec
 from runner.device.strategy import Accelerator
+from runner.rundir.outputs import RunFolder
 from runner.rundir.timing import EpochRecord, Phases, build_summary
+from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class Attempt:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def begin(cls, spec: JobSpec, spec_loaded_at: float | None) -> "Attempt":
+    def begin(cls, spec: JobSpec, spec_loaded_at: float | None) -> Attempt:
         """Starts the clock's phases: the process start-up, then TensorFlow's import after the spec was checked."""
         phases = Phases(start=PROCESS_START)
         entered = time.monotonic()

@@ -39,8 +39,8 @@ import time
 import uuid
 from typing import Any
 
-from runner.data import storage
 from runner import EXIT_USAGE, RunnerError, StorageError
+from runner.data import storage
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def _machine() -> dict[str, str | None]:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = None
-    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_namespace": namespace}
+    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": namespace}
 
 
 def _process_start(pid: int) -> str | None:
@@ -299,7 +300,8 @@ class _GcsLease:
         from google.api_core.retry import Retry
 
         # A renewal is retried for a heartbeat at most: the next one tries again.
-        retry = Retry(predicate=storage.is_transient, initial=1.0, maximum=8.0, timeout=min(doc["heartbeat_s"], self.timeout_s))
+        retry = Retry(predicate=storage.is_transient, initial=1.0, maximum=8.0,
+                      timeout=min(doc["heartbeat_s"], self.timeout_s))
         return self._put({**doc, "renewed_at": _utc(time.time())}, token, retry)
 
     def delete(self, doc: dict[str, Any], token: Any) -> None:
@@ -308,7 +310,8 @@ class _GcsLease:
 
         try:
             self.bucket.blob(self.blob_name).delete(
-                if_generation_match=token, retry=Retry(predicate=storage.is_transient, timeout=10.0), timeout=(5.0, 10.0)
+                if_generation_match=token, retry=Retry(predicate=storage.is_transient, timeout=10.0),
+                timeout=(5.0, 10.0),
             )
         except (exceptions.PreconditionFailed, exceptions.NotFound):
             log.warning("%s is no longer this run's lease: left in place", self.url)

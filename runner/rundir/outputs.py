@@ -70,13 +70,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner.data import pipeline
-from runner.rundir import serving
-from runner.data import storage
 from runner import DataError, SpecError, StorageError
+from runner.data import pipeline, storage
+from runner.rundir import serving
 from runner.rundir.lease import Lease
-from runner.spec.types import JobSpec
 from runner.rundir.timing import completion
+from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +229,9 @@ class RunFolder:
 
     def _storage_fault(self, exc: tf.errors.OpError) -> StorageError:
         timeout_s = self._spec.storage.timeout_s if self._spec else storage.DEFAULT_TIMEOUT_S
+        first_line = exc.message.splitlines()[0] if exc.message else type(exc).__name__
         return storage.storage_error(exc, [self.path], timeout_s) or StorageError(
-            f"cannot use the run folder {self.path}: {exc.message.splitlines()[0] if exc.message else type(exc).__name__}"
+            f"cannot use the run folder {self.path}: {first_line}"
         )
 
     def remove_leftovers(self) -> list[str]:

@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # 2: adds import_s, run_folder_s, unaccounted_s, input wait, per-epoch checkpoint_s and input_wait_s;
 # epoch `seconds` no longer include checkpoint saves. runner/compare/report.py reads 1 and 2.
@@ -23,7 +24,8 @@ SCHEMA_VERSION = 2
 # "strategy" is accelerator init (resolving the device, building the tf.distribute strategy);
 # "import" is loading TensorFlow after the spec is checked.
 PHASES = (
-    "startup", "import", "run_folder", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval", "export",
+    "startup", "import", "run_folder", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval",
+    "export",
 )
 
 

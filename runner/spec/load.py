@@ -27,8 +27,8 @@ from pydantic import BaseModel, ValidationError
 
 from runner import SpecError
 from runner.spec.types import JobSpec
-from runner.spec.yaml_lines import MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
 from runner.spec.usercode import find_code
+from runner.spec.yaml_lines import MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
 
 MAX_OVERRIDES = 256
 MAX_OVERRIDE_CHARS = 64 << 10

@@ -18,49 +18,26 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictInt, ValidationInfo
-from pydantic import field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    PlainValidator,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from runner.models import MODEL_NAMES
+from runner.spec.base import INT32_MAX, MAX_WAIT_S, Integer, Name, Number, Strict
 from runner.spec.paths import has_control_character, refuse_glob_characters, resolve_path
+from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.spec.usercode import IDENTIFIER, CodeRoots, check_import_path, is_import_path
-
-# The built-in models (runner/models.py's MODELS, which imports TensorFlow): `model.name` without a colon.
-MODEL_NAMES = ("mnist_cnn", "cifar10_cnn", "imdb_lstm", "weather_rnn")
-
-# Counts TensorFlow holds in int32 (shapes, steps per execution, TPU loop counters).
-INT32_MAX = 2**31 - 1
-# Seconds a timer, a join or a retry loop can wait: Python's timers overflow near 2**31 ms and the gs:// retry
-# schedule (runner/data/storage.py) near 32,800 s; an hour is more than any of them needs.
-MAX_WAIT_S = 3600.0
-
-
-def _not_a_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("Input should be a number, not true/false")
-    return value
-
-
-def _integer(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("Input should be a valid integer, not true/false")
-    return value
-
-
-# An int, never a bool or a float such as 3.0 (pydantic strict), with a message that says why.
-Integer = Annotated[StrictInt, BeforeValidator(_integer)]
-# A finite float that is never a bool (pydantic's lax float reads `true` as 1.0; allow_inf_nan is off below).
-Number = Annotated[float, BeforeValidator(_not_a_bool)]
-Name = Annotated[str, Field(min_length=1, max_length=256)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
 
 # --- sections ----------------------------------------------------------------------------------------
 
 
-class AcceleratorSpec(_Strict):
+class AcceleratorSpec(Strict):
     kind: Literal["auto", "tpu", "gpu", "cpu"] = "auto"
     # A TPU VM is "local"; a named TPU is its name; a remote TPU node is "grpc://host:8470".
     # Unset: TPU_NAME, then COLAB_TPU_ADDR, then "local" when /dev/accel* or /dev/vfio exist.
@@ -78,7 +55,7 @@ class AcceleratorSpec(_Strict):
         return value
 
 
-class FeatureSpec(_Strict):
+class FeatureSpec(Strict):
     """One feature of the tf.train.Example records, as the model receives it (see docs/own-model.md)."""
 
     # uint8 pixels arrive as float32 0..255 (models rescale themselves); string stays tf.string.
@@ -98,7 +75,7 @@ class FeatureSpec(_Strict):
         return doc
 
     @model_validator(mode="after")
-    def _consistent(self) -> "FeatureSpec":
+    def _consistent(self) -> FeatureSpec:
         if any(size < 1 for size in self.shape):
             raise ValueError(f"shape {list(self.shape)}: every dimension must be at least 1")
         elements = 1
@@ -129,7 +106,7 @@ def _auto_or_bool(value: Any) -> bool | str:
     raise ValueError(f"{value!r} is none of auto, true, false")
 
 
-class DataSpec(_Strict):
+class DataSpec(Strict):
     # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`
     # (built-in datasets) or `runner manifest` (your own TFRecords).
     train: str = Field("data/mnist/train-*.tfrecord", validate_default=True)
@@ -180,7 +157,7 @@ class DataSpec(_Strict):
         return None if value is None else check_import_path(value)
 
     @model_validator(mode="after")
-    def _columns_are_declared(self) -> "DataSpec":
+    def _columns_are_declared(self) -> DataSpec:
         if self.features is not None:
             for key, name in [*(("data.inputs", n) for n in self.inputs), ("data.label", self.label)]:
                 if name not in self.features:
@@ -207,7 +184,7 @@ def _check_json(value: Any, where: str) -> None:
         raise ValueError(f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping")
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     # A built-in model (MODEL_NAMES, runner/models.py) or your own build function as `package.module:function`
     # in your code (see `code`).
     name: str = "mnist_cnn"
@@ -241,86 +218,13 @@ class ModelSpec(_Strict):
         return value
 
 
-def _auto_or_steps(value: Any) -> int | str:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT32_MAX):
-        return value
-    raise ValueError(f"{value!r} is neither 'auto' nor a whole number of steps from 1 to {INT32_MAX:,}")
-
-
-def _loss_or_metric(value: str, what: str) -> str:
-    if not value.strip():
-        raise ValueError(f"an empty {what} name: write a Keras name such as 'accuracy' or `package.module:function`")
-    if is_import_path(value):
-        return check_import_path(value)
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        raise ValueError(f"{value!r} is not a Keras {what} name (letters, digits and '_'), nor `package.module:function`")
-    return value
-
-
-class TrainSpec(_Strict):
-    epochs: Integer = Field(12, ge=1, le=1_000_000)
-    # Unset: derived from the manifest (records // global_batch_size).
-    steps_per_epoch: Integer | None = Field(None, ge=1, le=INT32_MAX)
-    # Steps run on the device per host round trip. auto: 32 on a TPU (where each round trip costs
-    # milliseconds), 1 on CPU/GPU (measured no faster here: see benchmarks/RESULTS.md).
-    steps_per_execution: Annotated[int | Literal["auto"], PlainValidator(_auto_or_steps)] = "auto"
-    optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
-    learning_rate: Number = Field(1e-3, gt=0)
-    # auto: bfloat16 where the device computes it natively (TPUs, GPUs from compute capability 8.0, CPUs with
-    # AVX512_BF16 or AMX), float32 elsewhere (runner/device/precision.py). The output layer stays float32 either way.
-    mixed_precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Keras names, or your own `package.module:function` taking (y_true, y_pred).
-    loss: str = Field("sparse_categorical_crossentropy", max_length=256)
-    metrics: tuple[Annotated[str, Field(max_length=256)], ...] = Field(("accuracy",), max_length=64)
-    # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
-    seed: Integer = Field(0, ge=0, le=2**32 - 1)
-    # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
-    validate_every_epoch: StrictBool = False
-    # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
-    # validate_every_epoch. After a resume the count starts again from the resumed epoch.
-    early_stopping_patience: Integer | None = Field(None, ge=1, le=1_000_000)
-    # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
-    reduce_lr_patience: Integer | None = Field(None, ge=1, le=1_000_000)
-    reduce_lr_factor: Number = Field(0.5, gt=0, lt=1)
-
-    @model_validator(mode="after")
-    def _plateau_needs_validation(self) -> "TrainSpec":
-        for key in ("early_stopping_patience", "reduce_lr_patience"):
-            value = getattr(self, key)
-            if value is not None and not self.validate_every_epoch:
-                raise ValueError(f"train.{key} ({value}) watches val_loss: also set train.validate_every_epoch: true")
-        return self
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_form(cls, value: str) -> str:
-        return _loss_or_metric(value, "loss")
-
-    @field_validator("metrics")
-    @classmethod
-    def _metrics_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        names = tuple(_loss_or_metric(m, "metric") for m in value)
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"{twice[0]!r} is listed twice; name each metric once")
-        return names
-
-
-class CheckpointSpec(_Strict):
-    # Unset: one checkpoint per epoch. Set: also every K steps (must divide steps_per_execution evenly).
-    every_steps: Integer | None = Field(None, ge=1, le=INT32_MAX)
-    keep: Integer = Field(3, ge=1, le=10_000)
-    # Seconds a preemption notice (SIGTERM) or Ctrl-C leaves for the final save.
-    grace_s: Number = Field(30.0, gt=0, le=MAX_WAIT_S)
-
-
-class StorageSpec(_Strict):
+class StorageSpec(Strict):
     # An unanswered gs:// operation (outage, 503s, dropped connections) is retried with backoff for about
     # this long, then the job stops with exit 3 naming the bucket. See runner/data/storage.py.
     timeout_s: Number = Field(300.0, gt=0, le=MAX_WAIT_S)
 
 
-class MatmulSpec(_Strict):
+class MatmulSpec(Strict):
     """`kind: matmul_bench`: an N x N matrix multiplied `chain` times in one compiled call, on every replica."""
 
     # 32768 x 32768 is 4 GiB per float32 matrix: the most one accelerator's memory holds three of.
@@ -331,7 +235,7 @@ class MatmulSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
-class OutputSpec(_Strict):
+class OutputSpec(Strict):
     # The run folder is <dir>/<job name>; local path or gs://. No glob characters: checkpoints are found by
     # pattern, so a folder named `runs[1]` would never be resumed.
     dir: str = Field("runs", validate_default=True)
@@ -344,14 +248,14 @@ class OutputSpec(_Strict):
         return refuse_glob_characters(resolve_path(value, ("output", "dir"), info.context))
 
 
-class ProfileSpec(_Strict):
+class ProfileSpec(Strict):
     # Global steps start_step .. start_step + steps - 1 (1-based) are traced into <run folder>/profile.
     # Step 1 compiles: start later to see steady steps.
     start_step: Integer = Field(10, ge=1, le=INT32_MAX)
     steps: Integer = Field(5, ge=1, le=1000)
 
 
-class CodeSpec(_Strict):
+class CodeSpec(Strict):
     """Where the spec's import paths (`package.module:function`) may point: a job spec names code, so it must
     be trusted like a Python script, and it reaches only the code it declares here (docs/specs.md)."""
 
@@ -380,7 +284,7 @@ class CodeSpec(_Strict):
         return value
 
 
-class JobSpec(_Strict):
+class JobSpec(Strict):
     name: str = "mnist_cnn"
     # train: fit a model on data; matmul_bench: time matrix multiplications (TFLOPS) and train nothing.
     kind: Literal["train", "matmul_bench"] = "train"
@@ -407,7 +311,7 @@ class JobSpec(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _cadence_fits_execution(self) -> "JobSpec":
+    def _cadence_fits_execution(self) -> JobSpec:
         every, spe = self.checkpoint.every_steps, self.train.steps_per_execution
         if every is not None and spe != "auto" and every % spe:
             raise ValueError(
@@ -417,7 +321,7 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _sections_fit_kind(self) -> "JobSpec":
+    def _sections_fit_kind(self) -> JobSpec:
         if self.kind == "train" and "matmul" in self.model_fields_set:
             raise ValueError("matmul: is read only by kind: matmul_bench; remove it or set kind: matmul_bench")
         if self.kind == "matmul_bench":

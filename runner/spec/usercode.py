@@ -25,11 +25,13 @@ import os
 import pkgutil
 import re
 import sys
+from collections.abc import Callable
 from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from runner import SpecError
+from runner.models import MODEL_NAMES
 
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 IMPORT_PATH = re.compile(rf"{IDENTIFIER}(\.{IDENTIFIER})*:{IDENTIFIER}")
@@ -75,15 +77,9 @@ def check_import_path(value: str) -> str:
     if top == "runner":
         raise ValueError(
             f"{value!r} names the runner's own module {module!r}: built-in models are named without a module "
-            f"({', '.join(_builtin_names())}), your own code as `package.module:function`"
+            f"({', '.join(MODEL_NAMES)}), your own code as `package.module:function`"
         )
     return value
-
-
-def _builtin_names() -> tuple[str, ...]:
-    from runner.spec.types import MODEL_NAMES
-
-    return MODEL_NAMES
 
 
 def find_code(path: str, key: str, roots: CodeRoots) -> Found:

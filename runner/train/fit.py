@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 
 from runner import Diverged
-from runner.train.preemption import PreemptionNotice
 from runner.rundir.timing import EpochRecord
+from runner.train.preemption import PreemptionNotice
 
 keras = tf.keras
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 

@@ -18,8 +18,8 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -49,13 +49,15 @@ class Engine:
         except subprocess.TimeoutExpired:
             pytest.fail(f"docker {' '.join(map(str, args[:3]))} ... did not finish within {timeout:.0f}s")
         if check and result.returncode != 0:
-            pytest.fail(f"docker {' '.join(map(str, args[:3]))} ... exited {result.returncode}:\n{result.stderr[-3000:]}")
+            pytest.fail(f"docker {' '.join(map(str, args[:3]))} ... exited {result.returncode}:\n"
+                        f"{result.stderr[-3000:]}")
         return result
 
 
 def _ca_bundle() -> str | None:
     """The machine's CA bundle, handed to pip inside the build (a TLS-inspecting proxy sits in front of PyPI)."""
-    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), "/etc/ssl/certs/ca-certificates.crt"):
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      "/etc/ssl/certs/ca-certificates.crt"):
         if candidate and Path(candidate).is_file():
             return candidate
     return None

@@ -107,7 +107,8 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
 
 
 def serve(handler: type[FakeHandler], state: Recorder, argv: list[str] | None, description: str,
-          default_ttl_s: float, tick: Callable[[], None] | None = None, on_stop: Callable[[], None] | None = None) -> None:
+          default_ttl_s: float, tick: Callable[[], None] | None = None,
+          on_stop: Callable[[], None] | None = None) -> None:
     """Runs a fake on `state` until --ttl seconds have passed or SIGTERM comes; `tick` runs every 0.1 s
     meanwhile and `on_stop` once serving has ended."""
     parser = argparse.ArgumentParser(description=description)

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import unquote
 
 # Read buffer per connection: large reads go straight from the socket into the body.
@@ -236,7 +236,8 @@ def _as_multipart(request: Message, target: str) -> Message:
     ).encode()
     path = target.split("?", 1)[0]
     start = f"POST {path}?uploadType=multipart&{query} HTTP/1.1"
-    return Message(start, [("Host", request.get("Host")), ("Content-Type", f"multipart/related; boundary={boundary}")], body)
+    headers = [("Host", request.get("Host")), ("Content-Type", f"multipart/related; boundary={boundary}")]
+    return Message(start, headers, body)
 
 
 # --- fault-proxy ------------------------------------------------------------------------------
@@ -402,7 +403,8 @@ def _honour_generation_preconditions() -> None:
             name = name_of(request) if wanted else None
             if name is not None and generation(storage, request.params["bucket_name"], name) != int(wanted[0]):
                 response.status = HTTPStatus.PRECONDITION_FAILED
-                response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold."}})
+                response.json({"error": {
+                    "code": 412, "message": "At least one of the pre-conditions you specified did not hold."}})
                 return None
             return handler(request, response, storage, *args, **kwargs)
 

@@ -6,8 +6,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from tests.conftest import REPO, cli_env
 
@@ -58,7 +59,8 @@ def wait_for(probe: Callable[[], T | None], process: subprocess.Popen, timeout: 
             return value
         if process.poll() is not None:
             _, err = process.communicate()
-            raise AssertionError(f"runner exited ({process.returncode}) before the awaited state; stderr: {err[-3000:]}")
+            raise AssertionError(f"runner exited ({process.returncode}) before the awaited state; "
+                                 f"stderr: {err[-3000:]}")
         time.sleep(every)
     process.kill()
     raise AssertionError(f"the awaited state did not come within {timeout} s")

@@ -22,8 +22,6 @@ from typing import Any
 
 import yaml
 
-from runner.cloud import tpu_types
-from runner.cloud.submit import Submission, spec_yaml
 from runner import (
     EXIT_INFRA,
     EXIT_PREEMPTED,
@@ -31,6 +29,8 @@ from runner import (
     EXIT_USAGE,
     SpecError,
 )
+from runner.cloud import tpu_types
+from runner.cloud.submit import Submission, spec_yaml
 
 TARGETS = ("tpu-vm", "skypilot", "gke", "vertex")
 CONTAINER = "runner"  # the container's name where an engine names it (GKE's pod failure policy does)

@@ -21,6 +21,7 @@ import dataclasses
 import shlex
 from typing import Any
 
+from runner import AcceleratorError, SpecError
 from runner.cloud.engines import (
     COMMAND,
     CONTAINER,
@@ -30,7 +31,6 @@ from runner.cloud.engines import (
     dump_yaml,
 )
 from runner.cloud.submit import Submission
-from runner import AcceleratorError, SpecError
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 # xpk restarts on these unless told otherwise (`xpk workload create --help`, --restart-on-exit-codes).

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from runner import AcceleratorError, SpecError
 from runner.cloud import pricing
 from runner.cloud.engines import COMMAND, RETRY_UNBOUNDED, container_env, dump_yaml
 from runner.cloud.submit import Submission
-from runner import AcceleratorError, SpecError
 
 INSTALL = "pip install 'tpu-job-runner[skypilot]' (the client; its API server needs skypilot[gcp])"
 

@@ -18,10 +18,10 @@ import json
 import os
 from typing import Any
 
+from runner import AcceleratorError, SpecError
 from runner.cloud import pricing
 from runner.cloud.engines import COMMAND, container_env
 from runner.cloud.submit import Submission
-from runner import AcceleratorError, SpecError
 
 API = "aiplatform.googleapis.com"
 ENDPOINT_OVERRIDE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM"  # gcloud's, honoured here too

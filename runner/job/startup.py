@@ -1,0 +1,59 @@
+"""What must happen before TensorFlow is imported, in one place: TensorFlow, its gs:// client, Keras and libtpu
+read these settings once, while they load, so a command calls `before_tensorflow` and then `load_tensorflow`.
+
+1. the gs:// client's retries and timeouts from `storage.timeout_s` (runner/data/storage.py);
+2. the Keras flavour: tf-keras when several workers train (runner/device/flavour.py);
+3. the TPU device API (PJRT or stream executor) for the TPU the job would try (runner/device/tpu_env.py).
+Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads.
+
+This module must never import TensorFlow itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+
+from runner.data.storage import configure_tensorflow
+from runner.device.flavour import choose_keras
+from runner.device.tpu_env import prepare_tpu_env
+from runner.spec.types import JobSpec
+
+
+def before_tensorflow(spec: JobSpec) -> None:
+    """Sets, in order, everything the job's TensorFlow must find in the environment when it loads.
+
+    Raises AcceleratorError when the Keras flavour the job needs is not installed."""
+    configure_tensorflow(spec.storage.timeout_s)
+    choose_keras()
+    prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
+
+
+# What TensorFlow's C++ start-up writes to stderr before its log level applies: absl's warning about logging
+# before InitializeLog, and the oneDNN and CPU-feature notices (absl prints them whatever TF_CPP_MIN_LOG_LEVEL
+# says once TF_ENABLE_ONEDNN_OPTS is set, as runner/__init__.py does).
+_STARTUP_NOTICE = re.compile(r"absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|TF_ENABLE_ONEDNN_OPTS")
+
+
+def load_tensorflow(debug: bool) -> None:
+    """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
+    writes to stderr while loading is passed on. Call after `before_tensorflow`."""
+    if debug or "tensorflow" in sys.modules:
+        import tensorflow  # noqa: F401
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _STARTUP_NOTICE.search(line)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
