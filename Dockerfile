@@ -51,6 +51,7 @@ FROM base AS tf-cpu
 ARG TENSORFLOW="tensorflow-cpu==2.21.0"
 # tf-keras comes along for the jobs that need it (multi-worker training: runner/device/flavour.py picks it there).
 ARG TF_KERAS="tf-keras==2.21.0"
+ENV RUNNER_USER=1000:1000
 COPY requirements.lock ./
 COPY --from=requirements /requirements-runtime.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
@@ -70,6 +71,10 @@ ARG LIBTPU="libtpu==0.0.10"
 ARG TF_KERAS="tf-keras==2.19.0"
 ARG TF_USE_LEGACY_KERAS=0
 ENV TF_USE_LEGACY_KERAS=${TF_USE_LEGACY_KERAS}
+# The TPU image runs as root: libtpu opens the TPU devices (/dev/accel*, /dev/vfio), as `docker run
+# --privileged --user 0:0` does on a TPU VM, and Vertex AI runs the image's own user with no setting for
+# another (its ContainerSpec has none). docs/engines.md.
+ENV RUNNER_USER=0:0
 COPY requirements-tpu.lock ./
 COPY --from=requirements /requirements-runtime.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
@@ -97,7 +102,9 @@ RUN --mount=type=secret,id=pip_cert,required=false \
     && runner --help >/dev/null
 # The TPU variant: the PJRT settings `runner run` makes for a v5e/v5p/v6e load libtpu as TensorFlow's plugin.
 RUN if [ "$ACCELERATOR" = tpu ]; then image-install.sh check-pjrt; fi
-USER 1000:1000
+# uid 1000 for the CPU image, root for the TPU image (RUNNER_USER, set by its stage above; numeric both).
+# hadolint ignore=DL3066
+USER ${RUNNER_USER}
 ENTRYPOINT ["runner"]
 CMD ["--help"]
 

@@ -4,7 +4,11 @@ TFRecords, as `keras.datasets.mnist.load_data()` would hand them over), the Basi
 `model.fit(x, y, batch_size=...)`, then evaluates and saves. Prints one JSON line: test accuracy, epoch
 seconds and steady examples/s (epochs after the first). Not a benchmark on its own (run_all.py skips "_" files).
 
-    python benchmarks/_plain_keras.py DATA_DIR OUT_DIR --batch 1024 --epochs 3 [--steps-per-epoch N]
+`--policy mixed_bfloat16` is the Keras expert's version of the same script: Keras's mixed precision policy set
+by hand before the model is built (`keras.mixed_precision.set_global_policy`), the softmax layer kept in
+float32 as Keras's mixed precision guide advises, everything else unchanged.
+
+    python benchmarks/_plain_keras.py DATA_DIR OUT_DIR --batch 1024 --epochs 3 [--steps-per-epoch N] [--policy P]
 """
 
 import argparse
@@ -27,6 +31,7 @@ parser.add_argument("out")
 parser.add_argument("--batch", type=int, default=1024)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--steps-per-epoch", type=int, default=None)
+parser.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16"))
 args = parser.parse_args()
 
 
@@ -48,6 +53,7 @@ if args.steps_per_epoch:
     x_train, y_train = x_train[: args.steps_per_epoch * args.batch], y_train[: args.steps_per_epoch * args.batch]
 
 keras.utils.set_random_seed(0)
+keras.mixed_precision.set_global_policy(args.policy)  # before the layers are built: they take it at creation
 layers = keras.layers
 model = keras.Sequential([
     keras.Input((28, 28, 1)),
@@ -61,7 +67,7 @@ model = keras.Sequential([
     layers.Flatten(),
     layers.Dense(256, activation="relu"),
     layers.Dropout(0.5),
-    layers.Dense(10, activation="softmax"),
+    layers.Dense(10, activation="softmax", dtype="float32"),  # float32 under either policy: the same in float32
 ])
 model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
@@ -87,4 +93,5 @@ steady = statistics.median(clock.seconds[1:]) if len(clock.seconds) > 1 else clo
 print(json.dumps({
     "accuracy": float(results["accuracy"]), "examples_per_epoch": len(x_train),
     "epoch_s": [round(s, 3) for s in clock.seconds], "steady_examples_per_sec": round(len(x_train) / steady, 1),
+    "policy": keras.mixed_precision.global_policy().name,
 }))

@@ -105,17 +105,17 @@ from runner.spec import usercode
 from runner.spec.load import load_spec
 spec = load_spec(sys.argv[1], json.loads(sys.argv[2]))
 d = spec.data
-preprocess = (userimport.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots)
+preprocess = (usercode.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots)
               if d.preprocess else None)
-shards = data.find_shards(d.train)
+shards = pipeline.find_shards(d.train)
 if sys.argv[4] == "in_memory":  # what the run trained from: the split held in memory (loading not timed)
     from runner.data import in_memory
     held = in_memory.load(shards, (*d.inputs, d.label), "data.train")
     dataset = in_memory.make_dataset(held, shards.features, d.global_batch_size, d.inputs, d.label,
                                      shuffle=d.shuffle_buffer > 1, seed=0, preprocess=preprocess)
 else:
-    dataset = data.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
-                                shuffle_buffer=d.shuffle_buffer, seed=0, preprocess=preprocess, autotune=d.autotune)
+    dataset = pipeline.make_dataset(shards, d.global_batch_size, d.inputs, d.label, training=True,
+                                    shuffle_buffer=d.shuffle_buffer, seed=0, preprocess=preprocess, autotune=d.autotune)
 batches = iter(dataset)
 for _ in range(5):
     next(batches)

@@ -136,7 +136,7 @@ def main() -> None:
             spec = JobSpec.model_validate({"data": {
                 "train": f"{folder}/train-*.tfrecord", "eval": f"{folder}/test-*.tfrecord", "verify": mode,
             }})
-            return lambda: integrity.check_job_data(spec)
+            return lambda: integrity.check_job_data(spec).record
 
         costs = {}
         for where, folder in sources.items():

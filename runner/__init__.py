@@ -3,7 +3,8 @@
 The package root holds what every module shares: the process clock, the environment TensorFlow reads when it
 loads, and the errors a user can act on, each with the exit code the CLI maps it to:
 0 ok; 1 training failed (a non-finite loss included); 2 spec or usage; 3 infrastructure (accelerator, storage);
-75 preempted (retry); 130 interrupted by Ctrl-C (SIGINT; saved, run again to continue).
+4 trained but learned nothing (at chance); 75 preempted (retry); 124 time limit or stall; 130 interrupted by
+Ctrl-C (SIGINT; saved, run again to continue).
 
 The layers (docs/architecture.md; tests/test_architecture.py enforces them):
 
@@ -46,6 +47,12 @@ EXIT_INFRA = 3
 EXIT_PREEMPTED = 75
 # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C: interrupted, saved; running it again continues it.
 EXIT_INTERRUPTED = 130
+# A finished run whose result is meaningless (its metric at chance, or its loss never below the first epoch's):
+# trained and saved, but not a success (train.allow_chance: true accepts it).
+EXIT_LEARNED_NOTHING = 4
+# The code of coreutils' `timeout`: train.max_duration reached (saved) or train.stall_timeout (no step for that
+# long). Nothing relaunches it: the limit was the user's.
+EXIT_TIME_LIMIT = 124
 
 
 class RunnerError(Exception):
@@ -95,6 +102,18 @@ class Preempted(RunnerError):
     """A preemption notice arrived; a checkpoint was saved and the job can be run again."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class TimeLimitReached(RunnerError):
+    """train.max_duration passed; a checkpoint was saved and running the job again continues it."""
+
+    exit_code = EXIT_TIME_LIMIT
+
+
+class LearnedNothing(RunnerError):
+    """Training finished, but its metrics say the model learned nothing (train.allow_chance accepts that)."""
+
+    exit_code = EXIT_LEARNED_NOTHING
 
 
 class Interrupted(RunnerError):

@@ -22,7 +22,7 @@ import yaml
 
 from runner import SpecError
 from runner.cloud import engines, tpu_types
-from runner.cloud.engines import vertex
+from runner.cloud.engines import skypilot, vertex
 from runner.spec.load import load_spec
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engines import IMAGE, PROJECT, ZONE, submission, submit
@@ -77,6 +77,7 @@ def test_a_flag_the_engine_would_not_use_is_refused(cloud_spec, target, flag, sa
 
 def test_skypilot_task_is_read_by_skypilots_own_loader(cloud_spec):
     sky = pytest.importorskip("sky")
+    from sky.provision.docker_utils import DockerLoginConfig
     from sky.skylet import constants
     from sky.utils import schemas
 
@@ -85,6 +86,9 @@ def test_skypilot_task_is_read_by_skypilots_own_loader(cloud_spec):
     doc = yaml.safe_load(result.stdout)
     task = sky.Task.from_yaml_config(json.loads(json.dumps(doc)))
     (resources,) = task.resources
+    # Artifact Registry: empty user and password, the registry as server; SkyPilot then runs `gcloud auth
+    # configure-docker` for it on the VM (sky/provision/docker_utils.py), with the VM's own service account.
+    assert resources.docker_login_config == DockerLoginConfig("", "", "us-central1-docker.pkg.dev")
     assert resources.accelerators == {"tpu-v5litepod-8": 1}
     assert resources.accelerator_args["runtime_version"] == tpu_types.parse_tpu_type("v5litepod-8").runtime_version
     assert resources.use_spot and resources.zone == ZONE
@@ -113,6 +117,54 @@ def test_skypilot_launch_without_skypilot_says_how_to_install_it(cloud_spec, tmp
     assert result.stdout == ""
 
 
+def test_a_gcr_image_logs_in_with_the_service_account_key_as_a_secret(cloud_spec, monkeypatch):
+    """gcr.io has no keyless login in SkyPilot: `_json_key` and the key, in `secrets` (redacted by SkyPilot);
+    SkyPilot's own loader turns them into its docker login."""
+    sky = pytest.importorskip("sky")
+    from sky.provision.docker_utils import DockerLoginConfig
+
+    image = "gcr.io/runner-test/runner:tpu"
+    sub = submission(cloud_spec, image=image)
+    monkeypatch.setenv(skypilot.PASSWORD, '{"type": "service_account"}')
+    doc = skypilot.task(sub, dry_run=False)
+    assert not {skypilot.USERNAME, skypilot.PASSWORD, skypilot.SERVER} & set(doc["envs"])
+    (resources,) = sky.Task.from_yaml_config(json.loads(json.dumps(doc))).resources
+    assert resources.docker_login_config == DockerLoginConfig("_json_key", '{"type": "service_account"}', "gcr.io")
+
+    printed = submit(cloud_spec, "--on", "skypilot", "--dry-run", image=image)
+    assert printed.returncode == 0 and "service_account" not in printed.stdout  # the key is never printed
+    assert yaml.safe_load(printed.stdout)["secrets"][skypilot.PASSWORD] == skypilot.KEY_PLACEHOLDER
+    assert f'--secret {skypilot.PASSWORD}="$(cat KEY.json)"' in printed.stdout
+
+    monkeypatch.delenv(skypilot.PASSWORD)
+    refused = submit(cloud_spec, "--on", "skypilot", image=image, env=cli_env())
+    assert refused.returncode == 2
+    assert "SkyPilot logs in to gcr.io only with a service-account key" in " ".join(refused.stderr.split())
+
+
+def test_skypilot_older_than_the_floor_is_refused_naming_both_versions(cloud_spec, tmp_path):
+    """The floor is the first SkyPilot whose schema has recover_on_exit_codes; the installed one has it."""
+    sky = pytest.importorskip("sky")
+    from packaging.version import Version
+    from sky.utils import schemas
+
+    declared = schemas.get_resources_schema()["properties"]["job_recovery"]["anyOf"][1]
+    assert "recover_on_exit_codes" in declared["properties"]
+    assert Version(sky.__version__) >= Version(skypilot.MIN_VERSION) == Version("0.11.2")
+    skypilot.check_version(sky.__version__)
+    with pytest.raises(SpecError, match=r"SkyPilot 0\.11\.1 is installed; the task needs SkyPilot >= 0\.11\.2"):
+        skypilot.check_version("0.11.1")
+
+    # A Python path whose `sky` says 0.11.1: `runner submit` stops before it sends anything.
+    old = tmp_path / "old_sky" / "sky"
+    old.mkdir(parents=True)
+    (old / "__init__.py").write_text("__version__ = '0.11.1'\n")
+    env = cli_env(PYTHONPATH=f"{old.parent}{os.pathsep}{REPO}")
+    result = submit(cloud_spec, "--on", "skypilot", env=env)
+    assert result.returncode == 2
+    assert "the task needs SkyPilot >= 0.11.2" in " ".join(result.stderr.split())
+
+
 def load_spec_b64(text: str, folder: Path):
     path = folder / "decoded.yaml"
     path.write_bytes(base64.b64decode(text))
@@ -134,10 +186,12 @@ def test_vertex_request_parses_strictly_into_the_custom_job_proto(cloud_spec):
     job = request.custom_job
     assert request.parent == f"projects/{PROJECT}/locations/us-central1"
     (pool,) = job.job_spec.worker_pool_specs
-    assert (pool.machine_spec.machine_type, pool.machine_spec.tpu_topology, pool.replica_count) == ("ct5lp-hightpu-4t", "2x2", 1)
+    machine = pool.machine_spec
+    assert (machine.machine_type, machine.tpu_topology, pool.replica_count) == ("ct5lp-hightpu-4t", "2x2", 1)
     assert (pool.container_spec.image_uri, list(pool.container_spec.args)) == (IMAGE, [engines.COMMAND])
     assert job.job_spec.scheduling.strategy == aiplatform_v1.Scheduling.Strategy.SPOT
-    assert job.job_spec.scheduling.restart_job_on_worker_restart
+    # No retry after the job has started (the proto: it also turns restart_job_on_worker_restart off).
+    assert job.job_spec.scheduling.disable_retries and not job.job_spec.scheduling.restart_job_on_worker_restart
     assert job.job_spec.base_output_directory.output_uri_prefix == "gs://runner-test/runs/mnist_cnn"
 
 
@@ -145,6 +199,48 @@ def test_vertex_refuses_v6e_where_it_does_not_run_tensorflow(cloud_spec):
     result = submit(cloud_spec, "--on", "vertex", "--dry-run", tpu_type="v6e-4")
     assert result.returncode == 2
     assert "Vertex AI does not support TensorFlow from TPU v6e on" in " ".join(result.stderr.split())
+
+
+def test_vertex_refuses_v5p_which_its_tpu_training_page_does_not_name(cloud_spec):
+    result = submit(cloud_spec, "--on", "vertex", "--dry-run", tpu_type="v5p-8")
+    assert result.returncode == 2
+    assert "names TPU v2, v3 and v5e, not v5p" in " ".join(result.stderr.split())
+
+
+def dockerfile_user(accelerator: str) -> str:
+    """The user the runner image's final stage runs as, for --build-arg ACCELERATOR=...: its stages followed
+    from `FROM tf-${ACCELERATOR} AS runner` down, ENV values carried from a stage to those built FROM it, and
+    the USER instruction's ${...} filled in from them, as Docker does."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    current = None
+    for line in text.splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word == "FROM":
+            parts = rest.split()
+            current = parts[-1] if "AS" in parts else parts[0]
+            stages[current] = (parts[0], [])
+        elif word in ("ENV", "USER") and current:
+            stages[current][1].append((word, rest.strip()))
+
+    def resolve(stage: str) -> tuple[dict[str, str], str | None]:
+        parent, steps = stages[stage]
+        parent = parent.replace("${ACCELERATOR}", accelerator)
+        env, user = resolve(parent) if parent in stages else ({}, None)
+        for word, rest in steps:
+            if word == "ENV":
+                env.update(dict(re.findall(r"(\w+)=(\S+)", rest)))
+            else:
+                user = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], rest)
+        return env, user
+
+    return resolve("runner")[1]
+
+
+def test_the_tpu_image_runs_as_root_and_the_cpu_image_as_uid_1000():
+    """Vertex AI runs the image as its own user (ContainerSpec has no user), and libtpu opens the TPU devices."""
+    assert dockerfile_user("tpu") == "0:0"
+    assert dockerfile_user("cpu") == "1000:1000"
 
 
 def custom_job_of(body: dict[str, Any]):
@@ -168,13 +264,15 @@ def test_vertex_client_sends_the_custom_job_to_the_api(cloud_spec, engine_api):
     (sent,) = engine_api.requests()[before:]
     assert (sent["method"], sent["path"]) == ("POST", f"/v1/projects/{PROJECT}/locations/us-central1/customJobs")
     assert custom_job_of(sent["body"]) == vertex.build_job(sub)._pb
-    assert answer["state"] == "JOB_STATE_QUEUED" and answer["job"].startswith(f"projects/{PROJECT}/locations/us-central1/customJobs/")
+    assert answer["state"] == "JOB_STATE_QUEUED"
+    assert answer["job"].startswith(f"projects/{PROJECT}/locations/us-central1/customJobs/")
 
 
 def test_vertex_submit_from_the_command_line_sends_what_the_dry_run_prints(cloud_spec, engine_api):
     pytest.importorskip("google.cloud.aiplatform_v1")
     printed = json.loads(submit(cloud_spec, "--on", "vertex", "--dry-run").stdout)
-    env = cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM=f"{engine_api.endpoint}/", CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token")
+    env = cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM=f"{engine_api.endpoint}/",
+                  CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token")
     before = len(engine_api.requests())
     result = submit(cloud_spec, "--on", "vertex", env=env)
     assert result.returncode == 0, result.stderr
@@ -190,7 +288,8 @@ def test_the_readme_tells_where_to_run_with_one_row_per_target():
     head = "| `--on` | recovery | queueing | cost accounting |"
     assert head in readme
     table = readme[readme.index(head):].split("\n\n")[0].splitlines()[2:]
-    rows = {re.match(r"\| `([a-z-]+)`", row).group(1): [cell.strip() for cell in row.strip("|").split("|")] for row in table}
+    rows = {re.match(r"\| `([a-z-]+)`", row).group(1): [cell.strip() for cell in row.strip("|").split("|")]
+            for row in table}
     assert sorted(rows) == sorted(engines.TARGETS)
     assert all(len(cells) == 4 and all(cells) for cells in rows.values()), rows
     assert "--on WHERE" in readme and "(docs/engines.md)" in readme

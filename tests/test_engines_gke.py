@@ -26,7 +26,8 @@ import yaml
 from runner.cloud import engines
 from runner.cloud.engines import gke
 from tests.conftest import REPO, cli_env, last_json
-from tests.support.engines import IMAGE, missing, submit
+from tests.support.engine_fake import start_engine_fake
+from tests.support.engines import IMAGE, missing, submission, submit
 
 pytest_plugins = ["tests.support.cloud_fixtures"]  # cloud_spec, engine_api
 
@@ -56,7 +57,8 @@ def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(
     manifest = gke_manifest(cloud_spec, "--queue", "team-a", "--spot", "--max-restarts", "4")
     jsonschema.validate(manifest, json.loads(SCHEMA.read_text()))
     (replicated,) = manifest["spec"]["replicatedJobs"]
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice-job"}, "spec": replicated["template"]["spec"]}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice-job"},
+           "spec": replicated["template"]["spec"]}
     kubernetes_validate.validate(job, KUBERNETES, strict=True)
 
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
@@ -66,13 +68,16 @@ def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(
     assert replicated["replicas"] == 1
     job_spec = replicated["template"]["spec"]
     assert (job_spec["parallelism"], job_spec["completions"], job_spec["backoffLimit"]) == (1, 1, 0)
-    (rule,) = job_spec["podFailurePolicy"]["rules"]
-    codes = rule["onExitCodes"]
-    assert (rule["action"], codes["operator"], codes["containerName"]) == ("FailJob", "NotIn", "runner")
-    assert {3, 75} <= set(codes["values"]) and not {1, 2} & set(codes["values"])  # 1, 2 fail; 3, 75 restart
+    disrupted, failed = job_spec["podFailurePolicy"]["rules"]
+    assert disrupted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    codes = failed["onExitCodes"]
+    assert (failed["action"], codes["operator"], codes["containerName"]) == ("FailJob", "NotIn", "runner")
+    assert {3, 75, 124} <= set(codes["values"]) and not {1, 2} & set(codes["values"])  # 1, 2 fail; the rest restart
     pod = job_spec["template"]["spec"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                   "cloud.google.com/gke-tpu-topology": "2x4", "cloud.google.com/gke-spot": "true"}
+                                   "cloud.google.com/gke-tpu-topology": "2x4",
+                                   "node.kubernetes.io/instance-type": "ct5lp-hightpu-8t",
+                                   "cloud.google.com/gke-spot": "true"}
     (container,) = pod["containers"]
     assert container["resources"] == {"limits": {"google.com/tpu": 8}, "requests": {"google.com/tpu": 8}}
     assert container["image"] == IMAGE and container["command"] == ["bash", "-c", engines.COMMAND]
@@ -104,7 +109,7 @@ def lost_on_read_back(made: Any, read: Any, path: str = "") -> list[str]:
                 for lost in (lost_on_read_back(value, read[key], f"{path}.{key}".lstrip(".")) if key in read
                              else [f"{path}.{key}".lstrip(".")])]
     if isinstance(made, list) and isinstance(read, list) and len(made) == len(read):
-        return [lost for a, b in zip(made, read) for lost in lost_on_read_back(a, b, f"{path}[]")]
+        return [lost for a, b in zip(made, read, strict=True) for lost in lost_on_read_back(a, b, f"{path}[]")]
     return [] if made == read else [path]
 
 
@@ -119,7 +124,8 @@ def test_jobset_reads_back_unchanged_through_jobsets_own_types(cloud_spec):
 
     manifest = gke_manifest(cloud_spec)
     manifest["spec"]["failurePolicy"]["maxRestart"] = 3
-    manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"port": 1}]
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["containers"][0]["ports"] = [{"port": 1}]
     assert lost_on_read_back(manifest, types.from_dict(manifest).to_dict()) == [
         "spec.failurePolicy.maxRestart", "spec.replicatedJobs[].template.spec.template.spec.containers[].ports[].port"]
     manifest = gke_manifest(cloud_spec)
@@ -146,7 +152,8 @@ def schema_at(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def walk(value: Any, node: dict[str, Any], root: dict[str, Any], path: str = "") -> Iterator[tuple[str, Any, dict[str, Any]]]:
+def walk(value: Any, node: dict[str, Any], root: dict[str, Any],
+         path: str = "") -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """Every value of the manifest with the schema that applies to it, by path (a.b[].c)."""
     node = schema_at(node, root)
     yield path, value, node
@@ -182,7 +189,8 @@ def test_every_field_the_jobset_sets_is_declared_and_every_object_is_closed(clou
     checked_enums = {}
     for path, value, node in walk(manifest, schema, schema):
         if isinstance(value, dict) and "properties" in node:
-            assert node.get("additionalProperties") is False, f"{path or 'the JobSet'}: the schema must refuse unknown keys"
+            assert node.get("additionalProperties") is False, \
+                f"{path or 'the JobSet'}: the schema must refuse unknown keys"
             assert set(value) <= set(node["properties"]), path
         elif isinstance(value, dict):  # a map: labels, annotations, nodeSelector, resource quantities
             assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
@@ -194,7 +202,7 @@ def test_every_field_the_jobset_sets_is_declared_and_every_object_is_closed(clou
     assert {"spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].action",
             "spec.replicatedJobs[].template.spec.podFailurePolicy.rules[].onExitCodes.operator"} <= set(checked_enums)
     (replicated,) = manifest["spec"]["replicatedJobs"]
-    (rule,) = replicated["template"]["spec"]["podFailurePolicy"]["rules"]
+    _, rule = replicated["template"]["spec"]["podFailurePolicy"]["rules"]
     values = rule["onExitCodes"]["values"]
     assert values == sorted(set(values)) and 0 not in values and len(values) <= 255  # batch/v1's rules for the list
 
@@ -219,13 +227,14 @@ def test_jobset_schema_refuses_what_the_crd_or_the_jobset_webhook_would_not_take
     changes = {
         "replicaCount": lambda m: job(m).update(replicaCount=1),
         "completionsPerIndex": lambda m: job(m)["template"]["spec"].update(completionsPerIndex=1),
-        "onExitCode": lambda m: job(m)["template"]["spec"]["podFailurePolicy"]["rules"][0].update(onExitCode={}),
+        "onExitCode": lambda m: job(m)["template"]["spec"]["podFailurePolicy"]["rules"][1].update(onExitCode={}),
         "nodeSelectors": lambda m: pod(m).update(nodeSelectors={}),
         "runAsRoot": lambda m: pod(m)["containers"][0]["securityContext"].update(runAsRoot=True),
         "generateName": lambda m: job(m)["template"]["spec"]["template"]["metadata"].update(generateName="x-"),
         # Job-level words in the JobSet's own failure policy: the CRD and the webhook refuse them.
         "'FailJob' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(action="FailJob"),
-        "'Evicted' is not one of": lambda m: spec(m)["failurePolicy"]["rules"][0].update(onJobFailureReasons=["Evicted"]),
+        "'Evicted' is not one of":
+            lambda m: spec(m)["failurePolicy"]["rules"][0].update(onJobFailureReasons=["Evicted"]),
         "'fail-on-exit' does not match": lambda m: spec(m)["failurePolicy"]["rules"][0].update(name="fail-on-exit"),
         "'1-mnist' does not match": lambda m: m["metadata"].update(name="1-mnist"),
     }
@@ -275,13 +284,15 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     parsed = xpk_run(_PARSE, line, cwd=tmp_path)
     assert parsed.returncode == 0, parsed.stderr
     args = json.loads(parsed.stdout)
-    assert (args["tpu_type"], args["docker_image"], args["max_restarts"]) == ("v6e-4", IMAGE, "2")  # xpk keeps it a string
-    assert args["restart_on_exit_codes"] == "3,75" and args["command"] == engines.COMMAND
+    # xpk keeps --max-restarts a string
+    assert (args["tpu_type"], args["docker_image"], args["max_restarts"]) == ("v6e-4", IMAGE, "2")
+    assert args["restart_on_exit_codes"] == "3,75,124" and args["command"] == engines.COMMAND
 
     # xpk's own dry run writes the manifest it would apply; ours must agree wherever both speak.
     out = tmp_path / "xpk.yaml"
     words = [*shlex.split(line)[1:], "--dry-run", "--skip-validation", "--quiet", "--output-manifest-file", str(out)]
-    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False,
+    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, check=False,
                           env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TELEMETRY_ENABLED": "false"})
     assert made.returncode == 0, made.stdout + made.stderr
     theirs = yaml.safe_load(out.read_text())
@@ -293,10 +304,15 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     (our_job,), (their_job,) = ours["spec"]["replicatedJobs"], theirs["spec"]["replicatedJobs"]
     assert {k: our_job[k] for k in ("name", "replicas")} == {k: their_job[k] for k in ("name", "replicas")}
     our_spec, their_spec = our_job["template"]["spec"], their_job["template"]["spec"]
-    for key in ("parallelism", "completions", "backoffLimit", "podFailurePolicy"):
+    for key in ("parallelism", "completions", "backoffLimit"):
         assert our_spec[key] == their_spec[key], key
+    # Ours adds one rule before xpk's: a disrupted pod (preempted, drained) is replaced, not counted.
+    ignore, *xpk_rules = our_spec["podFailurePolicy"]["rules"]
+    assert ignore["action"] == "Ignore" and xpk_rules == their_spec["podFailurePolicy"]["rules"]
     our_pod, their_pod = our_spec["template"]["spec"], their_spec["template"]["spec"]
-    assert our_pod["nodeSelector"] == {k: v for k, v in their_pod["nodeSelector"].items() if v is not None}
+    # Ours also names the machine type (one host of all the chips); the rest of the selector is xpk's.
+    assert {k: v for k, v in our_pod["nodeSelector"].items() if k != gke.INSTANCE_TYPE} == \
+        {k: v for k, v in their_pod["nodeSelector"].items() if v is not None}
     for key in ("restartPolicy", "hostNetwork", "dnsPolicy", "tolerations"):
         assert our_pod[key] == their_pod[key], key
     (our_box,), (their_box,) = our_pod["containers"], their_pod["containers"]
@@ -355,3 +371,104 @@ def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, en
     assert "a JobSet 'mnist-cnn' already exists in namespace 'ml'" in again.stderr
 
 
+
+
+# --- restarts, single hosts, and the clusters that would refuse the pod ---------------------------------
+
+
+def outcome(manifest: dict[str, Any], exit_code: int | None, disrupted: bool = False) -> str:
+    """What the two layers do with one failed pod, read from the manifest by the rules Kubernetes (batch/v1
+    podFailurePolicy: the first matching rule wins; no match counts against backoffLimit) and JobSet
+    (failurePolicy.rules: the first rule whose onJobFailureReasons has the Job's reason; else RestartJobSet,
+    counted against maxRestarts) document."""
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    job_spec = replicated["template"]["spec"]
+    reason = "BackoffLimitExceeded"
+    for rule in job_spec["podFailurePolicy"]["rules"]:
+        conditions = [c["type"] for c in rule.get("onPodConditions", [])]
+        codes = rule.get("onExitCodes")
+        matched = (disrupted and "DisruptionTarget" in conditions) or (
+            codes is not None and exit_code is not None
+            and (exit_code in codes["values"]) == (codes["operator"] == "In"))
+        if matched:
+            if rule["action"] == "Ignore":
+                return "replaced"
+            if rule["action"] == "FailJob":
+                reason = "PodFailurePolicy"
+            break
+    assert job_spec["backoffLimit"] == 0  # any counted pod failure fails the Job at once
+    for rule in manifest["spec"]["failurePolicy"].get("rules", []):
+        if reason in rule["onJobFailureReasons"]:
+            return {"FailJobSet": "failed", "RestartJobSet": "restarted"}[rule["action"]]
+    return "restarted" if manifest["spec"]["failurePolicy"]["maxRestarts"] > 0 else "failed"
+
+
+@pytest.mark.parametrize("extra", [[], ["--spot"]])
+def test_preemption_like_exits_and_disruptions_restart_with_or_without_spot_and_1_2_never(cloud_spec, extra):
+    manifest = gke_manifest(cloud_spec, *extra)
+    assert manifest["spec"]["failurePolicy"]["maxRestarts"] == gke.DEFAULT_RESTARTS == 3
+    assert outcome(manifest, None, disrupted=True) == "replaced"  # preempted or drained node: a new pod
+    assert outcome(manifest, 75, disrupted=True) == "replaced"  # SIGTERM of a drain, answered with 75
+    for code in (75, 124, 3, 137):
+        assert outcome(manifest, code) == "restarted", code
+    for code in (1, 2):
+        assert outcome(manifest, code) == "failed", code
+
+
+def test_max_restarts_as_given_bounds_the_jobset_restarts(cloud_spec):
+    assert gke_manifest(cloud_spec, "--max-restarts", "5")["spec"]["failurePolicy"]["maxRestarts"] == 5
+    sub = submission(cloud_spec, max_restarts=0)
+    manifest = gke.jobset(sub, engines.Options(max_restarts=0))  # the flag as given: 0 means none
+    assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 0
+    assert outcome(manifest, 75) == "failed" and outcome(manifest, None, disrupted=True) == "replaced"
+
+
+@pytest.mark.parametrize("tpu_type, machine", [("v5litepod-8", "ct5lp-hightpu-8t"), ("v6e-8", "ct6e-standard-8t"),
+                                               ("v6e-4", "ct6e-standard-4t"), ("v5p-8", "ct5p-hightpu-4t")])
+def test_every_pod_asks_for_the_machine_type_that_holds_all_its_chips(cloud_spec, tpu_type, machine):
+    manifest = gke_manifest(cloud_spec, tpu_type=tpu_type)
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"][gke.INSTANCE_TYPE] == machine
+    assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == gke.HOSTS[tpu_type].chips
+
+
+def kubeconfig_for(endpoint: str, folder: Path) -> dict[str, str]:
+    path = folder / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": endpoint}}],
+        "users": [{"name": "fake", "user": {"token": "fake-token"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "default"}}],
+    }))
+    return cli_env(KUBECONFIG=str(path))
+
+
+def test_an_autopilot_cluster_is_refused_before_anything_is_created(cloud_spec, tmp_path):
+    pytest.importorskip("kubernetes")
+    with start_engine_fake(tmp_path) as cluster:
+        webhook = gke.AUTOPILOT_WEBHOOKS[1]
+        cluster.put(f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{webhook}",
+                    {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                     "metadata": {"name": webhook}})
+        result = submit(cloud_spec, "--on", "gke", env=kubeconfig_for(cluster.endpoint, tmp_path))
+        assert result.returncode == 2, result.stderr
+        said = " ".join(result.stderr.split())
+        assert f"the cluster is GKE Autopilot (it has the mutating webhook {webhook})" in said
+        assert not [r for r in cluster.requests() if r["method"] == "POST"]
+
+
+def test_a_namespace_that_enforces_restricted_pod_security_is_refused(cloud_spec, tmp_path):
+    pytest.importorskip("kubernetes")
+    with start_engine_fake(tmp_path) as cluster:
+        cluster.put("/api/v1/namespaces/ml", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "ml", "labels": {gke.POD_SECURITY: "restricted"}}})
+        env = kubeconfig_for(cluster.endpoint, tmp_path)
+        refused = submit(cloud_spec, "--on", "gke", "--namespace", "ml", env=env)
+        assert refused.returncode == 2
+        assert "namespace 'ml' enforces the 'restricted' Pod Security Standard" in " ".join(refused.stderr.split())
+        cluster.put("/api/v1/namespaces/ml", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "ml", "labels": {gke.POD_SECURITY: "privileged"}}})
+        taken = submit(cloud_spec, "--on", "gke", "--namespace", "ml", env=env)
+        assert taken.returncode == 0, taken.stderr
+        assert [r["path"] for r in cluster.requests() if r["method"] == "POST"] == [
+            "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets"]

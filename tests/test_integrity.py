@@ -224,7 +224,7 @@ def test_a_shard_replaced_by_one_of_the_same_size_passes_size_and_is_named_by_sh
 
     shutil.copy(data_copy / "test-00000-of-00001.tfrecord", data_copy / TRAIN_SHARD)
     spec = job_spec(tmp_path, data_copy, "replaced")
-    assert check_job_data(load_spec(spec))["mode"] == "size"  # sizes match: the job would train
+    assert check_job_data(load_spec(spec)).record["mode"] == "size"  # sizes match: the job would train
     code, message, _ = run_in_process(spec, "data.verify=sha256")
     assert code == 2, message
     assert re.search(rf"{TRAIN_SHARD}: sha256 [0-9a-f]{{12}}\.\.\. does not match the manifest's", message), message
@@ -332,10 +332,10 @@ def test_a_manifest_without_sizes_names_the_fix_for_size_and_works_for_sha256_an
         f"`runner verify {data_copy} --record-sizes`"
     ), message
     assert "--set data.verify=sha256" in message and not (tmp_path / "runs").exists()
-    checked = check_job_data(load_spec(spec, ["data.verify=sha256"]))
+    checked = check_job_data(load_spec(spec, ["data.verify=sha256"])).record
     total = sum(p.stat().st_size for p in data_copy.glob("*.tfrecord"))
     assert checked["mode"] == "sha256" and checked["shards"] == 5 and checked["bytes_read"] == total
-    assert check_job_data(load_spec(spec, ["data.verify=off"]))["shards"] == 5
+    assert check_job_data(load_spec(spec, ["data.verify=off"])).record["shards"] == 5
 
 
 def invoke(*args: str):
@@ -361,7 +361,7 @@ def test_runner_verify_records_missing_sizes_once_every_sha256_matches(data_copy
     from runner.data.integrity import check_job_data
     from runner.spec.load import load_spec
 
-    assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized")))["mode"] == "size"
+    assert check_job_data(load_spec(job_spec(tmp_path, data_copy, "sized"))).record["mode"] == "size"
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from tests.support.terminal import run_in_terminal, screen_lines
 NOISE = ("InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS", "I0000 ")
 LOG_LINE = re.compile(r"\d\d:\d\d:\d\d [DIWE] runner\.")
 PROGRESS = re.compile(
-    r"I runner\.progress: epoch (\d+)/(\d+), step ([\d,]+)/([\d,]+) \(\d+%\), ([\d,]+) examples/s, ETA [^,]+, loss \d"
+    r"I runner\.train\.progress: epoch (\d+)/(\d+), step ([\d,]+)/([\d,]+) \(\d+%\), ([\d,]+) examples/s, "
+    r"ETA [^,]+, loss \d"
 )
 
 
@@ -59,6 +60,13 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
         "run the same command again to continue"
     )
     assert closing_line({**preempted, "status": "interrupted"}).startswith("interrupted at step 156 of 696 (epoch 3")
+    # Stopped before training began: nothing was saved, and the closing line does not say otherwise.
+    early = {**preempted, "epochs": [], "checkpoint_saves": None, "resumed_from_step": 0}
+    assert "no new checkpoint was saved" in closing_line(early) and "checkpoint saved" not in closing_line(early)
+    limited = {**preempted, "status": "time_limit", "checkpoint_saves": {"saves": 3}}
+    assert closing_line(limited).startswith("time limit at step 156 of 696 (epoch 3 of 12) in 4m 52s: checkpoint saved")
+    chosen = {**summary, "accelerator": {"precision": {"policy": "bfloat16", "reason": "cpu flag avx512_bf16"}}}
+    assert closing_line(chosen).endswith("; precision bfloat16 (cpu flag avx512_bf16)")
     failed = {**summary, "status": "failed", "epochs": [], "metrics": {}, "timing": {"total_s": 9.0}}
     assert closing_line(failed) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
     bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b",
@@ -160,7 +168,7 @@ def test_on_a_terminal_a_bar_shows_progress_and_log_lines_stay_whole(mnist_job) 
     assert any("examples/s" in s and re.search(r"loss \d+\.\d{4}", s) for s in segments), raw
     glued = [s for s in segments if LOG_LINE.search(s) and not LOG_LINE.match(s.strip())]
     assert not glued, f"a log line shares its line with other output: {glued}"
-    assert sum(bool(re.match(r"\d\d:\d\d:\d\d I runner\.\w+: epoch \d/4: ", s.strip())) for s in segments) == 4
+    assert sum(bool(re.match(r"\d\d:\d\d:\d\d I runner\.[\w.]+: epoch \d/4: ", s.strip())) for s in segments) == 4
     printed = [s.strip() for s in segments if s.strip()]
     assert json.loads(printed[-1])["status"] == "succeeded", "the summary is still the last line"
     assert printed[-2].startswith("succeeded: 4 of 4 epochs"), printed[-3:]

@@ -48,6 +48,7 @@ LIFECYCLE = {"provisioning_s": 0.1, "active_s": 0.1, "deleting_s": 1.0, "vm_ling
     (Seen(None, exit={"exit_code": 1}), "stop", 1),
     (Seen(None, exit={"exit_code": 2}), "stop", 2),
     (Seen(None, exit={"exit_code": 137}), "stop", 137),
+    (Seen(None, exit={"exit_code": 124}), "stop", 124),  # --max-run-duration or --stall-timeout: never restarted
     (Seen("SUSPENDING", initiator="SERVICE"), "wait", 0),  # the job is saving on its preemption notice
     (Seen("SUSPENDING", initiator="SERVICE", preempting_for_s=91), "restart", 75),
     (Seen("SUSPENDED", initiator="SERVICE"), "restart", 75),
@@ -281,7 +282,10 @@ def tpu_fake_has_no_queued_resource(cloud: Cloud) -> bool:
 def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_final_step(cloud, tiny_mnist):
     data = cloud.gcs.upload_folder(tiny_mnist, cloud.bucket, "data")
     steps, epochs = 40, 3
-    spec = cloud.spec(data=f"{data}/train-*.tfrecord", train={"epochs": epochs, "steps_per_epoch": steps},
+    # allow_chance: a few hundred tiny-MNIST steps may end near chance, which `runner run` reports as exit 4;
+    # this test is about resuming to the exact final step, not about what the model learned.
+    spec = cloud.spec(data=f"{data}/train-*.tfrecord",
+                      train={"epochs": epochs, "steps_per_epoch": steps, "allow_chance": True},
                       checkpoint={"grace_s": 20}, output={"tensorboard": False},
                       batch={"global_batch_size": 128, "shuffle_buffer": 512})
     cloud.vm("real")

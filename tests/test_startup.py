@@ -53,7 +53,8 @@ class Vm:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import tpu_v2
 
-        sub = submit.prepare_submission(self.spec, tpu_type="v5litepod-8", zone=ZONE, image=IMAGE, project=PROJECT, **flags)
+        sub = submit.prepare_submission(self.spec, tpu_type="v5litepod-8", zone=ZONE, image=IMAGE, project=PROJECT,
+                                        **flags)
         client = tpu_v2.TpuClient(credentials=AnonymousCredentials(), transport="rest",
                                   client_options=ClientOptions(api_endpoint=self.api.endpoint))
         tpu_api.create(sub, client)
@@ -112,7 +113,7 @@ def test_first_run_pulls_checks_runs_records_and_worker_0_deletes_the_queued_res
     assert "--net=host --privileged" in job and "-e TPU_NAME=local" in job
     assert "-e RUNNER_TPU_RUNTIME_VERSION=v2-alpha-tpuv5-lite" in job, "the summary records the VM's runtime"
     assert f"--name runner-mnist-cnn-{sub.submission_id}-w0" in job
-    assert job.endswith(f"{IMAGE} run /job/spec.yaml")
+    assert job.endswith(f"{IMAGE} run /job/spec.yaml --set train.max_duration=86400 --set train.stall_timeout=1800")
     assert "rm -f /tmp/libtpu_lockfile" not in submit.startup_script(sub)
 
     started, ended = vm.record(sub, "worker-0.started.json"), vm.record(sub, "worker-0.exit.json")
@@ -140,7 +141,7 @@ def test_resubmission_after_a_failure_runs_the_job_again_under_its_own_id(vm):
     second = vm.submission()
     assert second.submission_id != first.submission_id
     _, env = vm.boot(second, job="exit:0")
-    assert [c for c in docker_runs(env) if c.endswith("run /job/spec.yaml")], "the old exit record does not stop it"
+    assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c], "the old exit record does not stop it"
     assert vm.record(second, "worker-0.exit.json")["exit_code"] == 0
     assert vm.record(first, "worker-0.exit.json")["exit_code"] == 1, "each submission keeps its own record"
     assert len(vm.deletes()) == 2
@@ -170,7 +171,7 @@ def test_resubmission_after_success_runs_nothing_deletes_the_slice_and_says_why(
     vm.spec.write_text(vm.spec.read_text().replace("epochs: 2", "epochs: 3"))
     third = vm.submission()
     _, env = vm.boot(third)
-    assert [c for c in docker_runs(env) if c.endswith("run /job/spec.yaml")]
+    assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c]
 
 
 def test_a_reboot_does_not_run_a_submission_twice_but_still_frees_the_slice(vm):
@@ -183,19 +184,15 @@ def test_a_reboot_does_not_run_a_submission_twice_but_still_frees_the_slice(vm):
     assert len(vm.deletes()) == 2
 
 
-def test_a_worker_that_cannot_read_its_number_runs_nothing_and_deletes_nothing(vm):
-    sub = vm.submission()
+def test_a_worker_that_cannot_read_its_number_runs_as_worker_0_of_its_single_host_slice(vm):
+    sub = vm.submission()  # runner submit creates single-host slices only (RUNNER_HOSTS=1)
     vm.metadata.fail(503)
     _, env = vm.boot(sub)
-    made = calls(env)
-    assert not [c for c in made if c.startswith("docker")]
-    assert not [c for c in made if "queued-resources delete" in c]
-    assert vm.deletes() == []
-    record = vm.record(sub, "worker-unknown.exit.json")
-    assert (record["exit_code"], record["ran"], record["worker"]) == (3, False, "unknown")
-    log = vm.log(sub, "unknown")
-    assert "cannot read this worker's number from the metadata server" in log
-    assert "not deleting queued resource mnist-cnn: this worker does not know its number" in log
+    assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c], "the job runs"
+    record = vm.record(sub, "worker-0.exit.json")
+    assert (record["exit_code"], record["ran"], record["worker"], record["delete"]) == (0, True, 0, "requested")
+    assert "this slice has one host (runner submit creates no other), so this is worker 0" in vm.log(sub)
+    assert len(vm.deletes()) == 1, "and frees the slice: nothing bills unwatched"
     flavoured = [r for r in vm.metadata.requests() if r["path"].endswith("agent-worker-number")]
     assert len(flavoured) >= 3 and all(r["flavoured"] for r in flavoured), "it retried, with the header"
 
@@ -208,7 +205,8 @@ def test_the_preemption_notice_ends_the_job_with_75_which_is_recorded_and_the_sl
     while vm.record(sub, "worker-0.started.json") is None or not pid_file.exists():
         assert time.monotonic() < deadline and process.poll() is None, process.communicate()
         time.sleep(0.2)
-    container = next(c for c in _children(process.pid) if "tpu_vm.py docker run" in _cmdline(c) and " run /job/" in _cmdline(c))
+    container = next(c for c in _children(process.pid)
+                     if "tpu_vm.py docker run" in _cmdline(c) and " run /job/" in _cmdline(c))
     os.kill(container, signal.SIGTERM)  # what `docker stop` delivers when the VM's shutdown begins
     _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
@@ -243,7 +241,8 @@ def test_without_the_credential_helper_docker_logs_in_with_the_vms_token(vm):
     sub = vm.submission()
     _, env = vm.boot(sub, credential_helper=False)
     made = calls(env)
-    assert not [c for c in made if c.startswith("gcloud auth configure-docker")], "a helper docker cannot find breaks pulls"
+    assert not [c for c in made if c.startswith("gcloud auth configure-docker")], (
+        "a helper docker cannot find breaks pulls")
     assert "gcloud auth print-access-token" in made
     assert "docker login -u oauth2accesstoken --password-stdin https://us-central1-docker.pkg.dev" in made
     assert "docker-credential-gcloud is not on PATH" in vm.log(sub)
@@ -257,11 +256,12 @@ def test_without_the_credential_helper_docker_logs_in_with_the_vms_token(vm):
 def test_the_job_logs_to_cloud_logging_and_falls_back_to_the_bucket_when_docker_cannot(vm):
     sub = vm.submission()
     _, env = vm.boot(sub)
-    job = next(c for c in docker_runs(env) if c.endswith("run /job/spec.yaml"))
+    job = next(c for c in docker_runs(env) if " run /job/spec.yaml" in c)
     assert "--log-driver=gcplogs" in job
     assert vm.record(sub, "worker-0.started.json")["log_driver"] == "gcplogs"
     container = f"/runner-mnist-cnn-{sub.submission_id}-w0"
-    lines = [e["jsonPayload"]["message"] for e in vm.api.entries() if e["jsonPayload"]["container"]["name"] == container]
+    lines = [e["jsonPayload"]["message"] for e in vm.api.entries()
+             if e["jsonPayload"]["container"]["name"] == container]
     assert lines and '"status": "succeeded"' in lines[-1]
 
     vm.spec.write_text(vm.spec.read_text().replace("epochs: 2", "epochs: 4"))
@@ -269,7 +269,7 @@ def test_the_job_logs_to_cloud_logging_and_falls_back_to_the_bucket_when_docker_
     _, env = vm.boot(unlogged, cloud_logging=False)  # no Cloud Logging: docker refuses the gcplogs driver (exit 125)
     doctor_tries = [c for c in docker_runs(env) if " doctor " in c]
     assert len(doctor_tries) == 2 and "--log-driver=gcplogs" not in doctor_tries[1]
-    job = next(c for c in docker_runs(env) if c.endswith("run /job/spec.yaml"))
+    job = next(c for c in docker_runs(env) if " run /job/spec.yaml" in c)
     assert "--log-driver" not in job
     assert vm.record(unlogged, "worker-0.started.json")["log_driver"] == "json-file"
     assert "the log goes to the bucket only" in vm.log(unlogged)
@@ -280,7 +280,7 @@ def test_other_workers_and_kept_jobs_leave_the_queued_resource(vm):
     sub = vm.submission()
     vm.metadata.set(agent_worker_number=1)
     _, env = vm.boot(sub)
-    assert [c for c in docker_runs(env) if c.endswith("run /job/spec.yaml")]
+    assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c]
     assert vm.deletes() == []
 
     vm.api.reset()  # worker 1 left the first queued resource, as it should
@@ -301,7 +301,8 @@ def test_a_multi_host_slice_runs_nothing_and_worker_0_frees_it(vm):
     _, env = vm.boot(sub)
     assert not docker_runs(env)
     record = vm.record(sub, "worker-0.exit.json")
-    assert (record["exit_code"], record["ran"]) == (2, False) and "multi-host slices are not supported" in record["reason"]
+    assert ((record["exit_code"], record["ran"]) == (2, False)
+            and "multi-host slices are not supported" in record["reason"])
     assert len(vm.deletes()) == 1
 
 

@@ -75,7 +75,8 @@ def test_tpu_address_with_nothing_listening_fails_fast_with_what_to_check(mnist_
     result = run_cli("run", quick_job(mnist_job, "closed", kind="tpu", tpu=f"grpc://127.0.0.1:{port}", timeout_s=5))
     assert result.returncode == 3, result.stderr
     assert f"nothing answers at 127.0.0.1:{port}" in result.stderr
-    assert "tried: device API: stream executor (TensorFlow's default) for a remote TPU -> probe grpc://127.0.0.1" in result.stderr
+    assert ("tried: device API: stream executor (TensorFlow's default) for a remote TPU -> probe grpc://127.0.0.1"
+            in result.stderr)
     assert "Check:" in result.stderr and "libtpu" in result.stderr
     assert last_json(result.stdout)["status"] == "failed"
 
@@ -118,7 +119,8 @@ def test_auto_falls_back_from_an_unreachable_colab_tpu_to_the_cpu(mnist_job) -> 
     assert summary["final_step"] == 2
     # The TPU it fell back from: a grpc:// address, so TensorFlow's default device API and nothing set.
     tried = summary["accelerator"]["tpu_runtime"]
-    assert (tried["device_api"], tried["generation_from"], tried["settings"]) == ("stream_executor", "the TPU address", {})
+    assert (tried["device_api"], tried["generation_from"], tried["settings"]) == (
+        "stream_executor", "the TPU address", {})
 
 
 def test_gpu_requested_on_a_machine_without_one(mnist_job) -> None:
@@ -157,5 +159,6 @@ def test_batch_arithmetic_for_eight_tpu_cores(caplog) -> None:
     assert "not a multiple of 8" not in caplog.text
     assert per_replica_batch(96, eight_cores) == 12
     assert "per-replica batch 12 is not a multiple of 8" in caplog.text
-    with pytest.raises(SpecError, match=r"data.global_batch_size \(1001\) must be divisible by the number of replicas \(8\); try 1000"):
+    with pytest.raises(SpecError, match=r"data.global_batch_size \(1001\) must be divisible by the number of replicas "
+                                        r"\(8\); try 1000"):
         per_replica_batch(1001, eight_cores)

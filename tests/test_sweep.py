@@ -147,5 +147,6 @@ def test_the_sweep_and_its_completeness_check_load_no_tensorflow(mnist_job) -> N
         "assert [finished_summary(v) for v in variants] == [None, None]\n"
         "print('tensorflow loaded' if 'tensorflow' in sys.modules else 'no tensorflow')"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env(), cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env(),
+                            cwd=REPO)
     assert result.stdout.strip().splitlines()[-1:] == ["no tensorflow"], result.stdout + result.stderr

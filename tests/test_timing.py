@@ -44,7 +44,9 @@ def test_every_timing_field_is_documented() -> None:
 # --- the arithmetic, on records with known numbers ------------------------------------------------
 
 
-def record(epoch: int, seconds: float, steps: int = 10, first_step_s: float | None = None, wait: float = 0.0) -> EpochRecord:
+def record(
+    epoch: int, seconds: float, steps: int = 10, first_step_s: float | None = None, wait: float = 0.0
+) -> EpochRecord:
     return EpochRecord(epoch, seconds, steps, steps * 32 / seconds, 1.0, {}, first_step_s, 0.0, wait)
 
 
@@ -82,7 +84,8 @@ def test_one_epoch_takes_its_step_time_from_the_steps_after_the_first() -> None:
 
 def test_a_wait_missing_from_one_epoch_is_not_summed_as_if_complete() -> None:
     epochs = [record(1, 5.0, first_step_s=1.0), dataclasses.replace(record(2, 2.0), input_wait_s=None)]
-    summary = build_summary(status="failed", job="j", accelerator=None, phases=Phases(), epochs=epochs, global_batch=32, metrics={})
+    summary = build_summary(status="failed", job="j", accelerator=None, phases=Phases(), epochs=epochs, global_batch=32,
+                            metrics={})
     assert summary["timing"]["input_wait_s"] is None
 
 
@@ -184,7 +187,8 @@ def test_the_first_epoch_is_reported_apart_from_the_steady_ones(timed_run) -> No
     assert timing["first_epoch_s"] > timing["steady_epoch_s"], "the first epoch carries the compile"
     steady = epochs[1:]
     assert timing["steady_epoch_s"] == pytest.approx(statistics.median(e["seconds"] for e in steady), abs=1e-3)
-    assert timing["step_time_ms"] == pytest.approx(statistics.median(e["seconds"] / e["steps"] for e in steady) * 1e3, abs=0.01)
+    assert timing["step_time_ms"] == pytest.approx(
+        statistics.median(e["seconds"] / e["steps"] for e in steady) * 1e3, abs=0.01)
     assert timing["examples_per_sec"] == pytest.approx(128 / (timing["step_time_ms"] / 1e3), rel=1e-3)
     compile_excess = timing["first_step_s"] - timing["step_time_ms"] / 1e3
     assert timing["productive_s"] == pytest.approx(sum(e["seconds"] for e in epochs) - compile_excess, abs=1e-3)
@@ -210,7 +214,8 @@ def test_tensorboard_scalars_and_the_profiler_trace_are_in_the_run_folder(timed_
     by_epoch = {e["epoch"]: e for e in summary["epochs"]}
     assert scalars["loss"] == pytest.approx({n: e["loss"] for n, e in by_epoch.items()}, rel=1e-5)
     assert scalars["accuracy"] == pytest.approx({n: e["metrics"]["accuracy"] for n, e in by_epoch.items()}, rel=1e-5)
-    assert scalars["examples_per_sec"] == pytest.approx({n: e["examples_per_sec"] for n, e in by_epoch.items()}, rel=1e-5)
+    assert scalars["examples_per_sec"] == pytest.approx(
+        {n: e["examples_per_sec"] for n, e in by_epoch.items()}, rel=1e-5)
     assert set(scalars["input_wait_s"]) == {1, 2, 3}
     assert list((run_dir / "tensorboard" / "eval").glob("events.out.tfevents.*")), "eval metrics are logged too"
 

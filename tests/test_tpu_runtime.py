@@ -78,7 +78,8 @@ def test_v2_v3_v4_keep_tensorflows_default_stream_executor(accelerator_type: str
     chosen = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": accelerator_type})
     assert (chosen.device_api, chosen.settings, chosen.problem) == ("stream_executor", {}, None)
     assert "TPU embedding API" in chosen.why  # what PJRT lacks there, per Google's table
-    asked = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": accelerator_type, "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true"})
+    asked = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": accelerator_type,
+                                     "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true"})
     assert asked.device_api == "pjrt" and "asked for" in asked.why
 
 
@@ -99,7 +100,8 @@ def test_the_generation_comes_from_the_tpu_vms_metadata_server(tmp_path: Path) -
     with start_metadata_fake(tmp_path, ttl_s=60, accelerator_type="v4-8") as metadata:
         chosen = choose_tpu_env("local", {"GCE_METADATA_HOST": metadata.host})
         asked = [r for r in metadata.requests() if r["path"].endswith("/accelerator-type")]
-    assert (chosen.accelerator_type, chosen.generation_from, chosen.device_api) == ("v4-8", "metadata server", "stream_executor")
+    assert (chosen.accelerator_type, chosen.generation_from, chosen.device_api) == (
+        "v4-8", "metadata server", "stream_executor")
     assert asked and all(r["flavoured"] for r in asked), "Metadata-Flavor: Google must be sent"
 
 
@@ -109,7 +111,8 @@ def test_pjrt_without_libtpu_and_pjrt_turned_off_and_ironwood_are_refused(libtpu
     off = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": "v6e-8", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "false",
                                    "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": libtpu_so})
     assert "NEXT_PLUGGABLE_DEVICE_USE_C_API=false turns PJRT off, but v6e needs it" in off.problem
-    gone = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": "v5p-8", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/nonexistent/libtpu.so"})
+    gone = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": "v5p-8",
+                                    "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/nonexistent/libtpu.so"})
     assert "TF_PLUGGABLE_DEVICE_LIBRARY_PATH=/nonexistent/libtpu.so is not a file" in gone.problem
     ironwood = choose_tpu_env("local", {"TPU_ACCELERATOR_TYPE": "tpu7x-8"})
     assert "TensorFlow does not run on this TPU generation" in ironwood.problem
@@ -159,7 +162,8 @@ def test_pjrt_points_tensorflow_at_libtpus_own_library_path(tmp_path: Path, no_m
     library = str(tmp_path / "site" / "libtpu" / "libtpu.so")
     assert applied["runtime"]["libtpu"] == "0.0.10"
     assert applied["environ"] == {"PJRT_DEVICE": "TPU", "NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
-                                  "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": library, "TF_XLA_FLAGS": " ".join(MLIR_BRIDGE_FLAGS)}
+                                  "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": library,
+                                  "TF_XLA_FLAGS": " ".join(MLIR_BRIDGE_FLAGS)}
     assert applied["tensorflow_loaded"] is False, "choosing the device API must not load TensorFlow"
 
 
@@ -275,12 +279,14 @@ def test_the_doctor_reports_a_tpu_initialisation_that_dies_by_sigsegv(tmp_path: 
     assert re.match(r"the probe \(pid \d+\) died \(signal SIGSEGV\) during TPU initialisation: ", tpu["evidence"]), tpu
     assert "SIGSEGV received at PC 0x0 in libtpu.so" in tpu["evidence"], "the crash's own last words are shown"
     assert "SIGSEGV" in tpu["action"] and "tpu_runtime" in tpu["action"]
-    assert checks["tpu_runtime"]["status"] == "ok" and "v4-8 (TPU_ACCELERATOR_TYPE) needs stream executor" in checks["tpu_runtime"]["evidence"]
+    assert (checks["tpu_runtime"]["status"] == "ok"
+            and "v4-8 (TPU_ACCELERATOR_TYPE) needs stream executor" in checks["tpu_runtime"]["evidence"])
     assert checks["tensorflow"]["status"] == "ok", "the crash is the TPU step's alone"
     assert tpu["seconds"] < 30 and seconds < 90
 
 
-@pytest.mark.skipif(not os.environ.get("RUNNER_TPU_PYTHON"), reason="set RUNNER_TPU_PYTHON to a python with tensorflow-tpu")
+@pytest.mark.skipif(not os.environ.get("RUNNER_TPU_PYTHON"),
+                    reason="set RUNNER_TPU_PYTHON to a python with tensorflow-tpu")
 def test_the_real_tensorflow_tpu_under_pjrt_on_a_machine_without_a_tpu(tmp_path: Path, no_metadata) -> None:
     """With the TPU image's wheels (tensorflow-tpu 2.19.1, libtpu 0.0.10): the probe child meets the real libtpu."""
     env = cli_env(PYTHONPATH=str(REPO), TPU_NAME="local", TPU_ACCELERATOR_TYPE="v5litepod-8", TPU_SKIP_MDS_QUERY="1",

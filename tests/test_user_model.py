@@ -46,7 +46,8 @@ def example_overrides(data: Path, runs: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fashion_data(tmp_path_factory) -> Path:
-    """Steps 1 and 2 of docs/own-model.md: the example's prepare script writes PNG TFRecords, `runner manifest` indexes them."""
+    """Steps 1 and 2 of docs/own-model.md: the example's prepare script writes PNG TFRecords, `runner manifest`
+    indexes them."""
     out = tmp_path_factory.mktemp("fashion")
     prepared = subprocess.run(
         [sys.executable, "-m", "fashionnet.prepare", "--out", str(out), "--train", "1024", "--eval", "256"],
@@ -61,7 +62,8 @@ def fashion_data(tmp_path_factory) -> Path:
 
 def standardize(pixels: np.ndarray) -> np.ndarray:
     """The example's own data.preprocess, loaded from its file (the package is not installed here)."""
-    spec = importlib.util.spec_from_file_location("fashion_preprocess", EXAMPLE / "src" / "fashionnet" / "preprocess.py")
+    spec = importlib.util.spec_from_file_location("fashion_preprocess",
+                                                  EXAMPLE / "src" / "fashionnet" / "preprocess.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.standardize({"image": tf.constant(pixels)})["image"].numpy()
@@ -191,9 +193,12 @@ def user_package(tmp_path: Path, monkeypatch) -> str:
 @pytest.mark.parametrize(
     "attribute, expected",
     [
-        ("nosuchpkg.models:build", ["cannot import 'nosuchpkg.models'", "'nosuchpkg' is not in the code folder", "code.packages"]),
-        ("{pkg}.nosuchmodule:build", ["cannot import '{pkg}.nosuchmodule'", "has no module 'nosuchmodule'", "it holds: broken, models"]),
-        ("{pkg}.needs_missing:build", ["importing '{pkg}.needs_missing'", "it needs 'a_library_that_is_not_installed'"]),
+        ("nosuchpkg.models:build",
+         ["cannot import 'nosuchpkg.models'", "'nosuchpkg' is not in the code folder", "code.packages"]),
+        ("{pkg}.nosuchmodule:build",
+         ["cannot import '{pkg}.nosuchmodule'", "has no module 'nosuchmodule'", "it holds: broken, models"]),
+        ("{pkg}.needs_missing:build",
+         ["importing '{pkg}.needs_missing'", "it needs 'a_library_that_is_not_installed'"]),
         ("{pkg}.broken:build", ["broken.py:1: syntax error in '{pkg}.broken'"]),
         ("{pkg}.raises:build", ["raised RuntimeError: no GPU config file"]),
         ("{pkg}.models:biuld", ["has no attribute 'biuld'", "it defines: Builder, build, one_arg"]),
@@ -229,7 +234,8 @@ def test_a_build_function_that_returns_no_model_stops_the_run_at_start_up(user_p
     })
     result = run_cli("run", spec, env=cli_env(PYTHONPATH=str(tmp_path / "src")))
     assert result.returncode == 2, result.stderr
-    assert f"model.name: '{user_package}.models:build' returned a builtins.dict; return an uncompiled keras.Model" in result.stderr
+    assert (f"model.name: '{user_package}.models:build' returned a builtins.dict; "
+            "return an uncompiled keras.Model") in result.stderr
     summary = last_json(result.stdout)
     assert summary["status"] == "failed"
     assert summary["epochs"] == [] and not summary["timing"].get("train_s")
@@ -327,7 +333,8 @@ def test_the_runner_never_evaluates_or_unpickles():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _UNSAFE_CALLS:
                 found.append(f"{where} calls {node.func.id}")
             if isinstance(node, ast.Import | ast.ImportFrom):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                names = [a.name for a in node.names]
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
                 found += [f"{where} imports {n}" for n in names if n.split(".")[0] in _UNSAFE_MODULES]
             if isinstance(node, ast.keyword) and (node.arg, getattr(node.value, "value", None)) in {
                 ("allow_pickle", True), ("safe_mode", False)

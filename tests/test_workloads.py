@@ -112,7 +112,8 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
     model = keras.models.load_model(tmp_path / "imdb_lstm" / "model.keras")
     assert model.get_layer(index=1).input_dim == 15000
     batches = make_dataset(find_shards(f"{data}/test-*.tfrecord"), 32, ("tokens",), "label", training=False)
-    tokens, labels = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
+    tokens, labels = (np.concatenate(parts)
+                      for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
     assert tokens.shape == (256, 250) and tokens.dtype == np.int64
     predicted = model.predict(tokens, verbose=0)[:, 0] > 0.5
     assert summary["metrics"]["accuracy"] == pytest.approx(np.mean(predicted == labels), abs=1e-6)
@@ -138,7 +139,8 @@ def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) 
     # The reported MAE is the per-example error of a float label against a [batch, 1] output (no broadcasting).
     model = keras.models.load_model(tmp_path / "weather_rnn" / "model.keras")
     batches = make_dataset(find_shards(f"{data}/test-*.tfrecord"), 32, ("window",), "target", training=False)
-    windows, targets = (np.concatenate(parts) for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
+    windows, targets = (np.concatenate(parts)
+                        for parts in zip(*((x.numpy(), y.numpy()) for x, y in batches), strict=True))
     assert targets.dtype == np.float32 and windows.shape == (256, 24, 12)
     predicted = model.predict(windows, verbose=0)[:, 0]
     assert summary["metrics"]["mae"] == pytest.approx(np.mean(np.abs(predicted - targets)), rel=1e-4)
@@ -190,7 +192,8 @@ def test_workload_models_check_their_params_and_inputs() -> None:
     tokens = {"tokens": Feature("int64", (250,))}
     with pytest.raises(SpecError, match=r"imdb_lstm has no param 'unit'; did you mean 'units'\?"):
         imdb_lstm({"unit": 64}, tokens, ("tokens",))
-    with pytest.raises(SpecError, match=r"imdb_lstm reads one int64 feature .* data.inputs gives 'image': uint8 \[28, 28, 1\]"):
+    with pytest.raises(SpecError,
+                       match=r"imdb_lstm reads one int64 feature .* data.inputs gives 'image': uint8 \[28, 28, 1\]"):
         imdb_lstm({}, {"image": Feature("uint8", (28, 28, 1))}, ("image",))
     with pytest.raises(SpecError, match=r"target_feature \(12\) must be a feature index from 0 to 11"):
         weather_rnn({"target_feature": 12}, {"window": Feature("float32", (24, 12))}, ("window",))
@@ -200,7 +203,8 @@ def test_plateau_settings_need_per_epoch_validation(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3}})
     result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2
-    assert "train.early_stopping_patience (3) watches val_loss: also set train.validate_every_epoch: true" in result.stderr
+    assert ("train.early_stopping_patience (3) watches val_loss: also set train.validate_every_epoch: true"
+            in result.stderr)
     spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"validate_every_epoch": True}})
     result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2 and "set data.validation or data.eval" in result.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from runner.cli import cloud, compare, data, doctor, run
+from runner.cli import cloud, compare, data, doctor, run, runs
 from runner.cli.common import Version
 
 app = typer.Typer(
@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-for group in (run, data, doctor, compare, cloud):
+for group in (run, data, runs, doctor, compare, cloud):
     app.add_typer(group.app)
 
 

@@ -67,109 +67,97 @@ def _watch(job: dict, interval: float) -> int:
     return int((final.get("outcome") or {}).get("exit_code", 1))
 
 
+VM, GKE = "TPU VM (--on tpu-vm)", "GKE (--on gke)"  # the --help panels of the options only one target takes
+
+
+def _opt(help_text: str, *names: str, panel: str | None = None, **extra):
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **extra)
+
+
+Spec = Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.")]
+TpuType = Annotated[str, _opt("Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8 (multi-host "
+                              "slices are refused: docs/tpu.md).", "--tpu-type")]
+Image = Annotated[str | None, _opt("The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu.",
+                                   envvar="RUNNER_IMAGE")]
+Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher restarts it).", "--spot")]
+QrName = Annotated[str | None, _opt("Queued resource name (default: the job name, lowercased, '_' -> '-').")]
+Overrides = Annotated[list[str] | None, _opt("Override a spec key, e.g. `--set output.dir=gs://b/runs`.", "--set", "-s")]
+DryRun = Annotated[bool, _opt("Print the price and the request as a gcloud script; send nothing.", "--dry-run")]
+SubmissionId = Annotated[str | None, typer.Option("--submission-id", hidden=True)]
+On = Annotated[str, _opt("Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or "
+                         "vertex (a CustomJob); docs/engines.md.", "--on")]
+RuntimeVersion = Annotated[str | None, _opt("TPU VM software (default: the sourced one of the TPU generation, "
+                                            "docs/tpu.md).", "--runtime-version", panel=VM)]
+Keep = Annotated[bool, _opt("Keep the TPU VM after the job ends (it bills until `runner cancel`).", "--keep", panel=VM)]
+Watch = Annotated[bool, _opt("Stay in the foreground: restart the job after preemptions until it is complete.",
+                             "--watch", panel=VM)]
+Network = Annotated[str | None, _opt("VPC network of the TPU VM (default: default).", panel=VM)]
+Subnetwork = Annotated[str | None, _opt("Subnetwork of the TPU VM.", panel=VM)]
+ServiceAccount = Annotated[str | None, _opt("The VM's service account email (default: Compute Engine's default).",
+                                            "--service-account", panel=VM)]
+Reservation = Annotated[str | None, _opt("Use reserved capacity of this project (its own: the job's project).", panel=VM)]
+ValidUntil = Annotated[str | None, _opt("Give up waiting for capacity after a duration (6h) or at a time with its "
+                                        "offset (2026-12-01T00:00:00Z).", "--valid-until", panel=VM)]
+MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; `none`: no limit), then delete the "
+                                    "TPU. Default 24h.", "--max-run-duration", panel=VM)]
+StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (`none`: never). Default 30m.",
+                                          "--stall-timeout", panel=VM)]
+AllowUnverified = Annotated[bool, _opt("Create a TPU type and runtime no recipe has run TensorFlow on (docs/tpu.md); "
+                                       "recorded in job.json.", "--allow-unverified", panel=VM)]
+VmRestarts = Annotated[int | None, _opt("Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0).",
+                                        "--max-restarts", min=0, panel=VM)]
+Queue = Annotated[str | None, _opt("The Kueue LocalQueue (kueue.x-k8s.io/queue-name).", panel=GKE)]
+Namespace = Annotated[str | None, _opt("The namespace (default: default).", panel=GKE)]
+Cluster = Annotated[str | None, _opt("--format xpk: the xpk cluster.", panel=GKE)]
+Format = Annotated[str | None, _opt("manifest (the JobSet) or xpk (the `xpk workload create` line).", "--format",
+                                    panel=GKE)]
+
+
 @app.command()
 def submit(
-    spec: Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.")],
-    tpu_type: Annotated[str, typer.Option("--tpu-type", help="Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8 (multi-host slices are refused: docs/tpu.md).")],
-    zone: Zone = None,
-    image: Annotated[
-        str | None,
-        typer.Option(envvar="RUNNER_IMAGE", help="The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu."),
-    ] = None,
-    project: Project = None,
-    spot: Annotated[bool, typer.Option("--spot", help="Spot capacity: cheaper, may be preempted (a watcher restarts it).")] = False,
-    runtime_version: Annotated[
-        str | None, typer.Option("--runtime-version", help="TPU VM software (default: the base image of the TPU generation).")
-    ] = None,
-    name: Annotated[str | None, typer.Option(help="Queued resource name (default: the job name, lowercased, '_' -> '-').")] = None,
-    keep: Annotated[bool, typer.Option("--keep", help="Keep the TPU VM after the job ends (it bills until `runner cancel`).")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Stay in the foreground: restart the job after preemptions until it is complete.")] = False,
-    max_restarts: MaxRestarts = None,
-    interval: Interval = 30.0,
-    network: Annotated[str | None, typer.Option(help="VPC network of the TPU VM (default: default).")] = None,
-    subnetwork: Annotated[str | None, typer.Option(help="Subnetwork of the TPU VM.")] = None,
-    service_account: Annotated[str | None, typer.Option("--service-account", help="The VM's service account email (default: Compute Engine's default).")] = None,
-    reservation: Annotated[str | None, typer.Option(help="Use reserved capacity of this project (its own: the job's project).")] = None,
-    valid_until: Annotated[str | None, typer.Option("--valid-until", help="Give up waiting for capacity after a duration (6h) or at a time (2026-12-01T00:00:00Z).")] = None,
-    overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a spec key, e.g. `--set output.dir=gs://b/runs`.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the request and the same request as gcloud commands; send nothing.")] = False,
-    submission_id: Annotated[str | None, typer.Option("--submission-id", hidden=True)] = None,
-    on: Annotated[str, typer.Option("--on", help="Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or vertex (a CustomJob); docs/engines.md.")] = "tpu-vm",
-    queue: Annotated[str | None, typer.Option(help="--on gke: the Kueue LocalQueue (kueue.x-k8s.io/queue-name).")] = None,
-    namespace: Annotated[str | None, typer.Option(help="--on gke: the namespace (default: default).")] = None,
-    cluster: Annotated[str | None, typer.Option(help="--on gke --format xpk: the xpk cluster.")] = None,
-    output_format: Annotated[str | None, typer.Option("--format", help="--on gke: manifest (the JobSet) or xpk (the `xpk workload create` line).")] = None,
+    spec: Spec, tpu_type: TpuType, zone: Zone = None, image: Image = None, project: Project = None, spot: Spot = False,
+    name: QrName = None, overrides: Overrides = None, dry_run: DryRun = False, on: On = "tpu-vm",
+    submission_id: SubmissionId = None, runtime_version: RuntimeVersion = None, keep: Keep = False,
+    watch: Watch = False, max_restarts: VmRestarts = None, interval: Interval = 30.0, network: Network = None,
+    subnetwork: Subnetwork = None, service_account: ServiceAccount = None, reservation: Reservation = None,
+    valid_until: ValidUntil = None, max_run_duration: MaxRun = None, stall_timeout: StallTimeout = None,
+    allow_unverified: AllowUnverified = False, queue: Queue = None, namespace: Namespace = None,
+    cluster: Cluster = None, output_format: Format = None,
 ) -> None:
     """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on the VM.
 
-    The VM boots when capacity allows (`runner status NAME`); the job runs in
-    `docker run --net=host --privileged IMAGE run SPEC`, its lines reach Cloud Logging within seconds and
-    RUN_DIR/logs/ every 30 s (`runner logs NAME --follow`). When the job ends, worker 0 deletes the queued
-    resource unless --keep. With --watch (or later `runner watch NAME`) a preempted job is created again
-    and resumes from its newest checkpoint, up to --max-restarts times. Prints one JSON line: name,
-    submission, zone, run folder, operation (with --watch: the final summary). Exit 2 on a bad flag or
-    spec (before any call), 3 when the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
+    First it prints (stderr) the slice's price per hour, its limits, whether TensorFlow on that TPU type and
+    runtime is verified (an unverified one needs --allow-unverified), and the cost of the epochs a previous
+    run left. The job runs in `docker run --net=host --privileged IMAGE run SPEC` for at most
+    --max-run-duration, its lines reach Cloud Logging within seconds and RUN_DIR/logs/ every 30 s (`runner
+    logs NAME --follow`); when it ends, worker 0 deletes the queued resource unless --keep. With --watch (or
+    later `runner watch NAME`) a preempted job is created again and resumes from its newest checkpoint, up to
+    --max-restarts times. Prints one JSON line (with --watch: the final summary). Exit 2 on a bad flag or spec
+    (before any call), 3 when the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
 
     **Examples**
 
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --project my-project --image us-central1-docker.pkg.dev/my-project/runner/runner:tpu --set output.dir=gs://my-bucket/runs --dry-run`
-    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --image IMAGE`
+    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --max-run-duration 6h --image IMAGE`
     """
     from runner import RunnerError
     from runner.cli.common import fail
-    from runner.cloud import engines, jobs, record, tpu_api
-    from runner.cloud import submit as submit_mod
+    from runner.cloud import launch
 
+    vm = launch.TpuVmOptions(keep, watch, runtime_version, max_restarts, network, subnetwork, service_account,
+                             reservation, valid_until, max_run_duration, stall_timeout, allow_unverified)
     try:
-        options = engines.Options(queue=queue, namespace=namespace or "default", cluster=cluster,
-                                  output_format=output_format or "manifest")
-        engines.check_options(on, {
-            "--keep": keep, "--watch": watch, "--network": network is not None, "--subnetwork": subnetwork is not None,
-            "--service-account": service_account is not None, "--reservation": reservation is not None,
-            "--valid-until": valid_until is not None, "--runtime-version": runtime_version is not None,
-            "--max-restarts": max_restarts is not None, "--queue": queue is not None,
-            "--namespace": namespace is not None, "--cluster": cluster is not None, "--format": output_format is not None,
-        }, options)
-        project, zone = _where(project, zone, need=False)
-        sub = submit_mod.prepare_submission(
-            spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
-            spot=spot, keep=keep, runtime_version=runtime_version, name=name, max_restarts=max_restarts,
-            network=network, subnetwork=subnetwork, service_account=service_account, reservation=reservation,
-            valid_until=valid_until, submission_id=submission_id,
-        )
-        if on != "tpu-vm":
-            text, sent = engines.submit(on, sub, options, dry_run=dry_run)
-            if sent is None:
-                typer.echo(text, nl=False)
-            else:
-                _print(sent)
-            return
-        if dry_run:
-            typer.echo(submit_mod.gcloud_script(sub), nl=False)
-            return
-        jobs.refuse_a_second_job(sub)
-        result = tpu_api.create(sub)
-        job = jobs.job_record(sub, result["operation"])
-        record.remember(sub.name, sub.project, sub.zone, sub.spec.run_dir)
-        try:
-            record.save_job(job)
-        except RunnerError as error:
-            _say(f"warning: the job record was not written ({error}); `runner watch {sub.name}` rebuilds it "
-                 "from the queued resource")
+        done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
+                             spot=spot, name=name, on=on, dry_run=dry_run, submission_id=submission_id, vm=vm,
+                             engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say)
+        if done.text:
+            typer.echo(done.text, nl=False)
+        else:
+            _print(done.doc)
+        if done.job is not None:
+            raise typer.Exit(_watch(done.job, interval))
     except RunnerError as error:
         raise fail(error) from None
-    _say(f"queued {sub.name} (submission {sub.submission_id}, {sub.tpu.name}{', spot' if spot else ''}) in {sub.zone}; "
-         f"logs: runner logs {sub.name} --follow; status: runner status {sub.name}"
-         + ("" if watch else f"; restarts after preemption: runner watch {sub.name}"))
-    if not watch:
-        _print(result)
-        return
-    _print(result)
-    try:
-        code = _watch(job, interval)
-    except RunnerError as error:
-        raise fail(error) from None
-    raise typer.Exit(code)
 
 
 @app.command()

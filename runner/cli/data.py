@@ -15,13 +15,27 @@ from runner.job.startup import load_tensorflow
 app = typer.Typer()
 
 
+# The forms of your own data `runner prepare FORM LOCATION` reads (runner/prepare/own.py, images.py, tfds.py).
+OWN_FORMS = ("arrays", "images", "csv", "tfds")
+
+
 @app.command()
 def prepare(
-    dataset: Annotated[str, typer.Argument(help="Dataset name, e.g. mnist.")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Folder or gs://bucket/prefix for shards + manifest.json.")],
+    dataset: Annotated[
+        str, typer.Argument(help="A built-in dataset (mnist, fashion_mnist, cifar10, imdb, weather) or a form of your "
+                                 "own data: arrays, images, csv, tfds.")
+    ],
+    location: Annotated[
+        str | None,
+        typer.Argument(help="Your own data: the .npz file or .npy folder, the image folder, the CSV, the tfds name."),
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option("--out", "-o", help="Folder or gs://bucket/prefix for shards + manifest (default data/NAME)."),
+    ] = None,
     source: Annotated[
         str,
-        typer.Option(help="offline: data shipped in a package; keras: keras.datasets (online); "
+        typer.Option(help="Built-in datasets: offline (data shipped in a package); keras (keras.datasets, online); "
                           "csv (weather): a CSV named by --param."),
     ] = "offline",
     shards: Annotated[int | None, typer.Option(min=1, help="Shards per split (default: about 8 MB each).")] = None,
@@ -36,22 +50,43 @@ def prepare(
             "--param location=gs://b/w.csv --param time=date --param target=temp`.",
         ),
     ] = None,
+    features: Annotated[
+        str | None,
+        typer.Option(help="arrays, csv, tfds: the input features, comma-separated (csv: default every other column)."),
+    ] = None,
+    label: Annotated[str | None, typer.Option(help="arrays, csv, tfds: the label array or column.")] = None,
+    split: Annotated[
+        str | None,
+        typer.Option(help="arrays, images, csv: cut one pool of records into splits, e.g. train=0.9,test=0.1 "
+                          "(the default when the data has no splits of its own)."),
+    ] = None,
+    size: Annotated[str | None, typer.Option(help="images: resize every image to HEIGHTxWIDTH, e.g. 180x180.")] = None,
+    color: Annotated[str, typer.Option(help="images: rgb, grayscale or rgba (Keras's color_mode).")] = "rgb",
+    store: Annotated[str, typer.Option(help="images: png (re-encoded, smaller) or raw (decoded pixels).")] = "png",
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="tfds: the folder tfds wrote the dataset to.")
+    ] = None,
     storage_timeout: Annotated[
         float, typer.Option(min=1, help="gs:// only: seconds of failed uploads (retried with backoff) before exit 3.")
     ] = DEFAULT_TIMEOUT_S,
     debug: Debug = False,
 ) -> None:
-    """Turn a real dataset into sharded TFRecords plus a manifest (record counts, schema, sha256 per shard).
+    """Turn a dataset into sharded TFRecords plus a manifest (schema, record counts, sizes, sha256 per shard,
+    label ranges, value ranges), in a folder or a bucket; the manifest is written last.
 
-    Datasets: mnist, fashion_mnist, cifar10, imdb, weather. `--source keras` downloads through
+    Built-in: mnist, fashion_mnist, cifar10, imdb, weather. `--source keras` downloads through
     `keras.datasets` and needs internet (a TPU VM has it); `--source offline` reads data shipped in packages.
+    Your own data: arrays, images, csv, tfds (docs/data.md, "Your own data"). A bad file stops with exit 2
+    naming it, before anything is written.
 
     **Examples**
 
     * `runner prepare mnist --out data/mnist`
     * `runner prepare mnist --out gs://my-bucket/mnist --limit 4096`
-    * `runner prepare weather --source csv --param location=weather.csv --param time=date --param target=temp
-      --out data/weather`
+    * `runner prepare arrays data.npz --features x --label y --split train=0.9,test=0.1`
+    * `runner prepare images flowers/ --size 180x180`
+    * `runner prepare csv heart.csv --label target`
+    * `runner prepare tfds mnist --data-dir ~/tensorflow_datasets`
     """
     setup_logging(debug)
     configure_tensorflow(storage_timeout)
@@ -59,13 +94,63 @@ def prepare(
     from runner.prepare import shards as prepare_mod
 
     try:
-        settings = dict(_key_value(p) for p in params or [])
-        manifest_path = prepare_mod.prepare(
-            dataset, out, source=source, shards=shards, limit=limit, params=settings, storage_timeout_s=storage_timeout
-        )
+        if dataset in OWN_FORMS:
+            load = _own_loader(dataset, location, features, label, split, size, color, store, data_dir, limit)
+            target = out or _default_out(dataset, location)
+            manifest_path = prepare_mod.publish(load, target, shards, storage_timeout)
+        else:
+            if location is not None:
+                raise SpecError(f"{dataset} is a built-in dataset: it takes no {location!r}; "
+                                f"your own data is one of: {', '.join(OWN_FORMS)}")
+            settings = dict(_key_value(p) for p in params or [])
+            manifest_path = prepare_mod.prepare(
+                dataset, out or f"data/{dataset}", source=source, shards=shards, limit=limit, params=settings,
+                storage_timeout_s=storage_timeout,
+            )
     except RunnerError as error:
         raise fail(error, debug) from None
     typer.echo(manifest_path)
+
+
+def _default_out(form: str, location: str | None) -> str:
+    from runner.prepare.own import default_out
+
+    return default_out(form, location or form)
+
+
+def _own_loader(form, location, features, label, split, size, color, store, data_dir, limit):
+    """A function that reads and checks the user's data (called by publish once the bucket is known to exist)."""
+    if location is None:
+        what = {"arrays": "FILE.npz or a folder of .npy", "images": "FOLDER", "csv": "FILE.csv", "tfds": "NAME"}[form]
+        raise SpecError(f"runner prepare {form} needs {what}: `runner prepare {form} {what} ...`")
+    names = tuple(n.strip() for n in features.split(",") if n.strip()) if features else ()
+    if form == "arrays" and (not names or not label):
+        raise SpecError("runner prepare arrays needs --features (the input arrays) and --label (the label array)")
+    if form == "csv" and not label:
+        raise SpecError("runner prepare csv needs --label COLUMN")
+    if form == "tfds" and not data_dir:
+        raise SpecError("runner prepare tfds needs --data-dir (the folder tfds wrote the dataset to)")
+    if form == "tfds" and split:
+        raise SpecError("runner prepare tfds keeps the dataset's own splits: drop --split")
+
+    def load():
+        from runner.prepare import own
+
+        if form == "arrays":
+            dataset = own.arrays_dataset(location, names, label, split)
+        elif form == "csv":
+            dataset = own.csv_dataset(location, label, names, split)
+        elif form == "images":
+            from runner.prepare.images import images_dataset
+
+            dataset = images_dataset(location, size=size, color=color, store=store, split=split)
+        else:
+            from runner.prepare.tfds import tfds_dataset
+
+            dataset = tfds_dataset(location, data_dir, names, label)
+        return dataset.head(limit) if limit is not None else dataset
+
+    return load
 
 
 def _key_value(text: str) -> tuple[str, str]:

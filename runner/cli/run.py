@@ -24,37 +24,48 @@ from runner.train.preemption import EarlyNotice
 
 app = typer.Typer()
 
-@app.command()
-def validate(spec: SpecPath, overrides: Overrides = None) -> None:
-    """Check a job spec (and `--set` overrides) without importing TensorFlow or running any of its code;
-    print the resolved spec (paths made absolute).
+Show = Annotated[bool, typer.Option("--show", help="Also print the resolved spec (defaults filled in, paths made "
+                                     "absolute) as JSON on stdout.")]
+NoData = Annotated[bool, typer.Option("--no-data", help="The data comes later: do not check it (by default a "
+                                      "local data pattern that matches nothing is an error).")]
 
-    Checks every key, type and range; built-in model names; that each `package.module:function` is found in
-    the spec's code (`code.folder`, `code.packages`: found, not imported); and for local data, that its
-    manifest is there and its records fill one global batch. Exit 0 when valid (notes on stderr say what
-    was not checked, e.g. data in a bucket), 2 with every problem (file:line or `--set`, key, what to
-    change) when not.
+
+@app.command()
+def validate(spec: SpecPath, overrides: Overrides = None, show: Show = False, no_data: NoData = False) -> None:
+    """Check that a job spec (and `--set` overrides) is ready to run, without importing TensorFlow or running
+    any of its code.
+
+    Checks every key, type and range; built-in model names; Keras optimizer, loss, metric and schedule names and
+    config keys; that each `package.module:function` is found in the spec's code (`code.folder`,
+    `code.packages`: found, not imported) and defines the function; and for local data, that the pattern
+    matches files, their manifest is there and the records fill one global batch (`--no-data`: the data comes
+    later). Exit 0 when ready (notes on stderr say what was not checked, e.g. data in a bucket), 2 with every
+    problem (file:line or `--set`, key, what to change) first on stderr.
 
     **Examples**
 
     * `runner validate jobs/mnist_cnn.yaml`
-    * `runner validate jobs/mnist_cnn.yaml --set data.global_batch_size=4096`
+    * `runner validate jobs/mnist_cnn.yaml --set data.global_batch_size=4096 --show`
+    * `runner validate my_job.yaml --no-data`
     """
     from runner import EXIT_USAGE
     from runner.spec.load import preflight
 
     try:
-        checked = preflight(spec, overrides or [])
+        checked = preflight(spec, overrides or [], data=not no_data)
     except RunnerError as error:
         raise fail(error) from None
+    if checked.problems:
+        typer.secho("error: " + "\n".join(checked.problems), err=True, fg=typer.colors.RED)
     for key, origin in checked.code.items():
         typer.echo(f"code: {key} {checked.spec.import_paths[key]} is {origin}", err=True)
     for note in checked.notes:
         typer.echo(f"note: {note}", err=True)
     if checked.problems:
-        typer.secho("error: " + "\n".join(checked.problems), err=True, fg=typer.colors.RED)
         raise typer.Exit(EXIT_USAGE)
-    typer.echo(json.dumps(checked.spec.to_dict(), indent=2))
+    if show:
+        typer.echo(json.dumps(checked.spec.to_dict(), indent=2))
+    typer.echo(f"ok: {spec} is ready to run" + ("" if show else " (--show prints the resolved spec)"), err=True)
 
 
 ProgressEvery = Annotated[

@@ -42,6 +42,11 @@ def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str
             "service_account": sub.service_account,
             "reservation": sub.reservation,
             "valid_until": sub.valid_until,
+            "max_run_s": sub.max_run_s,
+            "stall_timeout_s": sub.stall_timeout_s,
+            # TensorFlow on this type and runtime has no recipe; the user allowed it (--allow-unverified)
+            "unverified": sub.unverified,
+            "allow_unverified": sub.allow_unverified,
             "spec_yaml": submit.spec_yaml(sub.spec),
         },
         "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
@@ -60,7 +65,9 @@ def submission_from_job(job: dict[str, Any], submission_id: str) -> submit.Submi
         runtime_version=request["runtime_version"], spec=spec, submission_id=submission_id,
         max_restarts=int(job["max_restarts"]), network=request.get("network"), subnetwork=request.get("subnetwork"),
         service_account=request.get("service_account"), reservation=request.get("reservation"),
-        valid_until=request.get("valid_until"),
+        valid_until=request.get("valid_until"), max_run_s=request.get("max_run_s"),
+        stall_timeout_s=request.get("stall_timeout_s"), unverified=request.get("unverified"),
+        allow_unverified=bool(request.get("allow_unverified")),
     )
 
 
@@ -78,7 +85,7 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
     if resource.queueing_policy and resource.queueing_policy.valid_until_duration:
         valid_until = f"{int(resource.queueing_policy.valid_until_duration.total_seconds())}s"
     elif resource.queueing_policy and resource.queueing_policy.valid_until_time:
-        valid_until = resource.queueing_policy.valid_until_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+        valid_until = submit.gcloud_time(resource.queueing_policy.valid_until_time)
     network = node.network_config.network or None
     return {
         "schema_version": 1,
@@ -98,6 +105,10 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
             "service_account": node.service_account.email or None,
             "reservation": reservation,
             "valid_until": valid_until,
+            "max_run_s": int(settings["RUNNER_MAX_RUN_S"]) if settings.get("RUNNER_MAX_RUN_S") else None,
+            "stall_timeout_s": int(settings["RUNNER_STALL_TIMEOUT_S"]) if settings.get("RUNNER_STALL_TIMEOUT_S") else None,
+            "unverified": tpu_types.unverified_reason(tpu_types.parse_tpu_type(node.accelerator_type), node.runtime_version),
+            "allow_unverified": True,  # it was created, so it was allowed
             "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
         },
         "submissions": [{"id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
@@ -131,7 +142,7 @@ def locate(name: str, project: str | None, zone: str | None, client=None) -> dic
                 job = job_from_resource(resource, project, zone)
             record.remember(name, project, zone, job["run_dir"])
             return job
-        tried.append(f"no queued resource {name!r} in {zone} (project {project})")
+        tried.append(f"no queued resource in {zone} (project {project})")
     pointer = record.recall(name)
     if pointer is not None:
         job = record.load_job(pointer["run_dir"])
@@ -140,7 +151,8 @@ def locate(name: str, project: str | None, zone: str | None, client=None) -> dic
         tried.append(f"this machine's pointer leads to {pointer['run_dir']}, which holds no job.json")
     else:
         tried.append("this machine has not submitted or watched a job of that name")
-    raise SpecError(f"cannot find job {name!r}: " + "; ".join(tried)
+    # Said without asking the bucket: a name with neither a queued resource nor a pointer leads nowhere.
+    raise SpecError(f"no such job: cannot find job {name!r}: " + "; ".join(tried)
                     + ". Give its run folder instead (e.g. gs://BUCKET/runs/JOB), or the --zone and --project it runs in")
 
 
@@ -242,7 +254,24 @@ def status(name: str, project: str | None, zone: str | None, client=None) -> dic
         "outcome": job.get("outcome"),
         "cost": usage.job_cost(job),
     })
+    warning = _delete_failed(job, seen)
+    if warning:
+        doc["warning"] = warning
     return doc
+
+
+def _delete_failed(job: dict[str, Any], seen: dict[str, Any] | None) -> str | None:
+    """What to say when worker 0 gave up deleting the slice (its exit record says so) and it still exists."""
+    if seen is None:
+        return None  # gone: nothing bills
+    try:
+        ended = record.exit_record(job["run_dir"], record.current_submission(job), 0)
+    except RunnerError:
+        return None
+    if not ended or not str(ended.get("delete", "")).startswith("failed"):
+        return None
+    return (f"delete failed: still billing, run `runner cancel {job['name']}` (the VM tried "
+            f"{ended.get('delete_attempts')} times after the job ended: {ended.get('reason')})")
 
 
 def _ended_state(job: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ folder, then does what `decide` says:
     ACTIVE, node READY, no exit record                            waits (the job runs); shows the step
     exit 0                                                        done: the summary is complete
     exit 75 (preempted) or 3 (infrastructure: TPU, storage, pull) restarts
+    exit 124 (--max-run-duration or --stall-timeout reached)      stops: outcome time_limit or stalled
     exit 1 (training failed), 2 (bad spec or data), any other     stops: running again would fail again
     SUSPENDING, or node PREEMPTED / TERMINATED                    waits up to 90 s: the job saves on the notice
     SUSPENDED, or still SUSPENDING / PREEMPTED after 90 s         restarts (Spot preemption, maintenance)
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner import AcceleratorError, RunnerError, SpecError, StorageError
+from runner import EXIT_TIME_LIMIT, AcceleratorError, RunnerError, SpecError, StorageError
 from runner.cloud import jobs, record, submit, tpu_api, usage
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
@@ -48,6 +49,8 @@ RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failur
 WAITING = {"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES", "DELETING", "STATE_UNSPECIFIED"}
 LOST_NODE = {"PREEMPTED", "TERMINATED"}
 EXIT_CANCELLED, EXIT_GONE, EXIT_GAVE_UP = 130, 3, 75
+# EXIT_TIME_LIMIT (124): the job stopped at its wall-clock limit or its stall guard, or the startup script
+# killed it at the limit: a limit is the user's decision, never a reason to start another VM.
 # A Spot VM gets 30 s between the preemption notice and its end (Compute Engine's preemption process), which
 # the job spends saving a checkpoint; deleting the slice meanwhile would cut that save short. The watcher
 # waits for SUSPENDED, or an exit record, or this long.
@@ -92,6 +95,9 @@ def decide(seen: Seen) -> Decision:
             return Decision("done", said)
         if code in RETRYABLE:
             return Decision("restart", f"{RETRYABLE[code]}: {said}", code)
+        if code == EXIT_TIME_LIMIT:
+            return Decision("stop", f"{said}: the job reached its --max-run-duration or --stall-timeout; not restarted",
+                            code)
         return Decision("stop", f"{said}: exit {code} is not retryable (1: training failed, 2: bad spec or data); "
                                 "a new VM would fail the same way", code)
     if seen.state is None:
@@ -329,7 +335,10 @@ class Watcher:
             return self.result("complete", decision)
         if decision.action == "stop":
             self.clean_up(seen)
-            outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost"}.get(decision.exit_code, "failed")
+            outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost", EXIT_TIME_LIMIT: "time_limit"}.get(
+                decision.exit_code, "failed")
+            if decision.exit_code == EXIT_TIME_LIMIT and (record.summary(self.job["run_dir"]) or {}).get("status") == "stalled":
+                outcome = "stalled"
             self.emit(f"{self.name}: stopped: {decision.reason}")
             return self.result(outcome, decision)
         if decision.action == "restart":

@@ -49,6 +49,7 @@ _RESOURCE_ID = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 _PROJECT = re.compile(r"[a-z][-a-z0-9.:]{4,61}[a-z0-9]")
 _EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[a-z]+")
 _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+_TIME = re.compile(r"(\d{4}-\d\d-\d\d)[Tt](\d\d:\d\d)(:\d\d)?(\.\d+)?([Zz]|[+-]\d\d:?\d\d)")
 # The job's wall-clock limit and stall guard when not given: finite, so that a job nobody watches stops billing.
 DEFAULT_MAX_RUN = "24h"
 DEFAULT_STALL_TIMEOUT = "30m"
@@ -130,18 +131,62 @@ def _check_image(image: str | None) -> str:
     return image
 
 
+def parse_duration(flag: str, text: str) -> int:
+    """`6h`, `1h30m`, `2d`, `90s` -> seconds, more than 0 (forms gcloud's duration flags take alike)."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if not text.strip() or not match or not any(match.groups()):
+        raise SpecError(f"{flag} {text!r} is not a duration: whole numbers of d, h, m and s, e.g. 6h, 1h30m, 2d, 90s")
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise SpecError(f"{flag} {text!r} must be longer than 0 s")
+    return total
+
+
+def parse_limit(flag: str, text: str | None, default: str) -> int | None:
+    """A limit in seconds: `default` when not given, None for `none` (no limit)."""
+    text = default if text is None else text
+    return None if text.strip().lower() == "none" else parse_duration(flag, text)
+
+
 def parse_valid_until(text: str) -> tuple[str, Any]:
-    """`6h`, `1h30m`, `2d` -> ("duration", seconds); `2026-12-01T00:00:00Z` -> ("time", datetime)."""
+    """`6h`, `1h30m`, `2d` -> ("duration", seconds); an RFC 3339 time with Z or an offset -> ("time", datetime).
+
+    A time keeps its offset and is cut to whole milliseconds, as gcloud's --valid-until-time sends it
+    (`2031-01-01T00:00:00.123456789+05:30` -> `...00.123+05:30`: measured with the real gcloud, tests/test_submit.py).
+    A time without an offset is refused: gcloud would read it in this machine's local time zone.
+    """
     value = text.strip()
-    match = _DURATION.fullmatch(value.lower())
-    if value and match and any(match.groups()):
-        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-        return "duration", ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    when = record.parse_time(value) if "T" in value else None
+    if _DURATION.fullmatch(value.lower()) and any(_DURATION.fullmatch(value.lower()).groups()):
+        return "duration", parse_duration("--valid-until", value)
+    match = _TIME.fullmatch(value)
+    when = None
+    if match:
+        date, clock, seconds, fraction, zone = match.groups()
+        zone = "+00:00" if zone in "Zz" else f"{zone[:3]}:{zone[-2:]}"
+        millis = (fraction or "")[1:4].ljust(3, "0")
+        try:
+            when = datetime.datetime.fromisoformat(f"{date}T{clock}{seconds or ':00'}.{millis}{zone}")
+        except ValueError:
+            when = None
     if when is None:
-        raise SpecError(f"--valid-until {text!r} is neither a duration (6h, 1h30m, 2d) nor a time "
-                        "(2026-12-01T00:00:00Z)")
+        raise SpecError(f"--valid-until {text!r} is neither a duration (6h, 1h30m, 2d) nor a time with its offset "
+                        "(2026-12-01T00:00:00Z, 2026-12-01T09:30:00.5+05:30)")
     return "time", when
+
+
+def gcloud_time(when: datetime.datetime) -> str:
+    """A time as gcloud writes --valid-until-time in its request: milliseconds, the offset as given."""
+    offset = when.utcoffset() or datetime.timedelta(0)
+    minutes = int(offset.total_seconds()) // 60
+    zone = "Z" if minutes == 0 else f"{'+' if minutes > 0 else '-'}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
+    return f"{when:%Y-%m-%dT%H:%M:%S}.{when.microsecond // 1000:03d}{zone}"
+
+
+def valid_until_text(text: str) -> str:
+    """--valid-until as it is kept and shown: a duration as given, a time as gcloud sends it."""
+    kind, value = parse_valid_until(text)
+    return text.strip() if kind == "duration" else gcloud_time(value)
 
 
 def valid_until_passed(request: dict[str, Any], now: datetime.datetime | None = None) -> bool:
@@ -174,6 +219,18 @@ def _check_flags(network, subnetwork, service_account, reservation, valid_until,
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts} must be 0 or more")
     return problems
+
+
+def _limits(max_run_duration: str | None, stall_timeout: str | None, problems: list[str]) -> tuple[int | None, int | None]:
+    limits = []
+    for flag, text, default in (("--max-run-duration", max_run_duration, DEFAULT_MAX_RUN),
+                                ("--stall-timeout", stall_timeout, DEFAULT_STALL_TIMEOUT)):
+        try:
+            limits.append(parse_limit(flag, text, default))
+        except SpecError as error:
+            problems.append(f"{error} (or `none` for no limit)")
+            limits.append(None)
+    return limits[0], limits[1]
 
 
 def _check_spec(spec: JobSpec) -> list[str]:
@@ -222,8 +279,13 @@ def prepare_submission(
     reservation: str | None = None,
     valid_until: str | None = None,
     submission_id: str | None = None,
+    max_run_duration: str | None = None,
+    stall_timeout: str | None = None,
+    allow_unverified: bool = False,
 ) -> Submission:
-    """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing."""
+    """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing.
+
+    max_run_duration / stall_timeout: a duration, `none`, or None for the defaults (24h, 30m)."""
     problems: list[str] = []
     checked: dict[str, Any] = {}
     for key, check, value in (
@@ -246,6 +308,7 @@ def prepare_submission(
         problems.append("missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
                         "project to create the TPU in")
     problems += _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts)
+    max_run_s, stall_timeout_s = _limits(max_run_duration, stall_timeout, problems)
     spec = load_spec(spec_path, overrides)
     if spec.accelerator.kind == "auto":
         # On the VM the TPU must be found: a job that fell back to the CPU would still bill TPU hours.
@@ -270,8 +333,70 @@ def prepare_submission(
         subnetwork=subnetwork,
         service_account=service_account,
         reservation=reservation,
-        valid_until=valid_until,
+        valid_until=valid_until_text(valid_until) if valid_until else None,
+        max_run_s=max_run_s,
+        stall_timeout_s=stall_timeout_s,
+        unverified=tpu_types.unverified_reason(tpu, runtime_version),
+        allow_unverified=allow_unverified,
     )
+
+
+def check_verified(sub: Submission) -> None:
+    """A TPU VM whose type and runtime no recipe has run TensorFlow on is created only with --allow-unverified."""
+    if sub.unverified and not sub.allow_unverified:
+        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
+                        "(recorded in the job's job.json), or choose a verified type or --runtime-version")
+
+
+def price_lines(sub: Submission, previous: dict[str, Any] | None = None) -> list[str]:
+    """What the slice costs per hour (chips x the list price, with its source and date), whether TensorFlow
+    on it is verified, and, given a previous run's summary, what the remaining epochs should cost."""
+    price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
+    kind = "Spot" if sub.spot else "on demand"
+    if price.usd is None:
+        lines = [f"price: unknown: {price.note}"]
+    else:
+        lines = [f"price: {sub.tpu.name} = {sub.tpu.chips} chips x ${price.usd:g} per chip-hour {kind} in "
+                 f"{price.region} = ${sub.tpu.chips * price.usd:.2f} per hour (source: {price.source}; read "
+                 f"{price.date}){'; ' + price.note if price.note else ''}"]
+    limit = "no wall-clock limit" if sub.max_run_s is None else f"stops after {_hours(sub.max_run_s)}"
+    if price.usd is not None and sub.max_run_s is not None:
+        limit += f" (at most ${sub.tpu.chips * price.usd * sub.max_run_s / 3600:.2f} of TPU time)"
+    lines.append(f"limit: {limit}; stall timeout: "
+                 + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s)))
+    if sub.unverified:
+        lines.append(f"unverified: {sub.unverified}" + ("; allowed by --allow-unverified" if sub.allow_unverified else ""))
+    estimate = remaining_estimate(sub, previous, price.usd)
+    if estimate:
+        lines.append(estimate)
+    return lines
+
+
+def _hours(seconds: int) -> str:
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds} s"
+
+
+def remaining_estimate(sub: Submission, previous: dict[str, Any] | None, usd_per_chip_hour: float | None) -> str | None:
+    """The cost of the epochs a previous run of the job left (its summary.json: steps reached and its steady
+    epoch time), or None when there is no such run or it says nothing about time."""
+    if not previous or sub.spec.kind != "train":
+        return None
+    per_epoch = (previous.get("timing") or {}).get("steady_epoch_s") or (previous.get("timing") or {}).get("first_epoch_s")
+    steps = previous.get("steps_per_epoch")
+    done = int(previous.get("final_step") or 0) // int(steps) if steps else None
+    if not per_epoch or done is None:
+        return None
+    left = max(sub.spec.train.epochs - done, 0)
+    where = (previous.get("accelerator") or {}).get("detail") or (previous.get("accelerator") or {}).get("kind") or "?"
+    text = (f"previous run: {done} of {sub.spec.train.epochs} epochs done ({previous.get('status')}); "
+            f"{left} left x {per_epoch:g} s per epoch as measured on {where}")
+    if left == 0:
+        return text + ": nothing left to train"
+    if usd_per_chip_hour is None:
+        return text + "; no price, no estimate"
+    hours = left * per_epoch / 3600
+    return (text + f" = {hours:.2f} h, about ${sub.tpu.chips * usd_per_chip_hour * hours:.2f} (excluding queueing, "
+            "boot, image pull and compilation; an epoch timed on other hardware says little about this one)")
 
 
 def spec_yaml(spec: JobSpec) -> str:
@@ -294,6 +419,12 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_KEEP": "1" if sub.keep else "0",
         "RUNNER_MAX_RESTARTS": str(sub.max_restarts),
         "RUNNER_TPU_TYPE": sub.tpu.name,
+        # Hosts in the slice: always 1, since only single-host types are submitted (tpu_types.refuse_multi_host);
+        # the script runs a worker whose number the metadata server does not give as worker 0 only then.
+        "RUNNER_HOSTS": str(sub.tpu.hosts),
+        # The job's limits in seconds (empty: none), passed to `runner run` and enforced from outside too.
+        "RUNNER_MAX_RUN_S": "" if sub.max_run_s is None else str(sub.max_run_s),
+        "RUNNER_STALL_TIMEOUT_S": "" if sub.stall_timeout_s is None else str(sub.stall_timeout_s),
         "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # the job's summary records it (runner/device/tpu_env.py)
         "RUNNER_SPOT": "true" if sub.spot else "false",
         "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
@@ -348,7 +479,7 @@ def build_request(sub: Submission):
         policy = tpu_v2.QueuedResource.QueueingPolicy()
         if kind == "duration":
             policy.valid_until_duration = duration_pb2.Duration(seconds=value)
-        else:
+        else:  # whole milliseconds, as parsed: what gcloud sends for the same text
             stamp = timestamp_pb2.Timestamp()
             stamp.FromDatetime(value.astimezone(datetime.timezone.utc).replace(tzinfo=None))
             policy.valid_until_time = stamp
@@ -374,7 +505,7 @@ def gcloud_script(sub: Submission) -> str:
     valid = []
     if sub.valid_until:
         kind, _ = parse_valid_until(sub.valid_until)
-        valid = [f"--valid-until-{kind}={sub.valid_until}"]
+        valid = [f"--valid-until-{kind}={valid_until_text(sub.valid_until)}"]
     flags = [
         f"gcloud compute tpus queued-resources create {sub.name} {where}",
         f"--node-id={sub.name}",

@@ -1,7 +1,8 @@
 # The body of a TPU VM startup script written by `runner submit` (runner/cloud/submit.py puts the job's
 # settings, RUNNER_*, above it). It runs as root on every worker of the TPU VM at every boot:
-#   1. reads this worker's number from the metadata server; a worker that cannot learn it runs nothing and
-#      deletes nothing (only a worker that knows it is worker 0 deletes the slice);
+#   1. reads this worker's number from the metadata server. `runner submit` creates single-host slices only
+#      (RUNNER_HOSTS=1), so a worker that cannot learn its number is the slice's only worker: it goes on as
+#      worker 0 and says so. On a slice of several hosts it would run nothing and delete nothing;
 #   2. stops early when the job is already complete (RUN_DIR/summary.json: succeeded for the requested
 #      epochs) or when this submission already ran on this worker (a reboot);
 #   3. pulls the runner image (Artifact Registry credentials come from the VM's service account);
@@ -9,10 +10,15 @@
 #      give the container the TPU chips, TPU_NAME=local says the TPU is this VM's own. The container's
 #      output goes to Cloud Logging (docker's gcplogs driver: seconds behind) and to
 #      RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the end: the durable record). A slice of
-#      several hosts (refused by `runner submit`) runs nothing;
+#      several hosts (refused by `runner submit`) runs nothing. The job gets its limits on its command line
+#      (`--set train.max_duration=S --set train.stall_timeout=S`: it saves and exits 124 at either), and the
+#      container is killed RUNNER_LIMIT_GRACE_S after the wall-clock limit if it is still there (`timeout`);
 #   5. writes RUN_DIR/logs/SUB/worker-N.exit.json (exit code, or why nothing ran; start and end; TPU type);
-#   6. on worker 0, deletes the queued resource that holds the VM, unless the job was submitted with --keep.
+#   6. on worker 0, deletes the queued resource that holds the VM, unless the job was submitted with --keep,
+#      retrying with backoff for up to RUNNER_DELETE_FOR_S (10 min), and writes the outcome into the exit
+#      record ("delete": requested | failed: still billing | kept | ...), which `runner status` shows.
 # Every path that runs no job still does 5 and 6, and says why in the log. SUB is this submission's id.
+# Nothing here relaunches a job: after exit 124 (a time limit or a stall) or any other end, the slice goes.
 set -uo pipefail
 
 metadata_host="${GCE_METADATA_HOST:-metadata.google.internal}"
@@ -29,8 +35,18 @@ for attempt in $(seq "${RUNNER_METADATA_TRIES:-10}"); do
   sleep "${RUNNER_METADATA_RETRY_S:-3}"
 done
 known_worker=1
+worker_note=""
+if [ -z "$worker" ] && [ "${RUNNER_HOSTS:-1}" = 1 ]; then
+  worker=0
+  worker_note="the metadata server ($metadata_host) did not give this worker's number; this slice has one host (runner submit creates no other), so this is worker 0"
+elif [ -z "$worker" ]; then
+  known_worker=0
+  worker=unknown
+fi
 worker_json="$worker"
-if [ -z "$worker" ]; then known_worker=0; worker=unknown; worker_json='"unknown"'; fi
+[ "$known_worker" = 1 ] || worker_json='"unknown"'
+delete_outcome="not attempted"
+delete_attempts=0
 
 workdir="${RUNNER_WORKDIR:-/var/lib/runner/$RUNNER_NAME/$RUNNER_SUBMISSION}"
 logs="$RUNNER_RUN_DIR/logs/$RUNNER_SUBMISSION"
@@ -39,11 +55,17 @@ mkdir -p "$workdir"
 upload() { gcloud storage cp --quiet "$log" "$logs/worker-$worker.log" >/dev/null 2>&1 || true; }
 say() { echo "runner-startup: $(stamp) $*" | tee -a "$log"; }
 
-# The exit record a watcher and `runner logs` read: CODE RAN(true|false) REASON (no quotes in REASON).
+# The exit record a watcher and `runner logs` read: CODE RAN(true|false) REASON (no quotes in REASON). It is
+# written once when the job ends and again with the outcome of the slice's delete.
 record_exit() {
-  printf '{"worker": %s, "submission": "%s", "exit_code": %s, "ran": %s, "reason": "%s", "started_at": "%s", "finished_at": "%s", "accelerator_type": "%s", "spot": %s, "usd_per_chip_hour": %s}\n' \
-    "$worker_json" "$RUNNER_SUBMISSION" "$1" "$2" "$3" "$started" "$(stamp)" "$RUNNER_TPU_TYPE" "$RUNNER_SPOT" \
-    "$RUNNER_USD_PER_CHIP_HOUR" >"$workdir/exit.json"
+  exit_args=("$1" "$2" "$3")
+  write_exit_record
+}
+write_exit_record() {
+  printf '{"worker": %s, "submission": "%s", "exit_code": %s, "ran": %s, "reason": "%s", "started_at": "%s", "finished_at": "%s", "accelerator_type": "%s", "spot": %s, "usd_per_chip_hour": %s, "max_run_s": "%s", "stall_timeout_s": "%s", "delete": "%s", "delete_attempts": %s}\n' \
+    "$worker_json" "$RUNNER_SUBMISSION" "${exit_args[0]}" "${exit_args[1]}" "${exit_args[2]}" "$started" "$(stamp)" \
+    "$RUNNER_TPU_TYPE" "$RUNNER_SPOT" "$RUNNER_USD_PER_CHIP_HOUR" "${RUNNER_MAX_RUN_S:-}" "${RUNNER_STALL_TIMEOUT_S:-}" \
+    "$delete_outcome" "$delete_attempts" >"$workdir/exit.json"
   for attempt in 1 2 3; do
     gcloud storage cp --quiet "$workdir/exit.json" "$logs/worker-$worker.exit.json" >/dev/null 2>&1 && return 0
     sleep 2
@@ -51,22 +73,55 @@ record_exit() {
   say "could not copy the exit record to $logs/worker-$worker.exit.json"
 }
 
-# Frees the slice once its job is over: only worker 0 (known to be 0), and not with --keep. REASON is logged.
+# Frees the slice once its job is over: only worker 0, and not with --keep. REASON is logged. A refused or
+# unanswered delete is tried again with backoff (RUNNER_DELETE_RETRY_S, whole seconds, doubling to 60) for up to
+# RUNNER_DELETE_FOR_S; either way the outcome goes into the exit record (when one was written).
 release() {
   if [ "$known_worker" != 1 ]; then
+    delete_outcome="not this worker: its number is unknown"
     say "not deleting queued resource $RUNNER_NAME: this worker does not know its number, and only worker 0 deletes (the watcher, or runner cancel $RUNNER_NAME, frees it)"
   elif [ "$worker" != 0 ]; then
     return 0
   elif [ "$RUNNER_KEEP" = 1 ]; then
+    delete_outcome="kept (--keep): still billing until runner cancel $RUNNER_NAME"
     say "keeping queued resource $RUNNER_NAME (--keep) after: $1; it bills until runner cancel $RUNNER_NAME"
   else
     say "deleting queued resource $RUNNER_NAME: $1"
     upload  # deleting the queued resource ends this VM: the log goes first
-    gcloud compute tpus queued-resources delete "$RUNNER_NAME" --project "$RUNNER_PROJECT" --zone "$RUNNER_ZONE" \
-      --force --quiet --async >>"$log" 2>&1 || say "the delete request failed (see above): runner cancel $RUNNER_NAME frees the slice"
+    delete_slice
   fi
+  [ "${#exit_args[@]}" = 0 ] || write_exit_record
   upload
 }
+
+delete_slice() {
+  local wait_s="${RUNNER_DELETE_RETRY_S:-10}" began=$SECONDS
+  while true; do
+    delete_attempts=$((delete_attempts + 1))
+    if answer="$(gcloud compute tpus queued-resources delete "$RUNNER_NAME" --project "$RUNNER_PROJECT" \
+      --zone "$RUNNER_ZONE" --force --quiet --async 2>&1)"; then
+      printf '%s\n' "$answer" >>"$log"
+      delete_outcome="requested"
+      say "delete of queued resource $RUNNER_NAME requested (attempt $delete_attempts)"
+      return 0
+    fi
+    printf '%s\n' "$answer" >>"$log"
+    if [[ "$answer" == *NOT_FOUND* ]]; then  # deleted already (a reboot after the first delete, runner cancel)
+      delete_outcome="already gone"
+      say "queued resource $RUNNER_NAME is already gone"
+      return 0
+    fi
+    if [ $((SECONDS - began)) -ge "${RUNNER_DELETE_FOR_S:-600}" ]; then
+      delete_outcome="failed: still billing, run runner cancel $RUNNER_NAME"
+      say "delete failed $delete_attempts times over $((SECONDS - began)) s (see above): queued resource $RUNNER_NAME is still billing; run runner cancel $RUNNER_NAME"
+      return 1
+    fi
+    say "the delete request failed (attempt $delete_attempts, see above); trying again in $wait_s s"
+    sleep "$wait_s"
+    wait_s=$((wait_s * 2 > 60 ? 60 : wait_s * 2))
+  done
+}
+exit_args=()
 
 # Every path that runs no job ends here: CODE REASON.
 end_without_job() {
@@ -77,8 +132,9 @@ end_without_job() {
 }
 
 say "worker $worker: job $RUNNER_NAME, submission $RUNNER_SUBMISSION, image $RUNNER_IMAGE, run folder $RUNNER_RUN_DIR"
+[ -z "$worker_note" ] || say "$worker_note"
 if [ "$known_worker" != 1 ]; then
-  end_without_job 3 "cannot read this worker's number from the metadata server ($metadata_host): ran nothing, since a worker that may not be worker 0 must neither drive the slice nor delete it"
+  end_without_job 3 "cannot read this worker's number from the metadata server ($metadata_host) on a slice of $RUNNER_HOSTS hosts: ran nothing, since a worker that may not be worker 0 must neither drive the slice nor delete it"
 fi
 
 # A startup script runs again at every boot: a submission that already ran on this worker is not run twice.
@@ -143,6 +199,7 @@ fi
 # starts empty: a lockfile left by a killed run goes with its container, so the host has nothing to clear.
 # Root inside the container: libtpu opens the TPU devices and pins host memory for them.
 container="runner-$RUNNER_NAME-$RUNNER_SUBMISSION-w$worker"
+# shellcheck disable=SC2054  # docker's option value is itself a comma-separated list of labels
 cloud_logging=(--log-driver=gcplogs --log-opt gcp-log-cmd=false --log-opt labels=runner-job,runner-submission)
 labels=(--label "runner-job=$RUNNER_NAME" --label "runner-submission=$RUNNER_SUBMISSION")
 doctor=(--rm --net=host --privileged --user 0:0 "${tpu_env[@]}" -v "$workdir:/job:ro")
@@ -168,10 +225,33 @@ gcloud storage cp --quiet "$workdir/started.json" "$logs/worker-$worker.started.
 say "starting the job in container $container (log driver $log_driver)"
 (while sleep "${RUNNER_UPLOAD_EVERY_S:-30}"; do upload; done) </dev/null >/dev/null 2>&1 &
 uploader=$!
-docker run --rm --name "$container" --net=host --privileged --user 0:0 "${cloud_logging[@]}" "${labels[@]}" \
-  "${tpu_env[@]}" -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" run /job/spec.yaml >>"$log" 2>&1
+# The job's limits: it enforces them itself (saves, exits 124); `timeout` kills what is left a grace period
+# after the wall-clock limit. --foreground keeps the job in this script's process group, where a VM's
+# shutdown (a preemption) reaches it. TERM goes to `docker run`, which passes it on to the container; after
+# RUNNER_KILL_AFTER_S more, KILL ends the client, and `docker rm -f` the container, which would outlive it.
+limits=()
+outside=()
+[ -z "${RUNNER_MAX_RUN_S:-}" ] || limits+=(--set "train.max_duration=$RUNNER_MAX_RUN_S")
+[ -z "${RUNNER_STALL_TIMEOUT_S:-}" ] || limits+=(--set "train.stall_timeout=$RUNNER_STALL_TIMEOUT_S")
+if [ -n "${RUNNER_MAX_RUN_S:-}" ]; then
+  deadline_s=$((RUNNER_MAX_RUN_S + ${RUNNER_LIMIT_GRACE_S:-600}))
+  outside=(timeout --foreground --signal=TERM --kill-after="${RUNNER_KILL_AFTER_S:-60}" "$deadline_s")
+fi
+job_began=$SECONDS
+"${outside[@]}" docker run --rm --name "$container" --net=host --privileged --user 0:0 "${cloud_logging[@]}" \
+  "${labels[@]}" "${tpu_env[@]}" -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" \
+  run /job/spec.yaml "${limits[@]}" >>"$log" 2>&1
 code=$?
 kill "$uploader" 2>/dev/null
+reason="the job exited with code $code"
+if [ -n "${RUNNER_MAX_RUN_S:-}" ] && [ $((SECONDS - job_began)) -ge "$deadline_s" ] && { [ "$code" = 124 ] || [ "$code" = 137 ]; }; then
+  docker rm -f "$container" >>"$log" 2>&1 || true
+  code=124
+  reason="the job was killed at its wall-clock limit: still running ${RUNNER_LIMIT_GRACE_S:-600} s after --max-run-duration (${RUNNER_MAX_RUN_S} s); exit 124"
+elif [ "$code" = 124 ]; then
+  stopped="$(gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get("status", ""))' 2>/dev/null)"
+  reason="the job stopped itself with exit 124 (summary status: ${stopped:-unknown}; time_limit: --max-run-duration, stalled: --stall-timeout); not run again"
+fi
 say "job exited with code $code"
-record_exit "$code" true "the job exited with code $code"
-release "the job exited with code $code"
+record_exit "$code" true "$reason"
+release "$reason"

@@ -17,6 +17,7 @@ For every pattern the job reads (data.train, data.eval, and data.validation when
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 from typing import Any
@@ -41,14 +42,25 @@ def patterns_of(spec: JobSpec) -> dict[str, str]:
     return {key: pattern for key, pattern in found.items() if pattern}
 
 
-def check_job_data(spec: JobSpec) -> dict[str, Any]:
-    """Raises DataError (exit 2) when the job's data is not what its manifests promise, StorageError (exit 3)
-    when a bucket does not answer; returns the summary's `data_verify` record."""
+@dataclasses.dataclass(frozen=True)
+class JobData:
+    """The shards of each pattern the job reads (by spec key: data.train, data.eval, data.validation), found
+    and checked once, and the summary's `data_verify` record."""
+
+    shards: dict[str, pipeline.Shards]
+    record: dict[str, Any]
+
+
+def check_job_data(spec: JobSpec) -> JobData:
+    """Raises DataError (exit 2) when the job's data is not what its manifests promise (or what the spec's
+    data.features declare), StorageError (exit 3) when a bucket does not answer."""
     patterns = patterns_of(spec)
+    found: dict[str, pipeline.Shards] = {}
     try:
         listed: dict[str, verify.Listed] = {}
         for key, pattern in patterns.items():
-            shards = pipeline.find_shards(pattern, key)
+            shards = found[key] = pipeline.find_shards(pattern, key)
+            pipeline.check_declared(spec.data.features, shards)
             check_whole_splits(shards, key)
             check_labels(spec, shards)
             for shard in pipeline.listed_in(shards):
@@ -74,7 +86,7 @@ def check_job_data(spec: JobSpec) -> dict[str, Any]:
             "data.verify %s: %d shards, %.1f MB as listed, in %.2f s%s",
             spec.data.verify, checked.shards, checked.bytes / 1e6, checked.seconds, rate,
         )
-    return checked.to_dict()
+    return JobData(found, checked.to_dict())
 
 
 def check_whole_splits(shards: pipeline.Shards, key: str) -> None:

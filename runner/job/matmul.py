@@ -97,7 +97,7 @@ def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> JobResul
     attempt = Attempt.begin(spec, spec_loaded_at)
     attempt.number = attempt.run.next_attempt()
     attempt.run.write_json("spec.json", spec.to_dict())
-    attempt.extra.update(kind="matmul_bench", attempt=attempt.number, run_dir=attempt.run.path)
+    attempt.facts.kind, attempt.facts.attempt, attempt.facts.run_dir = "matmul_bench", attempt.number, attempt.run.path
     status, error = "failed", None
     try:
         with attempt.phases.phase("strategy"):
@@ -106,7 +106,7 @@ def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> JobResul
             call = chain_call(accelerator.strategy, spec.matmul)
         with attempt.phases.phase("train"):
             result = measure(call, spec.matmul, accelerator.replicas)
-        attempt.extra.update(result)
+        attempt.facts.bench = result
         log.info(
             "matmul %d x %d, chain %d, %s on %s: %.4g TFLOPS cold, %.4g TFLOPS warm",
             spec.matmul.size, spec.matmul.size, spec.matmul.chain, spec.matmul.dtype, accelerator.kind,

@@ -52,7 +52,9 @@ def load_trained(spec: JobSpec) -> Trained:
 def evaluate(spec: JobSpec) -> dict:
     trained = load_trained(spec)
     if not spec.data.eval:
-        raise SpecError("data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)")
+        raise SpecError(
+            "data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)"
+        )
     shards = pipeline.find_shards(spec.data.eval)
     batch = _batch_for(spec, trained.accelerator)
     # Every record once: the last batch padded, its padding weighing 0 in the metrics and the loss.

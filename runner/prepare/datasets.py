@@ -33,6 +33,11 @@ class Dataset:
     license: str
     # What turns raw inputs into features and predictions back (vocabulary, normalisation); goes into the manifest.
     preprocessing: dict = dataclasses.field(default_factory=dict)
+    # The label's class names, index = class id (an image folder's subfolders, a CSV's text labels); manifest key.
+    class_names: tuple[str, ...] = ()
+    # Value ranges the writer cannot see in the stored values (an encoded image's decoded pixels), by feature:
+    # {"dtype": ..., "min": ..., "max": ...} over the training split; the others are computed as shards are written.
+    value_ranges: dict = dataclasses.field(default_factory=dict)
 
     def head(self, count: int) -> Dataset:
         """The same dataset with each split cut to its first `count` records (tests, quick pipeline checks)."""

@@ -6,7 +6,8 @@ The job spec says where the shards are (`data.train`, `data.eval`) and what each
 record is parsed and decoded as training will, so a record that does not fit the schema fails here, naming
 the shard, the record and the feature, rather than in the middle of training. For class-id labels (int64,
 one per record) the lowest and highest label of each shard is recorded too (`label_range`), so a label
-outside the model's classes stops the job before it starts. Format: docs/data.md.
+outside the model's classes stops the job before it starts, and the dtype and [min, max] of each numeric input
+over the training split (`value_ranges`). Format: docs/data.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tensorflow as tf
 
 from runner import DataError, SpecError
 from runner.data import pipeline, schema, verify
-from runner.prepare.shards import holds_class_ids, label_range, write_manifest
+from runner.prepare.shards import holds_class_ids, label_range, training_split, write_manifest
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,11 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
         path = posixpath.join(folder, pipeline.MANIFEST)
         if tf.io.gfile.exists(path) and not force:
             raise DataError(f"{path} exists; pass --force to replace it with one made from {spec_path}")
-        entries = {split: [_index_shard(f, features, spec.data.label) for f in files]
+        indexed = {split: [_index_shard(f, features, spec.data.label, spec.data.inputs) for f in files]
                    for split, files in splits.items()}
+        entries = {split: [entry for entry, _ in shards] for split, shards in indexed.items()}
+        training = training_split(indexed)
+        ranges = _merge_ranges([found for _, found in indexed[training]]) if training else {}
         manifest: dict[str, Any] = {
             "manifest_version": pipeline.MANIFEST_VERSION,
             "dataset": spec.name,
@@ -49,6 +53,7 @@ def write_user_manifests(spec: JobSpec, spec_path: str, force: bool = False) -> 
             "features": {name: feature.to_dict() for name, feature in features.items()},
             "inputs": list(spec.data.inputs),
             "label": spec.data.label,
+            "value_ranges": ranges,
             "splits": {
                 split: {"records": sum(e["records"] for e in shards), "shards": shards}
                 for split, shards in entries.items()
@@ -90,23 +95,46 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
 _CHECK_BATCH = 256
 
 
-def _index_shard(path: str, features: dict[str, schema.StoredFeature], label: str) -> dict[str, Any]:
-    records, labels = _check_records(path, features, label)
+def _index_shard(
+    path: str, features: dict[str, schema.StoredFeature], label: str, inputs: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    records, labels, ranges = _check_records(path, features, label, inputs)
     entry = {"file": posixpath.basename(path), "records": records, "bytes": tf.io.gfile.stat(path).length}
     entry["sha256"] = verify.sha256_of(path)
-    return {**entry, **({"label_range": labels} if labels else {})}
+    return {**entry, **({"label_range": labels} if labels else {})}, ranges
 
 
-def _check_records(path: str, features: dict[str, schema.StoredFeature], label: str) -> tuple[int, list[int] | None]:
+def _merge_ranges(found: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for ranges in found:
+        for name, doc in ranges.items():
+            if name in merged:
+                doc = {**doc, "min": min(doc["min"], merged[name]["min"]), "max": max(doc["max"], merged[name]["max"])}
+            merged[name] = doc
+    return merged
+
+
+def _range_of(values: Any, dtype: str) -> dict[str, Any]:
+    low, high = float(tf.reduce_min(values)), float(tf.reduce_max(values))
+    if dtype == "float32":
+        return {"dtype": dtype, "min": low, "max": high}
+    return {"dtype": dtype, "min": int(low), "max": int(high)}
+
+
+def _check_records(
+    path: str, features: dict[str, schema.StoredFeature], label: str, inputs: tuple[str, ...] = ()
+) -> tuple[int, list[int] | None, dict[str, dict[str, Any]]]:
     """Counts the shard's records, parsing and decoding all of them with the training pipeline's own parser;
-    returns the count and the label_range of class-id labels.
+    returns the count, the label_range of class-id labels and the value range of each numeric input (as
+    decoded: an image's pixels).
 
     A batch that fails is read again record by record (schema.record_problems), so the error names the
     record and the feature. The first record also gets that check up front: it sees what decoding forgives
     (a PNG where JPEG is declared decodes all the same).
     """
     batches = tf.data.TFRecordDataset(path).batch(_CHECK_BATCH)
-    count, ranges = 0, []
+    count, ranges, found = 0, [], []
+    numeric = [n for n in inputs if n in features and features[n].dtype != "string"]
     class_ids = label in features and holds_class_ids(features[label])
     try:
         head = next(iter(batches.take(1)), None)
@@ -117,6 +145,8 @@ def _check_records(path: str, features: dict[str, schema.StoredFeature], label: 
             count += int(size)
             if class_ids and int(size):
                 ranges.append(label_range(parsed[label].numpy().reshape(-1), features[label]))
+            if int(size):
+                found.append({n: _range_of(parsed[n], features[n].dtype) for n in numeric})
     except tf.errors.DataLossError as exc:
         raise DataError(
             f"{path} is not a readable TFRecord file ({exc.message.splitlines()[0]}); "
@@ -125,7 +155,8 @@ def _check_records(path: str, features: dict[str, schema.StoredFeature], label: 
     except tf.errors.InvalidArgumentError as exc:
         batch = next(iter(batches.skip(count // _CHECK_BATCH).take(1))).numpy()
         raise _misfit(path, batch, count, exc, features) from None
-    return count, [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None
+    labels = [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None
+    return count, labels, _merge_ranges(found)
 
 
 def _misfit(path: str, records, first: int, exc: tf.errors.OpError | None, features: dict) -> DataError:

@@ -32,6 +32,40 @@ class JobResult:
 
 
 @dataclasses.dataclass
+class Facts:
+    """What an attempt learns as it goes, each a key of summary.json (runner/rundir/summary.schema.json);
+    None: not reached, and left out of the summary."""
+
+    kind: str | None = None
+    attempt: int | None = None
+    run_dir: str | None = None
+    train_epochs: int | None = None
+    data_verify: dict | None = None
+    train_input: dict | None = None
+    steps_per_epoch: int | None = None
+    steps_per_execution: int | None = None
+    resumed_from_step: int | None = None
+    final_step: int | None = None
+    stopped_early_after_epoch: int | None = None
+    final_learning_rate: float | None = None
+    checkpoint_saves: dict | None = None
+    profile: dict | None = None
+    interruption: dict | None = None
+    preemption: dict | None = None
+    time_limit: dict | None = None
+    throughput: dict | None = None
+    warnings: list | None = None
+    model: Any = None
+    tensorboard: str | None = None
+    # The matmul benchmark's results, at the summary's top level.
+    bench: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        found = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "bench"}
+        return {**{k: v for k, v in found.items() if v is not None}, **(self.bench or {})}
+
+
+@dataclasses.dataclass
 class Attempt:
     spec: JobSpec
     run: RunFolder
@@ -39,7 +73,7 @@ class Attempt:
     number: int = 0  # 0 until the run folder gives it one
     worker_index: int = 0  # this process's place in a multi-worker cluster (TF_CONFIG); 0 is the chief
     accelerator: Accelerator | None = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    facts: Facts = dataclasses.field(default_factory=Facts)
 
     @classmethod
     def begin(cls, spec: JobSpec, spec_loaded_at: float | None) -> Attempt:
@@ -69,7 +103,7 @@ class Attempt:
             global_batch=global_batch,
             metrics=metrics or {},
             error=None if error is None else str(error),
-            extra=self.extra,
+            extra=self.facts.to_dict(),
             input_wait_method=input_wait_method,
         )
 

@@ -31,7 +31,7 @@ PHASES = (
 
 # How an attempt ended: succeeded (exit 0); failed (1, 2 or 3: `error` says why); preempted (SIGTERM: saved,
 # exit 75); interrupted (Ctrl-C, SIGINT: saved, exit 130). The last two continue when the job is run again.
-STATUSES = ("succeeded", "failed", "preempted", "interrupted")
+STATUSES = ("succeeded", "failed", "preempted", "interrupted", "time_limit", "learned_nothing")
 
 
 class Phases:

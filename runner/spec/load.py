@@ -6,8 +6,13 @@ Loading is bounded, whatever the input: a file over MAX_BYTES is not read, a `--
 is not parsed, and the YAML itself is parsed within runner/spec/yaml_lines.py's bounds (depth, values counted through
 aliases, one document, plain keys).
 
+A `--set` value is YAML (`train.epochs=3` is a number, `data.eval=null` is null), but only when YAML reads the
+whole text as one value: text YAML would read otherwise (`name=--- x`, a document marker, reads as `x`;
+`name=x # y` drops the comment) is refused with the quoting that keeps it as written.
+
 `preflight` is what `runner validate` adds: the checks that read the disk but import nothing (user modules
-found inside the spec's code roots, the data's manifest against the batch size).
+found inside the spec's code roots, the attribute read from their source, the data's manifest against the
+batch size).
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from runner import SpecError
-from runner.spec.types import JobSpec
-from runner.spec.usercode import find_code
+from runner.spec.keras import NAME_TAG, SERIALIZED_TAG
+from runner.spec.types import DataSpec, JobSpec
+from runner.spec.usercode import check_defined, find_code
 from runner.spec.yaml_lines import MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
 
 MAX_OVERRIDES = 256
@@ -53,7 +59,8 @@ def _read(path: Path) -> str:
             raw = handle.read(MAX_BYTES + 1)
     except FileNotFoundError:
         folder = path.parent.absolute()
-        near = difflib.get_close_matches(path.name, sorted(p.name for p in folder.glob("*.y*ml")), n=1) if folder.is_dir() else []
+        names = sorted(p.name for p in folder.glob("*.y*ml")) if folder.is_dir() else []
+        near = difflib.get_close_matches(path.name, names, n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise SpecError(f"no such file in {folder}{hint}; pass the path of a job spec such as jobs/mnist_cnn.yaml",
                         file=path) from None
@@ -67,7 +74,8 @@ def _read(path: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise SpecError(f"byte {exc.start} is not UTF-8 text; a job spec is a UTF-8 YAML file", file=path, line=line) from None
+        raise SpecError(f"byte {exc.start} is not UTF-8 text; a job spec is a UTF-8 YAML file",
+                        file=path, line=line) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -87,10 +95,29 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not raw.strip():
         return key, ""
     try:
-        value, _ = parse_yaml(raw)
+        value, node = parse_yaml(raw)
     except SpecError as exc:
         raise SpecError(f"--set {shown(text)}: the value is not usable YAML ({exc.message})") from None
+    _check_read_whole(raw, value, node, text)
     return key, value
+
+
+def _check_read_whole(raw: str, value: Any, node: Any, text: str) -> None:
+    """Refuses a --set value YAML reads as something other than what is written: a value that does not span the
+    text (a document marker or directive before it, a comment or marker after it), or plain text that YAML
+    folds (several lines). Quoted text is taken as written."""
+    start, end = len(raw) - len(raw.lstrip()), len(raw.rstrip())
+    spans = node is not None and node.start_mark.index == start and node.end_mark.index == end
+    plain_text = node is not None and isinstance(value, str) and getattr(node, "style", None) in (None, "")
+    if spans and not (plain_text and value != raw.strip()):
+        return
+    read = "nothing" if node is None else shown(value) if isinstance(value, str) else shown(repr(value))
+    written = raw.strip()
+    how = f"--set '{text.partition('=')[0].strip()}=\"{written}\"'" if not re.search(r"[\"'\\\n]", written) else (
+        "YAML's double quotes around the value")
+    raise SpecError(
+        f"--set {shown(text)}: YAML reads this value as {read}, not as written; to mean the text, use {how}"
+    )
 
 
 def _set_dotted(doc: dict, dotted: str, value: Any, text: str) -> None:
@@ -108,20 +135,31 @@ def _set_dotted(doc: dict, dotted: str, value: Any, text: str) -> None:
 
 
 def _allowed_keys(path: tuple) -> list[str]:
-    model: type[BaseModel] | None = JobSpec
-    parts = iter(path)
-    for part in parts:
-        field = model.model_fields.get(part) if model and isinstance(part, str) else None
-        annotation = field.annotation if field else None
-        # A section may be optional (`profile: ProfileSpec | None`): its model is the union's model member.
-        model = next(
-            (c for c in (annotation, *typing.get_args(annotation)) if isinstance(c, type) and issubclass(c, BaseModel)),
-            None,
-        )
-        if model is None and (values := _mapping_of_models(annotation)) is not None:
-            model = values
-            next(parts, None)  # the mapping's own key (e.g. a feature name under data.features)
+    annotation: Any = JobSpec
+    for part in path:
+        if isinstance(part, int):
+            continue  # an item of a list: its model is found inside the list's annotation
+        if (values := _mapping_of_models(annotation)) is not None:
+            annotation = values  # the mapping's own key (e.g. a feature name under data.features)
+            continue
+        model = _model_in(annotation)
+        field = model.model_fields.get(part) if model else None
+        if field is None:
+            return []
+        annotation = field.annotation
+    model = _model_in(annotation)
     return sorted(model.model_fields) if model else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model inside an annotation: `ProfileSpec | None`, `tuple[Metric, ...]`, Annotated unions of a name and
+    a serialized Keras object."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        if (found := _model_in(argument)) is not None:
+            return found
+    return None
 
 
 def _mapping_of_models(annotation: Any) -> type[BaseModel] | None:
@@ -137,7 +175,8 @@ def _mapping_of_models(annotation: Any) -> type[BaseModel] | None:
 def _describe(error: dict, listed: set[tuple]) -> tuple[tuple, str]:
     """(dotted key path, message) of one pydantic error; `listed` holds the sections whose allowed keys an
     earlier message already listed (listed once, not once per unknown key)."""
-    path = tuple(error["loc"])
+    # The tags of a name-or-serialized-object field (runner/spec/keras.py) are no keys of the spec.
+    path = tuple(part for part in error["loc"] if part not in (NAME_TAG, SERIALIZED_TAG))
     if error["type"] == "extra_forbidden":
         parent, unknown = path[:-1], str(path[-1])
         allowed = _allowed_keys(parent)
@@ -172,6 +211,14 @@ class Source:
     path: Path
     lines: dict[tuple, int]
     overridden: dict[tuple, str]
+    doc: dict = dataclasses.field(default_factory=dict)  # the values as written, before validation
+
+    def written(self, key_path: tuple) -> Any:
+        """The value at `key_path` as the file or a --set wrote it (None when the default applies)."""
+        node: Any = self.doc
+        for part in key_path:
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
 
     def holds(self, key_path: tuple) -> bool:
         return key_path in self.lines or any(key_path[: len(p)] == p for p in self.overridden)
@@ -202,7 +249,7 @@ def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[Job
         key, value = parse_override(text_override)
         _set_dotted(doc, key, value, text_override)
         overridden[tuple(key.split("."))] = text_override
-    source = Source(path, key_lines(node), overridden)
+    source = Source(path, key_lines(node), overridden, doc)
     context = {"base": os.path.dirname(os.path.abspath(path)), "from_cli": frozenset(overridden)}
     try:
         return JobSpec.model_validate(doc, context=context), source
@@ -247,16 +294,19 @@ class Preflight:
     code: dict[str, str]  # spec key -> the file its import path loads from
 
 
-def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Preflight:
+def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, data: bool = True) -> Preflight:
     """Loads the spec (SpecError as load_spec) and checks, importing nothing: every import path's module
-    inside the spec's code roots, and the local data against its manifest and the batch size."""
+    inside the spec's code roots and its attribute in the module's source, and (unless `data` is False: the
+    data comes later) the local data against its manifest and the batch size."""
     spec, source = _load(path, overrides)
     problems: list[str] = []
     code: dict[str, str] = {}
     for key, import_path in spec.import_paths.items():
         key_path = tuple(re.sub(r"\[\d+\]$", "", key).split("."))
         try:
-            code[key] = find_code(import_path, key, spec.code_roots).origin
+            found = find_code(import_path, key, spec.code_roots)
+            check_defined(found, key)
+            code[key] = found.origin
         except SpecError as exc:
             problems.append(f"{source.where(key_path)}: {exc}")
     notes: list[str] = []
@@ -265,16 +315,22 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
         # `runner run` refuses it once the strategy is built (after TensorFlow loads); on a TPU or GPU the
         # CPU devices are not used, so only a spec that can end on the CPU is held to it here.
         lower, upper = max(devices, batch // devices * devices), (batch // devices + 1) * devices
-        key = ("data", "global_batch_size") if source.holds(("data", "global_batch_size")) else ("accelerator", "cpu_devices")
+        key = ("data", "global_batch_size")
+        if not source.holds(key):
+            key = ("accelerator", "cpu_devices")
         problems.append(
             f"{source.where(key)}: data.global_batch_size ({batch}) must be divisible by accelerator.cpu_devices "
             f"({devices}), the replicas on the CPU: set it to {lower} or {upper}"
         )
-    if spec.kind == "train":
+    if spec.kind == "train" and not data:
+        notes.append("data not checked (--no-data): `runner validate` without it checks the data once it is there")
+    elif spec.kind == "train":
         for key in ("train", "eval", "validation"):
             pattern = getattr(spec.data, key)
             if pattern:
-                found, note = _check_data(spec, key, pattern, Path(path))
+                written = source.written(("data", key))
+                as_written = written if isinstance(written, str) else _default_pattern(key, pattern)
+                found, note = _check_data(spec, key, pattern, as_written, Path(path))
                 for about, problem in found:  # named where the key it is about was set, else at data.<key>
                     problems.append(f"{source.where(about if source.holds(about) else ('data', key))}: {problem}")
                 if note and note not in notes:
@@ -282,10 +338,45 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     return Preflight(spec, problems, notes, code)
 
 
-def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple[list[tuple[tuple, str]], str | None]:
+def _default_pattern(key: str, pattern: str) -> str:
+    """The default of data.<key> as declared (relative), for a spec that leaves it unset."""
+    default = DataSpec.model_fields[key].default
+    return default if isinstance(default, str) else pattern
+
+
+def _missing_folder(folder: str, pattern: str, written: str, spec_path: Path) -> str:
+    """Nothing matches because the folder is missing: a close name when the nearest existing folder holds one
+    (never a command that would prepare data under a typo), else how to write the data there."""
+    base, missing = folder, []
+    while not os.path.isdir(base) and os.path.dirname(base) != base:
+        base, part = os.path.dirname(base), os.path.basename(base)
+        missing.insert(0, part)
+    held = sorted(e.name for e in os.scandir(base) if e.is_dir()) if os.path.isdir(base) else []
+    close = difflib.get_close_matches(missing[0], held, n=1, cutoff=0.6) if missing else []
+    if close:
+        # Mend the pattern as the spec wrote it: the missing component at its place counted from the end.
+        parts, wrong = written.split("/"), missing[0]
+        place = len(parts) - (len(missing) + 1)
+        if 0 <= place < len(parts) and parts[place] == wrong:
+            mended = "/".join([*parts[:place], close[0], *parts[place + 1:]])
+        else:
+            mended = os.path.join(base, close[0], *missing[1:], os.path.basename(pattern))
+        return (f"nothing matches {written!r}: {os.path.join(base, wrong)} does not exist; did you mean {mended!r}? "
+                f"({base} holds {close[0]})")
+    return (
+        f"nothing matches {written!r}: {folder} does not exist. Write the data there first: "
+        f"`runner prepare DATASET --out {folder}` for a built-in dataset, or your own TFRecords, then "
+        f"`runner manifest {spec_path}`; or pass --no-data if the data comes later"
+    )
+
+
+def _check_data(
+    spec: JobSpec, key: str, pattern: str, written: str, spec_path: Path
+) -> tuple[list[tuple[tuple, str]], str | None]:
     """The local shards of `data.<key>` against their manifest, as `runner run` will read them (no TensorFlow:
     plain file reads): (problems, each with the key it is about; a note on what was not checked).
-    gs:// data is left to `runner run` and `runner doctor`."""
+    `written` is the pattern as the spec wrote it (quoted in messages). gs:// data is left to `runner run` and
+    `runner doctor`."""
     folder, name = os.path.dirname(pattern) or ".", os.path.basename(pattern)
 
     def problem(message: str, about: tuple = ("data", key)) -> tuple[list[tuple[tuple, str]], None]:
@@ -294,10 +385,7 @@ def _check_data(spec: JobSpec, key: str, pattern: str, spec_path: Path) -> tuple
     if pattern.startswith("gs://"):
         return [], f"data in {folder} not checked: validate reads no bucket (`runner doctor SPEC` does)"
     if not os.path.isdir(folder):
-        return [], (
-            f"data not checked: {folder} does not exist yet; write it with `runner prepare DATASET --out {folder}` "
-            f"(a built-in dataset), or for your own TFRecords `runner manifest {spec_path}`"
-        )
+        return problem(_missing_folder(folder, pattern, written, spec_path))
     files = sorted(glob.glob(pattern))
     manifest_path = os.path.join(folder, "manifest.json")
     if not files:

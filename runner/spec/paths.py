@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 
+from runner.spec.base import invisible_character
+
 # Characters a glob reads as a pattern: checkpoints and shards are found by globbing the run folder.
 GLOB_CHARACTERS = "[]*?"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -31,8 +33,8 @@ def resolve_path(value: str, key: tuple[str, ...], context: dict | None, *, glob
     """A local path made absolute against its base folder (`~` expanded), or a gs:// path as written."""
     if not value.strip():
         raise ValueError("an empty path: name a folder (relative to the spec file) or gs://BUCKET/...")
-    if _CONTROL.search(value):
-        raise ValueError(f"{value!r} holds a control character (a newline, tab or NUL): remove it")
+    if bad := invisible_character(value):
+        raise ValueError(f"{value!r} holds {bad}: remove it (paths are plain visible text)")
     scheme, sep, rest = value.partition("://")
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         if scheme != "gs":

@@ -1,14 +1,22 @@
-"""The spec's `train:` and `checkpoint:` sections: how a job trains and how often it saves. No TensorFlow."""
+"""The spec's `train:` and `checkpoint:` sections: how a job trains and how often it saves. No TensorFlow.
+
+The optimizer, loss, metrics and learning-rate schedule are Keras's own names or serialized objects
+(runner/spec/keras.py); which learning rate applies is settled here, once:
+1. `train.schedule` set: the schedule sets the rate at every step (train.learning_rate and a `learning_rate` in
+   the optimizer's config are refused beside it);
+2. else a serialized optimizer whose config has `learning_rate`: that rate (train.learning_rate, if also given,
+   must agree);
+3. else train.learning_rate (default 0.001).
+"""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, PlainValidator, StrictBool, field_validator, model_validator
 
-from runner.spec.base import INT32_MAX, MAX_WAIT_S, Integer, Number, Strict
-from runner.spec.usercode import check_import_path, is_import_path
+from runner.spec import keras
+from runner.spec.base import INT32_MAX, LEARNING_RATE_RANGE, MAX_WAIT_S, MIN_WAIT_S, Integer, Number, Strict, bounded
 
 
 def _auto_or_steps(value: Any) -> int | str:
@@ -17,14 +25,9 @@ def _auto_or_steps(value: Any) -> int | str:
     raise ValueError(f"{value!r} is neither 'auto' nor a whole number of steps from 1 to {INT32_MAX:,}")
 
 
-def _loss_or_metric(value: str, what: str) -> str:
-    if not value.strip():
-        raise ValueError(f"an empty {what} name: write a Keras name such as 'accuracy' or `package.module:function`")
-    if is_import_path(value):
-        return check_import_path(value)
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        raise ValueError(f"{value!r} is not a Keras {what} name (letters, digits and '_'), nor `package.module:function`")
-    return value
+# The momentum the name `sgd` has always meant here (Keras's own SGD default is 0.0); `{class_name: SGD}` is
+# Keras's default, as written.
+SGD_MOMENTUM = 0.9
 
 
 class TrainSpec(Strict):
@@ -34,14 +37,20 @@ class TrainSpec(Strict):
     # Steps run on the device per host round trip. auto: 32 on a TPU (where each round trip costs
     # milliseconds), 1 on CPU/GPU (measured no faster here: see benchmarks/RESULTS.md).
     steps_per_execution: Annotated[int | Literal["auto"], PlainValidator(_auto_or_steps)] = "auto"
-    optimizer: Literal["adam", "sgd", "rmsprop", "adamw"] = "adam"
-    learning_rate: Number = Field(1e-3, gt=0)
+    # A Keras optimizer name (adam, sgd, rmsprop, adamw, nadam, ...: `sgd` has momentum 0.9) at train.learning_rate,
+    # or Keras's serialized form {class_name: AdamW, config: {learning_rate: 0.001, weight_decay: 0.01}}.
+    optimizer: keras.Optimizer = "adam"
+    learning_rate: bounded(*LEARNING_RATE_RANGE) = 1e-3
+    # Keras's serialized learning-rate schedule, {class_name: CosineDecay, config: {initial_learning_rate: ...,
+    # decay_steps: ...}}; it replaces the learning rate (see the module's docstring). Unset: a constant rate.
+    schedule: keras.SerializedSchedule | None = None
     # auto: bfloat16 where the device computes it natively (TPUs, GPUs from compute capability 8.0, CPUs with
     # AVX512_BF16 or AMX), float32 elsewhere (runner/device/precision.py). The output layer stays float32 either way.
     mixed_precision: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Keras names, or your own `package.module:function` taking (y_true, y_pred).
-    loss: str = Field("sparse_categorical_crossentropy", max_length=256)
-    metrics: tuple[Annotated[str, Field(max_length=256)], ...] = Field(("accuracy",), max_length=64)
+    # Keras names or serialized objects ({class_name: SparseCategoricalCrossentropy, config: {from_logits: true}}),
+    # or your own `package.module:function` taking (y_true, y_pred).
+    loss: keras.Loss = "sparse_categorical_crossentropy"
+    metrics: tuple[keras.Metric, ...] = Field(("accuracy",), max_length=64)
     # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
     seed: Integer = Field(0, ge=0, le=2**32 - 1)
     # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
@@ -51,7 +60,15 @@ class TrainSpec(Strict):
     early_stopping_patience: Integer | None = Field(None, ge=1, le=1_000_000)
     # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
     reduce_lr_patience: Integer | None = Field(None, ge=1, le=1_000_000)
-    reduce_lr_factor: Number = Field(0.5, gt=0, lt=1)
+    reduce_lr_factor: bounded(0.001, 0.999) = 0.5
+    # Wall-clock limit in seconds from the process start: at it the job saves, stops with status time_limit and
+    # exits 124 (runner/train/limits.py). Unset: none. `runner submit` sets it (--max-run-duration).
+    max_duration: Number | None = Field(None, ge=1, le=366 * 86400)
+    # Seconds without a finished step after which the process exits 124 (the newest checkpoint kept). Unset: none.
+    stall_timeout: Number | None = Field(None, ge=10, le=7 * 86400)
+    # A finished run whose metric is at chance (or whose loss never fell below its first epoch's) ends as
+    # learned_nothing, exit 4; true keeps such a run `succeeded` (with the warning in its summary).
+    allow_chance: StrictBool = False
 
     @model_validator(mode="after")
     def _plateau_needs_validation(self) -> TrainSpec:
@@ -61,19 +78,62 @@ class TrainSpec(Strict):
                 raise ValueError(f"train.{key} ({value}) watches val_loss: also set train.validate_every_epoch: true")
         return self
 
-    @field_validator("loss")
-    @classmethod
-    def _loss_form(cls, value: str) -> str:
-        return _loss_or_metric(value, "loss")
+    @model_validator(mode="after")
+    def _one_learning_rate(self) -> TrainSpec:
+        given = "learning_rate" in self.model_fields_set
+        in_config = self.optimizer.config.get("learning_rate") if not isinstance(self.optimizer, str) else None
+        if self.schedule is not None:
+            if given:
+                raise ValueError(
+                    f"train.learning_rate ({self.learning_rate:g}) and train.schedule ({self.schedule.class_name}) "
+                    "both set the learning rate: the schedule replaces it; remove train.learning_rate"
+                )
+            if in_config is not None:
+                raise ValueError(
+                    f"train.optimizer's config sets learning_rate ({in_config:g}) and train.schedule "
+                    f"({self.schedule.class_name}) replaces it: remove learning_rate from the optimizer's config"
+                )
+            if self.reduce_lr_patience is not None:
+                raise ValueError(
+                    f"train.reduce_lr_patience ({self.reduce_lr_patience}) lowers a constant learning rate, but "
+                    f"train.schedule ({self.schedule.class_name}) sets it at every step: use one of them"
+                )
+        elif given and in_config is not None and in_config != self.learning_rate:
+            raise ValueError(
+                f"train.learning_rate ({self.learning_rate:g}) and train.optimizer's config learning_rate "
+                f"({in_config:g}) disagree: the optimizer's config wins; remove train.learning_rate"
+            )
+        return self
 
     @field_validator("metrics")
     @classmethod
-    def _metrics_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        names = tuple(_loss_or_metric(m, "metric") for m in value)
-        twice = sorted({n for n in names if names.count(n) > 1})
+    def _metrics_once(cls, value: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen = [keras.identity(m) for m in value]
+        twice = sorted({n for n in seen if seen.count(n) > 1})
         if twice:
             raise ValueError(f"{twice[0]!r} is listed twice; name each metric once")
-        return names
+        return value
+
+    def optimizer_for_keras(self) -> dict[str, Any]:
+        """The optimizer in Keras's serialized form with its constant learning rate settled (see the module's
+        docstring); with train.schedule, the caller puts the deserialized schedule in its place."""
+        if isinstance(self.optimizer, str):
+            config: dict[str, Any] = {"learning_rate": self.learning_rate}
+            if self.optimizer.lower() == "sgd":
+                config["momentum"] = SGD_MOMENTUM
+            serialized = {"class_name": keras.optimizer_class(self.optimizer), "config": config}
+        else:
+            serialized = self.optimizer.to_keras()
+            serialized["config"].setdefault("learning_rate", self.learning_rate)
+        return serialized
+
+
+def optimizer_identity(train: TrainSpec) -> str:
+    """The optimizer's Keras class (`Adam`, `SGD`, `AdamW`): what a checkpoint's optimizer slots mean, so a run
+    folder pins it; its learning rate, schedule and other settings may change between attempts."""
+    if isinstance(train.optimizer, str):
+        return keras.optimizer_class(train.optimizer)
+    return train.optimizer.class_name
 
 
 class CheckpointSpec(Strict):
@@ -81,4 +141,4 @@ class CheckpointSpec(Strict):
     every_steps: Integer | None = Field(None, ge=1, le=INT32_MAX)
     keep: Integer = Field(3, ge=1, le=10_000)
     # Seconds a preemption notice (SIGTERM) or Ctrl-C leaves for the final save.
-    grace_s: Number = Field(30.0, gt=0, le=MAX_WAIT_S)
+    grace_s: bounded(MIN_WAIT_S, MAX_WAIT_S, " s") = 30.0

@@ -29,10 +29,17 @@ from pydantic import (
 )
 
 from runner.models import MODEL_NAMES
-from runner.spec.base import INT32_MAX, MAX_WAIT_S, Integer, Name, Number, Strict
-from runner.spec.paths import has_control_character, refuse_glob_characters, resolve_path
+from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
+from runner.spec.paths import refuse_glob_characters, resolve_path
 from runner.spec.train import CheckpointSpec, TrainSpec
-from runner.spec.usercode import IDENTIFIER, CodeRoots, check_import_path, is_import_path
+from runner.spec.usercode import (
+    IDENTIFIER,
+    CodeRoots,
+    check_import_path,
+    check_package_is_yours,
+    is_import_path,
+    system_folder_problem,
+)
 
 # --- sections ----------------------------------------------------------------------------------------
 
@@ -43,14 +50,14 @@ class AcceleratorSpec(Strict):
     # Unset: TPU_NAME, then COLAB_TPU_ADDR, then "local" when /dev/accel* or /dev/vfio exist.
     tpu: Name | None = None
     # Bound on every TPU step (resolve, connect, initialise); a TPU that is not there must not stall a CPU run.
-    timeout_s: Number = Field(60.0, gt=0, le=MAX_WAIT_S)
+    timeout_s: bounded(MIN_WAIT_S, MAX_WAIT_S, " s") = 60.0
     # Split the host CPU into this many logical devices (MirroredStrategy over them): tests and dry runs.
     cpu_devices: Integer = Field(1, ge=1, le=64)
 
     @field_validator("tpu")
     @classmethod
     def _tpu_is_one_line(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or has_control_character(value)):
+        if value is not None and (not value.strip() or invisible_character(value)):
             raise ValueError(f"{value!r} is not a TPU name: write local, a TPU's name, or grpc://HOST:8470")
         return value
 
@@ -181,7 +188,9 @@ def _check_json(value: Any, where: str) -> None:
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where} is {value}: use a finite number")
     elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise ValueError(f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping")
+        raise ValueError(
+            f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping"
+        )
 
 
 class ModelSpec(Strict):
@@ -221,7 +230,7 @@ class ModelSpec(Strict):
 class StorageSpec(Strict):
     # An unanswered gs:// operation (outage, 503s, dropped connections) is retried with backoff for about
     # this long, then the job stops with exit 3 naming the bucket. See runner/data/storage.py.
-    timeout_s: Number = Field(300.0, gt=0, le=MAX_WAIT_S)
+    timeout_s: bounded(MIN_WAIT_S, MAX_WAIT_S, " s") = 300.0
 
 
 class MatmulSpec(Strict):
@@ -272,6 +281,8 @@ class CodeSpec(Strict):
         path = resolve_path(value, ("code", "folder"), info.context)
         if path.startswith("gs://"):
             raise ValueError(f"{path!r}: code is imported from a local folder, not from a bucket")
+        if problem := system_folder_problem(path):
+            raise ValueError(f"{problem}; set code.folder to the folder of your own modules")
         return path
 
     @field_validator("packages")
@@ -281,6 +292,7 @@ class CodeSpec(Strict):
             if name in sys.stdlib_module_names or name == "runner":
                 owner = "the runner itself" if name == "runner" else "Python's standard library"
                 raise ValueError(f"{name!r} is {owner}, not a package of yours; list only your own packages")
+            check_package_is_yours(name)
         return value
 
 
@@ -332,6 +344,20 @@ class JobSpec(Strict):
             raise ValueError("train.validate_every_epoch needs data to validate on: set data.validation or data.eval")
         return self
 
+    @model_validator(mode="after")
+    def _code_folder_is_yours(self) -> JobSpec:
+        # An explicit code.folder is checked as it is read; the default (the spec's own folder) only once the
+        # spec names code in it: a spec of built-ins may sit anywhere.
+        folder = self.code.folder
+        if "folder" not in self.code.model_fields_set and folder and self.import_paths:
+            if problem := system_folder_problem(folder):
+                key = next(iter(self.import_paths))
+                raise ValueError(
+                    f"{key} names code, and {problem} (code.folder unset: the spec's own folder); "
+                    "set code.folder to the folder of your own modules"
+                )
+        return self
+
     @property
     def run_dir(self) -> str:
         return f"{self.output.dir.rstrip('/')}/{self.name}"
@@ -339,9 +365,10 @@ class JobSpec(Strict):
     @property
     def import_paths(self) -> dict[str, str]:
         """Every `package.module:function` the spec names, by the key that names it."""
-        named = {"model.name": self.model.name, "data.preprocess": self.data.preprocess or "", "train.loss": self.train.loss}
+        named = {"model.name": self.model.name, "data.preprocess": self.data.preprocess or ""}
+        named["train.loss"] = self.train.loss
         named.update({f"train.metrics[{i}]": m for i, m in enumerate(self.train.metrics)})
-        return {key: value for key, value in named.items() if is_import_path(value)}
+        return {key: value for key, value in named.items() if isinstance(value, str) and is_import_path(value)}
 
     @property
     def code_roots(self) -> CodeRoots:

@@ -8,23 +8,37 @@ plus the runner's built-ins by name (`model.name: mnist_cnn`, Keras loss and met
 importable module (the standard library, setuptools, TensorFlow, the runner's own modules) is refused,
 whatever its functions do.
 
+The boundary guards against accidents (a typo, a copied spec, a name that happens to match an installed
+module), not against a hostile spec author, who can write any Python into their own code folder. It is checked
+on real paths, after symlinks and relative paths are resolved: a code folder inside site-packages or the
+standard library, or above either (`/`, a project holding its .venv), is refused, since every installed module
+would then be "in the code folder"; so is a module of the code folder that resolves into them through a symlink,
+and a `code.packages` entry naming a third-party package the runner's own environment installs (setuptools,
+keras, numpy, ...).
+
 `check_import_path` checks the form at spec load; `find_code` finds the module inside those roots without
-importing or running anything (`runner validate`); `load_callable` imports it at start-up, from those roots
-only, and turns every way that can fail into a SpecError (exit 2) naming the path and what was found.
+importing or running anything (`runner validate`, with `check_defined` reading the module's source for the
+attribute); `load_callable` imports it at start-up, from those roots only, and turns every way that can fail
+into a SpecError (exit 2) naming the path and what was found.
 There is no eval, no pickle, no code fetched from a bucket. This module imports no TensorFlow.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
 import pkgutil
 import re
+import site
 import sys
+import sysconfig
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
@@ -82,6 +96,85 @@ def check_import_path(value: str) -> str:
     return value
 
 
+# Third-party packages a spec may list in code.packages, each with why it is trusted. None is: a library's
+# functions are reached through a module of your own that imports it (one line), which keeps what a spec can
+# call readable in the spec's own code (docs/specs.md, "A job spec is code").
+TRUSTED_PACKAGES: dict[str, str] = {}
+# Installed with every environment, though no requirement names them.
+_BUILD_TOOLS = ("pip", "setuptools", "wheel")
+
+
+@functools.lru_cache(maxsize=1)
+def system_folders() -> tuple[str, ...]:
+    """The real paths of the standard library and of every site-packages folder Python imports from."""
+    paths = sysconfig.get_paths()
+    found = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    found += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+    found.append(site.getusersitepackages())
+    found += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
+    return tuple(sorted({os.path.realpath(p) for p in found if p and os.path.isdir(p)}))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def system_folder_problem(folder: str) -> str | None:
+    """Why `folder` cannot be a code folder (it is inside, or holds, the standard library or site-packages;
+    judged on its real path), or None."""
+    real = os.path.realpath(folder)
+    shown = folder if real == folder else f"{folder} (really {real})"
+    for system in system_folders():
+        if _inside(real, system):
+            return f"the code folder {shown} is inside {system}, where installed modules live"
+        if _inside(system, real):
+            return f"the code folder {shown} holds {system}, where installed modules live"
+    return None
+
+
+def _forbidden_target(real: str) -> str | None:
+    """The installed-code folder (or the runner's own package) a module's real path lies in, or None."""
+    runner_package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return next((f for f in (*system_folders(), runner_package) if _inside(real, f)), None)
+
+
+@functools.lru_cache(maxsize=1)
+def _runner_environment() -> frozenset[str]:
+    """Normalized names of the distributions the runner's environment brings: its requirements with every
+    extra, followed through theirs, and the build tools every environment has."""
+    seen: set[str] = set()
+    todo = ["tpu-job-runner", *_BUILD_TOOLS]
+    while todo:
+        name = _normalized(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [m.group(0) for r in requires if (m := re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r))]
+    return frozenset(seen - {"tpu-job-runner"})
+
+
+@functools.lru_cache(maxsize=1)
+def _providers() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def third_party(top: str) -> str | None:
+    """The distribution of the runner's environment that provides the top-level module `top`, or None (a
+    package of the user's own, or nothing installed)."""
+    if top in TRUSTED_PACKAGES:
+        return None
+    providers = _providers().get(top, [])
+    return next((d for d in providers if _normalized(d) in _runner_environment()), None)
+
+
 def find_code(path: str, key: str, roots: CodeRoots) -> Found:
     """Finds `path`'s module inside `roots` without importing or running anything; SpecError when it is not there.
 
@@ -97,6 +190,8 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
 
     importlib.invalidate_caches()  # modules written since the last look (a test, an editor) are seen
     folder = roots.folder
+    if os.path.isdir(folder) and (problem := system_folder_problem(folder)):
+        raise refuse(f"{problem}: set code.folder to the folder of your own modules")
     spec = PathFinder.find_spec(top, [folder]) if os.path.isdir(folder) else None
     installed = _installed_spec(top)
     in_folder = spec is not None
@@ -107,6 +202,8 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
                 "which Python imports first; rename your module"
             )
     elif top in roots.packages:
+        if (distribution := third_party(top)) is not None:
+            raise refuse(_third_party_reason(top, distribution))
         if installed is None:
             raise refuse(
                 f"code.packages lists {top!r}, but it is not installed here: pip install it, or add the folder "
@@ -131,7 +228,65 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
                 f"(it holds: {', '.join(held) or 'no modules'})"
             )
         spec = found
+    if in_folder:
+        for what, where in (("package", top_location), ("module", _location(spec))):
+            if (target := _forbidden_target(where)) is not None:
+                raise refuse(
+                    f"its {what} in the code folder {folder} resolves (through a symlink) to {where}, inside "
+                    f"{target}: the code folder holds your own modules, not links to installed ones"
+                )
     return Found(path, _location(spec), top_location, in_folder)
+
+
+def _third_party_reason(top: str, distribution: str) -> str:
+    return (
+        f"code.packages lists {top!r}, the third-party distribution {distribution!r} of the runner's own "
+        "environment, not a package of yours: import it from a module of your own in code.folder and name that "
+        "module's function instead"
+    )
+
+
+def check_package_is_yours(top: str) -> None:
+    """ValueError (for the spec loader) when `top` is a third-party package of the runner's environment."""
+    if (distribution := third_party(top)) is not None:
+        raise ValueError(_third_party_reason(top, distribution))
+
+
+def check_defined(found: Found, key: str) -> None:
+    """Reads (never runs) the module's source and refuses an attribute it does not define, naming the closest
+    one. A module that can define names at import time in ways the source does not show (`from x import *`,
+    a module `__getattr__`), or that is not Python source, is left to the import."""
+    attribute = found.path.partition(":")[2]
+    origin = found.origin
+    if not origin.endswith(".py") or not os.path.isfile(origin):
+        return
+    try:
+        with open(origin, "rb") as handle:
+            tree = ast.parse(handle.read(4 << 20), origin)
+    except (SyntaxError, ValueError, OSError):
+        return  # the import reports it, with its line
+    names: set[str] = set()
+    public: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if not node.name.startswith("_"):
+                public.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    if "__getattr__" in names or attribute in names:
+        return
+    close = difflib.get_close_matches(attribute, sorted(names), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    module_name = found.path.partition(":")[0]
+    raise SpecError(
+        f"{key}: module {module_name!r} ({origin}) has no attribute {attribute!r}{hint} "
+        f"(it defines: {', '.join(sorted(public)) or 'no public functions or classes'})"
+    )
 
 
 def _outside_roots(top: str, folder: str, installed: ModuleSpec | None) -> str:
@@ -183,8 +338,10 @@ def load_callable(path: str, key: str, arguments: tuple[str, ...], roots: CodeRo
     if not hasattr(module, attribute):
         found_names = _callables_in(module)
         listing = ", ".join(found_names) if found_names else "no public functions or classes"
+        close = difflib.get_close_matches(attribute, [n for n in vars(module) if not n.startswith("__")], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise SpecError(
-            f"{key}: module {module_name!r} ({_origin(module)}) has no attribute {attribute!r}; "
+            f"{key}: module {module_name!r} ({_origin(module)}) has no attribute {attribute!r}{hint}; "
             f"it defines: {listing}"
         )
     target = getattr(module, attribute)

@@ -1,30 +1,42 @@
 """The model a job trains, evaluates and predicts with: built (a built-in one from runner/models.py's table, or
 the user's own build function), compiled with the spec's optimizer, loss and metrics, and restored from a
 checkpoint. Training, evaluation and prediction share it.
+
+The optimizer, a serialized loss or metric and the learning-rate schedule are made by Keras's own
+deserialization (`keras.optimizers.get`, `keras.losses.get`, `keras.metrics.get`,
+`keras.optimizers.schedules.deserialize`) from what runner/spec/keras.py checked; a loss or metric name is
+handed to `compile` as it is (`accuracy` is resolved there from the shapes). Before training, the loss must
+agree with the model's output: a loss that expects probabilities on a model that ends in logits (or the
+reverse) trains without an error and learns the wrong thing, so it is refused here (`check_loss_agreement`)
+or, when the output layer's activation cannot be read, on the first batch's outputs (`check_first_outputs`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from runner import SpecError, models
 from runner.data.schema import Feature
 from runner.device import precision
 from runner.spec import usercode
+from runner.spec.keras import Serialized
+from runner.spec.train import TrainSpec
 from runner.spec.types import JobSpec
 
 keras = tf.keras
 log = logging.getLogger(__name__)
 
-_OPTIMIZERS = {
-    "adam": lambda lr: keras.optimizers.Adam(learning_rate=lr),
-    "adamw": lambda lr: keras.optimizers.AdamW(learning_rate=lr),
-    "sgd": lambda lr: keras.optimizers.SGD(learning_rate=lr, momentum=0.9),
-    "rmsprop": lambda lr: keras.optimizers.RMSprop(learning_rate=lr),
-}
+# Output activations that make probabilities; a loss without from_logits expects them.
+_PROBABILITY_ACTIVATIONS = ("softmax", "sigmoid")
+# How far outside [0, 1] a probability may stray through rounding (bfloat16 holds 1.0 exactly; float16 sums of
+# softmax terms can pass it by a few thousandths).
+_ROUNDING = 1e-2
 
 
 def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
@@ -58,8 +70,31 @@ def _build_user_model(
     return model
 
 
-def _loss_or_metric(value: str, key: str, roots: usercode.CodeRoots) -> Any:
-    """A Keras name stays a name; `package.module:function` becomes the imported (y_true, y_pred) function."""
+def _from_keras(key: str, deserialize: Callable[[Any], Any], value: Any) -> Any:
+    """Keras's own deserialization of a checked spec value; what Keras still refuses (a value of the wrong kind
+    for an argument, an argument this Keras lacks) is a spec error naming the key."""
+    try:
+        return deserialize(value)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SpecError(f"{key}: Keras ({keras.__name__} {keras.__version__}) cannot build {value}: {exc}") from exc
+
+
+def make_optimizer(train: TrainSpec) -> Any:
+    """The spec's optimizer, made by keras.optimizers.get, at its settled learning rate or schedule."""
+    serialized = train.optimizer_for_keras()
+    if train.schedule is not None:
+        serialized["config"]["learning_rate"] = _from_keras(
+            "train.schedule", keras.optimizers.schedules.deserialize, train.schedule.to_keras()
+        )
+    return _from_keras("train.optimizer", keras.optimizers.get, serialized)
+
+
+def _loss_or_metric(value: str | Serialized, key: str, roots: usercode.CodeRoots) -> Any:
+    """A Keras name stays a name (`compile` resolves it); Keras's serialized form becomes the Keras object;
+    `package.module:function` becomes the imported (y_true, y_pred) function."""
+    if isinstance(value, Serialized):
+        get = keras.losses.get if key == "train.loss" else keras.metrics.get
+        return _from_keras(key, get, value.to_keras())
     if usercode.is_import_path(value):
         return usercode.load_callable(value, key, ("y_true", "y_pred"), roots)
     return value
@@ -78,7 +113,7 @@ def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
 
 def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu") -> None:
     model.compile(
-        optimizer=_OPTIMIZERS[spec.train.optimizer](spec.train.learning_rate),
+        optimizer=make_optimizer(spec.train),
         loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),
         # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data/pipeline.py), and
         # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
@@ -104,11 +139,122 @@ def build_compiled(
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
         compile_model(model, spec, accelerator.kind)
+        check_loss_agreement(model, model.loss)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint
 
 
 def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
-    """Restores a checkpoint (weights, optimizer, step); returns the optimizer step it was saved at."""
+    """Restores a checkpoint (weights, optimizer slots, step); returns the optimizer step it was saved at.
+
+    The learning rate stays the spec's: Keras keeps a constant rate in a variable the checkpoint restores, so
+    without this a resumed run would go on at the rate it was saved with (a rate lowered by ReduceLROnPlateau
+    included) whatever the spec now says. A schedule is no variable: it continues from the restored step."""
+    optimizer = checkpoint.optimizer
+    rate = None if _has_schedule(optimizer) else float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     checkpoint.restore(path).expect_partial()
-    return int(checkpoint.optimizer.iterations.numpy())
+    if rate is not None:
+        optimizer.learning_rate = rate
+    return int(optimizer.iterations.numpy())
+
+
+def _has_schedule(optimizer: Any) -> bool:
+    return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+
+
+# --- the loss agrees with the model's output ------------------------------------------------------------
+
+
+def _expects(loss: Any) -> str | None:
+    """"probabilities", "logits", or None (a loss that takes either, or whose wish cannot be read): what a
+    Keras loss (a name, a serialized form, a function or a Loss object) expects of the model's output."""
+    if isinstance(loss, Serialized):
+        loss = loss.to_keras()
+    if isinstance(loss, (str, dict)):
+        if isinstance(loss, str) and usercode.is_import_path(loss):
+            return None
+        try:
+            loss = keras.losses.get(loss)
+        except (ValueError, TypeError, KeyError):
+            return None
+    config = loss.get_config() if hasattr(loss, "get_config") and not inspect.isfunction(loss) else None
+    if isinstance(config, dict) and "from_logits" in config:
+        return "logits" if config["from_logits"] else "probabilities"
+    if inspect.isfunction(loss) and getattr(loss, "__module__", "").startswith(("keras", "tf_keras")):
+        parameter = inspect.signature(loss).parameters.get("from_logits")
+        if parameter is not None:
+            return "logits" if parameter.default else "probabilities"
+    return None
+
+
+def _loss_text(loss: Any) -> tuple[str, str]:
+    """(how the spec writes the loss, its Keras class name) for a message."""
+    written = loss if isinstance(loss, str) else type(loss).__name__
+    resolved = keras.losses.get(loss) if isinstance(loss, str) else loss
+    if inspect.isfunction(resolved):  # sparse_categorical_crossentropy -> SparseCategoricalCrossentropy
+        return written, "".join(part.capitalize() for part in resolved.__name__.split("_"))
+    return written, type(resolved).__name__
+
+
+def _output_activation(model: Any) -> tuple[Any, str] | None:
+    """(the output layer, its activation's name) when the model has one output whose activation can be read."""
+    try:
+        outputs = list(model.outputs or [])
+    except (AttributeError, ValueError):  # a subclassed model has no graph of layers to read
+        return None
+    history = getattr(outputs[0], "_keras_history", None) if len(outputs) == 1 else None
+    layer = history[0] if history else None  # the layer that made the one output (Functional, Sequential)
+    if layer is None:
+        return None
+    if isinstance(layer, keras.layers.Softmax):
+        return layer, "softmax"
+    activation = getattr(layer, "activation", None)
+    name = getattr(activation, "__name__", None)
+    return (layer, name) if isinstance(name, str) else None
+
+
+def check_loss_agreement(model: Any, loss: Any) -> None:
+    """SpecError (exit 2) when the loss expects probabilities and the output layer gives logits, or the reverse.
+
+    `loss`: what `compile` was given (`model.loss`): a Keras name, function or Loss object."""
+    expects, output = _expects(loss), _output_activation(model)
+    if expects is None or output is None:
+        return
+    layer, activation = output
+    gives_probabilities = activation in _PROBABILITY_ACTIVATIONS
+    described = f"the model's output layer {layer.name!r} ({type(layer).__name__}, activation {activation})"
+    written, class_name = _loss_text(loss)
+    if expects == "probabilities" and not gives_probabilities:
+        raise SpecError(
+            f"train.loss: {written} expects probabilities, but {described} gives logits: it would train without "
+            f"an error and learn the wrong thing. Set `train.loss: {{class_name: {class_name}, config: "
+            f"{{from_logits: true}}}}`, or end the model with a softmax (sigmoid for one output)"
+        )
+    if expects == "logits" and gives_probabilities:
+        raise SpecError(
+            f"train.loss: {written} has from_logits: true, but {described} already gives probabilities: it would "
+            f"apply {activation} twice. Set `train.loss: {{class_name: {class_name}, config: "
+            f"{{from_logits: false}}}}`, or remove the model's final {activation}"
+        )
+
+
+def check_first_outputs(model: Any, loss: Any, batch_outputs: Any) -> None:
+    """SpecError (exit 2) when a loss that expects probabilities meets outputs outside [0, 1] on a first batch:
+    the check for models whose output activation cannot be read (check_loss_agreement covers the others).
+
+    `loss`: `model.loss` or the spec's `train.loss`; `batch_outputs`: the model's outputs on one batch (a
+    tensor or array; a model with several outputs is not checked)."""
+    if _expects(loss) != "probabilities" or isinstance(batch_outputs, (list, tuple, dict)):
+        return
+    values = np.asarray(keras.ops.convert_to_numpy(batch_outputs), dtype=np.float64)
+    if values.size == 0 or not np.isfinite(values).all():
+        return  # a non-finite output is the divergence check's to report
+    low, high = float(values.min()), float(values.max())
+    if low >= -_ROUNDING and high <= 1 + _ROUNDING:
+        return
+    written, class_name = _loss_text(loss if not isinstance(loss, Serialized) else keras.losses.get(loss.to_keras()))
+    raise SpecError(
+        f"train.loss: {written} expects probabilities, but model {getattr(model, 'name', '?')!r} gave outputs from "
+        f"{low:.4g} to {high:.4g} on the first batch (logits): set `train.loss: {{class_name: {class_name}, config: "
+        "{from_logits: true}}`, or end the model with a softmax (sigmoid for one output)"
+    )

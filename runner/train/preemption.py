@@ -24,14 +24,14 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _STDERR_FD = os.dup(2)
 
 
-def _exit_now(message: str, code: int) -> None:
+def exit_now(message: str, code: int) -> None:
     sys.stderr.flush()
     os.write(_STDERR_FD, f"error: {message}\n".encode())
     os._exit(code)
 
 
 def _interrupted_again() -> None:
-    _exit_now(
+    exit_now(
         f"interrupted again: exiting now ({EXIT_INTERRUPTED}) without saving; the newest complete checkpoint is "
         "kept: run the same job again to continue from it",
         EXIT_INTERRUPTED,
@@ -148,7 +148,7 @@ class PreemptionNotice:
             what, status, code = "Ctrl-C", "interrupted", EXIT_INTERRUPTED
         else:
             what, status, code = "the preemption notice", "preempted", EXIT_PREEMPTED
-        _exit_now(
+        exit_now(
             f"{status}: the job did not save and stop within checkpoint.grace_s ({self.grace_s:g} s) of {what}; "
             f"exiting {code} now: the next attempt resumes from the newest complete checkpoint",
             code,

@@ -323,15 +323,27 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
             + _model_at(summary)
         )
     epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
+    computed = _precision(summary)
     if status == "succeeded":
-        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary)
-    if status in ("preempted", "interrupted"):  # SIGTERM or Ctrl-C: saved, and the same command continues
+        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary) + computed
+    if status == "learned_nothing":  # trained and saved, but at chance: the warning follows
+        return f"learned nothing: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary) + computed
+    if status in ("preempted", "interrupted", "time_limit"):  # saved, and the same command continues
+        saves = summary.get("checkpoint_saves")
+        saved = saves["saves"] > 0 if saves else bool(records)  # a stop before training saved nothing new
+        what = f"checkpoint saved in {run_dir}/checkpoints" if saved else "no new checkpoint was saved"
         return (
-            f"{status} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: checkpoint saved in "
-            f"{run_dir}/checkpoints; run the same command again to continue"
+            f"{status.replace('_', ' ')} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: "
+            f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
     return f"{status} after {epochs} in {duration(total_s)}{where} (the error follows)"
+
+
+def _precision(summary: dict[str, Any]) -> str:
+    """`; precision bfloat16 (cpu flag avx512_bf16)`: what the job computed in, and why."""
+    chosen = (summary.get("accelerator") or {}).get("precision") or {}
+    return f"; precision {chosen['policy']} ({chosen.get('reason', '')})" if chosen.get("policy") else ""
 
 
 def _model_at(summary: dict[str, Any]) -> str:

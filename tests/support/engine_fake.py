@@ -5,6 +5,9 @@
     POST /v1/projects/P/locations/R/customJobs                      Vertex AI: the CustomJob back, QUEUED
     POST /apis/jobset.x-k8s.io/v1alpha2/namespaces/NS/jobsets       Kubernetes: the JobSet back, with a uid
                                                                     (409 AlreadyExists for a name seen before)
+    GET  /api/v1/namespaces/NS, /apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/NAME
+                             Kubernetes: an object put there with POST /_fake/objects, else 404 NotFound
+    POST /_fake/objects      {"path": P, "object": {...}}: what GET P answers from now on (not recorded)
     GET  /_fake/requests     every API request so far: method, path, query, body (parsed JSON)
     GET  /_fake/health       "ok"
 The process exits by itself after --ttl seconds. From a test: `with start_engine_fake(folder) as fake:` gives
@@ -33,10 +36,19 @@ class Engines(Recorder):
     def __init__(self) -> None:
         super().__init__()
         self.jobsets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.objects: dict[str, Any] = {}  # path -> a Kubernetes object a test put there
         self.ids = itertools.count(1)
 
 
 def handle(state: Engines, method: str, path: str, body: Any) -> tuple[int, Any]:
+    if method == "POST" and path == "/_fake/objects":
+        state.objects[body["path"]] = body["object"]
+        return 200, {}
+    if method == "GET" and path.startswith(("/api/v1/", "/apis/")):
+        if path in state.objects:
+            return 200, state.objects[path]
+        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                     "message": f"{path} not found", "code": 404}
     if method == "POST" and (match := _CUSTOM_JOBS.match(path)):
         job = dict(body or {})
         job.update({"name": f"projects/{match.group(1)}/locations/{match.group(2)}/customJobs/{next(state.ids)}",
@@ -63,7 +75,10 @@ class Handler(FakeHandler):
 
 
 class EngineFake(FakeClient):
-    """The test side of a running fake: `endpoint` and `requests()`."""
+    """The test side of a running fake: `endpoint`, `requests()` and `put(path, object)`."""
+
+    def put(self, path: str, obj: dict[str, Any]) -> None:
+        self.call("POST", "/_fake/objects", {"path": path, "object": obj})
 
 
 def start_engine_fake(folder: Path, ttl_s: float = 600.0) -> contextlib.AbstractContextManager[EngineFake]:

@@ -17,13 +17,16 @@ PROJECT, ZONE = "runner-test", "us-central1-a"
 IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 
 
-def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_cli("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--image", IMAGE, "--project", PROJECT,
+def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None,
+           image: str = IMAGE, project: str | None = PROJECT) -> subprocess.CompletedProcess:
+    """`runner submit` with the flags every engine takes."""
+    where = ["--project", project] if project else []
+    return run_cli("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--image", image, *where,
                    *extra, env=env, timeout=120)
 
 
-def submission(spec: Path, tpu_type: str = "v5litepod-8", **flags: Any):
-    return prepare_submission(spec, [], tpu_type=tpu_type, zone=ZONE, image=IMAGE, project=PROJECT, **flags)
+def submission(spec: Path, tpu_type: str = "v5litepod-8", image: str = IMAGE, **flags: Any):
+    return prepare_submission(spec, [], tpu_type=tpu_type, zone=ZONE, image=image, project=PROJECT, **flags)
 
 
 def missing(what: str, made_from: str) -> None:

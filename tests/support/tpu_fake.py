@@ -34,7 +34,8 @@ Control endpoints for the tests:
     POST /_fake/state               {"name": ID, "state": "ACTIVE", "node_state": "READY"} moves a resource on
     POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N}}
     POST /_fake/preempt             {"name": ID, "grace_s": 20}
-    POST /_fake/fail                {"count": N}: the next N TPU API requests answer 503 UNAVAILABLE
+    POST /_fake/fail                {"count": N}: the next N TPU API requests answer 503 UNAVAILABLE (which gcloud
+                                    retries for about 30 s); {"count": N, "status": 403}: 403 PERMISSION_DENIED
     GET  /_fake/boots               every VM boot so far: queued resource, node, folder, pids, exit codes
     GET  /_fake/entries             every Cloud Logging entry written
     POST /_fake/reset               forgets requests, resources, entries and configuration (kills VMs)
@@ -127,7 +128,8 @@ class Fake(Recorder):
         self.incarnations: dict[str, int] = {}
         # (due, callable, or-sooner-when), run by tick() when due, or as soon as its condition holds
         self.timers: list[tuple[float, Any, Any]] = []
-        self.failing = 0  # the next this many API requests answer 503 UNAVAILABLE
+        self.failing = 0  # the next this many API requests answer `failing_status`
+        self.failing_status = 503
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -341,7 +343,7 @@ class Fake(Recorder):
             vm.signal(signal.SIGKILL)
         self.requests.clear(), self.queued.clear(), self.nodes.clear(), self.operations.clear()
         self.entries.clear(), self.vms.clear(), self.timers.clear(), self.incarnations.clear()
-        self.lifecycle, self.boot, self.failing = dict(_DEFAULT_LIFECYCLE), None, 0
+        self.lifecycle, self.boot, self.failing, self.failing_status = dict(_DEFAULT_LIFECYCLE), None, 0, 503
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -420,6 +422,8 @@ class Handler(FakeHandler):
             return self._control(method, url.path, body)
         if fake.failing > 0 and url.path.startswith("/v2/projects/"):
             fake.failing -= 1
+            if fake.failing_status == 403:
+                return _error(403, "PERMISSION_DENIED", "Permission 'tpu.queuedResources.delete' denied (fake)")
             return _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
         return handle(fake, method, url.path, urllib.parse.parse_qs(url.query), body)
 
@@ -445,7 +449,8 @@ class Handler(FakeHandler):
                 return 404, {"error": f"no queued resource {body.get('name')!r}"}
         if path == "/_fake/fail" and method == "POST":
             fake.failing = int(body.get("count", 0))
-            return 200, {"failing": fake.failing}
+            fake.failing_status = int(body.get("status", 503))
+            return 200, {"failing": fake.failing, "status": fake.failing_status}
         if path == "/_fake/preempt" and method == "POST":
             try:
                 return 200, fake.preempt(body["name"], float(body.get("grace_s", 30)))
@@ -471,9 +476,9 @@ class TpuFake(FakeClient):
     def preempt(self, name: str, grace_s: float = 30.0) -> dict[str, Any]:
         return self.call("POST", "/_fake/preempt", {"name": name, "grace_s": grace_s})
 
-    def fail(self, count: int) -> None:
-        """The next `count` TPU API requests answer 503 UNAVAILABLE."""
-        self.call("POST", "/_fake/fail", {"count": count})
+    def fail(self, count: int, status: int = 503) -> None:
+        """The next `count` TPU API requests answer 503 UNAVAILABLE (or 403 PERMISSION_DENIED)."""
+        self.call("POST", "/_fake/fail", {"count": count, "status": status})
 
     def boots(self) -> list[dict[str, Any]]:
         return self.call("GET", "/_fake/boots")

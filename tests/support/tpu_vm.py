@@ -14,8 +14,16 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                          sleep:S:N   the same after S seconds; SIGTERM meanwhile: exit 75
                                          hold:N      the same once the test calls `release(env)` (at most
                                                      300 s); SIGTERM meanwhile: exit 75
+                                         hang        a job that never ends and ignores SIGTERM (300 s at most):
+                                                     only KILL stops it
+                                         stall       a job whose guard sees no progress: after the
+                                                     `--set train.stall_timeout=S` it was given, writes a
+                                                     summary with status "stalled" and exits 124
+                                         limit       the same at `--set train.max_duration=S`: "time_limit", 124
                                          real        the real `python -m runner run` on this machine's CPU
-                                                     (`--set accelerator.kind=cpu`: there is no TPU here)
+                                                     (`--set accelerator.kind=cpu`: there is no TPU here; the
+                                                     limits' --set too, once the local spec knows their keys)
+  docker rm -f NAME                    recorded
   --log-driver=gcplogs                 with FAKE_LOGGING (an endpoint) each output line is also written to
                                        Cloud Logging's entries:write as docker's gcplogs driver writes it
                                        (log gcplogs-docker-driver, jsonPayload.container.name "/NAME");
@@ -44,7 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # What the startup script calls, found on this machine and linked into the VM's PATH. A tool not listed
 # here is missing on the simulated VM (docker-credential-gcloud, unless a test adds it).
-_TOOLS = ("bash", "sh", "curl", "date", "seq", "sleep", "tee", "mkdir", "tr", "grep", "base64", "cat", "rm", "env")
+_TOOLS = ("bash", "sh", "curl", "date", "seq", "sleep", "tee", "mkdir", "tr", "grep", "base64", "cat", "rm", "env",
+          "timeout")
 
 
 def vm_bin(folder: Path, credential_helper: bool = True) -> Path:
@@ -263,6 +272,7 @@ def _next_job() -> str:
 
 
 def _write_summary(spec_path: Path, status: str) -> None:
+    """A summary.json in the spec's run folder (succeeded: every epoch done; otherwise none)."""
     import yaml
 
     spec = yaml.safe_load(spec_path.read_text())
@@ -306,8 +316,21 @@ def fake_docker(args: list[str]) -> int:
     spec_path = job_dir / Path(command[1]).relative_to("/job")
     behaviour = _next_job()
     kind, *values = behaviour.split(":")
+    given = dict(command[i + 1].split("=", 1) for i in range(len(command) - 1) if command[i] == "--set")
     if kind == "real":
-        return _run_real(spec_path, options, emit)
+        return _run_real(spec_path, options, emit, given)
+    if kind in ("stall", "limit"):
+        key, status = ("train.stall_timeout", "stalled") if kind == "stall" else ("train.max_duration", "time_limit")
+        emit(f"epoch 1/2: training ({behaviour}, {key}={given[key]})\n")
+        time.sleep(float(given[key]))
+        _write_summary(spec_path, status)
+        emit(f'{{"status": "{status}", "exit": 124}}\n')
+        return 124
+    if kind == "hang":
+        signal.signal(signal.SIGTERM, lambda *_: emit("SIGTERM ignored: still running\n"))
+        emit("epoch 1/2: training (hang)\n")
+        time.sleep(300)
+        return 0
     code = int(values[-1])
     emit(f"epoch 1/2: training ({behaviour})\n")
     if kind in ("sleep", "hold"):
@@ -324,7 +347,7 @@ def fake_docker(args: list[str]) -> int:
     return code
 
 
-def _run_real(spec_path: Path, options: dict[str, list[str]], emit) -> int:
+def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[str, str]) -> int:
     env = dict(os.environ)
     for pair in options.get("-e", []):
         key, _, value = pair.partition("=")
@@ -333,7 +356,13 @@ def _run_real(spec_path: Path, options: dict[str, list[str]], emit) -> int:
     env["PATH"] = os.environ["FAKE_REAL_PATH"]
     # The process group gets the VM's SIGTERM; the job handles it itself, this stand-in only relays output.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu"],
+    from runner.spec.types import JobSpec
+
+    # The limits' keys reach the real job once this checkout's spec has them (the image's runner always does).
+    train_keys = JobSpec.model_fields["train"].annotation.model_fields if hasattr(
+        JobSpec.model_fields["train"].annotation, "model_fields") else {}
+    sets = [x for key, value in given.items() if key.split(".", 1)[1] in train_keys for x in ("--set", f"{key}={value}")]
+    child = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu", *sets],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
                              preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     reader = threading.Thread(target=lambda: [emit(line) for line in child.stdout], daemon=True)

@@ -8,8 +8,9 @@ RUNNER_SPEC_B64 (as on a TPU VM), is written to a file and run with `runner run`
 the engine does next (docs/engines.md):
 
     75  preempted, checkpoint saved: run again             -> the engine restarts the job
+    124 timed out (what coreutils `timeout` returns)       -> restarted where the engine can bound it (GKE)
     3   infrastructure (accelerator, storage)              -> restarted where the engine can bound it (GKE)
-    1 2 training failed / bad spec or data                 -> never restarted
+    1 2 training failed / bad spec or data                 -> never restarted (Vertex AI: see vertex.py)
 
 Each engine's client library is imported only when a job is sent; none is needed for --dry-run.
 """
@@ -38,8 +39,12 @@ SPEC_FILE = "/tmp/runner-spec.yaml"
 # The one command every engine runs in the image: the spec from the environment to a file, then the job.
 # One line, so that xpk can inline it in its own wrapper script.
 COMMAND = f'printf %s "$RUNNER_SPEC_B64" | base64 -d >{SPEC_FILE} && exec runner run {SPEC_FILE}'
+# What coreutils `timeout` returns when it ends the command: like a preemption, the job is cut short and
+# running it again continues from its newest checkpoint.
+EXIT_TIMED_OUT = 124
+PREEMPTION_LIKE = (EXIT_PREEMPTED, EXIT_TIMED_OUT)
 RETRY_UNBOUNDED = (EXIT_PREEMPTED,)
-RETRY_BOUNDED = (EXIT_INFRA, EXIT_PREEMPTED)
+RETRY_BOUNDED = (EXIT_INFRA, *PREEMPTION_LIKE)
 NEVER_RETRY = (EXIT_TRAINING, EXIT_USAGE)
 
 
@@ -66,6 +71,9 @@ class Options:
     namespace: str = "default"  # gke
     cluster: str | None = None  # gke --format xpk: the xpk cluster
     output_format: str = "manifest"  # gke: manifest | xpk
+    # --max-restarts as given (None: not given). The Submission's own count defaults to 0 without --spot,
+    # which is the TPU VM's rule; GKE restarts a preempted or timed-out job either way (gke.max_restarts).
+    max_restarts: int | None = None
 
 
 def check_options(on: str, given: dict[str, bool], options: Options) -> None:
@@ -127,7 +135,7 @@ def submit(on: str, sub: Submission, options: Options, *, dry_run: bool) -> tupl
     if on == "skypilot":
         from runner.cloud.engines import skypilot
 
-        task = skypilot.task(sub)
+        task = skypilot.task(sub, dry_run=dry_run)
         return (skypilot.task_yaml(task), None) if dry_run else ("", skypilot.launch(sub, task))
     if on == "gke":
         from runner.cloud.engines import gke

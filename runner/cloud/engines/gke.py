@@ -3,16 +3,30 @@ create` command line itself (--format xpk). Applied with the kubernetes Python c
 (`pip install 'tpu-job-runner[gke]'`; the cluster is kubeconfig's current context).
 
 The manifest follows xpk's (xpk/commands/workload.py, WORKLOAD_CREATE_YAML): one replicated job `slice-job`
-with one replica per slice and one pod per host, `backoffLimit: 0`, a pod failure policy that fails the Job
-(FailJob) on every exit code but the restartable ones, a JobSet rule that fails the whole JobSet when that
-happens (FailJobSet on PodFailurePolicy), and `failurePolicy.maxRestarts` for the rest. The restartable exit
-codes are xpk's defaults (42, 127-255: signals) plus the runner's 75 (preempted) and 3 (infrastructure), so
-1 and 2 end the job at once; a preempted node also restarts it, up to --max-restarts times.
+with one replica per slice and one pod per host, `backoffLimit: 0`, and failure rules in two layers:
+  - the Job's pod failure policy (Kubernetes batch/v1, first matching rule wins): a pod with the
+    DisruptionTarget condition (preempted, evicted, its node drained or shut down) is `Ignore`d: the Job
+    makes a new pod and nothing is counted; an exit code outside RESTART_CODES (1, 2: failed training, bad
+    spec or data) is `FailJob`; any other exit (75 preempted, 124 timed out, 3 infrastructure, signals)
+    counts against backoffLimit 0, so the Job fails with BackoffLimitExceeded;
+  - the JobSet's failure policy (JobSet's FailurePolicyRule, jobset.x-k8s.io/v1alpha2): a Job failed by the
+    pod failure policy (reason PodFailurePolicy) fails the JobSet at once (FailJobSet); any other Job failure
+    gets JobSet's default action, RestartJobSet, counted against `maxRestarts` (--max-restarts; default
+    DEFAULT_RESTARTS with or without --spot: an on-demand node is drained for upgrades and maintenance too).
+The rule fields are the ones JobSet's own API declares (onJobFailureReasons; onJobFailureMessagePatterns only
+exists from JobSet v0.11, and xpk installs v0.10.1, so it is not used).
+
+The pod runs as root, privileged and on the host network, as on a TPU VM (libtpu opens the TPU devices).
+GKE Autopilot refuses such pods, and so does a namespace that enforces the baseline or restricted Pod
+Security Standard: `preflight` checks both before anything is created, so this runs on GKE Standard
+clusters with TPU node pools.
 
 Only single-host slices run (runner/cloud/tpu_types.py). GKE names the host's TPU by accelerator and topology;
 the table below is GKE's (https://cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus, "TPU
-configurations"). xpk's own catalog runs v5litepod-8 and v6e-8 as two hosts of 4 chips, so for those two
-types the manifest asks for the single 8-chip host GKE also offers, and --format xpk is refused.
+configurations"). v5litepod-8 and v6e-8 have a 2x4 topology both as one 8-chip host and as two 4-chip hosts
+(xpk's catalog makes the latter), so every pod also selects its machine type
+(`node.kubernetes.io/instance-type`, Kubernetes's well-known label): it lands on a one-host node pool of that
+type or nowhere, and NODE_POOL says how to make one. --format xpk is refused for those two types.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from runner.cloud.engines import (
     container_env,
     dump_yaml,
 )
-from runner.cloud.submit import Submission
+from runner.cloud.submit import DEFAULT_SPOT_RESTARTS, Submission
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 # xpk restarts on these unless told otherwise (`xpk workload create --help`, --restart-on-exit-codes).
@@ -39,6 +53,17 @@ RESTART_CODES = tuple(sorted({*XPK_RESTART_CODES, *RETRY_BOUNDED}))
 XPK_QUEUE = "multislice-queue"  # the LocalQueue xpk labels every workload with
 NAME_LIMIT = 40  # xpk's limit for a workload: pod names add "-slice-job-0-0-" and a suffix within 63
 TTL_SECONDS = 12 * 3600  # xpk's default: a finished JobSet is deleted after 12 hours
+DEFAULT_RESTARTS = DEFAULT_SPOT_RESTARTS  # JobSet restarts after exit 3, 75, 124 or a signal, --spot or not
+INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+# GKE Autopilot's own mutating webhooks, by name: their presence is how Agones (agones-dev/agones,
+# pkg/cloudproduct/gke/gke.go, Detect) tells Autopilot from Standard; the first is the name before GKE 1.26.
+AUTOPILOT_WEBHOOKS = ("workload-defaulter.config.common-webhooks.networking.gke.io",
+                      "sasecret-redacter.config.common-webhooks.networking.gke.io")
+POD_SECURITY = "pod-security.kubernetes.io/enforce"  # the namespace label of Kubernetes Pod Security Admission
+# GKE's command for a one-host TPU node pool (https://cloud.google.com/kubernetes-engine/docs/how-to/tpus,
+# "Create a single-host TPU slice node pool").
+NODE_POOL = ("gcloud container node-pools create NAME --cluster CLUSTER --location LOCATION "
+             "--node-locations {zone} --machine-type {machine} --num-nodes 1{spot}")
 INSTALL = "pip install 'tpu-job-runner[gke]'   (or: pip install kubernetes)"
 
 
@@ -71,6 +96,18 @@ def host_of(sub: Submission) -> Host:
     return host
 
 
+def max_restarts(sub: Submission, options: Options) -> int:
+    """--max-restarts if given, else DEFAULT_RESTARTS. Without Options.max_restarts (a caller that does not
+    pass the flag through) a nonzero count on the Submission is taken as given."""
+    if options.max_restarts is not None:
+        return options.max_restarts
+    return sub.max_restarts or DEFAULT_RESTARTS
+
+
+def node_pool_command(sub: Submission, host: Host) -> str:
+    return NODE_POOL.format(zone=sub.zone, machine=host.machine_type, spot=" --spot" if sub.spot else "")
+
+
 def check_name(name: str) -> str:
     if len(name) > NAME_LIMIT:
         raise SpecError(f"--name {name!r} is {len(name)} characters; a JobSet's pods need it within {NAME_LIMIT} "
@@ -83,7 +120,8 @@ def pod_template(sub: Submission, host: Host) -> dict[str, Any]:
     without them would refuse the pod)."""
     chips = {"google.com/tpu": host.chips}
     selector = {"cloud.google.com/gke-tpu-accelerator": host.accelerator,
-                "cloud.google.com/gke-tpu-topology": host.topology}
+                "cloud.google.com/gke-tpu-topology": host.topology,
+                INSTANCE_TYPE: host.machine_type}
     if sub.spot:
         selector["cloud.google.com/gke-spot"] = "true"
     return {
@@ -128,7 +166,7 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
         "spec": {
             "ttlSecondsAfterFinished": TTL_SECONDS,
             "failurePolicy": {
-                "maxRestarts": sub.max_restarts,
+                "maxRestarts": max_restarts(sub, options),
                 "rules": [{"name": "FailOnNonRetryableExit", "action": "FailJobSet",
                            "onJobFailureReasons": ["PodFailurePolicy"]}],
             },
@@ -139,11 +177,12 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
                     "parallelism": 1,
                     "completions": 1,
                     "backoffLimit": 0,
-                    "podFailurePolicy": {"rules": [{
-                        "action": "FailJob",
-                        "onPodConditions": [],
-                        "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": list(RESTART_CODES)},
-                    }]},
+                    "podFailurePolicy": {"rules": [
+                        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                        {"action": "FailJob", "onPodConditions": [],
+                         "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn",
+                                         "values": list(RESTART_CODES)}},
+                    ]},
                     "template": pod_template(sub, host),
                 }},
             }],
@@ -155,8 +194,9 @@ def manifest_yaml(doc: dict[str, Any]) -> str:
     name = doc["metadata"]["name"]
     header = [
         f"# JobSet for runner job {name!r}: kubectl apply -f THIS_FILE (JobSet and, for the queue label, Kueue",
-        "# installed). Exit 75 (preempted) and 3 (infrastructure) restart it up to failurePolicy.maxRestarts;",
-        "# 1 and 2 end it. The spec is base64 in RUNNER_SPEC_B64.",
+        "# installed; a GKE Standard cluster: the pod is privileged). A disrupted pod (preemption, drain) is",
+        "# replaced; exit 75, 124, 3 restart the JobSet up to failurePolicy.maxRestarts; 1 and 2 end it.",
+        "# The spec is base64 in RUNNER_SPEC_B64.",
     ]
     return "\n".join(header) + "\n" + dump_yaml(doc)
 
@@ -170,7 +210,8 @@ def xpk_command(sub: Submission, options: Options) -> str:
                f"is {host.xpk_hosts} hosts of {host.chips // host.xpk_hosts} chips in xpk's catalog")
         one_host = [name for name, h in HOSTS.items() if h.xpk_hosts == 1]
         raise SpecError(f"--format xpk: {sub.tpu.name} {why}, and this runner runs single-host slices only; "
-                        f"use the JobSet manifest (--format manifest: one {host.machine_type} host) or a type "
+                        f"use the JobSet manifest (--format manifest: one {host.machine_type} host; node pool: "
+                        f"{node_pool_command(sub, host)}) or a type "
                         f"xpk runs on one host: {', '.join(one_host)}")
     if not options.cluster:
         raise SpecError("--format xpk needs --cluster: the GKE cluster xpk created (xpk cluster create)")
@@ -184,7 +225,7 @@ def xpk_command(sub: Submission, options: Options) -> str:
         "--docker-image", sub.image, "--docker-name", CONTAINER,
         "--tpu-type", sub.tpu.name, "--num-slices", "1",
         "--command", COMMAND,
-        "--max-restarts", str(sub.max_restarts),
+        "--max-restarts", str(max_restarts(sub, options)),
         "--restart-on-exit-codes", ",".join(map(str, RETRY_BOUNDED)),
         *(["--spot"] if sub.spot else []),
         *(["--namespace", options.namespace] if options.namespace != "default" else []),
@@ -192,6 +233,33 @@ def xpk_command(sub: Submission, options: Options) -> str:
     for key, value in container_env(sub).items():
         words += ["--env", f"{key}={value}"]
     return shlex.join(words)
+
+
+def preflight(api_client: Any, namespace: str) -> None:
+    """Refuses a cluster that would refuse the pod (root, privileged, host network): GKE Autopilot, or a
+    namespace that enforces the baseline or restricted Pod Security Standard. Anything else it cannot read
+    (no permission to list webhooks, say) is left for the API server to judge."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    admission = client.AdmissionregistrationV1Api(api_client)
+    for webhook in AUTOPILOT_WEBHOOKS:
+        try:
+            admission.read_mutating_webhook_configuration(webhook, _request_timeout=30)
+        except ApiException:
+            continue
+        raise SpecError(f"the cluster is GKE Autopilot (it has the mutating webhook {webhook}); Autopilot refuses "
+                        "privileged pods on the host network, which the runner's TPU pod is: use a GKE Standard "
+                        "cluster with a TPU node pool (docs/engines.md)")
+    try:
+        labels = client.CoreV1Api(api_client).read_namespace(namespace, _request_timeout=30).metadata.labels or {}
+    except ApiException:
+        return
+    level = labels.get(POD_SECURITY)
+    if level in ("baseline", "restricted"):
+        raise SpecError(f"namespace {namespace!r} enforces the {level!r} Pod Security Standard ({POD_SECURITY}="
+                        f"{level}), which refuses a privileged pod on the host network: give a namespace whose "
+                        f"{POD_SECURITY} is privileged or unset (--namespace)")
 
 
 def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +276,13 @@ def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # no kubeconfig, or no current context
         raise AcceleratorError(f"no Kubernetes cluster to send JobSet {name!r} to: {exc}; run `gcloud container "
                                "clusters get-credentials CLUSTER` (or set KUBECONFIG)") from exc
+    try:
+        preflight(client.ApiClient(), namespace)
+    except SpecError:
+        raise
+    except Exception as exc:
+        raise AcceleratorError(f"could not reach the cluster to check it before creating JobSet {name!r}: "
+                               f"{type(exc).__name__}: {exc}") from exc
     api = client.CustomObjectsApi()
     try:
         created = api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest, _request_timeout=60)
@@ -220,7 +295,8 @@ def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
                                    "(xpk cluster create does) before submitting") from None
         raise AcceleratorError(f"the cluster refused JobSet {name!r}: {exc.status} {exc.reason}: {exc.body}") from None
     except Exception as exc:
-        raise AcceleratorError(f"could not reach the cluster to create JobSet {name!r}: {type(exc).__name__}: {exc}") from exc
+        raise AcceleratorError(f"could not reach the cluster to create JobSet {name!r}: "
+                               f"{type(exc).__name__}: {exc}") from exc
     meta = created.get("metadata", {})
     return {
         "on": "gke",

@@ -2,14 +2,23 @@
 the job's base output directory, Spot scheduling with --spot. Sent with google-cloud-aiplatform's JobService
 (`pip install 'tpu-job-runner[vertex]'`); --dry-run prints the request as JSON (what `POST .../customJobs` takes).
 
-Vertex restarts a worker whose VM is preempted or fails (`restart_job_on_worker_restart` restarts the whole
-job with it); it has no setting for exit codes, so a job that exits 75 ends FAILED there: submit it again
-and it resumes from its newest checkpoint.
+Restarts are Vertex's own, and it has no setting for exit codes. Its page "Understand the Vertex AI serverless
+training service" (https://cloud.google.com/vertex-ai/docs/training/understanding-training-service) says a
+worker that exits non-zero is restarted in the same VM; an error of its "common errors" is permanent and ends
+the job; any other may restart the worker up to five times and then the whole job up to three times. So an
+exit 1 or 2 may run again (docs/engines.md says what that costs). What the job can set, it sets:
+`scheduling.disableRetries: true` (aiplatform_v1 Scheduling: "if the job should retry for internal errors
+after the job starts running. If true, overrides restart_job_on_worker_restart to false"), and no
+`restartJobOnWorkerRestart` (it restarts the whole job when a worker restarts, which for one worker only adds
+a restart).
 
 The machine types are Vertex AI's for training on TPU VMs
 (https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
-`cloud-tpu` machine with 8 TPU cores). Vertex's page on training with TPU VMs says TensorFlow is not
-supported from TPU v6e on, so v6e is refused here. None of this has run on Vertex from this project.
+`cloud-tpu` machine with 8 TPU cores). Vertex's "Training with TPU accelerators" page
+(https://cloud.google.com/vertex-ai/docs/training/training-with-tpu-vm) names TPU v2, v3 and v5e for training
+and says TensorFlow is not supported from TPU v6e on, so v5p and v6e are refused here. The container runs
+as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and Vertex's
+ContainerSpec has no user setting. None of this has run on Vertex from this project.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ MACHINES: dict[str, tuple[str, str | None, tuple[str, int] | None]] = {
     "v5litepod-1": ("ct5lp-hightpu-1t", "1x1", None),
     "v5litepod-4": ("ct5lp-hightpu-4t", "2x2", None),
     "v5litepod-8": ("ct5lp-hightpu-8t", "2x4", None),
-    "v5p-8": ("ct5p-hightpu-4t", "2x2x1", None),
     "v3-8": ("cloud-tpu", None, ("TPU_V3", 8)),
     "v2-8": ("cloud-tpu", None, ("TPU_V2", 8)),
 }
@@ -48,6 +56,10 @@ def machine_spec(sub: Submission) -> dict[str, Any]:
         raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: Vertex AI does not support TensorFlow from TPU v6e "
                         "on (its page on training with TPU VMs); run v6e with --on tpu-vm, skypilot or gke, or pick "
                         f"one of {', '.join(MACHINES)}")
+    if sub.tpu.generation == "v5p":
+        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: Vertex AI's page on training with TPUs names TPU "
+                        "v2, v3 and v5e, not v5p; run v5p with --on tpu-vm, skypilot or gke, or pick one of "
+                        f"{', '.join(MACHINES)}")
     if sub.tpu.name not in MACHINES:
         raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: no Vertex AI training machine for it; Vertex runs "
                         f"{', '.join(MACHINES)}")
@@ -62,7 +74,8 @@ def machine_spec(sub: Submission) -> dict[str, Any]:
 
 def custom_job(sub: Submission) -> dict[str, Any]:
     """The CustomJob in the API's JSON form (proto3 JSON, camelCase)."""
-    scheduling: dict[str, Any] = {"restartJobOnWorkerRestart": True}
+    # No retries after the job has started: a failed run is not billed again for Vertex's own errors.
+    scheduling: dict[str, Any] = {"disableRetries": True}
     if sub.spot:
         scheduling["strategy"] = "SPOT"
     return {

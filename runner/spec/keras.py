@@ -1,0 +1,205 @@
+"""Keras's own vocabulary in a spec: `train.optimizer`, `train.loss`, `train.metrics` and `train.schedule` take a
+name Keras accepts (`adam`, `sparse_categorical_crossentropy`, `accuracy`) or Keras's serialized form
+(`{class_name: AdamW, config: {learning_rate: 0.001, weight_decay: 0.01}}`), which runner/train/build.py hands to
+Keras's own `keras.optimizers.get`, `keras.losses.get`, `keras.metrics.get` and
+`keras.optimizers.schedules.deserialize`.
+
+Both forms are checked here without TensorFlow or Keras, against keras_names.json: the names and each class's
+constructor arguments, read from the installed Keras by scripts/keras_names.py (tests/test_keras_configs.py
+regenerates it and compares). A config holds plain values only (numbers, text, booleans, null, lists of them):
+a mapping inside it would be deserialized by Keras as an object of its own, which a spec names only through
+its own keys (a schedule goes in `train.schedule`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator, model_validator
+
+from runner.spec.base import LEARNING_RATE_RANGE, Strict, invisible_character
+from runner.spec.usercode import check_import_path, is_import_path
+
+TABLE: dict[str, Any] = json.loads((Path(__file__).parent / "keras_names.json").read_text())
+# Tags of the two forms (a name, a serialized object); runner/spec/load.py leaves them out of the key it names.
+NAME_TAG, SERIALIZED_TAG = "keras-name", "keras-serialized"
+# Config keys that hold a learning rate: held to the same range as train.learning_rate.
+_RATE_KEYS = ("learning_rate", "initial_learning_rate", "end_learning_rate", "warmup_target")
+_KINDS = {  # kind -> (the table's classes, the table's names as text, what Keras calls them)
+    "optimizer": ("optimizers", "optimizer_names", "keras.optimizers"),
+    "loss": ("losses", "loss_names", "keras.losses"),
+    "metric": ("metrics", "metric_names", "keras.metrics"),
+    "schedule": ("schedules", None, "keras.optimizers.schedules"),
+}
+
+
+def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:
+    """'; did you mean 'x'?' for the closest choice (case aside), else ''."""
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {lowered[close[0]]!r}?" if close else ""
+
+
+def class_names(kind: str) -> list[str]:
+    return list(TABLE[_KINDS[kind][0]])
+
+
+def optimizer_class(name: str) -> str:
+    """The Keras class an optimizer name stands for (`adam` -> `Adam`): keras.optimizers.get ignores case."""
+    return {c.lower(): c for c in TABLE["optimizers"]}[name.lower()]
+
+
+def check_name(kind: str, value: str) -> str:
+    """A Keras name of `kind` (or, for losses and metrics, `package.module:function`); ValueError otherwise."""
+    _, names_key, module = _KINDS[kind]
+    if not value.strip():
+        raise ValueError(f"an empty {kind} name: write a Keras name such as {TABLE[names_key][0]!r}")
+    if kind in ("loss", "metric") and is_import_path(value):
+        return check_import_path(value)
+    names = TABLE[names_key]
+    known = value.lower() in names if kind == "optimizer" else value in names
+    if not known:
+        own = ", or your own `package.module:function`" if kind != "optimizer" else ""
+        raise ValueError(
+            f"{_shown(value)} is not {_a(kind)} name {module} knows{did_you_mean(value, names)} "
+            f"(Keras {TABLE['keras']}: {_listing(names)}{own})"
+        )
+    return value
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _listing(names: list[str]) -> str:
+    shown = [n for n in names if n.islower()] or names
+    return ", ".join(shown[:12]) + (", ..." if len(shown) > 12 else "")
+
+
+def _shown(value: str) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:76] + "...'"
+
+
+class Serialized(Strict):
+    """Keras's serialized form of one object: `{class_name: AdamW, config: {weight_decay: 0.01}}`."""
+
+    kind: ClassVar[str]
+    class_name: str = Field(max_length=128)
+    config: dict[str, Any] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("class_name")
+    @classmethod
+    def _known_class(cls, value: str) -> str:
+        classes = class_names(cls.kind)
+        if value in classes:
+            return value
+        if cls.kind == "optimizer" and value.lower() in {c.lower() for c in classes}:
+            return optimizer_class(value)  # Keras's own lookup ignores the case of optimizer names
+        raise ValueError(
+            f"{_shown(value)} is not a class {_KINDS[cls.kind][2]} can build{did_you_mean(value, classes)} "
+            f"(Keras {TABLE['keras']}: {', '.join(classes)})"
+        )
+
+    @model_validator(mode="after")
+    def _known_arguments(self) -> Serialized:
+        allowed = TABLE[_KINDS[self.kind][0]][self.class_name]
+        for key, value in self.config.items():
+            if key not in allowed:
+                raise ValueError(
+                    f"config: {self.class_name} takes no argument {_shown(str(key))}{did_you_mean(str(key), allowed)} "
+                    f"(it takes: {', '.join(allowed)})"
+                )
+            _check_plain(value, f"config.{key}")
+            if key in _RATE_KEYS and value is not None:
+                check_learning_rate(value, f"config.{key}")
+        return self
+
+    def to_keras(self) -> dict[str, Any]:
+        """What Keras's deserialization reads (a fresh dict: Keras rewrites the one it is given)."""
+        return {"class_name": self.class_name, "config": dict(self.config)}
+
+
+class SerializedOptimizer(Serialized):
+    kind: ClassVar[str] = "optimizer"
+
+
+class SerializedLoss(Serialized):
+    kind: ClassVar[str] = "loss"
+
+
+class SerializedMetric(Serialized):
+    kind: ClassVar[str] = "metric"
+
+
+class SerializedSchedule(Serialized):
+    kind: ClassVar[str] = "schedule"
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Numbers (finite), text, booleans, null, and lists of them: nothing Keras would deserialize as an object."""
+    if isinstance(value, list):
+        if len(value) > 10_000:
+            raise ValueError(f"{where}: a list of {len(value):,} values; at most 10,000")
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif isinstance(value, dict):
+        raise ValueError(
+            f"{where} is a mapping: a config holds plain values (Keras would build a mapping as an object of its "
+            "own); a learning-rate schedule goes in train.schedule"
+        )
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: use a finite number")
+    elif isinstance(value, str) and (bad := invisible_character(value)):
+        raise ValueError(f"{where} holds {bad}: remove it")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{where} is a {type(value).__name__}: use a number, text, true/false or a list")
+
+
+def check_learning_rate(value: Any, where: str) -> float:
+    low, high = LEARNING_RATE_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} is {_shown(str(value))}: a learning rate is a number from {low:g} to {high:g}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{where} is {value:g}: a learning rate is a number from {low:g} to {high:g}")
+    return value
+
+
+def _form(value: Any) -> str | None:
+    if isinstance(value, str):
+        return NAME_TAG
+    if isinstance(value, (dict, Serialized)):
+        return SERIALIZED_TAG
+    return None
+
+
+def _either(kind: str, serialized: type[Serialized], example: str) -> Any:
+    """A name (checked by check_name) or Keras's serialized form, each validated by its own rules only."""
+    name = Annotated[str, Field(max_length=256)]
+
+    def checked(value: str) -> str:
+        return check_name(kind, value)
+
+    return Annotated[
+        Annotated[Annotated[name, AfterValidator(checked)], Tag(NAME_TAG)] | Annotated[serialized, Tag(SERIALIZED_TAG)],
+        Discriminator(
+            _form, custom_error_type=f"keras_{kind}",
+            custom_error_message=(
+                f"write {_a(kind)} name ({example}) or Keras's form {{class_name: ..., config: {{...}}}}"
+            ),
+        ),
+    ]
+
+
+Optimizer = _either("optimizer", SerializedOptimizer, "adam")
+Loss = _either("loss", SerializedLoss, "sparse_categorical_crossentropy")
+Metric = _either("metric", SerializedMetric, "accuracy")
+
+
+def identity(value: str | Serialized) -> str:
+    """A metric's or loss's identity, to find one listed twice."""
+    return value if isinstance(value, str) else json.dumps(value.to_keras(), sort_keys=True)

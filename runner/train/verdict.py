@@ -1,0 +1,58 @@
+"""Whether a finished training learned anything: a run that ends at chance is not a success.
+
+Two signs, each a warning with its numbers (the summary's `warnings`):
+  - an accuracy within 2 points of chance (1 / classes; the classes read from the model's output: its last
+    dimension, or 2 for a single sigmoid output);
+  - a training loss that never fell below its first epoch's (at least two epochs trained).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from runner.rundir.timing import EpochRecord
+
+# How close to chance an accuracy may be and still count as "at chance", in points of accuracy.
+CHANCE_MARGIN = 0.02
+
+
+def classes_of_output(output_shape: Any) -> int | None:
+    """The number of classes a classifier's output shape implies: its last dimension, 2 for one sigmoid unit."""
+    try:
+        last = output_shape[-1]
+    except (TypeError, IndexError):
+        return None
+    if not isinstance(last, int):
+        return None
+    return 2 if last == 1 else last
+
+
+def _accuracy(metrics: dict[str, Any]) -> tuple[str, float] | None:
+    for key, value in metrics.items():
+        if isinstance(value, float) and not key.startswith("val_") and (key == "acc" or key.endswith("accuracy")):
+            return key, value
+    return None
+
+
+def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes: int | None) -> list[str]:
+    """What says the model learned nothing; [] when nothing does. `metrics`: the final evaluation's, else
+    the last epoch's training metrics are read."""
+    found = []
+    scored = _accuracy(metrics) or (_accuracy(epochs[-1].metrics) if epochs else None)
+    if scored and classes and classes > 1:
+        key, value = scored
+        chance = 1 / classes
+        if abs(value - chance) <= CHANCE_MARGIN:
+            found.append(
+                f"{key} {value:.4f} is at chance for {classes} classes ({chance:.4f} +- {CHANCE_MARGIN:.2f}): the "
+                "model learned nothing. Check that the loss fits the model's output (from_logits), the labels and "
+                "the learning rate"
+            )
+    losses = [e.loss for e in epochs if e.loss is not None]
+    if len(losses) >= 2 and min(losses[1:]) >= losses[0]:
+        found.append(
+            f"the training loss never fell below its first epoch's ({losses[0]:.4g}; last {losses[-1]:.4g}): the "
+            "model learned nothing. Lower train.learning_rate, or check the data and the loss"
+        )
+    return found

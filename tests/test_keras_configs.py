@@ -1,0 +1,120 @@
+"""`train.optimizer`, `train.loss`, `train.metrics` and `train.schedule` in Keras's own names and serialized form,
+checked by `runner validate` without TensorFlow against runner/spec/keras_names.json, a table generated from the
+installed Keras (and regenerated here to prove it still matches)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.spec.load import load_spec
+from runner.spec.train import optimizer_identity
+from tests.conftest import REPO, write_spec
+from tests.support.cli import invoke
+
+ADAMW = {"class_name": "AdamW", "config": {"learning_rate": 1e-3, "weight_decay": 0.01, "clipnorm": 1.0}}
+COSINE = {"class_name": "CosineDecay",
+          "config": {"initial_learning_rate": 1e-4, "decay_steps": 1000, "warmup_steps": 100, "warmup_target": 1e-3}}
+
+
+def test_the_table_matches_the_installed_keras() -> None:
+    """Regenerate and compare: a Keras upgrade that renames a class or an argument fails here, not in a run."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "keras_names.py"), "--check"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import keras
+
+    table = json.loads((REPO / "runner" / "spec" / "keras_names.json").read_text())
+    assert table["keras"] == keras.__version__
+    # What the table says Keras takes, Keras takes: every optimizer by name, AdamW's arguments.
+    for name in table["optimizer_names"]:
+        assert type(keras.optimizers.get(name)).__name__.lower() == name
+    keras.optimizers.get({"class_name": "AdamW", "config": {k: v for k, v in ADAMW["config"].items()}})
+    assert {"weight_decay", "clipnorm", "learning_rate"} <= set(table["optimizers"]["AdamW"])
+    assert "label_smoothing" not in table["losses"]["SparseCategoricalCrossentropy"]
+    assert "label_smoothing" in table["losses"]["CategoricalCrossentropy"]
+
+
+def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, {"name": "keras_forms", "train": {
+        "optimizer": {"class_name": "AdamW", "config": {"weight_decay": 0.01}}, "schedule": COSINE,
+        "loss": {"class_name": "CategoricalCrossentropy", "config": {"from_logits": True, "label_smoothing": 0.1}},
+        "metrics": ["accuracy", {"class_name": "SparseTopKCategoricalAccuracy", "config": {"k": 2}}, "mae"],
+    }})
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom runner.cli import app\n"
+        f"r = CliRunner().invoke(app, ['validate', {str(spec)!r}, '--no-data', '--show'])\n"
+        "print(r.exit_code, 'tensorflow' in sys.modules, 'keras' in sys.modules)\nprint(r.stdout)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    first, _, shown = done.stdout.partition("\n")
+    assert first == "0 False False", done.stdout + done.stderr
+    resolved = json.loads(shown)["train"]
+    assert resolved["schedule"] == COSINE and resolved["metrics"][1]["config"] == {"k": 2}
+    assert optimizer_identity(load_spec(spec).train) == "AdamW"
+
+
+@pytest.mark.parametrize(
+    "train, expected",
+    [
+        ({"optimizer": "adamm"}, "train.optimizer: 'adamm' is not an optimizer name keras.optimizers knows; "
+                                 "did you mean 'adam'?"),
+        ({"optimizer": {"class_name": "AdamWW"}}, "train.optimizer.class_name: 'AdamWW' is not a class "
+                                                  "keras.optimizers can build; did you mean 'AdamW'?"),
+        ({"optimizer": {"class_name": "AdamW", "config": {"weight_decy": 0.1}}},
+         "config: AdamW takes no argument 'weight_decy'; did you mean 'weight_decay'?"),
+        ({"optimizer": {"class_name": "AdamW", "confg": {}}}, "train.optimizer.confg: unknown key 'confg'; "
+                                                              "did you mean 'config'?"),
+        ({"loss": "sparse_categorical_crossentropyy"}, "did you mean 'sparse_categorical_crossentropy'?"),
+        ({"loss": {"class_name": "SparseCategoricalCrossentropy", "config": {"label_smoothing": 0.1}}},
+         "SparseCategoricalCrossentropy takes no argument 'label_smoothing'"),
+        ({"metrics": ["accuracy", "acuracy"]}, "train.metrics.1: 'acuracy' is not a metric name keras.metrics "
+                                               "knows; did you mean 'accuracy'?"),
+        ({"schedule": {"class_name": "CosineDecai", "config": {}}}, "did you mean 'CosineDecay'?"),
+        ({"schedule": {"class_name": "CosineDecay", "config": {"initial_learning_rate": 1e30, "decay_steps": 9}}},
+         "config.initial_learning_rate is 1e+30: a learning rate is a number from 1e-12 to 1e+12"),
+        ({"optimizer": {"class_name": "Adam", "config": {"learning_rate": COSINE}}},
+         "config.learning_rate is a mapping: a config holds plain values"),
+        ({"optimizer": 3}, "train.optimizer: write an optimizer name (adam) or Keras's form"),
+        ({"learning_rate": 0.01, "schedule": COSINE},
+         "train.learning_rate (0.01) and train.schedule (CosineDecay) both set the learning rate: the schedule "
+         "replaces it; remove train.learning_rate"),
+        ({"learning_rate": 0.01, "optimizer": ADAMW},
+         "train.learning_rate (0.01) and train.optimizer's config learning_rate (0.001) disagree: the optimizer's "
+         "config wins; remove train.learning_rate"),
+        ({"optimizer": ADAMW, "schedule": COSINE}, "train.optimizer's config sets learning_rate (0.001) and "
+                                                   "train.schedule (CosineDecay) replaces it"),
+    ],
+)
+def test_validate_refuses_what_keras_would_not_build_naming_the_line(tmp_path: Path, train: dict, expected: str):
+    spec = write_spec(tmp_path, {"name": "keras_bad", "train": train})
+    result = invoke("validate", spec, "--no-data")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr, result.stderr
+    assert re.search(rf"^error: {re.escape(str(spec))}:\d+: train", result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_set_takes_keras_forms_too(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, {"name": "keras_set"})
+    result = invoke("validate", spec, "--no-data", "--show", "--set", f"train.optimizer={json.dumps(ADAMW)}",
+                    "--set", "train.learning_rate=0.001")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["train"]["optimizer"] == ADAMW
+    typo = invoke("validate", spec, "--no-data", "--set", "train.optimizer={class_name: Adm}")
+    assert typo.returncode == 2
+    assert "--set 'train.optimizer={class_name: Adm}': train.optimizer.class_name: 'Adm'" in typo.stderr
+    assert "did you mean 'Adam'?" in typo.stderr
+
+
+def test_optimizer_identity_is_the_keras_class() -> None:
+    from runner.spec.types import JobSpec
+
+    assert [optimizer_identity(JobSpec.model_validate({"train": {"optimizer": o}}).train)
+            for o in ("adam", "sgd", "rmsprop", "adamw", ADAMW, {"class_name": "sgd"})] == [
+        "Adam", "SGD", "RMSprop", "AdamW", "AdamW", "SGD"]

