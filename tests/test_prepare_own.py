@@ -177,7 +177,8 @@ def test_a_csv_with_mixed_types_gets_its_schema_inferred(tmp_path: Path) -> None
     assert manifest["value_ranges"]["thal"] == {"dtype": "int64", "min": 0, "max": 2}
     assert {s: i["records"] for s, i in manifest["splits"].items()} == {"train": 8, "test": 2}
     # Every record carries its row: a category as its id, the text label as its class id.
-    rows = {int(r.features.feature["chol"].float_list.value[0]): r for r in _records(out, "train") + _records(out, "test")}
+    records = _records(out, "train") + _records(out, "test")
+    rows = {int(r.features.feature["chol"].float_list.value[0]): r for r in records}
     assert rows[233].features.feature["thal"].int64_list.value[0] == 0
     assert rows[233].features.feature["target"].int64_list.value[0] == 0
     assert rows[192].features.feature["target"].int64_list.value[0] == 1
@@ -229,7 +230,8 @@ def test_a_tfds_folder_on_disk_is_read_without_tensorflow_datasets(tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["features"]["image"] == {"dtype": "uint8", "shape": [8, 8, 1], "var_len": False, "decode": "png"}
-    assert (manifest["inputs"], manifest["label"], manifest["class_names"]) == (["image"], "label", ["zero", "one", "two"])
+    assert (manifest["inputs"], manifest["label"]) == (["image"], "label")
+    assert manifest["class_names"] == ["zero", "one", "two"]
     assert {s: i["records"] for s, i in manifest["splits"].items()} == {"train": 24, "test": 8}
     train_pixels = np.stack([image for image, _ in written["train"]])
     assert manifest["value_ranges"]["image"] == {"dtype": "uint8", "min": int(train_pixels.min()),
@@ -328,13 +330,13 @@ def _npz(folder: Path, name: str, x: np.ndarray, y: np.ndarray) -> str:
 def test_library_forms_refuse_what_they_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "a").mkdir()
-    with pytest.raises(DataError, match="holds no .bmp/.gif/.jpeg/.jpg/.png images"):
+    with pytest.raises(DataError, match="its class folders hold no .bmp/.gif/.jpeg/.jpg/.png images"):
         images_dataset(str(tmp_path / "odd"))
     folder, _ = write_tfds_layout(tmp_path / "tfds")
     info = json.loads((folder / "dataset_info.json").read_text())
     info["splits"][0]["shardLengths"] = ["12", "13"]
     (folder / "dataset_info.json").write_text(json.dumps(info))
-    with pytest.raises(DataError, match=r"tfrecord-00001-of-00002: 12 records, dataset_info.json's shardLengths lists 13"):
+    with pytest.raises(DataError, match=r"00001-of-00002: 12 records, dataset_info.json's shardLengths lists 13"):
         tfds_dataset("tinydigits", str(tmp_path / "tfds"))
 
 

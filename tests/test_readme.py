@@ -3,6 +3,7 @@ command's --help with examples, `runner --version`, and the packaging the README
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -110,8 +111,15 @@ def test_the_quick_start_sets_up_then_uses_only_runner_and_python() -> None:
 
 @pytest.mark.slow
 def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
-    """Each command of the quick start, in order, in a fresh copy of the repository's jobs/ (as a clone)."""
+    """Each command of the quick start, in order, in a fresh copy of the repository's jobs/ (as a clone), after
+    `make demo` finished its 12 epochs there (the order a reader follows)."""
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")
+    makefile = (REPO / "Makefile").read_text().replace("$(DATA)", "data/mnist").replace("$(BIN)/", "")
+    demo = [shlex.split(line) for line in makefile.splitlines() if line.startswith("\trunner ")]
+    for words in demo:
+        command = [sys.executable, "-m", "runner", *words[1:], *FASTER.get(words[1], [])]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=tmp_path)
+        assert result.returncode == 0, f"make demo: {shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}"
     outputs = {}
     for words in quick_start_commands():
         if words[0] == "runner":
@@ -125,6 +133,10 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert summary["status"] == "succeeded" and (tmp_path / "runs" / "mnist_cnn" / "model.keras").exists()
     assert [epoch["steps"] for epoch in summary["epochs"]] == [1, 1, 1], "--set train.epochs=3, each one batch"
     assert outputs["run"].stderr.splitlines()[-1].startswith("succeeded: ")
+    # --fresh moved the demo's 12-epoch run aside, whole, and evaluate read the 3-epoch one.
+    (aside,) = (tmp_path / "runs").glob("mnist_cnn.old-*")
+    assert json.loads((aside / "summary.json").read_text())["train_epochs"] == 12 and (aside / "model.keras").exists()
+    assert last_json(outputs["evaluate"].stdout)["step"] == 3, "evaluate reads the new run, not the demo's"
     predictions = [line for line in outputs["predict"].stdout.splitlines() if line.startswith("{")]
     assert predictions and all("class" in line for line in predictions)
 

@@ -76,14 +76,22 @@ class Cloud:
     def __init__(self, api: TpuFake, metadata: MetadataFake, gcs, folder: Path):
         self.api, self.metadata, self.gcs, self.folder = api, metadata, gcs, folder
         self.bucket = gcs.bucket()
-        self.env = cloud_env(api.endpoint, folder, CLOUDSDK_API_ENDPOINT_OVERRIDES_LOGGING=f"{api.endpoint}/", **gcs.env)
+        self.env = cloud_env(
+            api.endpoint, folder, CLOUDSDK_API_ENDPOINT_OVERRIDES_LOGGING=f"{api.endpoint}/", **gcs.env
+        )
         self.run_dir = f"gs://{self.bucket}/runs/mnist_cnn"
 
     def vm(self, job: str, **extra: str) -> None:
         """What the next VMs do (see tests/support/tpu_vm.py), and the queued resources' timing."""
-        self.vm_env = env = vm_env(self.folder / "vm", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint, job=job,
-                     gcs_env=self.gcs.env, logging_endpoint=self.api.endpoint,
-                     **{"RUNNER_UPLOAD_EVERY_S": "1", "RUNNER_FAKE_PROJECT": PROJECT, **extra})
+        self.vm_env = env = vm_env(
+            self.folder / "vm",
+            metadata_host=self.metadata.host,
+            tpu_endpoint=self.api.endpoint,
+            job=job,
+            gcs_env=self.gcs.env,
+            logging_endpoint=self.api.endpoint,
+            **{"RUNNER_UPLOAD_EVERY_S": "1", "RUNNER_FAKE_PROJECT": PROJECT, **extra},
+        )
         self.api.configure(lifecycle=LIFECYCLE, boot={"env": env, "folder": str(self.folder / "boots"), "workers": 1})
 
     def spec(self, data: str | None = None, **sections: Any) -> Path:
@@ -99,12 +107,32 @@ class Cloud:
         return write_spec(self.folder, doc)
 
     def submit_args(self, spec: Path, *extra: str) -> list[str]:
-        return ["submit", str(spec), "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-                "--watch", "--interval", "0.5", *extra]
+        return [
+            "submit",
+            str(spec),
+            "--tpu-type",
+            "v5litepod-8",
+            "--zone",
+            ZONE,
+            "--project",
+            PROJECT,
+            "--image",
+            IMAGE,
+            "--watch",
+            "--interval",
+            "0.5",
+            *extra,
+        ]
 
     def start(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "runner", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=self.env, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
 
     def creates(self) -> list[dict]:
         return [r for r in self.api.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
@@ -177,8 +205,15 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
     wait_until(lambda: len(cloud.creates()) == 2, watcher, timeout=60)
     cloud.api.set_state("mnist-cnn", "PROVISIONING")
     cloud.api.set_state("mnist-cnn", "ACTIVE", node_state="READY")  # the VM boots and the job starts
-    wait_until(lambda: (job := cloud.job()) and len(job["submissions"]) == 2
-               and cloud.object(f"logs/{job['submissions'][1]['id']}/worker-0.started.json"), watcher, timeout=60)
+    wait_until(
+        lambda: (
+            (job := cloud.job())
+            and len(job["submissions"]) == 2
+            and cloud.object(f"logs/{job['submissions'][1]['id']}/worker-0.started.json")
+        ),
+        watcher,
+        timeout=60,
+    )
     cancelled = invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     assert cancelled.returncode == 0, cancelled.stderr
     code, out, err = finish(watcher, timeout=120)
@@ -192,12 +227,17 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
 def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
     cloud.vm("hold:0")
     watcher = cloud.start(*cloud.submit_args(cloud.spec()))
-    wait_until(lambda: (job := cloud.job()) and cloud.object(f"logs/{job['submissions'][0]['id']}/worker-0.started.json"),
-               watcher)
+    wait_until(
+        lambda: (job := cloud.job()) and cloud.object(f"logs/{job['submissions'][0]['id']}/worker-0.started.json"),
+        watcher,
+    )
     cloud.api.fail(3)  # three polls in a row meet 503 UNAVAILABLE
     after = len(cloud.api.requests())
-    wait_until(lambda: len([r for r in cloud.api.requests()[after:] if r["path"].startswith("/v2/projects/")]) >= 3,
-               watcher, every=0.05)
+    wait_until(
+        lambda: len([r for r in cloud.api.requests()[after:] if r["path"].startswith("/v2/projects/")]) >= 3,
+        watcher,
+        every=0.05,
+    )
     release(cloud.vm_env)  # the job ends once the watcher has met the failures (the VM's delete meets none)
     code, out, err = finish(watcher, timeout=240)
     assert code == 0, err[-3000:]
@@ -210,14 +250,18 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
     cloud.api.configure(lifecycle={**LIFECYCLE, "deleting_s": 2.5})  # a slow delete: time to kill mid-restart
     spec = cloud.spec()
     first = cloud.start(*cloud.submit_args(spec, "--spot"))
-    wait_until(lambda: cloud.job() and cloud.object(f"logs/{cloud.job()['submissions'][0]['id']}/worker-0.started.json"), first)
+    wait_until(
+        lambda: cloud.job() and cloud.object(f"logs/{cloud.job()['submissions'][0]['id']}/worker-0.started.json"), first
+    )
     first.send_signal(signal.SIGKILL)  # the laptop's lid closes while the job runs
     finish(first)
 
     again = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
     release(cloud.vm_env)  # the job is preempted (exit 75)
     # The job exits 75; the watcher records the restart, then deletes; killed in between, it must resume it.
-    wait_until(lambda: (job := cloud.job()) and job["restarts"] and job["restarts"][-1]["to"] is None, again, every=0.05)
+    wait_until(
+        lambda: (job := cloud.job()) and job["restarts"] and job["restarts"][-1]["to"] is None, again, every=0.05
+    )
     again.send_signal(signal.SIGKILL)
     finish(again)
     assert len(cloud.creates()) == 1
@@ -284,10 +328,13 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
     steps, epochs = 40, 3
     # allow_chance: a few hundred tiny-MNIST steps may end near chance, which `runner run` reports as exit 4;
     # this test is about resuming to the exact final step, not about what the model learned.
-    spec = cloud.spec(data=f"{data}/train-*.tfrecord",
-                      train={"epochs": epochs, "steps_per_epoch": steps, "allow_chance": True},
-                      checkpoint={"grace_s": 20}, output={"tensorboard": False},
-                      batch={"global_batch_size": 128, "shuffle_buffer": 512})
+    spec = cloud.spec(
+        data=f"{data}/train-*.tfrecord",
+        train={"epochs": epochs, "steps_per_epoch": steps, "allow_chance": True},
+        checkpoint={"grace_s": 20},
+        output={"tensorboard": False},
+        batch={"global_batch_size": 128, "shuffle_buffer": 512},
+    )
     cloud.vm("real")
     watcher = cloud.start(*cloud.submit_args(spec, "--spot", "--max-restarts", "2"))
 

@@ -150,11 +150,14 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(
     assert last_json(moved.stdout)["resumed_from_step"] == DONE_STEP
     after = snapshot(run_dir)
 
-    lr = run_cli("run", spec, "--set", "train.epochs=4", "--set", "train.learning_rate=0.01")
-    assert lr.returncode == 2, lr.stderr[-3000:]
-    assert "train.learning_rate: 0.001 -> 0.01" in lr.stderr
-    assert f"--set name={DONE}-2" in lr.stderr and f"delete {run_dir} " in lr.stderr
-    assert_no_traceback(lr.stderr)
+    # Another optimizer class has other slots in the checkpoints: refused, with what to do instead. (A new
+    # learning rate is not pinned: it is applied on resume, tests/test_model_loss.py.)
+    optimizer = run_cli("run", spec, "--set", "train.epochs=4", "--set", "train.optimizer=sgd")
+    assert optimizer.returncode == 2, optimizer.stderr[-3000:]
+    assert "train.optimizer_class: 'Adam' -> 'SGD'" in optimizer.stderr
+    assert f"--set name={DONE}-2" in optimizer.stderr and "--fresh" in optimizer.stderr
+    assert "delete" not in optimizer.stderr, "no suggestion deletes a folder holding checkpoints"
+    assert_no_traceback(optimizer.stderr)
     assert snapshot(run_dir) == after, "a refused run writes nothing, not even its summary"
 
     # Other records under the same names, sizes and counts, their manifest consistent: other data all the same.
@@ -167,6 +170,8 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(
     changed = run_cli("run", spec, "--set", "train.epochs=4", "--set", f"data.train={other}/train-*.tfrecord")
     assert changed.returncode == 2, changed.stderr[-3000:]
     assert "data.fingerprint: " in changed.stderr and "choose a new job name" in changed.stderr
+    assert "the training data changed" in changed.stderr and f"{other}/manifest.json" in changed.stderr
+    assert "another spec" not in changed.stderr and "delete" not in changed.stderr
     assert snapshot(run_dir) == after
     name = f"checkpoints/ckpt-{DONE_STEP}.index"
     assert before[name] == after[name]

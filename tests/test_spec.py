@@ -109,9 +109,11 @@ def test_the_spec_is_frozen(tmp_path: Path) -> None:
 
 def test_validate_cli_exit_codes_and_no_traceback(tmp_path: Path) -> None:
     # validate in this process (it imports no TensorFlow); run, sweep and doctor as the user runs them.
-    ok = invoke("validate", REPO / "jobs" / "mnist_cnn.yaml", "--set", "train.epochs=2")
+    ok = invoke("validate", REPO / "jobs" / "mnist_cnn.yaml", "--set", "train.epochs=2", "--no-data")
     assert ok.returncode == 0, ok.stderr
-    assert '"epochs": 2' in ok.stdout
+    assert ok.stdout == "" and "is ready to run (--show prints the resolved spec)" in ok.stderr
+    shown = invoke("validate", REPO / "jobs" / "mnist_cnn.yaml", "--set", "train.epochs=2", "--no-data", "--show")
+    assert json.loads(shown.stdout)["train"]["epochs"] == 2
     bad = invoke("validate", Path(__file__).parent / "specs" / "bad" / "typo_key.yaml")
     assert bad.returncode == 2
     assert "typo_key.yaml:4: train.epoch: unknown key 'epoch'; did you mean 'epochs'?" in bad.stderr
@@ -144,7 +146,7 @@ def test_validate_never_imports_tensorflow(tmp_path: Path) -> None:
         "from typer.testing import CliRunner\n"
         "from runner.cli import app\n"
         f"for spec in [{str(REPO / 'jobs' / 'mnist_cnn.yaml')!r}, {str(spec)!r}]:\n"
-        "    result = CliRunner().invoke(app, ['validate', spec])\n"
+        "    result = CliRunner().invoke(app, ['validate', spec, '--no-data'])\n"
         "    assert result.exit_code == 0, result.output\n"
         "    print(result.stderr.strip())\n"  # mnist_cnn: a note when data/mnist is not prepared yet, else nothing
         "print('tensorflow' in sys.modules, 'mymodels' in sys.modules)\n"
@@ -239,7 +241,17 @@ def test_a_pipe_or_device_is_refused_without_reading_it(tmp_path: Path) -> None:
         ("name=!!python/object/apply:os.system ['true']", "could not determine a constructor"),
         ("model.name=mnist_cnnn", "did you mean 'mnist_cnn'?"),
         ("checkpoint.grace_s=.inf", "checkpoint.grace_s: Input should be a finite number"),
-        ("storage.timeout_s=1e9", "storage.timeout_s: Input should be less than or equal to 3600"),
+        ("storage.timeout_s=1e9", "storage.timeout_s: 1e+09 s is outside the range 0.01 s to 3600 s"),
+        ("accelerator.timeout_s=1e-320", "accelerator.timeout_s: 1e-320 s is outside the range 0.01 s to 3600 s"),
+        ("train.learning_rate=1e308", "train.learning_rate: 1e+308 is outside the range 1e-12 to 1e+12"),
+        # A --set value is YAML only when YAML reads all of it: `--- x` would silently become `x`.
+        ("name=--- x", "YAML reads this value as 'x', not as written; to mean the text, use --set 'name=\"--- x\"'"),
+        ("name=x # comment", "YAML reads this value as 'x', not as written"),
+        ("data.label=a\n  b", "YAML reads this value as 'a b', not as written"),
+        ('name="--- x"', "job name '--- x' must be 1-128 letters"),
+        ("data.label=label\u202e", "data.label: 'label\\u202e' holds U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        ("data.inputs=[image, \"im\u2066age\"]", "holds U+2066 (LEFT-TO-RIGHT ISOLATE)"),
+        ("data.label=\"a\\0b\"", "holds U+0000"),
     ],
 )
 def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override: str, expected: str | None) -> None:
@@ -266,27 +278,31 @@ def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override:
         ("train.seed", [0, 2**32 - 1], [-1, 2**32, False]),
         ("train.steps_per_epoch", [1, 2**31 - 1, None], [0, 2**31, True]),
         ("train.steps_per_execution", ["auto", 1, 2**31 - 1], [0, 2**31, True, "fast", 1.5]),
-        ("train.learning_rate", [1e-30, 0.001, 1e12], [0, -1, ".inf", ".nan", True]),
-        ("train.reduce_lr_factor", [0.1, 0.99], [0, 1, True]),
-        ("train.loss", ["mse", "my.losses:focal"], ["", " ", "mean squared", "os.path:join"]),
+        ("train.learning_rate", [1e-12, 0.001, 1e12], [0, -1, 1e30, 1e308, 1e-320, 1e-13, ".inf", ".nan", True]),
+        ("train.reduce_lr_factor", [0.1, 0.99], [0, 1, 1e-320, True]),
+        ("train.loss", ["mse", "my.losses:focal", {"class_name": "Huber", "config": {"delta": 2.0}}],
+         ["", " ", "mean squared", "os.path:join", "msee", {"class_name": "Huber", "config": {"delt": 2.0}}]),
         ("train.metrics", [[], ["accuracy", "mae"]], [[""], ["accuracy", "accuracy"], "accuracy"]),
         ("data.global_batch_size", [1, 2**31 - 1], [0, 2**31, True, 64.0]),
         ("data.shuffle_buffer", [0, 2**31 - 1], [-1, 2**31]),
         ("data.inputs", [["image"], ["a", "b"]], [[], [""], ["a", "a"]]),
         ("data.autotune", [True, False], [1, "yes please"]),
         ("accelerator.cpu_devices", [1, 64], [0, 65, True]),
-        ("accelerator.timeout_s", [0.5, 3600], [0, 3601, ".inf", True]),
+        ("accelerator.timeout_s", [0.5, 3600], [0, 1e-320, 3601, ".inf", True]),
         ("accelerator.tpu", ["local", "grpc://10.0.0.2:8470", None], ["", " ", "a\nb"]),
-        ("checkpoint.grace_s", [0.5, 3600], [0, 3600.5, ".inf"]),
+        ("checkpoint.grace_s", [0.5, 3600], [0, 1e-320, 3600.5, ".inf"]),
         ("checkpoint.keep", [1, 10_000], [0, 10_001]),
         ("checkpoint.every_steps", [1, 2**31 - 1], [0, 2**31]),
-        ("storage.timeout_s", [1, 3600], [0, 32_800, ".inf"]),
+        ("storage.timeout_s", [1, 3600], [0, 1e-320, 32_800, ".inf"]),
+        ("data.label", ["label", "étiquette"], ["", "lab\u202eel", "a\u2069b", "a\x00b", "a\x85b", "\ufeffbom"]),
+        ("data.inputs", [["image"]], [["im\u202aage"], ["a\nb"]]),
         ("output.dir", ["runs", "/abs/runs", "gs://bucket/runs"],
          ["", "a[1]", "r*", "r?", "s3://b/r", "gs://", "a\x00b"]),
         ("output.tensorboard", [True], [0, "on"]),
         ("profile.steps", [1, 1000], [0, 1001]),
         ("model.params", [{}, {"a": [1, {"b": None}]}], [{"a": ".inf"}, {"a": {1: 2}}]),
-        ("code.packages", [[], ["fashionnet"]], [["os"], ["runner"], ["a-b"], "fashionnet"]),
+        ("code.packages", [[], ["fashionnet"]], [["os"], ["runner"], ["a-b"], "fashionnet", ["setuptools"],
+                                                  ["numpy"]]),
     ],
 )
 def test_every_field_has_the_range_it_can_run_with(tmp_path: Path, key: str, good: list, bad: list) -> None:
@@ -326,18 +342,38 @@ def test_relative_paths_resolve_against_the_spec_file_and_set_paths_against_the_
     spec = write_spec(project / "jobs", {
         "name": "rel", "data": {"train": "../data/d/train-*.tfrecord", "eval": None}, "output": {"dir": "../runs"},
     })
-    result = run_cli("validate", "../project/jobs/job.yaml", "--set", "data.validation=mine/v-*.tfrecord",
-                     cwd=elsewhere, timeout=60)
+    args = ["validate", "../project/jobs/job.yaml", "--set", "data.validation=mine/v-*.tfrecord", "--show"]
+    missing = run_cli(*args, cwd=elsewhere, timeout=60)
+    assert missing.returncode == 2 and missing.stdout == "", "a spec that is not ready prints no resolved spec"
+    # "Not found" quotes the pattern as written and names the folder it looked in.
+    assert (f"data.train: nothing matches '../data/d/train-*.tfrecord': {project}/data/d does not exist"
+            in missing.stderr)
+    assert f"runner prepare DATASET --out {project}/data/d" in missing.stderr
+    result = run_cli(*args, "--no-data", cwd=elsewhere, timeout=60)  # the data comes later
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)
     assert resolved["data"]["train"] == f"{project}/data/d/train-*.tfrecord"
     assert resolved["output"]["dir"] == f"{project}/runs"
     assert resolved["code"]["folder"] == f"{project}/jobs"
     assert resolved["data"]["validation"] == f"{elsewhere}/mine/v-*.tfrecord", "a --set path is the shell's"
-    # "Not found" names the folder it looked in.
-    assert f"{project}/data/d does not exist yet" in result.stderr
-    home = run_cli("validate", spec, "--set", "output.dir=~/runs", env=cli_env(HOME=str(tmp_path / "home")), timeout=60)
+    home = run_cli("validate", spec, "--set", "output.dir=~/runs", "--show", "--no-data",
+                   env=cli_env(HOME=str(tmp_path / "home")), timeout=60)
     assert json.loads(home.stdout)["output"]["dir"] == f"{tmp_path}/home/runs"
+
+
+def test_a_missing_data_folder_with_a_close_name_suggests_it_not_preparing_the_typo(tiny_mnist: Path,
+                                                                                   tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mnist").symlink_to(tiny_mnist, target_is_directory=True)
+    spec = write_spec(tmp_path, {"name": "typo", "data": {"train": "data/mnsit/train-*.tfrecord", "eval": None,
+                                                          "global_batch_size": 128}})
+    result = invoke("validate", spec)
+    assert result.returncode == 2
+    assert (f"error: {spec}:3: data.train: nothing matches 'data/mnsit/train-*.tfrecord': {data}/mnsit does not "
+            "exist; did you mean 'data/mnist/train-*.tfrecord'?") in result.stderr, result.stderr
+    assert "runner prepare" not in result.stderr
+    assert invoke("validate", spec, "--set", "data.train=" + str(data / "mnist/train-*.tfrecord")).returncode == 0
 
 
 def test_a_spec_in_a_folder_named_with_glob_characters_needs_absolute_data_paths(tmp_path: Path) -> None:
@@ -405,20 +441,21 @@ def test_code_folder_and_listed_packages_are_found_without_importing(project: Pa
         "train": {"loss": "ownpkg.losses:focal", "metrics": ["accuracy", "ownpkg.losses:focal"]},
         "code": {"packages": ["ownpkg"]},
     })
-    refused = invoke("validate", spec)  # PYTHONPATH below reaches only a child process
+    refused = invoke("validate", spec, "--no-data")  # PYTHONPATH below reaches only a child process
     assert refused.returncode == 2
     assert "code.packages lists 'ownpkg', but it is not installed here" in refused.stderr
-    installed = run_cli("validate", spec, env=cli_env(PYTHONPATH=str(project / "src")), timeout=60)
+    installed = run_cli("validate", spec, "--no-data", env=cli_env(PYTHONPATH=str(project / "src")), timeout=60)
     assert installed.returncode == 0, installed.stderr
     assert f"code: train.loss ownpkg.losses:focal is {project}/src/ownpkg/losses.py" in installed.stderr
-    as_folder = invoke("validate", spec, "--set", "code.packages=[]", "--set", f"code.folder={project}/src",
-                       "--set", "model.name=mnist_cnn")
+    as_folder = invoke("validate", spec, "--no-data", "--set", "code.packages=[]",
+                       "--set", f"code.folder={project}/src", "--set", "model.name=mnist_cnn")
     assert as_folder.returncode == 0, as_folder.stderr
     assert not (project / "imported").exists()
 
-    missing = run_cli("validate", spec, "--set", "code.folder=nowhere", timeout=60)  # a --set path: from the cwd
+    # a --set path: from the cwd
+    missing = run_cli("validate", spec, "--no-data", "--set", "code.folder=nowhere", timeout=60)
     assert missing.returncode == 2 and f"the code folder {REPO}/nowhere does not exist" in missing.stderr
-    wrong = run_cli("validate", spec, "--set", "train.loss=ownpkg.lossess:focal",
+    wrong = run_cli("validate", spec, "--no-data", "--set", "train.loss=ownpkg.lossess:focal",
                     env=cli_env(PYTHONPATH=str(project / "src")))
     assert "package 'ownpkg' (" in wrong.stderr and "has no module 'lossess'; did you mean 'losses'?" in wrong.stderr
 

@@ -1,9 +1,10 @@
 """Seeded fuzzing of `runner validate`: hundreds of mutations of jobs/*.yaml and of `--set` texts, each run
 in process through the command itself (Typer's CliRunner), as a user's mistakes (or an attacker's file) reach it.
 
-Every case must end with exit 0 (stdout: the resolved spec as JSON) or exit 2 (stderr: `error:` naming the
-file and line, or the `--set` text), never a traceback, within 2 s of CPU and 200 MB. The cases are reproducible:
-case N of a family always makes the same input (random.Random seeded with the family and N).
+Every case must end with exit 0 (stdout: the resolved spec as JSON, asked for with --show) or exit 2 (stderr:
+`error:` naming the file and line, or the `--set` text), never a traceback, within 2 s of CPU and 200 MB. The
+cases are reproducible: case N of a family always makes the same input (random.Random seeded with the family
+and N).
 """
 
 from __future__ import annotations
@@ -283,7 +284,8 @@ RUNNER, COMMAND = CliRunner(), typer.main.get_command(app)
 
 
 def validate(spec: Path, sets: list[str]) -> Outcome:
-    args = ["validate", str(spec), *[a for s in sets for a in ("--set", s)]]
+    # --no-data: the copies' data folders do not exist (checked elsewhere); --show: the resolved spec on stdout.
+    args = ["validate", str(spec), "--no-data", "--show", *[a for s in sets for a in ("--set", s)]]
     code, trace = None, ""
     cpu, wall = time.process_time(), time.monotonic()
     with RUNNER.isolation() as (out, err, _):
@@ -329,7 +331,7 @@ def check(spec: Path, sets: list[str], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> list[Path]:
-    """Copies of the shipped jobs (their relative paths then point at folders that do not exist: notes, exit 0)."""
+    """Copies of the shipped jobs (their relative paths then point at folders that do not exist: --no-data)."""
     folder = tmp_path_factory.mktemp("jobs")
     copies = []
     for job in JOBS:

@@ -171,8 +171,13 @@ def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(ap
      "--service-account", "runner@runner-test.iam.gserviceaccount.com", "--valid-until", "6h"),
     ("--reservation", PROJECT, "--valid-until", "2031-01-01T00:00:00Z"),
     ("--reservation", "shared-capacity", "--valid-until", "1h30m", "--keep"),
+    # gcloud keeps the offset and cuts the fraction to milliseconds; runner sends the same instant
+    ("--valid-until", "2031-01-01T00:00:00.123456789+05:30", "--max-run-duration", "6h", "--stall-timeout", "10m"),
+    ("--spot", "--valid-until", "2031-06-01t12:30:00.5-08:00", "--max-run-duration", "none"),
+    ("--runtime-version", "tpu-vm-tf-2.18.0-pjrt", "--allow-unverified", "--valid-until", "2d"),
 ])
-def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(api, tpu_fake, cloud_spec, tmp_path, flags):
+def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(api, tpu_fake, cloud_spec, tmp_path,
+                                                                               flags):
     assert GCLOUD, "gcloud is not installed on this machine"
     dry = submit(cloud_spec, api, *flags, "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -180,7 +185,9 @@ def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(
 
     script = tmp_path / "launch.sh"
     script.write_text(dry.stdout)
-    sent_by_gcloud = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=api, cwd=tmp_path)
+    sent_by_gcloud = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=120, env=api, cwd=tmp_path
+    )
     assert sent_by_gcloud.returncode == 0, sent_by_gcloud.stderr
     [by_gcloud] = creates(tpu_fake.requests())
 
@@ -194,8 +201,20 @@ def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(
 
 
 def test_the_new_flags_reach_the_request(api, tpu_fake, cloud_spec):
-    result = submit(cloud_spec, api, "--network", "runner-net", "--subnetwork", "runner-subnet", "--service-account",
-                    "runner@runner-test.iam.gserviceaccount.com", "--reservation", "shared-capacity", "--valid-until", "6h")
+    result = submit(
+        cloud_spec,
+        api,
+        "--network",
+        "runner-net",
+        "--subnetwork",
+        "runner-subnet",
+        "--service-account",
+        "runner@runner-test.iam.gserviceaccount.com",
+        "--reservation",
+        "shared-capacity",
+        "--valid-until",
+        "6h",
+    )
     assert result.returncode == 0, result.stderr
     body = creates(tpu_fake.requests())[0]["body"]
     node = node_of(body)
@@ -210,9 +229,23 @@ def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelle
     assert GCLOUD, "gcloud is not installed on this machine"
     assert submit(cloud_spec, api).returncode == 0
     gcloud = subprocess.run(
-        [GCLOUD, "compute", "tpus", "queued-resources", "delete", "mnist-cnn", f"--project={PROJECT}", f"--zone={ZONE}",
-         "--force", "--quiet", "--async"],
-        capture_output=True, text=True, timeout=120, env=api,
+        [
+            GCLOUD,
+            "compute",
+            "tpus",
+            "queued-resources",
+            "delete",
+            "mnist-cnn",
+            f"--project={PROJECT}",
+            f"--zone={ZONE}",
+            "--force",
+            "--quiet",
+            "--async",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=api,
     )
     assert gcloud.returncode == 0, gcloud.stderr
     submitted = submit(cloud_spec, api)
@@ -228,7 +261,9 @@ def test_cancel_sends_what_gcloud_delete_sends_and_marks_the_submission_cancelle
     by_gcloud, by_runner = deletes
     assert by_gcloud["path"] == by_runner["path"] == f"{QR_PATH}/mnist-cnn"
     # gcloud spells the flag True, the client true: the API reads both as the boolean.
-    assert [v.lower() for v in by_gcloud["query"]["force"]] == [v.lower() for v in by_runner["query"]["force"]] == ["true"]
+    assert (
+        [v.lower() for v in by_gcloud["query"]["force"]] == [v.lower() for v in by_runner["query"]["force"]] == ["true"]
+    )
 
 
 # --- status, listing, cost --------------------------------------------------------------------------
@@ -272,18 +307,28 @@ def test_status_without_a_name_lists_the_runner_jobs_in_the_zone(api, tpu_fake, 
     assert listing.returncode == 0, listing.stderr
     rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
     assert [(r["name"], r["state"], r["restarts"], r["spot"]) for r in rows] == [
-        ("mnist-again", "ACCEPTED", 0, False), ("mnist-cnn", "ACTIVE", 0, True)]
+        ("mnist-again", "ACCEPTED", 0, False),
+        ("mnist-cnn", "ACTIVE", 0, True),
+    ]
     assert all(r["usd"] is not None and r["usd"] >= 0 for r in rows)
 
 
 def test_the_cost_is_chips_times_the_hours_the_node_existed_times_the_price():
     from runner.cloud import pricing, usage
 
-    job = {"zone": "us-central1-a", "request": {"tpu_type": "v5p-8", "spot": False}, "submissions": [
-        {"id": "a", "created_at": "2026-11-22T09:00:00Z", "node_created_at": "2026-11-22T10:00:00.000000Z",
-         "deleted_at": "2026-11-22T11:30:00.000000Z"},
-        {"id": "b", "created_at": "2026-11-22T12:00:00Z", "gone_at": "2026-11-22T12:30:00Z"},
-    ]}
+    job = {
+        "zone": "us-central1-a",
+        "request": {"tpu_type": "v5p-8", "spot": False},
+        "submissions": [
+            {
+                "id": "a",
+                "created_at": "2026-11-22T09:00:00Z",
+                "node_created_at": "2026-11-22T10:00:00.000000Z",
+                "deleted_at": "2026-11-22T11:30:00.000000Z",
+            },
+            {"id": "b", "created_at": "2026-11-22T12:00:00Z", "gone_at": "2026-11-22T12:30:00Z"},
+        ],
+    }
     cost = usage.job_cost(job)
     price = pricing.price_per_chip_hour("v5p-8", "us-central1", False)
     assert cost["chips"] == 4  # v5p-8: 8 TensorCores, 4 chips
@@ -313,24 +358,31 @@ def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_fake, cloud_spec,
 # --- bad input: refused before any call --------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, spec_change, message", [
-    (["--zone", "us-central1"], {}, "is a region; give one of its zones, e.g. us-central1-a"),
-    (["--zone", "central"], {}, "is not a zone name"),
-    (["--image", ""], {}, "missing --image"),
-    (["--image", "runner:tpu"], {}, "names no registry"),
-    (["--tpu-type", "v5e-8"], {}, "the Cloud TPU API calls it v5litepod-8"),
-    (["--tpu-type", "v5litepod-3"], {}, "v5litepod comes in sizes 1, 4, 8"),
-    (["--tpu-type", "v9-8"], {}, "unknown TPU generation 'v9'"),
-    (["--name", "Mnist_CNN"], {}, "cannot name a queued resource"),
-    (["--valid-until", "soon"], {}, "--valid-until 'soon' is neither a duration"),
-    (["--valid-until", "2020-01-01T00:00:00Z"], {}, "has already passed"),
-    (["--service-account", "runner"], {}, "is not a service account's email"),
-    (["--network", "Bad Net"], {}, "is not a network name"),
-    (["--reservation", "projects/x/reservations/y"], {}, "must name the project that holds the reservation"),
-    ([], {"output": {"dir": "runs"}}, "runs': a TPU VM's disk goes with the VM"),
-    ([], {"data": {"train": "data/mnist/train-*.tfrecord", "eval": None}}, "train-*.tfrecord': the TPU VM cannot see this machine's files"),
-    ([], {"accelerator": {"kind": "cpu"}}, "accelerator.kind is 'cpu'"),
-])
+@pytest.mark.parametrize(
+    "flags, spec_change, message",
+    [
+        (["--zone", "us-central1"], {}, "is a region; give one of its zones, e.g. us-central1-a"),
+        (["--zone", "central"], {}, "is not a zone name"),
+        (["--image", ""], {}, "missing --image"),
+        (["--image", "runner:tpu"], {}, "names no registry"),
+        (["--tpu-type", "v5e-8"], {}, "the Cloud TPU API calls it v5litepod-8"),
+        (["--tpu-type", "v5litepod-3"], {}, "v5litepod comes in sizes 1, 4, 8"),
+        (["--tpu-type", "v9-8"], {}, "unknown TPU generation 'v9'"),
+        (["--name", "Mnist_CNN"], {}, "cannot name a queued resource"),
+        (["--valid-until", "soon"], {}, "--valid-until 'soon' is neither a duration"),
+        (["--valid-until", "2020-01-01T00:00:00Z"], {}, "has already passed"),
+        (["--service-account", "runner"], {}, "is not a service account's email"),
+        (["--network", "Bad Net"], {}, "is not a network name"),
+        (["--reservation", "projects/x/reservations/y"], {}, "must name the project that holds the reservation"),
+        ([], {"output": {"dir": "runs"}}, "runs': a TPU VM's disk goes with the VM"),
+        (
+            [],
+            {"data": {"train": "data/mnist/train-*.tfrecord", "eval": None}},
+            "train-*.tfrecord': the TPU VM cannot see this machine's files",
+        ),
+        ([], {"accelerator": {"kind": "cpu"}}, "accelerator.kind is 'cpu'"),
+    ],
+)
 def test_bad_input_is_refused_before_any_call(api, tpu_fake, cloud_spec, flags, spec_change, message):
     if spec_change:
         doc = yaml.safe_load(cloud_spec.read_text())
@@ -338,7 +390,7 @@ def test_bad_input_is_refused_before_any_call(api, tpu_fake, cloud_spec, flags, 
             doc[section].update(values) if section in doc else doc.update({section: values})
         cloud_spec.write_text(yaml.safe_dump(doc))
     args = {"--tpu-type": "v5litepod-8", "--zone": ZONE, "--image": IMAGE, "--project": PROJECT}
-    args.update(dict(zip(flags[::2], flags[1::2])))
+    args.update(dict(zip(flags[::2], flags[1::2], strict=True)))
     result = invoke("submit", cloud_spec, *[x for pair in args.items() for x in pair], env=api)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cloud import pricing, submit, tpu_types
+from runner.cloud import durations, pricing, tpu_types
 from tests.conftest import last_json
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 from tests.support.tpu_vm import calls, run_startup_script, vm_env
@@ -169,10 +169,10 @@ def test_a_container_that_hangs_is_killed_at_the_limit_and_the_slice_deleted(api
 @pytest.mark.host
 def test_a_stalled_job_stops_with_124_is_not_run_again_and_the_slice_goes(api, tpu_fake, metadata_fake, gcs,
                                                                          cloud_spec, tmp_path):
-    sub = last_json(submit_job(cloud_spec, api, "--stall-timeout", "1s").stdout)["submission"]
+    sub = last_json(submit_job(cloud_spec, api, "--stall-timeout", "10s").stdout)["submission"]
     env, _ = boot(tpu_fake, metadata_fake, gcs, tmp_path, "stall,exit:0")
     [run] = job_runs(env)
-    assert "--set train.max_duration=86400 --set train.stall_timeout=1" in run
+    assert run.endswith("--set train.max_duration=86400 --set train.stall_timeout=10")
     record = exit_record(gcs, sub)
     assert record["exit_code"] == 124 and "summary status: stalled" in record["reason"]
     assert len(deletes(tpu_fake)) == 1
@@ -247,6 +247,7 @@ def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu
     (["--max-run-duration", "0s"], "--max-run-duration '0s' must be longer than 0 s"),
     (["--max-run-duration", "soon"], "--max-run-duration 'soon' is not a duration"),
     (["--stall-timeout", "1.5h"], "--stall-timeout '1.5h' is not a duration"),
+    (["--stall-timeout", "5s"], "--stall-timeout '5s' is outside what the job accepts"),  # train.stall_timeout >= 10
     (["--valid-until", "2031-01-01T00:00:00"], "nor a time with its offset"),
     (["--on", "gke", "--max-run-duration", "6h"], "--max-run-duration does not apply to --on gke"),
 ])
@@ -298,7 +299,7 @@ def test_the_scripts_are_shellcheck_clean(api, cloud_spec, tmp_path, flags):
     ("2031-01-01T00:00-0800", "2031-01-01T00:00:00.000-08:00"),
 ])
 def test_valid_until_times_are_written_as_gcloud_writes_them(text, sent):
-    assert submit.valid_until_text(text) == sent
+    assert durations.valid_until_text(text) == sent
 
 
 # --- a job never created ----------------------------------------------------------------------------------

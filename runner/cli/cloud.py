@@ -26,7 +26,9 @@ Name = Annotated[str, typer.Argument(help="The job's name as `runner submit` pri
 Interval = Annotated[float, typer.Option(min=0.2, help="Seconds between the watcher's polls.")]
 MaxRestarts = Annotated[
     int | None,
-    typer.Option("--max-restarts", min=0, help="Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0)."),
+    typer.Option(
+        "--max-restarts", min=0, help="Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0)."
+    ),
 ]
 
 
@@ -46,8 +48,14 @@ def _where(project: str | None, zone: str | None, need: bool = True) -> tuple[st
     project = project or gcloud_config.default_project()
     zone = zone or gcloud_config.default_zone()
     if need and not (project and zone):
-        missing = [text for text, value in (("--project (or gcloud config set project P)", project),
-                                            ("--zone (or gcloud config set compute/zone Z)", zone)) if not value]
+        missing = [
+            text
+            for text, value in (
+                ("--project (or gcloud config set project P)", project),
+                ("--zone (or gcloud config set compute/zone Z)", zone),
+            )
+            if not value
+        ]
         raise SpecError("missing " + " and ".join(missing))
     return project, zone
 
@@ -81,27 +89,30 @@ Image = Annotated[str | None, _opt("The pushed TPU image, e.g. us-central1-docke
                                    envvar="RUNNER_IMAGE")]
 Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher restarts it).", "--spot")]
 QrName = Annotated[str | None, _opt("Queued resource name (default: the job name, lowercased, '_' -> '-').")]
-Overrides = Annotated[list[str] | None, _opt("Override a spec key, e.g. `--set output.dir=gs://b/runs`.", "--set", "-s")]
+Overrides = Annotated[list[str] | None, _opt("Override a spec key, e.g. `--set output.dir=gs://b/runs`.",
+                                             "--set", "-s")]
 DryRun = Annotated[bool, _opt("Print the price and the request as a gcloud script; send nothing.", "--dry-run")]
 SubmissionId = Annotated[str | None, typer.Option("--submission-id", hidden=True)]
 On = Annotated[str, _opt("Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or "
                          "vertex (a CustomJob); docs/engines.md.", "--on")]
 RuntimeVersion = Annotated[str | None, _opt("TPU VM software (default: the sourced one of the TPU generation, "
                                             "docs/tpu.md).", "--runtime-version", panel=VM)]
-Keep = Annotated[bool, _opt("Keep the TPU VM after the job ends (it bills until `runner cancel`).", "--keep", panel=VM)]
+Keep = Annotated[bool, _opt("Keep the TPU VM after the job ends (it bills until `runner cancel`).", "--keep",
+                            panel=VM)]
 Watch = Annotated[bool, _opt("Stay in the foreground: restart the job after preemptions until it is complete.",
                              "--watch", panel=VM)]
 Network = Annotated[str | None, _opt("VPC network of the TPU VM (default: default).", panel=VM)]
 Subnetwork = Annotated[str | None, _opt("Subnetwork of the TPU VM.", panel=VM)]
 ServiceAccount = Annotated[str | None, _opt("The VM's service account email (default: Compute Engine's default).",
                                             "--service-account", panel=VM)]
-Reservation = Annotated[str | None, _opt("Use reserved capacity of this project (its own: the job's project).", panel=VM)]
+Reservation = Annotated[str | None, _opt("Use reserved capacity of this project (its own: the job's project).",
+                                         panel=VM)]
 ValidUntil = Annotated[str | None, _opt("Give up waiting for capacity after a duration (6h) or at a time with its "
                                         "offset (2026-12-01T00:00:00Z).", "--valid-until", panel=VM)]
 MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; `none`: no limit), then delete the "
                                     "TPU. Default 24h.", "--max-run-duration", panel=VM)]
-StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (`none`: never). Default 30m.",
-                                          "--stall-timeout", panel=VM)]
+StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (at least 10s; `none`: "
+                                          "never). Default 30m.", "--stall-timeout", panel=VM)]
 AllowUnverified = Annotated[bool, _opt("Create a TPU type and runtime no recipe has run TensorFlow on (docs/tpu.md); "
                                        "recorded in job.json.", "--allow-unverified", panel=VM)]
 VmRestarts = Annotated[int | None, _opt("Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0).",
@@ -126,18 +137,17 @@ def submit(
 ) -> None:
     """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on the VM.
 
-    First it prints (stderr) the slice's price per hour, its limits, whether TensorFlow on that TPU type and
-    runtime is verified (an unverified one needs --allow-unverified), and the cost of the epochs a previous
-    run left. The job runs in `docker run --net=host --privileged IMAGE run SPEC` for at most
-    --max-run-duration, its lines reach Cloud Logging within seconds and RUN_DIR/logs/ every 30 s (`runner
-    logs NAME --follow`); when it ends, worker 0 deletes the queued resource unless --keep. With --watch (or
-    later `runner watch NAME`) a preempted job is created again and resumes from its newest checkpoint, up to
-    --max-restarts times. Prints one JSON line (with --watch: the final summary). Exit 2 on a bad flag or spec
-    (before any call), 3 when the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
+    First it prints (stderr) the price per hour, the limits, whether TensorFlow on that TPU type and runtime
+    is verified (if not: --allow-unverified) and what a previous run's remaining epochs should cost. The job
+    runs in `docker run --net=host --privileged IMAGE run SPEC` for at most --max-run-duration; `runner logs
+    NAME --follow` shows it; when it ends, worker 0 deletes the queued resource unless --keep. With --watch
+    (or `runner watch NAME`) a preempted job is created again, up to --max-restarts times. Prints one JSON
+    line (--watch: the final summary). Exit 2 on a bad flag or spec (before any call), 3 when the Cloud TPU
+    API cannot be reached or refuses; with --watch, the job's.
 
     **Examples**
 
-    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --project my-project --image us-central1-docker.pkg.dev/my-project/runner/runner:tpu --set output.dir=gs://my-bucket/runs --dry-run`
+    * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --image IMAGE --dry-run`
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --max-run-duration 6h --image IMAGE`
     """
     from runner import RunnerError
@@ -150,10 +160,7 @@ def submit(
         done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
                              spot=spot, name=name, on=on, dry_run=dry_run, submission_id=submission_id, vm=vm,
                              engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say)
-        if done.text:
-            typer.echo(done.text, nl=False)
-        else:
-            _print(done.doc)
+        typer.echo(done.text, nl=False) if done.text else _print(done.doc)
         if done.job is not None:
             raise typer.Exit(_watch(done.job, interval))
     except RunnerError as error:
@@ -195,7 +202,9 @@ def watch(
 
 @app.command()
 def status(
-    name: Annotated[str | None, typer.Argument(help="A job's name (or run folder); none: list every runner job in the zone.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="A job's name (or run folder); none: list every runner job in the zone.")
+    ] = None,
     zone: Zone = None,
     project: Project = None,
 ) -> None:
@@ -249,10 +258,20 @@ def logs(
     name: Name,
     worker: Annotated[int, typer.Option(min=0, help="Which TPU VM worker's log.")] = 0,
     submission: Annotated[str | None, typer.Option(help="Which submission (default: the newest).")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing the job's lines as they come until it ends.")] = False,
-    summary: Annotated[bool, typer.Option("--summary", help="Print the job's summary with its restarts and cost instead.")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing the job's lines as they come until it ends.")
+    ] = False,
+    summary: Annotated[
+        bool, typer.Option("--summary", help="Print the job's summary with its restarts and cost instead.")
+    ] = False,
     interval: Annotated[float, typer.Option(min=0.2, help="Seconds between reads with --follow.")] = 5.0,
-    source: Annotated[str, typer.Option(help="With --follow: auto (Cloud Logging when the job logs there, else the bucket), cloud-logging or bucket.")] = "auto",
+    source: Annotated[
+        str,
+        typer.Option(
+            help="With --follow: auto (Cloud Logging when the job logs there, else the bucket), cloud-logging "
+            "or bucket."
+        ),
+    ] = "auto",
     zone: Zone = None,
     project: Project = None,
 ) -> None:
@@ -288,8 +307,15 @@ def logs(
         if not follow:
             typer.echo(joblogs.worker_log(run_dir, chosen, worker), nl=False)
             return
-        ended = joblogs.follow(run_dir, lambda text: (sys.stdout.write(text), sys.stdout.flush()), worker=worker,
-                               submission=submission, interval_s=interval, source=source, note=_say)
+        ended = joblogs.follow(
+            run_dir,
+            lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+            worker=worker,
+            submission=submission,
+            interval_s=interval,
+            source=source,
+            note=_say,
+        )
     except RunnerError as error:
         raise fail(error) from None
     raise typer.Exit(int(ended.get("exit_code", 1)))

@@ -78,22 +78,34 @@ ProgressEvery = Annotated[
 ]
 
 
+Fresh = Annotated[
+    bool,
+    typer.Option(
+        "--fresh",
+        help="Start the job over at step 0: its run folder is moved aside to <folder>.old-<time> (never deleted).",
+    ),
+]
+
+
 @app.command()
 def run(
-    spec: SpecPath, overrides: Overrides = None, debug: Debug = False, progress_every: ProgressEvery = 30.0
+    spec: SpecPath, overrides: Overrides = None, debug: Debug = False, progress_every: ProgressEvery = 30.0,
+    fresh: Fresh = False,
 ) -> None:
     """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
 
     Re-running a finished job prints its summary and trains nothing. A closing line on stderr says how it
     ended and where the model is. Exit codes: 0, 1 training failed, 2 spec/data, 3 accelerator/storage,
-    75 preempted (checkpoint saved: run again to continue), 130 interrupted by Ctrl-C (the same, saved; a
-    second Ctrl-C exits at once).
+    4 trained but learned nothing (at chance), 75 preempted (checkpoint saved: run again to continue), 124
+    train.max_duration reached (saved) or stalled, 130 interrupted by Ctrl-C (the same, saved; a second Ctrl-C
+    exits at once). `--fresh` starts over, moving the earlier run folder aside.
 
     **Examples**
 
     * `runner run jobs/mnist_cnn.yaml`
     * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --set data.global_batch_size=512`
     * `runner run jobs/mnist_cnn.yaml --progress-every 10 2>train.log`
+    * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --fresh` (an earlier run of the job is moved aside)
     """
     early = EarlyNotice()
     job = load(spec, overrides)
@@ -102,6 +114,16 @@ def run(
     from runner import Interrupted, Preempted
     from runner.job.run import run_job
 
+    if fresh:
+        from runner.rundir.fresh import move_aside
+        from runner.rundir.outputs import RunFolder
+
+        try:
+            moved = move_aside(RunFolder(job.run_dir), job.name, job.storage.timeout_s)
+        except RunnerError as error:
+            raise fail(error, debug) from None
+        said = f"{job.run_dir} moved to {moved}" if moved else f"no earlier run in {job.run_dir}"
+        typer.echo(f"--fresh: {said}", err=True)
     if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
         early.restore()
         if early.signal == signal.SIGINT:
@@ -117,42 +139,78 @@ def run(
         raise fail(result.error, debug)
 
 
-@app.command()
-def evaluate(spec: SpecPath, overrides: Overrides = None, debug: Debug = False) -> None:
-    """Evaluate the job's newest checkpoint on `data.eval`, on whatever device this machine has.
+Scale = Annotated[
+    float | None,
+    typer.Option("--scale", metavar="FACTOR", help="Multiply every input by FACTOR before predicting (e.g. 255 "
+                 "for 0..1 pixels when the model was trained on 0..255)."),
+]
+NoCheck = Annotated[
+    bool,
+    typer.Option("--no-check", help="Do not compare the rows' values with the training data's (the manifest's "
+                 "value_ranges); the shape is always checked."),
+]
 
-    Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU.
+
+@app.command()
+def evaluate(
+    spec: SpecPath,
+    input: Annotated[str | None, typer.Option("--input", "-i", help="Rows with labels instead of data.eval: an .npz "
+                                              "holding each input and the label, or a TFRecord glob.")] = None,
+    scale: Scale = None,
+    no_check: NoCheck = False,
+    overrides: Overrides = None,
+    debug: Debug = False,
+) -> None:
+    """Evaluate the job's newest checkpoint on `data.eval` (or `--input`), on whatever device this machine has.
+
+    Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU. Rows in an
+    .npz are first compared with the training data (the manifest's value_ranges beside data.train): another
+    range, dtype kind or shape stops with exit 2 naming both and the fix (`--scale`, `--no-check`).
 
     **Examples**
 
     * `runner evaluate jobs/mnist_cnn.yaml`
     * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
+    * `runner evaluate jobs/mnist_cnn.yaml --input labelled.npz` (arrays `image` and `label`)
     """
     job = trained_command_setup(spec, overrides, debug)
     from runner.job import predict as predict_mod
 
+    options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        report = predict_mod.evaluate(job)
+        evaluated = predict_mod.evaluate(job, input, options)
     except RunnerError as error:
         raise fail(error, debug) from None
-    typer.echo(json.dumps(report, separators=(",", ":")))
+    for note in evaluated.notes:
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(json.dumps(evaluated.report, separators=(",", ":")))
 
 
 @app.command()
 def predict(
     spec: SpecPath,
-    input: Annotated[str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")] = None,
+    input: Annotated[
+        str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")
+    ],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")
+    ] = None,
+    scale: Scale = None,
+    no_check: NoCheck = False,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
     """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
 
     Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
+    Rows in .npy/.npz are first compared with the training data (the manifest's value_ranges beside
+    data.train): values in another range (0..1 given, 0..255 trained), of another dtype kind or shape stop
+    with exit 2 naming both and the fix; `--scale FACTOR` multiplies the rows, `--no-check` skips the check.
 
     **Examples**
 
     * `runner predict jobs/mnist_cnn.yaml --input digits.npy`
+    * `runner predict jobs/mnist_cnn.yaml --input digits01.npy --scale 255` (pixels saved as 0..1)
     * `runner predict jobs/mnist_cnn.yaml --input 'data/mnist/test-*.tfrecord' --output predictions.npy`
     """
     job = trained_command_setup(spec, overrides, debug)
@@ -160,10 +218,13 @@ def predict(
 
     from runner.job import predict as predict_mod
 
+    options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        outputs, trained = predict_mod.predict(job, input)
+        outputs, trained, notes = predict_mod.predict(job, input, options)
     except RunnerError as error:
         raise fail(error, debug) from None
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
     if output is not None:
         np.save(output, outputs)
         typer.echo(f"{len(outputs)} predictions from {trained.checkpoint} -> {output}")
@@ -173,5 +234,3 @@ def predict(
         if np.ndim(row) == 1 and len(row) > 1:
             line["class"] = int(np.argmax(row))
         typer.echo(json.dumps(line))
-
-

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from runner import RunnerError, SpecError
-from runner.cloud import record, submit, tpu_api, tpu_types, usage
+from runner.cloud import durations, record, submit, tpu_api, tpu_types, usage
 from runner.data import storage
 from runner.spec.types import JobSpec
 
@@ -77,7 +77,9 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
     node = node_spec.node
     settings = submit.settings_of(node.metadata.get("startup-script", ""))
     if "RUNNER_RUN_DIR" not in settings:
-        raise SpecError(f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)")
+        raise SpecError(
+            f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)"
+        )
     reservation = None
     if resource.reservation_name:
         reservation = resource.reservation_name.split("/")[1]
@@ -85,7 +87,7 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
     if resource.queueing_policy and resource.queueing_policy.valid_until_duration:
         valid_until = f"{int(resource.queueing_policy.valid_until_duration.total_seconds())}s"
     elif resource.queueing_policy and resource.queueing_policy.valid_until_time:
-        valid_until = submit.gcloud_time(resource.queueing_policy.valid_until_time)
+        valid_until = durations.gcloud_time(resource.queueing_policy.valid_until_time)
     network = node.network_config.network or None
     return {
         "schema_version": 1,
@@ -106,13 +108,22 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
             "reservation": reservation,
             "valid_until": valid_until,
             "max_run_s": int(settings["RUNNER_MAX_RUN_S"]) if settings.get("RUNNER_MAX_RUN_S") else None,
-            "stall_timeout_s": int(settings["RUNNER_STALL_TIMEOUT_S"]) if settings.get("RUNNER_STALL_TIMEOUT_S") else None,
-            "unverified": tpu_types.unverified_reason(tpu_types.parse_tpu_type(node.accelerator_type), node.runtime_version),
+            "stall_timeout_s": int(settings["RUNNER_STALL_TIMEOUT_S"])
+            if settings.get("RUNNER_STALL_TIMEOUT_S")
+            else None,
+            "unverified": tpu_types.unverified_reason(
+                tpu_types.parse_tpu_type(node.accelerator_type), node.runtime_version
+            ),
             "allow_unverified": True,  # it was created, so it was allowed
             "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
         },
-        "submissions": [{"id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
-                         "requested_at": None, "rebuilt_from_queued_resource": True}],
+        "submissions": [
+            {
+                "id": node.labels.get("runner-submission") or settings.get("RUNNER_SUBMISSION", "unknown"),
+                "requested_at": None,
+                "rebuilt_from_queued_resource": True,
+            }
+        ],
         "restarts": [],
         "outcome": None,
     }
@@ -152,8 +163,11 @@ def locate(name: str, project: str | None, zone: str | None, client=None) -> dic
     else:
         tried.append("this machine has not submitted or watched a job of that name")
     # Said without asking the bucket: a name with neither a queued resource nor a pointer leads nowhere.
-    raise SpecError(f"no such job: cannot find job {name!r}: " + "; ".join(tried)
-                    + ". Give its run folder instead (e.g. gs://BUCKET/runs/JOB), or the --zone and --project it runs in")
+    raise SpecError(
+        f"no such job: cannot find job {name!r}: "
+        + "; ".join(tried)
+        + ". Give its run folder instead (e.g. gs://BUCKET/runs/JOB), or the --zone and --project it runs in"
+    )
 
 
 def refuse_a_second_job(sub: submit.Submission, client=None) -> None:
@@ -244,16 +258,26 @@ def status(name: str, project: str | None, zone: str | None, client=None) -> dic
     state = seen["state"] if seen else _ended_state(job)
     job = with_live_times(job, seen)
     doc = row(job, state)
-    doc.update({
-        "project": job["project"],
-        "zone": job["zone"],
-        "queued_resource": None if seen is None else {"state": seen["state"], "initiator": seen["initiator"],
-                                                      "submission": seen["submission"], "created": seen["created_at"]},
-        "node": None if not seen or seen["node_state"] is None else {"state": seen["node_state"], "health": seen["node_health"]},
-        "restarts": job.get("restarts", []),
-        "outcome": job.get("outcome"),
-        "cost": usage.job_cost(job),
-    })
+    doc.update(
+        {
+            "project": job["project"],
+            "zone": job["zone"],
+            "queued_resource": None
+            if seen is None
+            else {
+                "state": seen["state"],
+                "initiator": seen["initiator"],
+                "submission": seen["submission"],
+                "created": seen["created_at"],
+            },
+            "node": None
+            if not seen or seen["node_state"] is None
+            else {"state": seen["node_state"], "health": seen["node_health"]},
+            "restarts": job.get("restarts", []),
+            "outcome": job.get("outcome"),
+            "cost": usage.job_cost(job),
+        }
+    )
     warning = _delete_failed(job, seen)
     if warning:
         doc["warning"] = warning
@@ -270,8 +294,10 @@ def _delete_failed(job: dict[str, Any], seen: dict[str, Any] | None) -> str | No
         return None
     if not ended or not str(ended.get("delete", "")).startswith("failed"):
         return None
-    return (f"delete failed: still billing, run `runner cancel {job['name']}` (the VM tried "
-            f"{ended.get('delete_attempts')} times after the job ended: {ended.get('reason')})")
+    return (
+        f"delete failed: still billing, run `runner cancel {job['name']}` (the VM tried "
+        f"{ended.get('delete_attempts')} times after the job ended: {ended.get('reason')})"
+    )
 
 
 def _ended_state(job: dict[str, Any]) -> str:
@@ -295,15 +321,22 @@ def cancel(name: str, project: str | None, zone: str | None, client=None) -> dic
     note = None
     current = record.current_submission(job)
     try:
-        record.write_text(record.cancelled_path(job["run_dir"], current),
-                          f'{{"submission": "{current}", "at": "{record.now_text()}"}}\n')
+        record.write_text(
+            record.cancelled_path(job["run_dir"], current),
+            f'{{"submission": "{current}", "at": "{record.now_text()}"}}\n',
+        )
     except RunnerError as error:
         note = f"the cancel was not recorded in the run folder ({error}): a running watcher would restart the job"
     try:
         result = tpu_api.cancel(job["name"], job["project"], job["zone"], client)
     except SpecError:  # no queued resource: nothing bills; the mark still stops a watcher
-        result = {"name": job["name"], "project": job["project"], "zone": job["zone"], "deleting": False,
-                  "note": "no queued resource to delete (the job had ended or was never created)"}
+        result = {
+            "name": job["name"],
+            "project": job["project"],
+            "zone": job["zone"],
+            "deleting": False,
+            "note": "no queued resource to delete (the job had ended or was never created)",
+        }
     result["submission"] = current
     if note:
         result["warning"] = note

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import RunnerError, SpecError
-from runner.cloud import engines, gcloud_config, jobs, record, submit, tpu_api
+from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,69 @@ def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags) -> None:
                                                                      "(only to --on tpu-vm)" for flag in wrong))
 
 
+def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) -> list[str]:
+    """What the slice costs per hour (chips x the list price, with its source and date), whether TensorFlow
+    on it is verified, and, given a previous run's summary, what the remaining epochs should cost."""
+    price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
+    kind = "Spot" if sub.spot else "on demand"
+    if price.usd is None:
+        lines = [f"price: unknown: {price.note}"]
+    else:
+        lines = [
+            f"price: {sub.tpu.name} = {sub.tpu.chips} chips x ${price.usd:g} per chip-hour {kind} in "
+            f"{price.region} = ${sub.tpu.chips * price.usd:.2f} per hour (source: {price.source}; read "
+            f"{price.date}){'; ' + price.note if price.note else ''}"
+        ]
+    limit = "no wall-clock limit" if sub.max_run_s is None else f"stops after {_hours(sub.max_run_s)}"
+    if price.usd is not None and sub.max_run_s is not None:
+        limit += f" (at most ${sub.tpu.chips * price.usd * sub.max_run_s / 3600:.2f} of TPU time)"
+    lines.append(
+        f"limit: {limit}; stall timeout: " + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s))
+    )
+    if sub.unverified:
+        lines.append(
+            f"unverified: {sub.unverified}" + ("; allowed by --allow-unverified" if sub.allow_unverified else "")
+        )
+    estimate = remaining_estimate(sub, previous, price.usd)
+    if estimate:
+        lines.append(estimate)
+    return lines
+
+
+def _hours(seconds: int) -> str:
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds} s"
+
+
+def remaining_estimate(sub: submit.Submission, previous: dict[str, Any] | None,
+                       usd_per_chip_hour: float | None) -> str | None:
+    """The cost of the epochs a previous run of the job left (its summary.json: steps reached and its steady
+    epoch time), or None when there is no such run or it says nothing about time."""
+    if not previous or sub.spec.kind != "train":
+        return None
+    per_epoch = (previous.get("timing") or {}).get("steady_epoch_s") or (previous.get("timing") or {}).get(
+        "first_epoch_s"
+    )
+    steps = previous.get("steps_per_epoch")
+    done = int(previous.get("final_step") or 0) // int(steps) if steps else None
+    if not per_epoch or done is None:
+        return None
+    left = max(sub.spec.train.epochs - done, 0)
+    where = (previous.get("accelerator") or {}).get("detail") or (previous.get("accelerator") or {}).get("kind") or "?"
+    text = (
+        f"previous run: {done} of {sub.spec.train.epochs} epochs done ({previous.get('status')}); "
+        f"{left} left x {per_epoch:g} s per epoch as measured on {where}"
+    )
+    if left == 0:
+        return text + ": nothing left to train"
+    if usd_per_chip_hour is None:
+        return text + "; no price, no estimate"
+    hours = left * per_epoch / 3600
+    return (
+        text + f" = {hours:.2f} h, about ${sub.tpu.chips * usd_per_chip_hour * hours:.2f} (excluding queueing, "
+        "boot, image pull and compilation; an epoch timed on other hardware says little about this one)"
+    )
+
+
 def _previous_run(sub: submit.Submission, say: Callable[[str], None]) -> dict[str, Any] | None:
     try:
         return record.summary(sub.spec.run_dir)
@@ -104,7 +167,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     if on != "tpu-vm":
         text, sent = engines.submit(on, sub, engine.options(), dry_run=dry_run)
         return Launched(text=text if sent is None else "", doc=sent)
-    for line in submit.price_lines(sub, _previous_run(sub, say)):
+    for line in price_lines(sub, _previous_run(sub, say)):
         say(line)
     submit.check_verified(sub)
     if dry_run:

@@ -207,12 +207,16 @@ def summary_with_cost(run_dir: str) -> dict[str, Any]:
 
     job = record.load_job(run_dir)
     if job is None:
-        raise DataError(f"no job record at {record.join(run_dir, record.JOB_FILE)}: not a run folder of `runner submit`")
+        raise DataError(
+            f"no job record at {record.join(run_dir, record.JOB_FILE)}: not a run folder of `runner submit`"
+        )
     try:
         found = record.summary(run_dir)
     except RunnerError:
         found = None
     if found is None:
-        raise DataError(f"no summary at {record.join(run_dir, 'summary.json')} yet: the job has not finished "
-                        f"(follow it: `runner logs {job['name']} --follow`)")
+        raise DataError(
+            f"no summary at {record.join(run_dir, 'summary.json')} yet: the job has not finished "
+            f"(follow it: `runner logs {job['name']} --follow`)"
+        )
     return recovery.final_summary(job)

@@ -194,7 +194,8 @@ def remember(name: str, project: str, zone: str, run_dir: str) -> None:
     folder = _state_dir() / "jobs"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.json").write_text(json.dumps({"name": name, "project": project, "zone": zone, "run_dir": run_dir}) + "\n")
+        pointer = {"name": name, "project": project, "zone": zone, "run_dir": run_dir}
+        (folder / f"{name}.json").write_text(json.dumps(pointer) + "\n")
     except OSError:
         pass
 

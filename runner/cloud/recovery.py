@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner import EXIT_TIME_LIMIT, AcceleratorError, RunnerError, SpecError, StorageError
-from runner.cloud import jobs, record, submit, tpu_api, usage
+from runner.cloud import durations, jobs, record, tpu_api, usage
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}
@@ -104,7 +104,9 @@ def decide(seen: Seen) -> Decision:
         return Decision("stop", "the queued resource is gone and the job left no exit record: it was deleted outside "
                                 "runner, or its VM was lost before it could write one", EXIT_GONE)
     if seen.state == "FAILED":
-        return Decision("restart", f"the queued resource FAILED{': ' + seen.failure if seen.failure else ''}", EXIT_GONE)
+        return Decision(
+            "restart", f"the queued resource FAILED{': ' + seen.failure if seen.failure else ''}", EXIT_GONE
+        )
     if seen.state in ("SUSPENDING", "SUSPENDED") or (seen.state == "ACTIVE" and seen.node_state in LOST_NODE):
         what = f"the queued resource is {seen.state}" + (f" (initiated by {seen.initiator})" if seen.initiator else "")
         if seen.state == "ACTIVE":
@@ -126,8 +128,15 @@ def _stamp(when: datetime.datetime | None = None) -> str:
 class Watcher:
     """Watches one job (its job.json) until it is complete, stops for good, or the restarts are spent."""
 
-    def __init__(self, job: dict[str, Any], client, *, interval_s: float = 30.0,
-                 emit: Callable[[str], None] = lambda line: None, delete_timeout_s: float = 900.0):
+    def __init__(
+        self,
+        job: dict[str, Any],
+        client,
+        *,
+        interval_s: float = 30.0,
+        emit: Callable[[str], None] = lambda line: None,
+        delete_timeout_s: float = 900.0,
+    ):
         self.job, self.client, self.interval_s, self.emit = job, client, interval_s, emit
         self.delete_timeout_s = delete_timeout_s
         self.shown: str | None = None
@@ -180,11 +189,15 @@ class Watcher:
                     window[key] = value
                     changed = True
         if seen.state is None and not window.get("gone_at") and not window.get("deleted_at"):
-            window["deleted_at"] = tpu_api.deletion_time(self.name, self.job["project"], self.job["zone"], self.client,
-                                                        after=window.get("created_at"))
+            window["deleted_at"] = tpu_api.deletion_time(
+                self.name, self.job["project"], self.job["zone"], self.client, after=window.get("created_at")
+            )
             window["gone_at"] = _stamp()
             changed = True
-        pending = next((r for r in self.job.get("restarts", []) if r.get("to") == window["id"] and r.get("time_lost_s") is None), None)
+        pending = next(
+            (r for r in self.job.get("restarts", []) if r.get("to") == window["id"] and r.get("time_lost_s") is None),
+            None,
+        )
         if pending and seen.started:
             resumed = record.parse_time(seen.started.get("started_at"))
             lost_from = record.parse_time(pending.get("interrupted_at") or pending.get("at"))
@@ -223,8 +236,10 @@ class Watcher:
         deadline = time.monotonic() + self.delete_timeout_s
         while tpu_api.get_queued_resource(self.name, project, zone, self.client) is not None:
             if time.monotonic() > deadline:
-                raise tpu_api.TpuApiError(f"queued resource {self.name!r} was still there {self.delete_timeout_s:.0f} s after "
-                                         f"its delete: see `runner status {self.name}`, then `runner watch {self.name}` again")
+                raise tpu_api.TpuApiError(
+                    f"queued resource {self.name!r} was still there {self.delete_timeout_s:.0f} s after "
+                    f"its delete: see `runner status {self.name}`, then `runner watch {self.name}` again"
+                )
             time.sleep(min(self.interval_s, 5.0))
         self.current.setdefault("gone_at", _stamp())
         self.save()
@@ -249,11 +264,15 @@ class Watcher:
                 raise
             self.adopt(restart, tpu_api.describe(existing, self.client)["submission"])
             return
-        self.job["submissions"].append({"id": sub.submission_id, "requested_at": _stamp(), "operation": created["operation"]})
+        self.job["submissions"].append(
+            {"id": sub.submission_id, "requested_at": _stamp(), "operation": created["operation"]}
+        )
         restart["to"] = sub.submission_id
         self.save()
-        self.emit(f"{self.name}: created again as submission {sub.submission_id} "
-                  f"(restart {self.restarts_used()} of {self.job['max_restarts']})")
+        self.emit(
+            f"{self.name}: created again as submission {sub.submission_id} "
+            f"(restart {self.restarts_used()} of {self.job['max_restarts']})"
+        )
 
     def adopt(self, restart: dict[str, Any], label: str | None) -> None:
         label = label or record.new_submission_id()
@@ -297,7 +316,12 @@ class Watcher:
             self.emit(f"{self.name}: keeping the queued resource (--keep): it bills until `runner cancel {self.name}`")
 
     def result(self, outcome: str, decision: Decision) -> dict[str, Any]:
-        self.job["outcome"] = {"outcome": outcome, "exit_code": decision.exit_code, "reason": decision.reason, "at": _stamp()}
+        self.job["outcome"] = {
+            "outcome": outcome,
+            "exit_code": decision.exit_code,
+            "reason": decision.reason,
+            "at": _stamp(),
+        }
         self.save()
         return final_summary(self.job)
 
@@ -336,17 +360,24 @@ class Watcher:
         if decision.action == "stop":
             self.clean_up(seen)
             outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost", EXIT_TIME_LIMIT: "time_limit"}.get(
-                decision.exit_code, "failed")
-            if decision.exit_code == EXIT_TIME_LIMIT and (record.summary(self.job["run_dir"]) or {}).get("status") == "stalled":
+                decision.exit_code, "failed"
+            )
+            if (
+                decision.exit_code == EXIT_TIME_LIMIT
+                and (record.summary(self.job["run_dir"]) or {}).get("status") == "stalled"
+            ):
                 outcome = "stalled"
             self.emit(f"{self.name}: stopped: {decision.reason}")
             return self.result(outcome, decision)
         if decision.action == "restart":
             used, allowed = self.restarts_used(), int(self.job["max_restarts"])
-            expired = submit.valid_until_passed(self.job["request"])
+            expired = durations.valid_until_passed(self.job["request"])
             if used >= allowed or expired:
-                why = (f"the valid-until bound ({self.job['request'].get('valid_until')}) has passed" if expired else
-                       f"{used} of {allowed} restarts spent (--max-restarts {allowed})")
+                why = (
+                    f"the valid-until bound ({self.job['request'].get('valid_until')}) has passed"
+                    if expired
+                    else f"{used} of {allowed} restarts spent (--max-restarts {allowed})"
+                )
                 self.clean_up(seen)
                 gave_up = Decision("stop", f"{decision.reason}; not restarting: {why}", decision.exit_code)
                 self.emit(f"{self.name}: gave up: {gave_up.reason}")
@@ -374,11 +405,13 @@ def final_summary(job: dict[str, Any]) -> dict[str, Any]:
     except RunnerError:
         found = {}
     doc = dict(found)
-    doc.update({
-        "name": job["name"],
-        "outcome": job.get("outcome"),
-        "restarts": job.get("restarts", []),
-        "submissions": [w["id"] for w in job.get("submissions", [])],
-        "cost": usage.job_cost(job),
-    })
+    doc.update(
+        {
+            "name": job["name"],
+            "outcome": job.get("outcome"),
+            "restarts": job.get("restarts", []),
+            "submissions": [w["id"] for w in job.get("submissions", [])],
+            "cost": usage.job_cost(job),
+        }
+    )
     return doc

@@ -35,6 +35,7 @@ import yaml
 
 from runner import RunnerError, SpecError
 from runner.cloud import pricing, record, tpu_types
+from runner.cloud.durations import limit_overrides, parse_limits, parse_valid_until, valid_until_text
 from runner.data import storage
 from runner.spec.load import load_spec
 from runner.spec.types import JobSpec
@@ -48,13 +49,10 @@ _REGION = re.compile(r"[a-z]+-[a-z]+\d+")
 _RESOURCE_ID = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 _PROJECT = re.compile(r"[a-z][-a-z0-9.:]{4,61}[a-z0-9]")
 _EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[a-z]+")
-_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
-_TIME = re.compile(r"(\d{4}-\d\d-\d\d)[Tt](\d\d:\d\d)(:\d\d)?(\.\d+)?([Zz]|[+-]\d\d:?\d\d)")
-# The job's wall-clock limit and stall guard when not given: finite, so that a job nobody watches stops billing.
-DEFAULT_MAX_RUN = "24h"
-DEFAULT_STALL_TIMEOUT = "30m"
 # registry[:port]/path[:tag][@digest]; the registry part has a dot or a port, or is localhost.
-_IMAGE = re.compile(r"(?P<registry>[a-z0-9.-]+\.[a-z0-9.-]+(:\d+)?|localhost(:\d+)?)/[a-z0-9._/-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?")
+_IMAGE = re.compile(
+    r"(?P<registry>[a-z0-9.-]+\.[a-z0-9.-]+(:\d+)?|localhost(:\d+)?)/[a-z0-9._/-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?"
+)
 _IMAGE_EXAMPLE = "us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu"
 # Restarts after a preemption when --max-restarts is not given: Spot capacity is preempted as a matter of
 # course; on-demand capacity is not, so there a failure is worth a look before paying for another VM.
@@ -122,7 +120,9 @@ def check_name(name: str) -> str:
 
 def _check_image(image: str | None) -> str:
     if not image:
-        raise SpecError(f"missing --image: build and push the TPU image first (docs/cloud.md), e.g. --image {_IMAGE_EXAMPLE}")
+        raise SpecError(
+            f"missing --image: build and push the TPU image first (docs/cloud.md), e.g. --image {_IMAGE_EXAMPLE}"
+        )
     if not _IMAGE.fullmatch(image):
         raise SpecError(
             f"--image {image!r} names no registry the TPU VM can pull from; push the image and give its full name, "
@@ -131,84 +131,24 @@ def _check_image(image: str | None) -> str:
     return image
 
 
-def parse_duration(flag: str, text: str) -> int:
-    """`6h`, `1h30m`, `2d`, `90s` -> seconds, more than 0 (forms gcloud's duration flags take alike)."""
-    match = _DURATION.fullmatch(text.strip().lower())
-    if not text.strip() or not match or not any(match.groups()):
-        raise SpecError(f"{flag} {text!r} is not a duration: whole numbers of d, h, m and s, e.g. 6h, 1h30m, 2d, 90s")
-    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total <= 0:
-        raise SpecError(f"{flag} {text!r} must be longer than 0 s")
-    return total
-
-
-def parse_limit(flag: str, text: str | None, default: str) -> int | None:
-    """A limit in seconds: `default` when not given, None for `none` (no limit)."""
-    text = default if text is None else text
-    return None if text.strip().lower() == "none" else parse_duration(flag, text)
-
-
-def parse_valid_until(text: str) -> tuple[str, Any]:
-    """`6h`, `1h30m`, `2d` -> ("duration", seconds); an RFC 3339 time with Z or an offset -> ("time", datetime).
-
-    A time keeps its offset and is cut to whole milliseconds, as gcloud's --valid-until-time sends it
-    (`2031-01-01T00:00:00.123456789+05:30` -> `...00.123+05:30`: measured with the real gcloud, tests/test_submit.py).
-    A time without an offset is refused: gcloud would read it in this machine's local time zone.
-    """
-    value = text.strip()
-    if _DURATION.fullmatch(value.lower()) and any(_DURATION.fullmatch(value.lower()).groups()):
-        return "duration", parse_duration("--valid-until", value)
-    match = _TIME.fullmatch(value)
-    when = None
-    if match:
-        date, clock, seconds, fraction, zone = match.groups()
-        zone = "+00:00" if zone in "Zz" else f"{zone[:3]}:{zone[-2:]}"
-        millis = (fraction or "")[1:4].ljust(3, "0")
-        try:
-            when = datetime.datetime.fromisoformat(f"{date}T{clock}{seconds or ':00'}.{millis}{zone}")
-        except ValueError:
-            when = None
-    if when is None:
-        raise SpecError(f"--valid-until {text!r} is neither a duration (6h, 1h30m, 2d) nor a time with its offset "
-                        "(2026-12-01T00:00:00Z, 2026-12-01T09:30:00.5+05:30)")
-    return "time", when
-
-
-def gcloud_time(when: datetime.datetime) -> str:
-    """A time as gcloud writes --valid-until-time in its request: milliseconds, the offset as given."""
-    offset = when.utcoffset() or datetime.timedelta(0)
-    minutes = int(offset.total_seconds()) // 60
-    zone = "Z" if minutes == 0 else f"{'+' if minutes > 0 else '-'}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
-    return f"{when:%Y-%m-%dT%H:%M:%S}.{when.microsecond // 1000:03d}{zone}"
-
-
-def valid_until_text(text: str) -> str:
-    """--valid-until as it is kept and shown: a duration as given, a time as gcloud sends it."""
-    kind, value = parse_valid_until(text)
-    return text.strip() if kind == "duration" else gcloud_time(value)
-
-
-def valid_until_passed(request: dict[str, Any], now: datetime.datetime | None = None) -> bool:
-    """Whether a job's time bound has passed (a duration counts again from each new queued resource)."""
-    if not request.get("valid_until"):
-        return False
-    kind, value = parse_valid_until(request["valid_until"])
-    return kind == "time" and value <= (now or datetime.datetime.now(datetime.timezone.utc))
-
-
 def _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts) -> list[str]:
     problems = []
     for flag, value in (("--network", network), ("--subnetwork", subnetwork)):
         if value is not None and not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?|projects/[^ ]+", value):
-            problems.append(f"{flag} {value!r} is not a network name (lowercase letters, digits, '-'; or a full "
-                            "projects/.../networks/NAME path)")
+            problems.append(
+                f"{flag} {value!r} is not a network name (lowercase letters, digits, '-'; or a full "
+                "projects/.../networks/NAME path)"
+            )
     if service_account is not None and not _EMAIL.fullmatch(service_account):
-        problems.append(f"--service-account {service_account!r} is not a service account's email, e.g. "
-                        "runner@PROJECT.iam.gserviceaccount.com")
+        problems.append(
+            f"--service-account {service_account!r} is not a service account's email, e.g. "
+            "runner@PROJECT.iam.gserviceaccount.com"
+        )
     if reservation is not None and not _PROJECT.fullmatch(reservation):
-        problems.append(f"--reservation {reservation!r} must name the project that holds the reservation "
-                        "(the TPU v2 API takes any reservation of that project, as `gcloud ... --reserved` does)")
+        problems.append(
+            f"--reservation {reservation!r} must name the project that holds the reservation "
+            "(the TPU v2 API takes any reservation of that project, as `gcloud ... --reserved` does)"
+        )
     if valid_until is not None:
         try:
             kind, value = parse_valid_until(valid_until)
@@ -219,18 +159,6 @@ def _check_flags(network, subnetwork, service_account, reservation, valid_until,
     if max_restarts is not None and max_restarts < 0:
         problems.append(f"--max-restarts {max_restarts} must be 0 or more")
     return problems
-
-
-def _limits(max_run_duration: str | None, stall_timeout: str | None, problems: list[str]) -> tuple[int | None, int | None]:
-    limits = []
-    for flag, text, default in (("--max-run-duration", max_run_duration, DEFAULT_MAX_RUN),
-                                ("--stall-timeout", stall_timeout, DEFAULT_STALL_TIMEOUT)):
-        try:
-            limits.append(parse_limit(flag, text, default))
-        except SpecError as error:
-            problems.append(f"{error} (or `none` for no limit)")
-            limits.append(None)
-    return limits[0], limits[1]
 
 
 def _check_spec(spec: JobSpec) -> list[str]:
@@ -297,23 +225,36 @@ def prepare_submission(
         if value is None and key == "name":
             continue
         if value is None and key == "zone":
-            problems.append("missing --zone (and gcloud has no compute/zone): the zone to create the TPU in, "
-                            "e.g. --zone us-central1-a")
+            problems.append(
+                "missing --zone (and gcloud has no compute/zone): the zone to create the TPU in, "
+                "e.g. --zone us-central1-a"
+            )
             continue
         try:
             checked[key] = check(value)
         except SpecError as error:
             problems.append(str(error))
     if not project:
-        problems.append("missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
-                        "project to create the TPU in")
+        problems.append(
+            "missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
+            "project to create the TPU in"
+        )
     problems += _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts)
-    max_run_s, stall_timeout_s = _limits(max_run_duration, stall_timeout, problems)
+    max_run_s, stall_timeout_s = parse_limits(max_run_duration, stall_timeout, problems)
     spec = load_spec(spec_path, overrides)
     if spec.accelerator.kind == "auto":
         # On the VM the TPU must be found: a job that fell back to the CPU would still bill TPU hours.
         spec = load_spec(spec_path, [*overrides, "accelerator.kind=tpu"])
     problems += _check_spec(spec)
+    # The job's own bounds for its limits: the container gets them as --set; refuse here, not on the VM.
+    for flag, given, override in (
+        ("--max-run-duration", max_run_duration, limit_overrides(max_run_s, None)),
+        ("--stall-timeout", stall_timeout, limit_overrides(None, stall_timeout_s)),
+    ):
+        try:
+            load_spec(spec_path, [*overrides, *override])
+        except SpecError as error:
+            problems.append(f"{flag} {given!r} is outside what the job accepts: {error}")
     if problems:
         raise SpecError("cannot submit:\n  " + "\n  ".join(problems))
     tpu = checked["tpu"]
@@ -344,59 +285,10 @@ def prepare_submission(
 def check_verified(sub: Submission) -> None:
     """A TPU VM whose type and runtime no recipe has run TensorFlow on is created only with --allow-unverified."""
     if sub.unverified and not sub.allow_unverified:
-        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
-                        "(recorded in the job's job.json), or choose a verified type or --runtime-version")
-
-
-def price_lines(sub: Submission, previous: dict[str, Any] | None = None) -> list[str]:
-    """What the slice costs per hour (chips x the list price, with its source and date), whether TensorFlow
-    on it is verified, and, given a previous run's summary, what the remaining epochs should cost."""
-    price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
-    kind = "Spot" if sub.spot else "on demand"
-    if price.usd is None:
-        lines = [f"price: unknown: {price.note}"]
-    else:
-        lines = [f"price: {sub.tpu.name} = {sub.tpu.chips} chips x ${price.usd:g} per chip-hour {kind} in "
-                 f"{price.region} = ${sub.tpu.chips * price.usd:.2f} per hour (source: {price.source}; read "
-                 f"{price.date}){'; ' + price.note if price.note else ''}"]
-    limit = "no wall-clock limit" if sub.max_run_s is None else f"stops after {_hours(sub.max_run_s)}"
-    if price.usd is not None and sub.max_run_s is not None:
-        limit += f" (at most ${sub.tpu.chips * price.usd * sub.max_run_s / 3600:.2f} of TPU time)"
-    lines.append(f"limit: {limit}; stall timeout: "
-                 + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s)))
-    if sub.unverified:
-        lines.append(f"unverified: {sub.unverified}" + ("; allowed by --allow-unverified" if sub.allow_unverified else ""))
-    estimate = remaining_estimate(sub, previous, price.usd)
-    if estimate:
-        lines.append(estimate)
-    return lines
-
-
-def _hours(seconds: int) -> str:
-    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds} s"
-
-
-def remaining_estimate(sub: Submission, previous: dict[str, Any] | None, usd_per_chip_hour: float | None) -> str | None:
-    """The cost of the epochs a previous run of the job left (its summary.json: steps reached and its steady
-    epoch time), or None when there is no such run or it says nothing about time."""
-    if not previous or sub.spec.kind != "train":
-        return None
-    per_epoch = (previous.get("timing") or {}).get("steady_epoch_s") or (previous.get("timing") or {}).get("first_epoch_s")
-    steps = previous.get("steps_per_epoch")
-    done = int(previous.get("final_step") or 0) // int(steps) if steps else None
-    if not per_epoch or done is None:
-        return None
-    left = max(sub.spec.train.epochs - done, 0)
-    where = (previous.get("accelerator") or {}).get("detail") or (previous.get("accelerator") or {}).get("kind") or "?"
-    text = (f"previous run: {done} of {sub.spec.train.epochs} epochs done ({previous.get('status')}); "
-            f"{left} left x {per_epoch:g} s per epoch as measured on {where}")
-    if left == 0:
-        return text + ": nothing left to train"
-    if usd_per_chip_hour is None:
-        return text + "; no price, no estimate"
-    hours = left * per_epoch / 3600
-    return (text + f" = {hours:.2f} h, about ${sub.tpu.chips * usd_per_chip_hour * hours:.2f} (excluding queueing, "
-            "boot, image pull and compilation; an epoch timed on other hardware says little about this one)")
+        raise SpecError(
+            f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
+            "(recorded in the job's job.json), or choose a verified type or --runtime-version"
+        )
 
 
 def spec_yaml(spec: JobSpec) -> str:
@@ -537,6 +429,7 @@ def gcloud_script(sub: Submission) -> str:
         f"# Watch:   gcloud compute tpus queued-resources describe {sub.name} {where}",
         f"# Logs:    runner logs {sub.name}     (summary and cost: add --summary)",
         f"# Cancel:  gcloud compute tpus queued-resources delete {sub.name} {where} --force --quiet",
-        "# (without `runner submit`, no RUN_DIR/job.json is written: `runner watch` rebuilds it from the queued resource)",
+        "# (without `runner submit`, no RUN_DIR/job.json is written: `runner watch` rebuilds it from the queued "
+        "resource)",
     ]
     return "\n".join(lines) + "\n"

@@ -202,7 +202,8 @@ def deletion_time(name: str, project: str, zone: str, client=None, after: str | 
     target = _full_name(name, project, zone)
     newest = None
     try:
-        answer = client.list_operations(request={"name": f"projects/{project}/locations/{zone}"}, timeout=_CALL_TIMEOUT_S)
+        where = {"name": f"projects/{project}/locations/{zone}"}
+        answer = client.list_operations(request=where, timeout=_CALL_TIMEOUT_S)
         for operation in answer.operations:
             metadata = tpu_v2.OperationMetadata.pb(tpu_v2.OperationMetadata())
             if not operation.metadata.Unpack(metadata) or metadata.target != target or metadata.verb != "delete":

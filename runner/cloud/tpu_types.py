@@ -97,11 +97,17 @@ RUNTIMES: dict[str, tuple[Runtime, ...]] = {
     # on v2-alpha-tpuv6e was added on a branch, ml-auto-solutions 12936e9e, 2025-10-15, and not merged).
     "v6e": (
         Runtime("tpu-vm-tf-2.18.0-pjrt", _RUNTIMES_PAGE, recipe=False),
-        Runtime("v2-alpha-tpuv6e", "ml-auto-solutions commit 12936e9e (2025-10-15, a branch not merged into main): "
-                "tf_resnet_v6e_4 on v2-alpha-tpuv6e", recipe=False),
+        Runtime(
+            "v2-alpha-tpuv6e",
+            "ml-auto-solutions commit 12936e9e (2025-10-15, a branch not merged into main): "
+            "tf_resnet_v6e_4 on v2-alpha-tpuv6e",
+            recipe=False,
+        ),
     ),
     "v5litepod": (
-        Runtime("v2-alpha-tpuv5-lite", _TF_RELEASE_TEST.format(test="v5e_4", runtime="v2-alpha-tpuv5-lite"), recipe=True),
+        Runtime(
+            "v2-alpha-tpuv5-lite", _TF_RELEASE_TEST.format(test="v5e_4", runtime="v2-alpha-tpuv5-lite"), recipe=True
+        ),
         Runtime("tpu-vm-tf-2.18.0-pjrt", _RUNTIMES_PAGE, recipe=False),
     ),
     "v5p": (
@@ -127,10 +133,20 @@ def unverified_reason(tpu: TpuType, runtime_version: str | None = None) -> str |
     if row is not None and row.recipe:
         return None
     recipes = [r.version for r in RUNTIMES[tpu.generation] if r.recipe]
-    named = f"named by {row.source}, but no recipe runs TensorFlow on it" if row else "no Google source names it for TensorFlow"
-    return (f"{tpu.name} on runtime {version} is unverified: {named}; "
-            + (f"the {tpu.generation} runtime with a recipe is {', '.join(recipes)}" if recipes
-               else f"no {tpu.generation} runtime has one") + f" ({DOCS})")
+    named = (
+        f"named by {row.source}, but no recipe runs TensorFlow on it"
+        if row
+        else "no Google source names it for TensorFlow"
+    )
+    return (
+        f"{tpu.name} on runtime {version} is unverified: {named}; "
+        + (
+            f"the {tpu.generation} runtime with a recipe is {', '.join(recipes)}"
+            if recipes
+            else f"no {tpu.generation} runtime has one"
+        )
+        + f" ({DOCS})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,7 +152,9 @@ def _listed(folder: str, split: str, index: int, entry: dict[str, Any]) -> Liste
     return Listed(path, where, entry["records"], entry.get("bytes"), entry.get("sha256"))
 
 
-def verify_folder(folder: str, splits: Iterable[str] | None = None, mode: str = "sha256") -> tuple[Checked, dict[str, Any]]:
+def verify_folder(
+    folder: str, splits: Iterable[str] | None = None, mode: str = "sha256"
+) -> tuple[Checked, dict[str, Any]]:
     """Every shard the manifest lists (in `splits`, else all), checked by check_bytes; and the manifest."""
     manifest = read_manifest(folder)
     wanted = None if splits is None else set(splits)
@@ -243,7 +245,9 @@ def _interleave_records(files: tf.data.Dataset, cycle: int, block: int, determin
         def read(path: tf.Tensor) -> tf.data.Dataset:
             return tf.data.TFRecordDataset(path).batch(block)
 
-    records = files.interleave(read, cycle_length=cycle, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    records = files.interleave(
+        read, cycle_length=cycle, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic
+    )
     return records if block == 1 else records.unbatch()
 
 
@@ -375,14 +379,19 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
     manifest; None for an error that did not come from the input."""
     if isinstance(exc, tf.errors.DataLossError):
         bad = corrupt_shards(pattern)
-        where = "; ".join(bad) if bad else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
+        where = (
+            "; ".join(bad) if bad
+            else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
+        )
         # Keras wraps the reader's error in "Graph execution error:" and a stack: keep the line about the record.
         lines = exc.message.splitlines()
         detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
         what = {"data.train": "training", "data.eval": "evaluation", "data.validation": "validation"}.get(key, key)
         return DataError(f"corrupt {what} data in {where}: {detail}; the run stopped, checkpoints kept")
     # Evaluation batches hold exactly the records the manifest lists (make_dataset `weighted`).
-    counted = re.search(r"expected to contain (\d+) elements but contained (only|at least) (\d+)", getattr(exc, "message", ""))
+    counted = re.search(
+        r"expected to contain (\d+) elements but contained (only|at least) (\d+)", getattr(exc, "message", "")
+    )
     if isinstance(exc, tf.errors.FailedPreconditionError) and counted:
         listed, how, found = counted.groups()
         return DataError(
@@ -409,4 +418,6 @@ def suspect_shards(pattern: str) -> str:
     """Where a record that could not be decoded came from: the shards that differ from their manifest, when
     some do, else any shard the pattern matches."""
     changed = corrupt_shards(pattern)
-    return f"shards that differ from their manifest: {'; '.join(changed)}" if changed else f"a shard matching {pattern!r}"
+    if changed:
+        return f"shards that differ from their manifest: {'; '.join(changed)}"
+    return f"a shard matching {pattern!r}"

@@ -118,6 +118,16 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
     # TensorFlow's GCS client gives up with "All N retry attempts failed" (tsl's retrying_utils); an op that
     # meets it mid-way re-raises that text inside its own error type (MergeV2Checkpoints: InvalidArgumentError).
     retried_out = "retry attempts failed" in message
+    # curl could not resolve or reach the storage host (libcurl codes 5, 6, 7): the network, not the data.
+    unreachable = re.search(r"[Cc]ould(n't| not) (resolve|connect)|libcurl code [567]\b", message)
+    if unreachable and not retried_out:
+        buckets = sorted(set(re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message))) or buckets_in(*paths)
+        where = ", ".join(f"gs://{b}" for b in buckets) or "the storage host"
+        return StorageError(
+            f"storage unreachable: {where} cannot be reached from this machine ({unreachable.group(0)}: DNS or "
+            "network); check the network, a proxy (https_proxy) or the bucket's name; nothing was changed by this "
+            "attempt: run the same job again once the bucket can be reached"
+        )
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
         return _gcs_no_folder(message, paths, timeout_s) or _local_fault(exc, message)
     named = re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message)

@@ -5,7 +5,8 @@ every TPU; GPUs of compute capability 8.0 or more; CPUs with AVX512_BF16 or AMX 
 /proc/cpuinfo, read by runner/device/host.py). Variables stay float32 either way, and so does every model's output
 layer (runner/models.py). Under `auto`, a model whose output layer would compute in bfloat16 (an own model
 without `dtype="float32"` on it) trains in float32, and so does a built-in model listed in
-in runner/models.py's table as kept in float32 on the device (bfloat16 measured to cost it accuracy, or to be slower there).
+in runner/models.py's table as kept in float32 on the device (bfloat16 measured to cost it accuracy, or to be
+slower there).
 `float32`, `bfloat16` and `float16` are taken as asked.
 """
 

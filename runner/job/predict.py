@@ -4,12 +4,17 @@ A model trained on 8 TPU cores predicts on 1 CPU: the weights are restored into 
 under this machine's strategy (tf.train.Checkpoint is independent of the replica count), and inputs are
 padded to whole batches and the padding dropped from the outputs (predict) or weighted 0 in every metric
 and the loss (evaluate: every record counts once), so any number of rows works on any number of replicas.
+
+Rows given as .npy/.npz are compared with what the model was trained on (the manifest's `value_ranges`
+beside data.train) before anything is predicted: a model fed 0..1 pixels after training on 0..255 answers
+confidently and wrongly, without an error, so a range, dtype kind or shape that does not match stops.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +38,8 @@ class Trained:
     checkpoint: str
     step: int
     features: dict
+    manifest: dict  # the training shards' manifest: value_ranges tell what the model was fed
+    manifest_path: str
 
 
 def load_trained(spec: JobSpec) -> Trained:
@@ -46,19 +53,30 @@ def load_trained(spec: JobSpec) -> Trained:
     model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
     step = build.restore(checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
-    return Trained(model, accelerator, latest, step, shards.features)
+    manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
+    return Trained(model, accelerator, latest, step, shards.features, shards.manifest, manifest_path)
 
 
-def evaluate(spec: JobSpec) -> dict:
+def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None) -> Evaluated:
+    """Metrics of the newest checkpoint on data.eval, or on the rows of `input_path` (an .npz holding every
+    input and the label; a TFRecord glob is read like data.eval)."""
     trained = load_trained(spec)
-    if not spec.data.eval:
+    options = options or InputOptions()
+    if input_path is not None and Path(input_path).suffix in (".npy", ".npz"):
+        return _evaluate_rows(spec, trained, input_path, options)
+    if options.scale is not None:
+        raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
+    pattern = input_path or spec.data.eval
+    if not pattern:
         raise SpecError(
-            "data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord)"
+            "data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord) "
+            "or give rows with --input FILE.npz"
         )
-    shards = pipeline.find_shards(spec.data.eval)
+    key = "--input" if input_path else "data.eval"
+    shards = pipeline.find_shards(pattern)
     batch = _batch_for(spec, trained.accelerator)
     # Every record once: the last batch padded, its padding weighing 0 in the metrics and the loss.
-    steps = pipeline.eval_steps(shards, batch, "data.eval")
+    steps = pipeline.eval_steps(shards, batch, key)
     dataset = pipeline.make_dataset(
         shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
         autotune=spec.data.autotune, weighted=True,
@@ -66,12 +84,49 @@ def evaluate(spec: JobSpec) -> dict:
     try:
         results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     except tf.errors.OpError as exc:
-        raise pipeline.input_error(exc, spec.data.eval, "data.eval") or exc from None
-    metrics = {k: float(v) for k, v in results.items()}
+        raise pipeline.input_error(exc, pattern, key) or exc from None
+    return Evaluated(_report(spec, trained, shards.records, results), [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluated:
+    report: dict
+    notes: list[str]  # one line each, for stderr: what was not checked and why
+
+
+def _report(spec: JobSpec, trained: Trained, examples: int, results: dict) -> dict:
     return {
         "job": spec.name, "checkpoint": trained.checkpoint, "step": trained.step,
-        "accelerator": trained.accelerator.to_dict(), "examples": shards.records, "metrics": metrics,
+        "accelerator": trained.accelerator.to_dict(), "examples": examples,
+        "metrics": {k: float(v) for k, v in results.items()},
     }
+
+
+def _evaluate_rows(spec: JobSpec, trained: Trained, path: str, options: InputOptions) -> Evaluated:
+    """Evaluation on in-memory rows, padded as data.eval is (runner/data/pipeline.py `_weighted_records`):
+    real rows weigh padded / rows and the padding 0, so metrics and loss are exact means over the rows."""
+    if Path(path).suffix != ".npz":
+        raise DataError(
+            f"{path}: evaluate needs the labels too: an .npz holding {', '.join(map(repr, spec.data.inputs))} "
+            f"and the label {spec.data.label!r}"
+        )
+    with np.load(path, allow_pickle=False) as archive:
+        if spec.data.label not in archive:
+            raise DataError(f"{path} lacks the label array {spec.data.label!r}; it has {sorted(archive.files)}")
+        labels = archive[spec.data.label]
+    arrays, notes = given_inputs(path, spec, trained, options)
+    rows = len(labels)
+    if any(len(a) != rows for a in arrays.values()):
+        counts = {n: len(a) for n, a in {**arrays, spec.data.label: labels}.items()}
+        raise DataError(f"{path}: the arrays hold different numbers of rows: {counts}")
+    batch = _batch_for(spec, trained.accelerator)
+    padded = -(-rows // batch) * batch
+    weights = np.concatenate([np.full(rows, padded / rows, np.float32), np.zeros(padded - rows, np.float32)])
+    y = np.concatenate([labels, np.repeat(labels[:1], padded - rows, axis=0)])
+    x = _padded(spec, arrays, padded)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(batch, drop_remainder=True)
+    results = trained.model.evaluate(dataset, return_dict=True, verbose=0)
+    return Evaluated(_report(spec, trained, rows, results), notes)
 
 
 def _preprocess(spec: JobSpec):
@@ -108,28 +163,126 @@ def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarra
     elif suffix == ".tfrecord" or "*" in path:
         shards = pipeline.find_shards(path)
         batches = pipeline.make_dataset(
-            shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec), autotune=spec.data.autotune
+            shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
+            autotune=spec.data.autotune,
         )
         rows = [x for x, _ in batches.unbatch().batch(4096)]
         stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in rows]
         arrays = {n: np.concatenate([b[n].numpy() for b in stacked]) for n in inputs}
     else:
-        raise DataError(f"{path}: predict reads .npy, .npz or TFRecord shards (*.tfrecord), not {suffix or 'this file'}")
+        raise DataError(
+            f"{path}: predict reads .npy, .npz or TFRecord shards (*.tfrecord), not {suffix or 'this file'}"
+        )
     for name, array in arrays.items():
         expected = tuple(features[name].shape)
         if array.shape[1:] != expected:
-            raise DataError(f"{path}: input {name!r} has rows of shape {array.shape[1:]}, the model expects {expected}")
+            raise DataError(
+                f"{path}: input {name!r} has rows of shape {array.shape[1:]}, the model expects {expected} "
+                f"(data.features.{name}.shape): give arrays of shape (rows, {', '.join(map(str, expected))})"
+            )
     return arrays
 
 
-def predict(spec: JobSpec, input_path: str) -> tuple[np.ndarray, Trained]:
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    scale: float | None = None  # --scale: every input multiplied by it before the check and the model
+    check: bool = True  # --no-check: the value-range and dtype checks are skipped (the shape is always checked)
+
+
+def given_inputs(path: str, spec: JobSpec, trained: Trained, options: InputOptions) -> tuple[dict, list[str]]:
+    """The rows of `path` as the model will get them (scaled by --scale), checked against the training data's
+    value_ranges; and notes (one line each, for stderr) on what was not checked."""
+    arrays = read_inputs(path, spec, trained.features)
+    if options.scale is not None:
+        arrays = {n: a.astype(np.float64) * options.scale for n, a in arrays.items()}
+    if Path(path).suffix not in (".npy", ".npz"):
+        return arrays, []  # TFRecords go through the training pipeline itself: its values are the training's
+    if not options.check:
+        return arrays, ["--no-check: the inputs' values were not compared with the training data"]
+    ranges = trained.manifest.get("value_ranges")
+    if ranges is None:
+        return arrays, [
+            f"{trained.manifest_path} has no value_ranges (written before they were recorded): the inputs' "
+            "values are not checked; `runner prepare` (or `runner manifest`) again records them"
+        ]
+    if spec.data.preprocess:
+        return arrays, [
+            f"data.preprocess changes the values after the manifest's value_ranges were taken: the rows of {path} "
+            "(the model's inputs after it) are not checked against them"
+        ]
+    scaled = f" (after --scale {options.scale:g})" if options.scale is not None else ""
+    for name, array in arrays.items():
+        if name in ranges:
+            check_values(array, ranges[name], f"{path}: input {name!r}{scaled}", trained.manifest_path, options)
+    return arrays, []
+
+
+def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: str, options: InputOptions) -> None:
+    """Refuses values the model never saw in training: ranges that do not overlap, an integer id outside the
+    training range, a range far from the training one (0..1 given, 0..255 trained), or another dtype kind
+    (not numbers; fractional values where training held whole ones). Integers given for a float feature are
+    numbers of the same kind (the model computes in floats either way): their range decides.
+    Silently wrong answers are the cost of letting these through; the message names both ranges and the fix."""
+    dtype = np.dtype(trained_on["dtype"])
+    low, high = trained_on["min"], trained_on["max"]
+    where = f"{manifest_path} value_ranges: {trained_on['dtype']} {low:g}..{high:g}"
+    skip = "`--no-check` predicts anyway"
+    if array.size == 0:
+        return
+    if array.dtype.kind not in "biuf":
+        raise DataError(f"{what} holds {array.dtype} values; the model was trained on numbers ({where}); {skip}")
+    given_low, given_high = float(np.min(array)), float(np.max(array))
+    given = f"{given_low:g}..{given_high:g} ({array.dtype})"
+    integer = dtype.kind in "iu"
+    span = max(high - low, 1e-12)
+    outside = given_high < low or given_low > high  # no overlap at all
+    outside |= given_high > high + span or given_low < low - span  # far beyond the training range
+    if integer:
+        # Token ids and categories: one never seen in training is wrong (an id past the vocabulary reads as
+        # zeros on a TPU). uint8 pixels only need the type's own range: a split need not hold both 0 and 255.
+        bounds = (np.iinfo(dtype).min, np.iinfo(dtype).max) if dtype == np.uint8 else (low, high)
+        outside |= given_low < bounds[0] or given_high > bounds[1]
+    # Far inside: 0..1 given to a model trained on 0..255 (the values overlap, yet mean something else).
+    magnitude, trained_magnitude = max(abs(given_low), abs(given_high)), max(abs(low), abs(high))
+    shrunk = 0 < magnitude <= 1.0 and trained_magnitude > 2.0
+    if outside or shrunk:
+        fix = "give values as the training data holds them"
+        if given_low >= 0 and low >= 0 and given_high > 0 and high > 0:
+            factor = float(round(high)) if shrunk else high / given_high  # 0..1 pixels come from 0..255 ones
+            fix = f"`--scale {factor:.6g}` multiplies these to {given_low * factor:g}..{given_high * factor:g}"
+        raise DataError(
+            f"{what} holds values {given}, but the model was trained on {low:g}..{high:g} ({where}): it would "
+            f"answer without an error, and wrongly. {fix[0].upper() + fix[1:]} (scaling belongs inside the "
+            "model, e.g. a keras.layers.Rescaling layer, so that it sees the same raw values in training and "
+            f"prediction); {skip}"
+        )
+    # A float copy of whole numbers (pixels as float32) is the same values; 127.5 never was a pixel.
+    if integer and array.dtype.kind == "f" and not np.allclose(array, np.rint(array), rtol=0, atol=1e-3):
+        raise DataError(
+            f"{what} holds fractional values {given}; the model was trained on whole {dtype} values "
+            f"{low:g}..{high:g} ({where}): give {dtype} values as the training data holds them; {skip}"
+        )
+
+
+def _padded(spec: JobSpec, arrays: dict[str, np.ndarray], padded: int):
+    """Every input padded with zero rows to `padded` rows, as float32; a single input as its array."""
+    x = {
+        n: np.concatenate([a.astype(np.float32), np.zeros((padded - len(a), *a.shape[1:]), np.float32)])
+        for n, a in arrays.items()
+    }
+    return x[spec.data.inputs[0]] if len(x) == 1 else x
+
+
+def predict(
+    spec: JobSpec, input_path: str, options: InputOptions | None = None
+) -> tuple[np.ndarray, Trained, list[str]]:
+    """The model's outputs for every row of `input_path`, the restored job, and notes for stderr."""
     trained = load_trained(spec)
-    arrays = read_inputs(input_path, spec, trained.features)
+    arrays, notes = given_inputs(input_path, spec, trained, options or InputOptions())
     rows = len(next(iter(arrays.values())))
     batch = _batch_for(spec, trained.accelerator)
     # Pad to whole batches: every replica gets an equal, static-shaped share (TPUs need both).
     padded = -(-rows // batch) * batch
-    x = {n: np.concatenate([a.astype(np.float32), np.zeros((padded - rows, *a.shape[1:]), np.float32)]) for n, a in arrays.items()}
-    dataset = tf.data.Dataset.from_tensor_slices(x[spec.data.inputs[0]] if len(x) == 1 else x).batch(batch, drop_remainder=True)
+    dataset = tf.data.Dataset.from_tensor_slices(_padded(spec, arrays, padded)).batch(batch, drop_remainder=True)
     outputs = trained.model.predict(dataset, verbose=0)
-    return np.asarray(outputs)[:rows], trained
+    return np.asarray(outputs)[:rows], trained, notes

@@ -14,7 +14,7 @@ import time
 
 import tensorflow as tf
 
-from runner import Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, TimeLimitReached
+from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
 from runner.data import integrity, pipeline
 from runner.device import host, precision
 from runner.device.strategy import per_replica_batch, resolve_accelerator
@@ -60,7 +60,7 @@ def run_job(
 
     job = _Job(spec, attempt)
     notice = PreemptionNotice(spec.checkpoint.grace_s)
-    status, error = "failed", None
+    status, error, training = "failed", None, False
     try:
         notice.install()  # a SIGTERM or SIGINT from here on is a notice: see runner/train/preemption.py
         if early_notice is not None:
@@ -68,7 +68,10 @@ def run_job(
         _stop_if_noticed(notice, "while the job was starting")
         job.start(data.shards)  # the device, the precision, the seed and the input pipelines
         model, saver, plan = _build_and_restore(spec, attempt, job.inputs, job.precision)
+        if attempt.accelerator.kind != "tpu":  # one eager batch on the host; a TPU model is checked when compiled
+            build.check_first_batch(model, model.loss, job.inputs.train_ds)
         _stop_if_noticed(notice, "before training began")
+        training = True
         _train(spec, attempt, model, saver, job.inputs, plan, job.recorder, notice, verbose, progress_every)
         job.metrics = _evaluate(spec, attempt, model, job.inputs, verbose)
         warnings = verdict.warnings_of(job.recorder.epochs, job.metrics, verdict.classes_of_output(model.output_shape))
@@ -84,6 +87,8 @@ def run_job(
         status, error = "learned_nothing", exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
         error = error_of(exc, spec)
+        if isinstance(error, (SpecError, DataError)) and not training:
+            attempt.run.refuse_start()  # refused at start: nothing written, a folder it made removed
     finally:  # whatever stopped the job, its summary is written and the signal handlers put back
         summary = job.finish(status, error)
         notice.remove()
@@ -125,6 +130,13 @@ class _Job:
         with attempt.phases.phase("data_init"):
             self.inputs = make_inputs(spec, shards, attempt.accelerator, attempt.facts)
 
+    def _earlier_epochs(self) -> list[dict]:
+        try:
+            return self.attempt.run.epochs_before(self.attempt.number)
+        except (tf.errors.OpError, ValueError) as exc:  # the summary is still written, with this attempt's epochs
+            log.warning("could not read the earlier attempts' epochs from %s: %s", self.attempt.run.path, exc)
+            return []
+
     def finish(self, status: str, error: RunnerError | None) -> dict:
         """The summary, written to the run folder by the chief (runner/rundir/attempt.py) and returned."""
         facts = self.attempt.facts
@@ -139,6 +151,9 @@ class _Job:
             global_batch=self.spec.data.global_batch_size,
             input_wait_method=self.inputs.input_method if self.inputs else not_built,
         )
+        # The summary's epochs span the job: every earlier attempt's, then this one's (timing: this one's only).
+        mine = [{**record, "attempt": self.attempt.number} for record in summary["epochs"]]
+        summary["epochs"] = self._earlier_epochs() + mine
         if self.precision is not None and summary.get("accelerator") is not None:
             summary["accelerator"]["precision"] = self.precision.to_dict()  # what the job computed in, and why
             summary["accelerator"]["onednn"] = precision.onednn_enabled()
@@ -273,8 +288,11 @@ def _diverged(exc: Diverged, spec: JobSpec, attempt: Attempt) -> Diverged:
         kept = (
             f"none of it was saved: the newest checkpoint, {posixpath.basename(latest)}, holds the last finite weights"
         )
-        # The learning rate is part of what the checkpoints mean (runner/rundir/outputs.py): a new one starts anew.
-        again = f"{look}; a lower learning rate starts over under a new job name (`--set name={spec.name}-2`)"
+        # A new learning rate is applied on resume (runner/rundir/pins.py): the same job continues with it.
+        again = (
+            f"{look}; run the same job again with the lower rate (`--set train.learning_rate=...`): it continues "
+            "from that checkpoint"
+        )
     return Diverged(
         f"{exc} (train.learning_rate {spec.train.learning_rate:g}); {kept}, and no model was exported. {again}"
     )

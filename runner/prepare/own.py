@@ -130,9 +130,13 @@ def arrays_dataset(path: str, features: tuple[str, ...], label: str, split: str 
         tables = {}
         for part in sorted(presplit, key=lambda s: (s != "train", s)):
             tables[part] = {name: _array(arrays, f"{name}_{part}", source) for name in names}
+            for name, values in tables[part].items():
+                _check_finite(values, f"{source}: {name}_{part}")
     else:
         table = {name: _array(arrays, name, source) for name in names}
         _same_length(table, source)
+        for name, values in table.items():  # before the split: record numbers are the file's
+            _check_finite(values, f"{source}: {name}")
         rows = split_rows(len(table[label]), parse_split(split or DEFAULT_SPLIT), str(source))
         tables = {part: {name: values[chosen] for name, values in table.items()} for part, chosen in rows.items()}
     kinds: dict[str, Feature] = {}
@@ -146,7 +150,6 @@ def arrays_dataset(path: str, features: tuple[str, ...], label: str, split: str 
                     f"{source}: {key} is {feature.dtype} of shape {list(feature.shape)}, but another split's "
                     f"{name} is {kinds[name].dtype} of shape {list(kinds[name].shape)}; every split must agree"
                 )
-            _check_finite(values, f"{source}: {key}")
     splits = {
         part: {name: table[name].astype(_CASTS[kinds[name].dtype], copy=False) for name in names}
         for part, table in tables.items()

@@ -118,6 +118,7 @@ class Attempt:
             log.error("could not write the summary to %s: %s", self.run.path, exc.message.splitlines()[0])
         finally:
             self.run.close()
+            self.run.remove_if_refused()
 
 
 def error_of(exc: Exception, spec: JobSpec, what: str = "training") -> RunnerError:

@@ -58,7 +58,6 @@ tests/test_run_folder.py, tests/test_lease.py):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -74,52 +73,17 @@ from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
 from runner.rundir import serving
 from runner.rundir.lease import Lease
+from runner.rundir.pins import FINGERPRINT, PINNED_KEYS, data_fingerprint, dotted, pinned, show
 from runner.rundir.timing import completion
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
 
-# What the checkpoints mean (precedence 5): a resumed run must not change these.
-PINNED_KEYS = (
-    "model.name", "model.params",
-    "train.optimizer", "train.learning_rate", "train.loss", "train.mixed_precision", "train.steps_per_epoch",
-    "data.global_batch_size", "data.inputs", "data.label", "data.features", "data.preprocess",
-)
-FINGERPRINT = "data.fingerprint"
 # Leftovers of a save cut short (precedence 4): TensorFlow writes `<prefix>_temp/part-*` and merges them into
 # `<prefix>.index` + `<prefix>.data-*`; the index file `checkpoint` is replaced through `checkpoint.tmp<hex>`.
 _TEMP = re.compile(r"^ckpt-\d+_temp")
 _DATA = re.compile(r"^(ckpt-\d+)\.data-\d{5}-of-\d{5}$")
 _STATE_TEMP = re.compile(r"^checkpoint\.tmp[0-9a-f]+$")
-
-
-def data_fingerprint(shards: pipeline.Shards) -> str:
-    """The training data's identity: the manifest's sha256 and record count of each shard the glob
-    matched, and the features; not where the shards are, nor the sizes (the sha256 fixes them, and a manifest
-    that gains them through `runner verify --record-sizes` still describes the same data)."""
-    entries = {e["file"]: e for split in shards.manifest.get("splits", {}).values() for e in split.get("shards", [])}
-    listed = [
-        {key: entries.get(posixpath.basename(f), {}).get(key) for key in ("file", "records", "sha256")}
-        for f in shards.files
-    ]
-    identity = {"features": shards.manifest.get("features"), "shards": sorted(listed, key=lambda e: str(e["file"]))}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-def pinned(spec: JobSpec, fingerprint: str | None) -> dict[str, Any]:
-    doc = spec.to_dict()
-    return {**{key: _dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint}
-
-
-def _dotted(doc: dict[str, Any], key: str) -> Any:
-    section, _, name = key.partition(".")
-    return (doc.get(section) or {}).get(name)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
-        return value[:12]
-    return repr(value)
 
 
 class RunFolder:
@@ -132,6 +96,7 @@ class RunFolder:
         self._pin_written = False
         self._lease: Lease | None = None
         self._refused = False  # a refused attempt writes nothing, its summary included
+        self._created = False  # this attempt made the folder: a refusal at start removes it again
 
     def file(self, name: str) -> str:
         return posixpath.join(self.path, name)
@@ -160,7 +125,8 @@ class RunFolder:
         or StorageError (exit 3) having written nothing."""
         self._spec = spec
         try:
-            self._check_bucket()
+            self.check_bucket()
+            self._created = not tf.io.gfile.exists(self.path) or not tf.io.gfile.listdir(self.path)
             if not storage.is_gcs(self.path):  # a bucket has no folders to make: the lease object is the first write
                 tf.io.gfile.makedirs(self.path)
             if tf.io.gfile.exists(self.checkpoints) and not tf.io.gfile.isdir(self.checkpoints):
@@ -169,7 +135,7 @@ class RunFolder:
                     "move that file away (or delete it) and run the job again"
                 )
         except tf.errors.OpError as exc:
-            raise self._storage_fault(exc) from None
+            raise self.storage_fault(exc) from None
         if worker_index == 0:
             self._lease = Lease.take(self.path, spec.name, spec.storage.timeout_s)
         try:
@@ -180,7 +146,7 @@ class RunFolder:
                 self.attempt = self.next_attempt()
         except tf.errors.OpError as exc:
             self.close()
-            raise self._storage_fault(exc) from None
+            raise self.storage_fault(exc) from None
         except BaseException:
             self.close()
             raise
@@ -194,6 +160,22 @@ class RunFolder:
             self._lease.release()
             self._lease = None
 
+    def refuse_start(self) -> None:
+        """A start refused before training (a spec or data fault only the run could find): the attempt writes
+        nothing, and a folder this attempt made is removed again once its lease is released (see `close`)."""
+        self._refused = True
+
+    def remove_if_refused(self) -> None:
+        """After `close`: removes the folder a refused start made, if it holds nothing but empty folders."""
+        if not (self._refused and self._created) or self._lease is not None:
+            return
+        try:
+            leftovers = [f for _, _, files in tf.io.gfile.walk(self.path) for f in files]
+            if not leftovers:
+                tf.io.gfile.rmtree(self.path)
+        except tf.errors.OpError as exc:  # the refusal is what the user must read; this is housekeeping
+            log.warning("could not remove the empty run folder %s: %s", self.path, exc)
+
     def _completed(self, spec: JobSpec) -> dict[str, Any] | None:
         """The summary of the finished job when it trained exactly `train.epochs` (precedence 3)."""
         summary = self.read_json("summary.json")
@@ -206,7 +188,8 @@ class RunFolder:
                 f"{self.path} holds job {spec.name!r} finished after {trained} epochs (summary.json); "
                 f"train.epochs ({spec.train.epochs}) is lower, and a job never shrinks: set train.epochs to "
                 f"{trained} to see it, or above to train it further; for a shorter run choose a new job name "
-                f"(`--set name={spec.name}-{spec.train.epochs}ep`) or delete {self.path}"
+                f"(`--set name={spec.name}-{spec.train.epochs}ep`) or start over with `runner run --fresh` (the "
+                "folder is moved aside, not deleted)"
             )
         latest = self.latest_checkpoint()
         if latest is not None:  # complete, but only for the spec it was made with
@@ -217,7 +200,7 @@ class RunFolder:
             self._check_pinned(spec, pinned(spec, fingerprint), latest)
         return summary
 
-    def _check_bucket(self) -> None:
+    def check_bucket(self) -> None:
         # TensorFlow's makedirs keeps retrying under a bucket that does not exist: ask about the bucket first.
         if storage.is_gcs(self.path):
             bucket, _ = storage.split_gcs(self.path)
@@ -227,7 +210,7 @@ class RunFolder:
                     f"create it (gcloud storage buckets create gs://{bucket}) or set output.dir to another"
                 )
 
-    def _storage_fault(self, exc: tf.errors.OpError) -> StorageError:
+    def storage_fault(self, exc: tf.errors.OpError) -> StorageError:
         timeout_s = self._spec.storage.timeout_s if self._spec else storage.DEFAULT_TIMEOUT_S
         first_line = exc.message.splitlines()[0] if exc.message else type(exc).__name__
         return storage.storage_error(exc, [self.path], timeout_s) or StorageError(
@@ -280,7 +263,8 @@ class RunFolder:
                 f"{self.checkpoints} already holds {held:g} epochs ({posixpath.basename(latest)}: step {step}, "
                 f"{steps_per_epoch} steps per epoch); train.epochs ({spec.train.epochs}) is lower, and a job "
                 f"never shrinks: set train.epochs to at least {math.ceil(held)} to continue it; for a shorter "
-                f"run choose a new job name (`--set name={spec.name}-{spec.train.epochs}ep`) or delete {self.path}"
+                f"run choose a new job name (`--set name={spec.name}-{spec.train.epochs}ep`) or start over with "
+                "`runner run --fresh` (the folder is moved aside, not deleted)"
             )
 
     def _check_pinned(self, spec: JobSpec, now: dict[str, Any], latest: str) -> None:
@@ -288,16 +272,26 @@ class RunFolder:
         if previous is None:
             log.warning("%s has checkpoints but no spec.json: cannot tell what they were made with", self.path)
             return
-        before = previous.get("pinned") or {key: _dotted(previous, key) for key in PINNED_KEYS}  # older folders
+        before = previous.get("pinned") or {key: dotted(previous, key) for key in PINNED_KEYS}  # older folders
         # A fingerprint not known on either side (older folders; data no longer readable) is not compared.
         known = [key for key in now if key in before and (key != FINGERPRINT or None not in (before[key], now[key]))]
-        changed = [f"{key}: {_show(before[key])} -> {_show(now[key])}" for key in known if before[key] != now[key]]
+        changed = [f"{key}: {show(before[key])} -> {show(now[key])}" for key in known if before[key] != now[key]]
+        if changed == [f"{FINGERPRINT}: {show(before[FINGERPRINT])} -> {show(now[FINGERPRINT])}"]:
+            manifest = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
+            self._refuse(
+                f"the training data changed since {self.path}'s checkpoints were made: {manifest} lists other "
+                f"shards (their sha256 and record counts: {'; '.join(changed)}). If the shards are the same, the "
+                f"manifest was edited: restore it and check the shards with `runner verify "
+                f"{posixpath.dirname(spec.data.train)}`. To train on the new data, start over with "
+                f"`runner run --fresh` (the run folder is moved aside, not deleted) or choose a new job name "
+                f"(`--set name={spec.name}-2`)"
+            )
         if changed:
             self._refuse(
                 f"{self.path} holds checkpoints of job {spec.name!r} (newest: {posixpath.basename(latest)}) made "
                 f"with another spec ({'; '.join(changed)}): the checkpoints mean something else. Run it with the "
-                f"earlier settings, choose a new job name (`--set name={spec.name}-2`), or delete {self.path} "
-                "to start this job over"
+                f"earlier settings, choose a new job name (`--set name={spec.name}-2`), or start this job over with "
+                "`runner run --fresh` (the folder is moved aside, not deleted)"
             )
 
     def _refuse(self, message: str) -> None:
@@ -326,6 +320,28 @@ class RunFolder:
             return 1
         numbers = [int(n.split(".")[0]) for n in tf.io.gfile.listdir(folder) if n.split(".")[0].isdigit()]
         return max(numbers, default=0) + 1
+
+    def epochs_before(self, attempt: int) -> list[dict[str, Any]]:
+        """The epoch records of the attempts before `attempt`, from the newest attempts/<n>.json written
+        (each holds every earlier one's), each marked with its attempt; [] for a first attempt."""
+        folder = self.file("attempts")
+        if attempt <= 1 or not tf.io.gfile.isdir(folder):
+            return []
+        numbers = sorted(
+            (int(n.split(".")[0]) for n in tf.io.gfile.listdir(folder)
+             if n.split(".")[0].isdigit() and n.endswith(".json")),
+            reverse=True,
+        )
+        for number in (n for n in numbers if n < attempt):
+            earlier = self.read_json(f"attempts/{number:03d}.json") or {}
+            records = [dict(r) for r in earlier.get("epochs") or []]
+            for record in records:
+                record.setdefault("attempt", number)  # summaries written before records carried it
+                if record["attempt"] is None:
+                    record["attempt"] = number
+            if records or earlier.get("epochs") is not None:
+                return records
+        return []
 
     def write_summary(self, summary: dict[str, Any], attempt: int, keep_succeeded: bool = True) -> None:
         """attempts/<n>.json, then summary.json; with `keep_succeeded`, an attempt that did not succeed never

@@ -69,13 +69,15 @@ class EpochRecord:
     first_step_s: float | None = None  # the first device execution of this process (compile), if in this epoch
     checkpoint_s: float = 0.0  # checkpoint saves made inside the epoch (every_steps), kept out of `seconds`
     input_wait_s: float | None = None  # time the training loop was blocked on the input pipeline
+    partial: bool = False  # stopped before its last step (a notice, a limit): its step count is not the epoch's
+    attempt: int | None = None  # the attempt that trained it (the summary's epochs span every attempt)
 
 
 def steady_timing(epochs: list[EpochRecord], global_batch: int | None) -> dict[str, float | None]:
     """First epoch (with compile) apart; step time and throughput from the steady epochs only."""
     if not epochs:
         return {"first_epoch_s": None, "steady_epoch_s": None, "step_time_ms": None, "examples_per_sec": None}
-    first, later = epochs[0], epochs[1:]
+    first, later = epochs[0], [e for e in epochs[1:] if not e.partial]  # a cut-short epoch is not a steady one
     full = [e for e in later if e.steps == first.steps] or later
     if full:
         step_s = statistics.median(e.seconds / e.steps for e in full)

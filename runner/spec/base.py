@@ -39,7 +39,8 @@ def bounded(low: float, high: float, unit: str = "") -> Any:
 
     def check(value: float) -> float:
         if not low <= value <= high:
-            raise ValueError(f"{value:g}{unit} is outside the range {low:g}{unit} to {high:g}{unit}")
+            shown = f"{value:g}" if value == 0 or abs(value) >= 1e-300 else repr(value)  # a denormal as written
+            raise ValueError(f"{shown}{unit} is outside the range {low:g}{unit} to {high:g}{unit}")
         return value
 
     return Annotated[Number, AfterValidator(check)]

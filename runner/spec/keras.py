@@ -57,7 +57,9 @@ def check_name(kind: str, value: str) -> str:
     """A Keras name of `kind` (or, for losses and metrics, `package.module:function`); ValueError otherwise."""
     _, names_key, module = _KINDS[kind]
     if not value.strip():
-        raise ValueError(f"an empty {kind} name: write a Keras name such as {TABLE[names_key][0]!r}")
+        if kind == "optimizer":
+            raise ValueError("an empty optimizer name: write a Keras name such as 'adam'")
+        raise ValueError(f"an empty {kind} name: write a Keras name such as 'accuracy' or `package.module:function`")
     if kind in ("loss", "metric") and is_import_path(value):
         return check_import_path(value)
     names = TABLE[names_key]

@@ -33,7 +33,9 @@ def resolve_path(value: str, key: tuple[str, ...], context: dict | None, *, glob
     """A local path made absolute against its base folder (`~` expanded), or a gs:// path as written."""
     if not value.strip():
         raise ValueError("an empty path: name a folder (relative to the spec file) or gs://BUCKET/...")
-    if bad := invisible_character(value):
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} holds a control character (a newline, tab or NUL): remove it")
+    if bad := invisible_character(value):  # the bidirectional and zero-width ones: a path that reads as another
         raise ValueError(f"{value!r} holds {bad}: remove it (paths are plain visible text)")
     scheme, sep, rest = value.partition("://")
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):

@@ -112,7 +112,8 @@ def system_folders() -> tuple[str, ...]:
     found += site.getsitepackages() if hasattr(site, "getsitepackages") else []
     found.append(site.getusersitepackages())
     found += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
-    return tuple(sorted({os.path.realpath(p) for p in found if p and os.path.isdir(p)}))
+    # Deepest first: a folder is named by the most specific one it lies in.
+    return tuple(sorted({os.path.realpath(p) for p in found if p and os.path.isdir(p)}, key=len, reverse=True))
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -190,12 +191,12 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
 
     importlib.invalidate_caches()  # modules written since the last look (a test, an editor) are seen
     folder = roots.folder
-    if os.path.isdir(folder) and (problem := system_folder_problem(folder)):
-        raise refuse(f"{problem}: set code.folder to the folder of your own modules")
     spec = PathFinder.find_spec(top, [folder]) if os.path.isdir(folder) else None
     installed = _installed_spec(top)
     in_folder = spec is not None
     if in_folder:
+        if problem := system_folder_problem(folder):
+            raise refuse(f"{problem}: set code.folder to the folder of your own modules")
         if installed is not None and _location(installed) != _location(spec):
             raise refuse(
                 f"{top!r} in the code folder {folder} has the name of an installed module ({_location(installed)}), "

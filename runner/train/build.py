@@ -258,3 +258,12 @@ def check_first_outputs(model: Any, loss: Any, batch_outputs: Any) -> None:
         f"{low:.4g} to {high:.4g} on the first batch (logits): set `train.loss: {{class_name: {class_name}, config: "
         "{from_logits: true}}`, or end the model with a softmax (sigmoid for one output)"
     )
+
+
+def check_first_batch(model: Any, loss: Any, dataset: Any) -> None:
+    """`check_first_outputs` on the model's outputs for one batch of `dataset`, for a model whose output
+    activation cannot be read (a subclassed model); the others were checked when compiled."""
+    if _expects(loss) != "probabilities" or _output_activation(model) is not None:
+        return
+    inputs = next(iter(dataset))[0]
+    check_first_outputs(model, loss, model(inputs, training=False))

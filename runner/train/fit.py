@@ -62,6 +62,7 @@ class Recorder(keras.callbacks.Callback):
         self._checkpoint_clock, self._input_clock = checkpoint_clock, input_clock
         self._saved_at_begin, self._waited_at_begin = 0.0, None
         self.epochs: list[EpochRecord] = []
+        self.plan: Plan | None = None  # set by the loop: an epoch ending off its plan's step boundary is partial
         self.train_s = 0.0
         self._on_epoch = on_epoch
         self._first_step_s: float | None = None
@@ -114,7 +115,10 @@ class Recorder(keras.callbacks.Callback):
             metrics={k: float(v) for k, v in logs.items()},
             first_step_s=None if self._first_in_epoch is None else round(self._first_in_epoch, 4),
             checkpoint_s=round(saved, 4),
-            input_wait_s=None if waited is None or self._waited_at_begin is None else round(waited - self._waited_at_begin, 4),
+            input_wait_s=(
+                None if waited is None or self._waited_at_begin is None else round(waited - self._waited_at_begin, 4)
+            ),
+            partial=self.plan is not None and self._step() % self.plan.steps_per_epoch != 0,
         )
         self.epochs.append(record)
         self._on_epoch(record)
@@ -214,7 +218,9 @@ def plateau_callbacks(
         )
     if early_stopping_patience is not None:
         callbacks.append(
-            keras.callbacks.EarlyStopping(monitor="val_loss", patience=early_stopping_patience, restore_best_weights=True)
+            keras.callbacks.EarlyStopping(
+                monitor="val_loss", patience=early_stopping_patience, restore_best_weights=True
+            )
         )
     return callbacks
 

@@ -53,8 +53,7 @@ def _traced_forward(model: Any, batch: int) -> tuple[float | None, str]:
     from tensorflow.python.profiler import model_analyzer, option_builder
 
     try:
-        specs = tf.nest.map_structure(
-            lambda t: tf.TensorSpec((batch, *t.shape[1:]), t.dtype), model.input)
+        specs = _input_specs(model, batch)
         graph = tf.function(lambda x: model(x, training=True)).get_concrete_function(specs).graph
     except Exception as exc:  # a model without symbolic inputs (subclassed, never built): the per-layer count
         return None, f"the forward pass could not be traced ({type(exc).__name__}: {exc})"
@@ -67,6 +66,18 @@ def _traced_forward(model: Any, batch: int) -> tuple[float | None, str]:
     if not total:
         return None, "TensorFlow's profiler counted 0 float ops (shapes unknown at trace time)"
     return total / batch, "traced"
+
+
+def _input_specs(model: Any, batch: int) -> Any:
+    """TensorSpecs of the model's inputs at `batch`, in the structure the model is called with."""
+    import tensorflow as tf
+
+    try:
+        structure = model.input  # a functional model: its inputs as declared (one, a list or a dict)
+    except (AttributeError, ValueError):
+        structure = model.inputs  # a Sequential model built from keras.Input: a list of one
+        structure = structure[0] if len(structure) == 1 else structure
+    return tf.nest.map_structure(lambda t: tf.TensorSpec((batch, *t.shape[1:]), t.dtype), structure)
 
 
 def _layer_forward(model: Any) -> tuple[float, str]:
@@ -135,7 +146,7 @@ def step_flops(model: Any, batch_size: int) -> float | None:
     import tensorflow as tf
     from tensorflow.python.profiler import model_analyzer, option_builder
 
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec((batch_size, *t.shape[1:]), t.dtype), model.input)
+    specs = _input_specs(model, batch_size)
     label = tf.TensorSpec((batch_size,), tf.int64)
 
     def step(x, y):

@@ -62,7 +62,10 @@ def train(
             saver.save(step)
 
     outcome = Outcome()
-    plateau = fit.plateau_callbacks(settings.early_stopping_patience, settings.reduce_lr_patience, settings.reduce_lr_factor)
+    recorder.plan = plan
+    plateau = fit.plateau_callbacks(
+        settings.early_stopping_patience, settings.reduce_lr_patience, settings.reduce_lr_factor
+    )
     checkpointer = fit.Checkpointer(save, saving.every_steps, notice)
     limit = limits.TimeLimit(settings.max_duration, notice) if settings.max_duration else None
     stall = limits.StallGuard(settings.stall_timeout) if settings.stall_timeout else None
@@ -70,11 +73,14 @@ def train(
         steps_per_epoch=plan.steps_per_epoch, epochs=plan.epochs, start_step=plan.start_step,
         global_batch=global_batch, every_s=progress_every,
     )
-    watchers = [*([limit] if limit else []), *([stall] if stall else []), *plateau, *([profiler] if profiler else []), shown]
+    limits_ = [watcher for watcher in (limit, stall) if watcher is not None]
+    watchers = [*limits_, *plateau, *([profiler] if profiler else []), shown]
     began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
     with notice:
         try:
-            fit.fit(model, feed.dataset, plan, recorder, checkpointer, watchers, verbose=verbose, validation=feed.validation)
+            fit.fit(
+                model, feed.dataset, plan, recorder, checkpointer, watchers, verbose=verbose, validation=feed.validation
+            )
             with phases.phase("checkpoint"):
                 saver.wait()  # the last checkpoint written (within the grace after a notice) before summary and export
             if checkpointer.saved_after_notice_s is not None:

@@ -180,6 +180,12 @@ def epoch_line(total_epochs: int) -> Callable[[EpochRecord], None]:
     def report(record: EpochRecord) -> None:
         metrics = " ".join(f"{k} {v:.4f}" for k, v in record.metrics.items())
         loss = "" if record.loss is None else f" loss {record.loss:.4f}"
+        if record.partial:
+            log.info(
+                "epoch %d/%d interrupted after %d steps: %.2f s, %.0f examples/s,%s %s",
+                record.epoch, total_epochs, record.steps, record.seconds, record.examples_per_sec, loss, metrics,
+            )
+            return
         log.info(
             "epoch %d/%d: %.2f s, %d steps, %.0f examples/s,%s %s",
             record.epoch, total_epochs, record.seconds, record.steps, record.examples_per_sec, loss, metrics,

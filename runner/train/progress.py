@@ -140,7 +140,8 @@ class LogLines(Progress):
         if self._started is None:
             log.info(
                 "training %d epochs x %d steps (batch %d) from step %d; the first step compiles; a progress "
-                "line every %s", self.epochs, self.steps_per_epoch, self.global_batch, self.step, duration(self.interval_s),
+                "line every %s",
+                self.epochs, self.steps_per_epoch, self.global_batch, self.step, duration(self.interval_s),
             )
             # No step ends while the first one traces and compiles (minutes for a big model on a TPU): a
             # thread says so every interval, so a log never falls silent.
@@ -356,7 +357,8 @@ def _where_stopped(summary: dict[str, Any]) -> str:
     per_epoch, planned = summary.get("steps_per_epoch"), summary.get("train_epochs")
     if not per_epoch or not planned:
         return ""
-    step = (summary.get("resumed_from_step") or 0) + sum(e.get("steps", 0) for e in summary.get("epochs") or [])
+    mine = [e for e in summary.get("epochs") or [] if e.get("attempt") in (None, summary.get("attempt"))]
+    step = (summary.get("resumed_from_step") or 0) + sum(e.get("steps", 0) for e in mine)
     return f"at step {step:,} of {per_epoch * planned:,} (epoch {min(planned, step // per_epoch + 1)} of {planned})"
 
 

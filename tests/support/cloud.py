@@ -1,6 +1,7 @@
 """What the tests of the Cloud TPU commands share (`runner submit`, `watch`, `status`, `cancel`, `logs` and
 the VM's startup script): the names of the place they submit to, the environment that points runner and gcloud
-at the fakes, and the CLI run in this process (tests/support/cli.py). Their fixtures are in tests/support/cloud_fixtures.py."""
+at the fakes, and the CLI run in this process (tests/support/cli.py). Their fixtures are in
+tests/support/cloud_fixtures.py."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ with no node. With a lifecycle configured it moves on by itself: ACCEPTED -> PRO
 `provisioning_s`) -> ACTIVE with a READY, HEALTHY node (after `active_s`); a delete passes DELETING for
 `deleting_s` before the resource is gone. Preemption (of an ACTIVE node): node PREEMPTED, queued resource
 SUSPENDING (initiator SERVICE), the VM's processes get SIGTERM, and the queued resource is SUSPENDED once
-they have all ended (the VM shuts down), or after `grace_s` with SIGKILL to what still runs. FAILED is set through /_fake/state.
+they have all ended (the VM shuts down), or after `grace_s` with SIGKILL to what still runs. FAILED is set
+through /_fake/state.
 
 The simulated VM: with `boot` configured, a node that becomes READY runs its startup script (from the
 request's metadata) with bash, once per worker, each in its own process group, with the configured
@@ -108,8 +109,13 @@ class Vm:
         return True
 
     def doc(self) -> dict[str, Any]:
-        return {"queued_resource": self.resource, "node": self.node, "folder": str(self.folder),
-                "pids": [p.pid for p in self.processes], "exit_codes": [p.poll() for p in self.processes]}
+        return {
+            "queued_resource": self.resource,
+            "node": self.node,
+            "folder": str(self.folder),
+            "pids": [p.pid for p in self.processes],
+            "exit_codes": [p.poll() for p in self.processes],
+        }
 
 
 class Fake(Recorder):
@@ -153,13 +159,19 @@ class Fake(Recorder):
             "name": name,
             "metadata": {
                 "@type": "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata",
-                "createTime": stamp, "endTime": stamp, "target": target, "verb": verb, "apiVersion": "v2",
+                "createTime": stamp,
+                "endTime": stamp,
+                "target": target,
+                "verb": verb,
+                "apiVersion": "v2",
             },
             "done": True,
         }
-        op["response"] = {"@type": "type.googleapis.com/google.protobuf.Empty"} if response is None else {
-            "@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource", **response
-        }
+        op["response"] = (
+            {"@type": "type.googleapis.com/google.protobuf.Empty"}
+            if response is None
+            else {"@type": "type.googleapis.com/google.cloud.tpu.v2.QueuedResource", **response}
+        )
         self.operations[name] = op
         return op
 
@@ -182,8 +194,15 @@ class Fake(Recorder):
                 node_name = f"{spec['parent']}/nodes/{spec['nodeId']}"
                 old = self.nodes.get(node_name)
                 node = dict(spec.get("node", {}))
-                node.update({"name": node_name, "state": node_state, "health": "HEALTHY", "queuedResource": resource["name"],
-                             "createTime": old["createTime"] if old else _now()})
+                node.update(
+                    {
+                        "name": node_name,
+                        "state": node_state,
+                        "health": "HEALTHY",
+                        "queuedResource": resource["name"],
+                        "createTime": old["createTime"] if old else _now(),
+                    }
+                )
                 self.nodes[node_name] = node
                 if node_state == "READY" and (old is None or old["state"] != "READY"):
                     self.start_vm(resource, node_name, spec)
@@ -205,12 +224,18 @@ class Fake(Recorder):
     def delete(self, name: str, force: bool) -> tuple[int, Any]:
         resource = self.queued.get(name)
         if resource is None or resource["state"]["state"] == "DELETING":
-            return _error(404, "NOT_FOUND", f"Resource '{name}' was not found") if resource is None else (
-                200, self.operation(name.split("/queuedResources/")[0], "delete", name, None))
+            return (
+                _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+                if resource is None
+                else (200, self.operation(name.split("/queuedResources/")[0], "delete", name, None))
+            )
         nodes_up = [n for n in self.node_names(resource) if n in self.nodes]
         if nodes_up and not force and resource["state"]["state"] not in ("ACCEPTED", "FAILED", "SUSPENDED"):
-            return _error(400, "FAILED_PRECONDITION",
-                          f"Queued resource {name} has nodes ({', '.join(nodes_up)}); delete them first or set force")
+            return _error(
+                400,
+                "FAILED_PRECONDITION",
+                f"Queued resource {name} has nodes ({', '.join(nodes_up)}); delete them first or set force",
+            )
         resource["state"] = {"state": "DELETING", "stateInitiator": "USER"}
         incarnation = self.incarnations[name]
         linger = float(self.lifecycle.get("vm_linger_s") or 0.0)
@@ -232,7 +257,9 @@ class Fake(Recorder):
     def preempt(self, short: str, grace_s: float) -> dict[str, Any]:
         resource = self.find(short)
         if resource["state"]["state"] != "ACTIVE":
-            raise ValueError(f"only an ACTIVE queued resource can be preempted, {short} is {resource['state']['state']}")
+            raise ValueError(
+                f"only an ACTIVE queued resource can be preempted, {short} is {resource['state']['state']}"
+            )
         for node_name in self.node_names(resource):
             if node_name in self.nodes:
                 self.nodes[node_name]["state"] = "PREEMPTED"
@@ -263,11 +290,25 @@ class Fake(Recorder):
         for worker in range(int(self.boot.get("workers", 1))):
             worker_folder = folder / f"w{worker}"
             worker_folder.mkdir(parents=True, exist_ok=True)
-            env = {**self.boot.get("env", {}), "FAKE_BOOT": str(worker_folder), "FAKE_NODE": node_name,
-                   "FAKE_WORKER": str(worker), "RUNNER_WORKDIR": str(worker_folder / "work")}
+            env = {
+                **self.boot.get("env", {}),
+                "FAKE_BOOT": str(worker_folder),
+                "FAKE_NODE": node_name,
+                "FAKE_WORKER": str(worker),
+                "RUNNER_WORKDIR": str(worker_folder / "work"),
+            }
             with open(worker_folder / "console.log", "ab") as console:
-                processes.append(subprocess.Popen(["bash", "-c", script], env=env, stdout=console, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd=worker_folder))
+                processes.append(
+                    subprocess.Popen(
+                        ["bash", "-c", script],
+                        env=env,
+                        stdout=console,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        cwd=worker_folder,
+                    )
+                )
         self.vms.append(Vm(resource["name"], self.incarnations[resource["name"]], node_name, folder, processes))
 
     def stop_vms(self, incarnation: int, signum: int) -> None:
@@ -328,11 +369,13 @@ class Fake(Recorder):
             return True
 
         resources = body.get("resourceNames") or []
-        found = [e for e in self.entries if keep(e) and any((e.get("logName") or "").startswith(r + "/") for r in resources)]
+        found = [
+            e for e in self.entries if keep(e) and any((e.get("logName") or "").startswith(r + "/") for r in resources)
+        ]
         found.sort(key=lambda e: e["timestamp"])
         start = int(body.get("pageToken") or 0)
         size = int(body.get("pageSize") or 50)
-        page = found[start:start + size]
+        page = found[start : start + size]
         doc: dict[str, Any] = {"entries": page} if page else {}
         if start + size < len(found):
             doc["nextPageToken"] = str(start + size)
@@ -360,7 +403,10 @@ def handle_build(fake: Fake, method: str, path: str, body: Any) -> tuple[int, An
     build = {**(body or {}), "id": build_id, "projectId": project, "status": "QUEUED", "createTime": _now()}
     return 200, {
         "name": f"projects/{project}/locations/{location}/operations/{build_id}",
-        "metadata": {"@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata", "build": build},
+        "metadata": {
+            "@type": "type.googleapis.com/google.devtools.cloudbuild.v1.BuildOperationMetadata",
+            "build": build,
+        },
     }
 
 
@@ -395,14 +441,26 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
             items = [r for n, r in fake.queued.items() if n.startswith(parent + "/")]
             return 200, ({"queuedResources": items} if items else {})
         if method == "GET":
-            return (200, fake.queued[name]) if name in fake.queued else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+            return (
+                (200, fake.queued[name])
+                if name in fake.queued
+                else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+            )
         if method == "DELETE":
             force = [v.lower() for v in query.get("force", [])] == ["true"]
             return fake.delete(name, force)
     if collection == "nodes" and method == "GET" and short:
-        return (200, fake.nodes[name]) if name in fake.nodes else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+        return (
+            (200, fake.nodes[name])
+            if name in fake.nodes
+            else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+        )
     if collection == "operations" and method == "GET" and short:
-        return (200, fake.operations[name]) if name in fake.operations else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+        return (
+            (200, fake.operations[name])
+            if name in fake.operations
+            else _error(404, "NOT_FOUND", f"Resource '{name}' was not found")
+        )
     if collection == "operations" and method == "GET":
         items = [op for n, op in fake.operations.items() if n.startswith(parent + "/")]
         return 200, ({"operations": items} if items else {})
@@ -464,8 +522,12 @@ class Handler(FakeHandler):
 class TpuFake(FakeClient):
     """The test side of a running fake: its endpoint and its control endpoints."""
 
-    def set_state(self, name: str, state: str, node_state: str | None = None, initiator: str | None = None) -> dict[str, Any]:
-        return self.call("POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state, "initiator": initiator})
+    def set_state(
+        self, name: str, state: str, node_state: str | None = None, initiator: str | None = None
+    ) -> dict[str, Any]:
+        return self.call(
+            "POST", "/_fake/state", {"name": name, "state": state, "node_state": node_state, "initiator": initiator}
+        )
 
     def configure(self, lifecycle: dict[str, Any] | None = None, boot: dict[str, Any] | None = None) -> dict[str, Any]:
         doc: dict[str, Any] = {"lifecycle": lifecycle or {}}
@@ -490,7 +552,9 @@ class TpuFake(FakeClient):
         self.call("POST", "/_fake/reset", {})
 
 
-def start_tpu_fake(folder: Path, ttl_s: float = 900.0, start_timeout_s: float = 20.0) -> contextlib.AbstractContextManager[TpuFake]:
+def start_tpu_fake(
+    folder: Path, ttl_s: float = 900.0, start_timeout_s: float = 20.0
+) -> contextlib.AbstractContextManager[TpuFake]:
     return start_fake(__spec__.name, folder, TpuFake, ttl_s, start_timeout_s)
 
 

@@ -179,9 +179,12 @@ def gcs_write(url: str, data: bytes) -> None:
         return
     from urllib.parse import quote
 
-    status, answer = _http(os.environ["STORAGE_EMULATOR_HOST"], "POST",
-                           f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?uploadType=media&name={quote(name, safe='')}",
-                           data)
+    status, answer = _http(
+        os.environ["STORAGE_EMULATOR_HOST"],
+        "POST",
+        f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?uploadType=media&name={quote(name, safe='')}",
+        data,
+    )
     if status != 200:
         raise SystemExit(f"fake gcloud: upload to gs://{bucket}/{name}: HTTP {status} {answer[:200]!r}")
 
@@ -205,7 +208,10 @@ def fake_gcloud(args: list[str]) -> int:
     if words[:2] == ["storage", "cat"]:
         data = gcs_read(words[2])
         if data is None:
-            print(f"ERROR: (gcloud.storage.cat) The following URLs matched no objects or files:\n-{words[2]}", file=sys.stderr)
+            print(
+                f"ERROR: (gcloud.storage.cat) The following URLs matched no objects or files:\n-{words[2]}",
+                file=sys.stderr,
+            )
             return 1
         sys.stdout.buffer.write(data)
         return 0
@@ -240,7 +246,7 @@ def _parse_run(args: list[str]) -> tuple[dict[str, list[str]], str, list[str]]:
         elif arg.startswith("-"):
             raise SystemExit(f"fake docker: unknown docker run option {arg!r}")
         else:
-            return options, arg, args[i + 1:]
+            return options, arg, args[i + 1 :]
     raise SystemExit("fake docker: docker run without an image")
 
 
@@ -252,10 +258,18 @@ class CloudLogging:
         self.project = os.environ.get("RUNNER_FAKE_PROJECT", "runner-test")
 
     def write(self, line: str) -> None:
-        entry = {"jsonPayload": {"message": line.rstrip("\n"), "container": {"name": f"/{self.container}"},
-                                 "instance": {"name": os.environ.get("FAKE_NODE", ""), "zone": "fake"}}}
-        doc = {"logName": f"projects/{self.project}/logs/gcplogs-docker-driver",
-               "resource": {"type": "gce_instance"}, "entries": [entry]}
+        entry = {
+            "jsonPayload": {
+                "message": line.rstrip("\n"),
+                "container": {"name": f"/{self.container}"},
+                "instance": {"name": os.environ.get("FAKE_NODE", ""), "zone": "fake"},
+            }
+        }
+        doc = {
+            "logName": f"projects/{self.project}/logs/gcplogs-docker-driver",
+            "resource": {"type": "gce_instance"},
+            "entries": [entry],
+        }
         status, answer = _http(self.endpoint, "POST", "/v2/entries:write", json.dumps(doc).encode())
         if status != 200:
             raise SystemExit(f"fake docker: Cloud Logging entries:write: HTTP {status} {answer[:200]!r}")
@@ -278,8 +292,14 @@ def _write_summary(spec_path: Path, status: str) -> None:
     spec = yaml.safe_load(spec_path.read_text())
     run_dir = f"{spec['output']['dir'].rstrip('/')}/{spec['name']}"
     epochs = int((spec.get("train") or {}).get("epochs", 12))
-    summary = {"schema_version": 1, "status": status, "job": spec["name"], "train_epochs": epochs,
-               "steps_per_epoch": 10, "final_step": 10 * epochs if status == "succeeded" else 0}
+    summary = {
+        "schema_version": 1,
+        "status": status,
+        "job": spec["name"],
+        "train_epochs": epochs,
+        "steps_per_epoch": 10,
+        "final_step": 10 * epochs if status == "succeeded" else 0,
+    }
     gcs_write(f"{run_dir}/summary.json", json.dumps(summary).encode())
 
 
@@ -297,8 +317,11 @@ def fake_docker(args: list[str]) -> int:
     options, _image, command = _parse_run(args[1:])
     driver = (options.get("--log-driver") or ["json-file"])[0]
     if driver == "gcplogs" and not os.environ.get("FAKE_LOGGING"):
-        print("docker: Error response from daemon: failed to initialize logging driver: unable to connect or "
-              "authenticate with Google Cloud Logging: fake", file=sys.stderr)
+        print(
+            "docker: Error response from daemon: failed to initialize logging driver: unable to connect or "
+            "authenticate with Google Cloud Logging: fake",
+            file=sys.stderr,
+        )
         return 125
     sink = CloudLogging(os.environ["FAKE_LOGGING"], options["--name"][0]) if driver == "gcplogs" else None
 
@@ -359,12 +382,23 @@ def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[
     from runner.spec.types import JobSpec
 
     # The limits' keys reach the real job once this checkout's spec has them (the image's runner always does).
-    train_keys = JobSpec.model_fields["train"].annotation.model_fields if hasattr(
-        JobSpec.model_fields["train"].annotation, "model_fields") else {}
-    sets = [x for key, value in given.items() if key.split(".", 1)[1] in train_keys for x in ("--set", f"{key}={value}")]
-    child = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu", *sets],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                             preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    train_keys = (
+        JobSpec.model_fields["train"].annotation.model_fields
+        if hasattr(JobSpec.model_fields["train"].annotation, "model_fields")
+        else {}
+    )
+    sets = [
+        x for key, value in given.items() if key.split(".", 1)[1] in train_keys for x in ("--set", f"{key}={value}")
+    ]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu", *sets],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    )
     reader = threading.Thread(target=lambda: [emit(line) for line in child.stdout], daemon=True)
     reader.start()
     code = child.wait()

@@ -1,0 +1,58 @@
+"""What a run folder's checkpoints mean (runner/rundir/outputs.py, resume precedence 5): the spec keys a resumed
+run must not change, and the training data's fingerprint.
+
+The optimizer is pinned by its class (its slot variables are in the checkpoints), not by its hyperparameters:
+a changed learning rate, schedule or weight decay is applied on resume (runner/train/build.py `restore`).
+Folders written before that pinned `train.optimizer` and `train.learning_rate`; keys one side lacks are not
+compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from typing import Any
+
+from runner.data import pipeline
+from runner.spec.train import optimizer_identity
+from runner.spec.types import JobSpec
+
+# What the checkpoints mean (precedence 5): a resumed run must not change these.
+PINNED_KEYS = (
+    "model.name", "model.params",
+    "train.optimizer_class", "train.loss", "train.mixed_precision", "train.steps_per_epoch",
+    "data.global_batch_size", "data.inputs", "data.label", "data.features", "data.preprocess",
+)
+FINGERPRINT = "data.fingerprint"
+
+
+def data_fingerprint(shards: pipeline.Shards) -> str:
+    """The training data's identity: the manifest's sha256 and record count of each shard the glob
+    matched, and the features; not where the shards are, nor the sizes (the sha256 fixes them, and a manifest
+    that gains them through `runner verify --record-sizes` still describes the same data)."""
+    entries = {e["file"]: e for split in shards.manifest.get("splits", {}).values() for e in split.get("shards", [])}
+    listed = [
+        {key: entries.get(posixpath.basename(f), {}).get(key) for key in ("file", "records", "sha256")}
+        for f in shards.files
+    ]
+    identity = {"features": shards.manifest.get("features"), "shards": sorted(listed, key=lambda e: str(e["file"]))}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def pinned(spec: JobSpec, fingerprint: str | None) -> dict[str, Any]:
+    doc = spec.to_dict()
+    doc["train"]["optimizer_class"] = optimizer_identity(spec.train)  # its slots are in the checkpoints
+    return {**{key: dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint}
+
+
+def dotted(doc: dict[str, Any], key: str) -> Any:
+    section, _, name = key.partition(".")
+    return (doc.get(section) or {}).get(name)
+
+
+def show(value: Any) -> str:
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return value[:12]
+    return repr(value)

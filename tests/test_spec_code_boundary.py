@@ -1,0 +1,122 @@
+"""The code a spec may reach, checked on real paths (symlinks and relative paths resolved): a code folder in or
+above site-packages or the standard library, a module that links into them, and a third-party package listed in
+code.packages are refused by `runner validate` (exit 2, file:line) and by `runner run`, and the command the
+spec names never runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, last_json, run_cli, write_spec
+from tests.support.cli import invoke
+
+SPAWN = "setuptools._distutils.spawn:spawn"
+SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"]).resolve()
+STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def escapes(tmp_path: Path) -> dict[str, tuple[dict, str]]:
+    """Each way of pointing `model.name: setuptools._distutils.spawn:spawn` at the installed setuptools: the spec's
+    sections and what the refusal says."""
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "tools").symlink_to(SITE_PACKAGES / "setuptools")
+    (links / "helper.py").symlink_to(STDLIB / "subprocess.py")
+    up = os.path.relpath(SITE_PACKAGES, tmp_path)  # a relative path that resolves into site-packages
+    return {
+        "site_packages": ({"code": {"folder": str(SITE_PACKAGES)}}, f"is inside {SITE_PACKAGES}"),
+        "relative": ({"code": {"folder": up}}, f"is inside {SITE_PACKAGES}"),
+        "root": ({"code": {"folder": "/"}}, "the code folder / holds"),
+        "symlink": ({"code": {"folder": str(links)}, "model": {"name": "tools._distutils.spawn:spawn"}},
+                    f"resolves (through a symlink) to {SITE_PACKAGES}/setuptools"),
+        "module_symlink": ({"code": {"folder": str(links)}, "model": {"name": "helper:run"}},
+                           f"resolves (through a symlink) to {STDLIB}/subprocess.py"),
+        "packages": ({"code": {"packages": ["setuptools"]}},
+                     "code.packages lists 'setuptools', the third-party distribution 'setuptools' of the runner's "
+                     "own environment"),
+    }
+
+
+CASES = ["site_packages", "relative", "root", "symlink", "module_symlink", "packages"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_validate_refuses_every_way_out_of_the_spec_code(tmp_path: Path, case: str) -> None:
+    marker = tmp_path / "ran"
+    sections, expected = escapes(tmp_path)[case]
+    doc = {"name": "escape", "model": {"name": SPAWN, "params": {"cmd": ["touch", str(marker)]}}}
+    for section, values in sections.items():
+        doc[section] = {**doc.get(section, {}), **values}
+    spec = write_spec(tmp_path, doc)
+    result = invoke("validate", spec, "--no-data")
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr, result.stderr
+    assert re.search(rf"^error: {re.escape(str(spec))}:\d+: (code|model)", result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", ["symlink", "packages"])
+def test_run_refuses_them_too_and_spawns_nothing(mnist_job, tmp_path: Path, case: str) -> None:
+    marker = tmp_path / "ran"
+    sections, expected = escapes(tmp_path)[case]
+    model = {"name": SPAWN, "params": {"cmd": ["touch", str(marker)]}, **sections.get("model", {})}
+    job = mnist_job("escape", model=model, code=sections["code"], data={"eval": None})
+    result = run_cli("run", job, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()
+    if case == "symlink":  # refused once TensorFlow is up, at the model build: the run's summary says so
+        assert last_json(result.stdout)["status"] == "failed"
+
+
+def test_a_code_folder_of_slash_naming_this_project_is_refused_cleanly(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, {"name": "root", "code": {"folder": "/"},
+                                 "model": {"name": "work.main.examples.fashion.src.fashionnet.model:build"}})
+    for command in (["validate", spec, "--no-data"], ["run", spec]):
+        result = run_cli(*command, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "the code folder / holds" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_default_code_folder_above_site_packages_is_refused_only_when_code_is_named() -> None:
+    """The default code folder is the spec's own: a spec of built-ins may sit anywhere (a project root holding its
+    .venv); naming code there is refused, since every installed package would be "in the code folder"."""
+    from pydantic import ValidationError
+
+    from runner.spec.types import JobSpec
+
+    JobSpec.model_validate({"name": "b"}, context={"base": "/"})
+    with pytest.raises(ValidationError, match=r"model.name names code, and the code folder / holds .* \(code.folder "
+                                              r"unset: the spec's own folder\)"):
+        JobSpec.model_validate({"name": "o", "model": {"name": "mymodels:build"}}, context={"base": "/"})
+
+
+def test_validate_names_a_missing_function_with_a_close_one_without_importing(tmp_path: Path) -> None:
+    marker = tmp_path / "imported"
+    (tmp_path / "mymodels.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n\ndef build_model(params, features, inputs):\n    pass\n\n"
+        "def _private():\n    pass\n\nclass Head:\n    pass\n")
+    spec = write_spec(tmp_path, {"name": "attr", "model": {"name": "mymodels:build_modle"}})
+    result = invoke("validate", spec, "--no-data")
+    assert result.returncode == 2
+    assert (f"{spec}:3: model.name: module 'mymodels' ({tmp_path}/mymodels.py) has no attribute 'build_modle'; "
+            "did you mean 'build_model'? (it defines: Head, build_model)") in result.stderr, result.stderr
+    assert not marker.exists()
+    # Names made at import time in ways the source does not show are left to the import.
+    (tmp_path / "star.py").write_text("from mymodels import *\n")
+    starred = write_spec(tmp_path, {"name": "attr", "model": {"name": "star:anything"}})
+    assert invoke("validate", starred, "--no-data").returncode == 0
+
+
+def test_the_boundary_is_documented_as_a_guard_against_accidents() -> None:
+    text = (REPO / "docs" / "specs.md").read_text()
+    section = text.split("## A job spec is code", 1)[1].split("\n## ", 1)[0]
+    for needed in ("accident", "not", "symlink", "site-packages", "code.packages", "third-party"):
+        assert needed in section, needed
