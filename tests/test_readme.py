@@ -119,7 +119,8 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     for words in demo:
         command = [sys.executable, "-m", "runner", *words[1:], *FASTER.get(words[1], [])]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=tmp_path)
-        assert result.returncode == 0, f"make demo: {shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (
+            f"make demo: {shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}")
     outputs = {}
     for words in quick_start_commands():
         if words[0] == "runner":

@@ -67,26 +67,31 @@ def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_pat
                     env=cli_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("| run | device | replicas | batch | first epoch s | steady epoch s | step ms |")
+    assert lines[0].startswith("| run | device | replicas | batch | epochs | learning rate | precision | "
+                               "first epoch s | steady epoch s | step ms | examples/s | MFU |")
     v1_rate = json.loads(V1.read_text())["timing"]["examples_per_sec"]
     rate = summary["timing"]["examples_per_sec"]
-    row = next(line for line in lines if line.startswith("| b256 "))
+    # Unlike runs, not a sweep: every difference from the baseline is marked and named.
+    row = next(line for line in lines if line.startswith("| b256\\* "))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:4] == ["cpu", "1", "256"]
+    assert cells[1:7] == ["cpu", "1", "256", "2", "0.001", summary["accelerator"]["precision"]["policy"]]
     # Seconds print with 2 decimals, 3 below one second.
-    assert float(cells[5]) == pytest.approx(summary["timing"]["steady_epoch_s"], abs=0.005)
-    assert len(cells[5].split(".")[1]) == (2 if summary["timing"]["steady_epoch_s"] >= 1 else 3)
-    assert cells[7] == f"{rate:,.0f}"
-    assert cells[8] == f"{summary['timing']['goodput']:.0%}"
-    assert cells[11] == f"{round(rate / v1_rate, 2):.2f}x"
-    assert "| mnist_v1 | cpu | 1 | 128 |" in result.stdout and "1.00x" in result.stdout
+    assert float(cells[8]) == pytest.approx(summary["timing"]["steady_epoch_s"], abs=0.005)
+    assert len(cells[8].split(".")[1]) == (2 if summary["timing"]["steady_epoch_s"] >= 1 else 3)
+    assert cells[10] == f"{rate:,.0f}"
+    assert cells[12] == f"{summary['timing']['goodput']:.0%}"
+    assert cells[15] == f"{summary['timing']['total_s']:.1f}"
+    assert cells[16] == f"{round(rate / v1_rate, 2):.2f}x"
+    assert "| mnist_v1 | cpu | 1 | 128 | 3 | - | - |" in result.stdout and "1.00x" in result.stdout
     assert "read from schema_version 1 (no input wait recorded): mnist_v1" in result.stdout
-    # The saved stdout of `runner run` reads as the same run.
-    assert sum(line.startswith("| b256 ") for line in lines) == 2
+    assert "b256: data.global_batch_size 256 (baseline 128), train.epochs 2 (baseline 3)" in result.stdout
+    # The saved stdout of `runner run` reads as the same run, its spec.json found in the run folder it names.
+    assert sum(line.startswith("| b256\\* | cpu | 1 | 256 | 2 | 0.001 |") for line in lines) == 2
 
     plain = invoke("report", run_dir, V1, "--plot", tmp_path / "compare.png", env=cli_env())
     assert plain.returncode == 0, plain.stderr
-    assert "b256" in plain.stdout.splitlines()[2] and "1.00x" in plain.stdout.splitlines()[2]
+    # The default baseline: the first row in the shared order (the smaller batch), whatever order was given.
+    assert "mnist_v1" in plain.stdout.splitlines()[2] and "1.00x" in plain.stdout.splitlines()[2]
     png = (tmp_path / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
@@ -129,7 +134,8 @@ def test_report_reads_a_run_folder_in_a_bucket(real_run, gcs) -> None:
     shutil.copy(V1, folder / "v1.json")
     result = invoke("report", f"gs://{bucket}/runs/b256", folder / "v1.json", env=cli_env(**gcs.env))
     assert result.returncode == 0, result.stderr
-    assert f"{summary['timing']['examples_per_sec']:,.0f}" in result.stdout.splitlines()[2]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("b256"))
+    assert f"{summary['timing']['examples_per_sec']:,.0f}" in row
     missing = invoke("report", f"gs://{bucket}/runs/none", env=cli_env(**gcs.env))
     assert missing.returncode == 2 and f"gs://{bucket}/runs/none: no such file" in missing.stderr
 
@@ -282,3 +288,92 @@ def test_runs_fed_from_memory_and_streamed_are_flagged_beside_the_speed_up() -> 
         "the runs fed training differently (data.in_memory), which the speed-up includes: held: in memory; "
         "streamed: streamed"
     )
+
+
+# --- which runs, with which settings: order, baseline, marks, MFU, attempts ---------------------------------
+
+
+def _write_run(folder: Path, spec: dict | None = None, **changes) -> Path:
+    """A run folder holding the real version-1 summary with `changes`, and `spec` as its spec.json."""
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({**json.loads(V1.read_text()), "job": folder.name, **changes}))
+    if spec is not None:
+        (folder / "spec.json").write_text(json.dumps({"name": folder.name, **spec, "pinned": {"x": 1}}))
+    return folder
+
+
+def test_report_and_sweep_share_the_order_and_the_baseline_whatever_the_order_given(tmp_path: Path) -> None:
+    folders = sweep_of(tmp_path, batches=(1024, 256, 512))  # as a shell glob lists them: 1024 first
+    rows, _ = report.load_rows(map(str, folders))
+    assert [r.batch for r in rows] == [256, 512, 1024], "sorted by the swept key, numbers by value"
+    assert report.swept_keys(rows) == ["data.global_batch_size"]
+    assert [r.speedup for r in rows] == [1.0, 2.0, 4.0], "the baseline is the smallest batch"
+    again, _ = report.load_rows(map(str, reversed(folders)))
+    assert again == rows
+    assert report.pick_baseline(rows, None) == rows[0]
+    text = invoke("report", *folders, env=cli_env()).stdout
+    assert "speed-up: examples/s over mnist_cnn-global_batch_size-256's" in text
+    assert "rows sorted by data.global_batch_size" in text
+
+
+def test_a_run_made_with_other_epochs_is_flagged_beside_the_others(tmp_path: Path) -> None:
+    spec = {"kind": "train", "train": {"epochs": 3, "learning_rate": 0.001}, "data": {"global_batch_size": 256}}
+    short = [_write_run(tmp_path / f"m-global_batch_size-{b}", {**spec, "data": {"global_batch_size": b}},
+                        global_batch_size=b) for b in (256, 512)]
+    long_spec = {**spec, "train": {"epochs": 12, "learning_rate": 0.001}, "data": {"global_batch_size": 1024}}
+    epochs = [{**json.loads(V1.read_text())["epochs"][0], "epoch": n} for n in range(1, 13)]
+    long = _write_run(tmp_path / "m-global_batch_size-1024", long_spec, global_batch_size=1024, train_epochs=12,
+                      epochs=epochs)
+    result = invoke("report", long, *short, "--markdown", env=cli_env())
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| m-")]
+    assert [line.split("|")[1].strip() for line in lines] == [
+        "m-global_batch_size-256", "m-global_batch_size-512", "m-global_batch_size-1024\\*"]
+    header = [c.strip() for c in result.stdout.splitlines()[0].strip("|").split("|")]
+    assert header[4:7] == ["epochs", "learning rate", "precision"]
+    assert [line.split("|")[5].strip() for line in lines] == ["3", "3", "12"]
+    assert ("\\* made with other settings than the baseline m-global_batch_size-256, beyond "
+            "data.global_batch_size: m-global_batch_size-1024: train.epochs 12 (baseline 3)") in result.stdout
+
+
+def test_epochs_are_the_last_record_s_and_resumed_timing_is_said_to_be_the_last_attempt_s(tmp_path: Path) -> None:
+    base = json.loads(V1.read_text())["epochs"][0]
+    records = [{**base, "epoch": 1, "attempt": 1}, {**base, "epoch": 2, "attempt": 1, "partial": True},
+               {**base, "epoch": 2, "attempt": 2}, {**base, "epoch": 3, "attempt": 2}]
+    run = _write_run(tmp_path / "resumed", epochs=records, attempt=2)
+    (row,), _ = report.load_rows([str(run)])
+    assert row.epochs == 3, "four records, three epochs: a partial epoch and its finish are one"
+    assert row.attempts == (1, 2)
+    assert ("resumed runs: their timing columns cover the last attempt only: resumed (epochs trained in attempts "
+            "1, 2; timing of attempt 2)") in report.notes([row], row)
+
+
+def test_mfu_is_shown_where_the_summary_has_it_and_explained_where_it_is_null(tmp_path: Path) -> None:
+    block = {"model_flops_per_example": 3.5e6, "flops_method": "tf_profiler: forward x3", "tflops_per_device": 0.02,
+             "peak_tflops_per_device": 0.39, "peak_source": "measured", "mfu": 0.0513, "why_null": None}
+    counted = _write_run(tmp_path / "counted", throughput=block)
+    uncounted = _write_run(tmp_path / "uncounted", throughput={**block, "peak_tflops_per_device": None, "mfu": None,
+                                                               "why_null": "no peak known for this device"})
+    older = _write_run(tmp_path / "older")
+    rows, _ = report.load_rows(map(str, (counted, uncounted, older)))
+    assert {r.job: report._cell(r, "mfu") for r in rows} == {"counted": "5.1%", "uncounted": "-", "older": "-"}
+    assert "MFU (model FLOPs utilisation, the summary's throughput block) is - where: uncounted: no peak known for " \
+        "this device" in report.notes(rows, rows[0])
+    png = tmp_path / "p.png"
+    plot.plot(rows, str(png))
+    from PIL import Image
+
+    assert "counted: cpu x1, batch 128, accuracy 0.8262, 1,694 examples/s, MFU 5.1%, 3 epochs" in \
+        Image.open(png).text["Description"]
+
+
+def test_the_learning_rate_is_the_one_training_used(tmp_path: Path) -> None:
+    def rate(train: dict) -> str | None:
+        folder = _write_run(tmp_path / f"r{len(list(tmp_path.iterdir()))}", {"kind": "train", "train": train})
+        return report.load_rows([str(folder)])[0][0].learning_rate
+
+    assert rate({"learning_rate": 0.01, "optimizer": "adam"}) == "0.01"
+    assert rate({"learning_rate": 0.001, "optimizer": {"class_name": "AdamW", "config": {"learning_rate": 0.003}}}) \
+        == "0.003"
+    assert rate({"learning_rate": 0.001, "schedule": {"class_name": "CosineDecay", "config": {}}}) == "CosineDecay"
+    assert report.to_row("x", json.loads(V1.read_text())).learning_rate is None, "no spec.json: not known"

@@ -29,17 +29,34 @@ def test_every_combination_becomes_a_named_variant(mnist_job) -> None:
     variants = plan_variants(
         spec, ["data.global_batch_size=128,256", "accelerator.cpu_devices=1,2", "train.epochs=1"]
     )
+    # The swept values, then each single value that changes the spec (the spec file trains 2 epochs).
     assert [v.name for v in variants] == [
-        "base-global_batch_size-128-cpu_devices-1",
-        "base-global_batch_size-128-cpu_devices-2",
-        "base-global_batch_size-256-cpu_devices-1",
-        "base-global_batch_size-256-cpu_devices-2",
+        "base-global_batch_size-128-cpu_devices-1-epochs-1",
+        "base-global_batch_size-128-cpu_devices-2-epochs-1",
+        "base-global_batch_size-256-cpu_devices-1-epochs-1",
+        "base-global_batch_size-256-cpu_devices-2-epochs-1",
     ]
     assert [(v.spec.data.global_batch_size, v.spec.accelerator.cpu_devices) for v in variants] == [
         (128, 1), (128, 2), (256, 1), (256, 2)
     ]
     assert all(v.spec.train.epochs == 1 for v in variants), "a single value applies to every variant"
-    assert variants[0].spec.run_dir.endswith("/runs/base-global_batch_size-128-cpu_devices-1")
+    assert variants[0].spec.run_dir.endswith("/runs/base-global_batch_size-128-cpu_devices-1-epochs-1")
+
+
+def test_a_set_that_changes_the_spec_names_new_run_folders(mnist_job) -> None:
+    spec = mnist_job("base")
+    swept = "data.global_batch_size=128,256"
+    plain = [v.name for v in plan_variants(spec, [swept])]
+    assert plain == ["base-global_batch_size-128", "base-global_batch_size-256"]
+    # What the spec file already says, the name and where runs go change no setting: the same folders.
+    assert [v.name for v in plan_variants(spec, [swept, "train.epochs=2"])] == plain
+    assert [v.name for v in plan_variants(spec, [swept, "name=other"])] == [
+        "other-global_batch_size-128", "other-global_batch_size-256"]
+    # Another learning rate: other folders, never the ones trained at 0.001.
+    assert [v.name for v in plan_variants(spec, [swept, "train.learning_rate=0.01"])] == [
+        "base-global_batch_size-128-learning_rate-0.01", "base-global_batch_size-256-learning_rate-0.01"]
+    long = plan_variants(spec, [swept, "name=" + "n" * 120])
+    assert all(len(v.name) == 128 for v in long) and len({v.name for v in long}) == 2, "cut, and told apart"
 
 
 def test_a_bad_variant_is_refused_before_anything_runs(mnist_job) -> None:
@@ -69,7 +86,18 @@ def test_a_sweep_runs_each_variant_once_and_compares_them(mnist_job, tmp_path: P
     assert [r.split("|")[1].strip() for r in rows] == ["sw-global_batch_size-128", "sw-global_batch_size-256"]
     speedup = round(summaries[256]["timing"]["examples_per_sec"] / summaries[128]["timing"]["examples_per_sec"], 2)
     assert rows[1].rstrip(" |").endswith(f"{speedup:.2f}x")
+    header = [c.strip() for c in result.stdout.splitlines()[0].strip("|").split("|")]
+    cells = dict(zip(header, (c.strip() for c in rows[1].strip("|").split("|")), strict=True))
+    mfu = (summaries[256].get("throughput") or {}).get("mfu")
+    assert (cells["epochs"], cells["learning rate"]) == ("2", "0.001")
+    assert cells["MFU"] == ("-" if mfu is None else f"{mfu:.1%}")
+    assert cells["precision"] == summaries[256]["accelerator"]["precision"]["policy"]
+    assert cells["total s"] == f"{summaries[256]['timing']['total_s']:.1f}"
+    assert "sorted by data.global_batch_size" in result.stdout and "\\*" not in result.stdout, "nothing flagged"
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    # `runner report` on the folders, in the shell's order, shows the same rows and baseline.
+    reported = invoke("report", runs[256], runs[128], "--markdown", env=cli_env())
+    assert [r for r in reported.stdout.splitlines() if r.startswith("| sw-")] == rows
 
     began = time.monotonic()
     again = run_cli(*args)
@@ -81,18 +109,45 @@ def test_a_sweep_runs_each_variant_once_and_compares_them(mnist_job, tmp_path: P
     assert [json.loads((d / "summary.json").read_text()) for d in runs.values()] == list(summaries.values())
     assert [r for r in again.stdout.splitlines() if r.startswith("| sw-")] == rows
 
-    # Finished means finished for this very spec: a changed one is left to the run, which refuses it.
+    # Finished means finished for this very spec.
     same = plan_variants(spec, ["data.global_batch_size=128,256"])
     assert [finished_summary(v) for v in same] == list(summaries.values())
     changed = plan_variants(spec, ["data.global_batch_size=128,256", "train.learning_rate=0.01"])
     assert [finished_summary(v) for v in changed] == [None, None]
-    more = plan_variants(spec, ["data.global_batch_size=128,256", "train.epochs=3"])
-    assert [finished_summary(v) for v in more] == [None, None], "more epochs: the variants continue"
+    assert not any(Path(v.spec.run_dir).exists() for v in changed), "another learning rate: new run folders"
+
+
+@pytest.mark.slow
+def test_runs_made_with_other_settings_are_marked_and_the_suggested_name_works(mnist_job, tmp_path: Path) -> None:
+    """The spec file edited after a finished sweep: same names, other settings. The sweep never passes those
+    runs off as the asked ones, and the one suggestion it prints works when followed."""
+    spec = mnist_job("ed", train={"epochs": 1, "steps_per_epoch": 3})
+    sweep = ("sweep", spec, "--set", "data.global_batch_size=128,256", "--markdown")
+    first = run_cli(*sweep)
+    assert first.returncode == 0, first.stderr
+    spec.write_text(spec.read_text().replace("steps_per_epoch: 3", "steps_per_epoch: 4"))
+
+    again = run_cli(*sweep)
+    assert again.returncode == 2, again.stderr
+    rows = [line for line in again.stdout.splitlines() if line.startswith("| ed-")]
+    assert [r.split("|")[1].strip() for r in rows] == ["ed-global_batch_size-128!", "ed-global_batch_size-256!"]
+    assert "train.steps_per_epoch 3 (asked 4)" in again.stdout
+    advice = "add `--set name=ed-2` to the command"
+    assert advice in again.stderr, again.stderr
+    assert "run the same sweep again" not in again.stderr, "running it again would fail the same way"
+
+    followed = run_cli(*sweep, "--set", "name=ed-2")
+    assert followed.returncode == 0, followed.stderr
+    rows = [line for line in followed.stdout.splitlines() if line.startswith("| ed-2-")]
+    assert [r.split("|")[1].strip() for r in rows] == ["ed-2-global_batch_size-128", "ed-2-global_batch_size-256"]
+    summary = json.loads((tmp_path / "runs" / "ed-2-global_batch_size-128" / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps_per_epoch"] == 4
+    assert "--set name=" not in followed.stderr
 
 
 @pytest.mark.slow
 def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("pre", train={"epochs": 40})
+    spec = mnist_job("pre", train={"epochs": 40, "steps_per_epoch": 2})  # short, so that continuing is quick
     sweep = subprocess.Popen(
         [sys.executable, "-m", "runner", "sweep", str(spec), "--set", "data.global_batch_size=128,256"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO,
@@ -114,7 +169,15 @@ def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mni
     assert first["status"] == "preempted" and "run the same job again" in first["error"]
     assert list((tmp_path / "runs" / "pre-global_batch_size-128" / "checkpoints").glob("ckpt-*.index"))
     assert not (tmp_path / "runs" / "pre-global_batch_size-256").exists(), "no variant starts after the notice"
-    assert "run the same sweep again" in stderr
+    assert "stopped by a preemption notice: run the same sweep again to continue" in stderr
+
+    # Following it: the stopped variant resumes, the other runs; the table says whose timing is one attempt's.
+    again = run_cli("sweep", spec, "--set", "data.global_batch_size=128,256")
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads((tmp_path / "runs" / "pre-global_batch_size-128" / "summary.json").read_text())
+    assert (resumed["status"], resumed["attempt"], resumed["epochs"][-1]["epoch"]) == ("succeeded", 2, 40)
+    assert "resumed runs: their timing columns cover the last attempt only: pre-global_batch_size-128" in again.stdout
+    assert "run the same sweep again" not in again.stderr and "--set name=" not in again.stderr, "nothing to do"
 
 
 def test_finished_variants_in_a_bucket_are_skipped_without_tensorflow(mnist_job, gcs, tmp_path: Path) -> None:

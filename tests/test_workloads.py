@@ -105,7 +105,8 @@ def test_imdb_lstm_is_a_binary_classifier_through_the_pipeline(prepared, tmp_pat
     from runner.data.pipeline import find_shards, make_dataset
 
     data = prepared("imdb", 256)
-    summary = run_job("imdb_lstm", data, tmp_path, "data.global_batch_size=32")
+    # A few steps on 256 short reviews: accuracy near chance is expected here, and allowed (train.allow_chance).
+    summary = run_job("imdb_lstm", data, tmp_path, "data.global_batch_size=32", "train.allow_chance=true")
     assert summary["status"] == "succeeded"
     assert set(summary["metrics"]) == {"accuracy", "loss", "examples"}
     # The summary's accuracy is binary accuracy (sigmoid > 0.5 vs the 0/1 label) on the test records.
@@ -153,23 +154,26 @@ def test_weather_rnn_regression_validates_every_epoch(prepared, tmp_path: Path) 
 def test_early_stopping_ends_the_run_and_every_epoch_is_checkpointed(prepared, tmp_path: Path) -> None:
     data = prepared("weather", 256)
     # A learning rate far below float32 resolution freezes the weights: val_loss repeats exactly, so
-    # patience 1 stops after epoch 2 and the learning rate is cut once on the way.
+    # patience 1 stops after epoch 2 and the learning rate is cut once on the way. A frozen model learns
+    # nothing, which this test expects (train.allow_chance).
     summary = run_job(
         "weather_rnn", data, tmp_path, "data.global_batch_size=32", f"data.validation={data}/validation-*.tfrecord",
-        "train.epochs=6", "train.learning_rate=1e-30", "train.early_stopping_patience=1", "train.reduce_lr_patience=1",
+        "train.epochs=6", "train.learning_rate=1e-12", "train.early_stopping_patience=1", "train.reduce_lr_patience=1",
+        "train.allow_chance=true",
     )
     assert summary["status"] == "succeeded"
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
     assert summary["epochs"][0]["metrics"]["val_loss"] == summary["epochs"][1]["metrics"]["val_loss"]
     assert summary["stopped_early_after_epoch"] == 2
-    assert summary["final_learning_rate"] == pytest.approx(0.5e-30, rel=1e-6)
+    assert summary["final_learning_rate"] == pytest.approx(0.5e-12, rel=1e-6)
     assert summary["final_step"] == 6
     checkpoints = {p.name.split(".")[0] for p in (tmp_path / "weather_rnn" / "checkpoints").glob("ckpt-*")}
     assert checkpoints == {"ckpt-3", "ckpt-6"}
     # Stopped early is finished: running the job again trains nothing.
     again = run_job(
         "weather_rnn", data, tmp_path, "data.global_batch_size=32", f"data.validation={data}/validation-*.tfrecord",
-        "train.epochs=6", "train.learning_rate=1e-30", "train.early_stopping_patience=1", "train.reduce_lr_patience=1",
+        "train.epochs=6", "train.learning_rate=1e-12", "train.early_stopping_patience=1", "train.reduce_lr_patience=1",
+        "train.allow_chance=true",
     )
     assert again == summary
 

@@ -12,7 +12,8 @@ app = typer.Typer()
 Baseline = Annotated[
     str | None,
     typer.Option(help="Run the speed-up is measured against: a job name, a path as given, or a row number "
-                      "(default: the first)."),
+                      "(default: the first row; rows are sorted by the swept setting, e.g. the smallest batch "
+                      "first)."),
 ]
 PlotPath = Annotated[
     str | None,
@@ -44,10 +45,13 @@ def sweep(
 ) -> None:
     """Run a spec once per value (or combination of values) as separate jobs, then print the comparison.
 
-    Each variant is its own `runner run` with the job name `<name>-<key>-<value>`: its own run folder,
-    summary and checkpoints. Running the same sweep again skips finished variants (without loading
-    TensorFlow) and resumes the others. Exit 0 when every variant succeeded, 75 when one was preempted (run
-    the sweep again), else the first failing variant's code.
+    Each variant is its own `runner run` with the job name `<name>-<key>-<value>`, followed by
+    `-<key>-<value>` for every single-valued `--set` that changes the spec: its own run folder, summary and
+    checkpoints. Running the same sweep again skips finished variants (without loading TensorFlow) and
+    resumes the others. Each row is checked against the spec asked for (the run folder's spec.json); one
+    made otherwise is marked `!` and the sweep names the `--set name=` that gives new run folders. Exit 0
+    when every variant succeeded as asked, 75 when one was preempted (run the sweep again), 2 when a row is
+    not as asked, else the first failing variant's code.
 
     **Examples**
 
@@ -67,16 +71,20 @@ def sweep(
     except RunnerError as error:
         raise fail(error) from None
     outcomes = sweep_mod.run_variants(spec, variants, debug=debug, progress_every=progress_every)
-    finished = [o.run_dir for o in outcomes if o.summary is not None]
-    if finished:
-        _print_report(finished, baseline, plot_path, markdown)
-        typer.echo(f"runs: {' '.join(finished)}", err=True)
-    code = sweep_mod.exit_code(outcomes, len(variants))
+    shown = sweep_mod.shown(outcomes)
+    # Each row is checked against the spec asked for: a run folder finished with other settings is marked `!`.
+    not_asked = {o.run_dir: sweep_mod.not_as_asked(o.variant) for o in shown}
+    if shown:
+        _print_report([o.run_dir for o in shown], baseline, plot_path, markdown, not_asked)
+        typer.echo(f"runs: {' '.join(o.run_dir for o in shown)}", err=True)
+    try:
+        lines = sweep_mod.advice(spec, sets, variants, outcomes, not_asked)
+    except RunnerError as error:
+        raise fail(error) from None
+    for line in lines:
+        typer.secho(line, err=True, fg=typer.colors.RED)
+    code = sweep_mod.exit_code(outcomes, len(variants), not_asked)
     if code:
-        typer.secho(
-            f"sweep: {sum(o.exit_code == 0 for o in outcomes)} of {len(variants)} variants succeeded; "
-            "run the same sweep again to resume the others", err=True, fg=typer.colors.RED,
-        )
         raise typer.Exit(code)
 
 
@@ -93,11 +101,16 @@ def report(
         bool, typer.Option("--markdown", help="Print the table as Markdown instead of plain text.")
     ] = False,
 ) -> None:
-    """Compare runs: device, replicas, batch, first epoch (with compile), steady epoch, step time, examples/s,
-    goodput, accuracy, input wait and speed-up over a baseline; optionally a PNG plot.
+    """Compare runs: device, replicas, batch, epochs, learning rate, precision, first epoch (with compile),
+    steady epoch, step time, examples/s, MFU, goodput, accuracy, input wait, total time and speed-up over a
+    baseline; optionally a PNG plot.
 
-    Reads summaries of every schema_version this runner knows (1 and 2), without loading TensorFlow. The
-    table fits the terminal's width. A path that cannot be read is named with the reason on stderr; exit 2
+    Reads summaries of every schema_version this runner knows (1 and 2), and the spec.json beside each,
+    without loading TensorFlow. Rows are sorted by the swept setting (the one every run's name holds, as
+    `runner sweep` names them), then the other settings that differ, then name; the baseline is the first
+    row unless `--baseline` names another. A row made with other settings than the baseline's, beyond the
+    swept one, is marked `*` and a note names them. The table fits the terminal's width.
+    A path that cannot be read is named with the reason on stderr; exit 2
     if any could not be read (the others are still shown). `--plot` needs matplotlib (the `plot` extra).
 
     **Examples**
@@ -109,7 +122,10 @@ def report(
     _print_report(runs, baseline, plot_path, markdown)
 
 
-def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool) -> None:
+def _print_report(
+    runs: list[str], baseline: str | None, plot_path: str | None, markdown: bool,
+    not_asked: dict[str, list[str]] | None = None,
+) -> None:
     from runner import EXIT_USAGE, RunnerError
     from runner.cli.common import fail
     from runner.compare import plot
@@ -118,7 +134,7 @@ def _print_report(runs: list[str], baseline: str | None, plot_path: str | None, 
     try:
         if plot_path:
             plot.check_plotting()
-        rows, problems = report_mod.load_rows(runs, baseline)
+        rows, problems = report_mod.load_rows(runs, baseline, not_asked)
         for problem in problems:
             typer.secho(f"cannot read: {problem}", err=True, fg=typer.colors.RED)
         if not rows:

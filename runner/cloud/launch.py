@@ -119,15 +119,15 @@ def remaining_estimate(sub: submit.Submission, previous: dict[str, Any] | None,
     epoch time), or None when there is no such run or it says nothing about time."""
     if not previous or sub.spec.kind != "train":
         return None
-    per_epoch = (previous.get("timing") or {}).get("steady_epoch_s") or (previous.get("timing") or {}).get(
-        "first_epoch_s"
-    )
+    timing, accelerator = previous.get("timing") or {}, previous.get("accelerator") or {}
+    per_epoch = timing.get("steady_epoch_s") or timing.get("first_epoch_s")  # steady: compilation kept out
     steps = previous.get("steps_per_epoch")
+    # final_step, not train_epochs: train_epochs is what the run was asked for, the step is how far it got
     done = int(previous.get("final_step") or 0) // int(steps) if steps else None
     if not per_epoch or done is None:
         return None
     left = max(sub.spec.train.epochs - done, 0)
-    where = (previous.get("accelerator") or {}).get("detail") or (previous.get("accelerator") or {}).get("kind") or "?"
+    where = accelerator.get("detail") or accelerator.get("kind") or "unknown hardware"
     text = (
         f"previous run: {done} of {sub.spec.train.epochs} epochs done ({previous.get('status')}); "
         f"{left} left x {per_epoch:g} s per epoch as measured on {where}"
@@ -145,7 +145,7 @@ def remaining_estimate(sub: submit.Submission, previous: dict[str, Any] | None,
 
 def _previous_run(sub: submit.Submission, say: Callable[[str], None]) -> dict[str, Any] | None:
     try:
-        return record.summary(sub.spec.run_dir)
+        return record.summary(sub.spec.run_dir, patient=False)  # a price should not wait minutes for it
     except RunnerError as error:
         say(f"previous run: not read ({error}); no estimate of the remaining epochs")
         return None

@@ -39,8 +39,9 @@ JOB_FILE = "job.json"
 # --- reading and writing a run folder -----------------------------------------------------------
 
 
-def read_text(path: str) -> str | None:
-    """The file's text, or None when it does not exist (yet)."""
+def read_text(path: str, patient: bool = True) -> str | None:
+    """The file's text, or None when it does not exist (yet). Not patient: one try of at most 10 s (the
+    client's default retries a bucket that does not answer for about two minutes)."""
     if not storage.is_gcs(path):
         file = Path(path)
         return file.read_text() if file.is_file() else None
@@ -48,11 +49,14 @@ def read_text(path: str) -> str | None:
 
     bucket, name = storage.split_gcs(path)
     try:
-        return storage.make_client().bucket(bucket).blob(name).download_as_text(timeout=60)
+        blob = storage.make_client().bucket(bucket).blob(name)
+        return blob.download_as_text(timeout=60) if patient else blob.download_as_text(timeout=10, retry=None)
     except api.NotFound:
         return None
     except api.GoogleAPICallError as exc:
         raise StorageError(f"cannot read {path}: {exc.code} {exc.message}") from None
+    except StorageError as exc:  # no credentials: said once, not wrapped again
+        raise StorageError(f"cannot read {path}: {exc}") from None
     except Exception as exc:  # connection refused, DNS, timeouts: the bucket cannot be reached
         raise StorageError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
 
@@ -77,8 +81,8 @@ def write_text(path: str, text: str) -> None:
         raise StorageError(f"cannot write {path}: {type(exc).__name__}: {exc}") from None
 
 
-def read_json(path: str) -> dict[str, Any] | None:
-    text = read_text(path)
+def read_json(path: str, patient: bool = True) -> dict[str, Any] | None:
+    text = read_text(path, patient)
     if text is None:
         return None
     try:
@@ -146,8 +150,8 @@ def started_record(run_dir: str, submission: str, worker: int | str = 0) -> dict
 # --- the job's own outputs -------------------------------------------------------------------------
 
 
-def summary(run_dir: str) -> dict[str, Any] | None:
-    return read_json(join(run_dir, "summary.json"))
+def summary(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
+    return read_json(join(run_dir, "summary.json"), patient)
 
 
 def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:

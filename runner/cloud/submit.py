@@ -325,7 +325,10 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_SPEC_B64": base64.b64encode(spec_yaml(sub.spec).encode()).decode(),
     }
     header = ["#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]
-    header += [f"{key}={shlex.quote(value)}" for key, value in settings.items()]
+    for key, value in settings.items():
+        if key == "RUNNER_MAX_RESTARTS":  # read back from the script by `runner watch`, not by the script
+            header.append("# shellcheck disable=SC2034")
+        header.append(f"{key}={shlex.quote(value)}")
     return "\n".join(header) + "\n" + _STARTUP_BODY.read_text()
 
 

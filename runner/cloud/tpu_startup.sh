@@ -45,7 +45,7 @@ elif [ -z "$worker" ]; then
 fi
 worker_json="$worker"
 [ "$known_worker" = 1 ] || worker_json='"unknown"'
-delete_outcome="not attempted"
+delete_outcome="pending"  # what the exit record says until the delete has an answer (the VM may go first)
 delete_attempts=0
 
 workdir="${RUNNER_WORKDIR:-/var/lib/runner/$RUNNER_NAME/$RUNNER_SUBMISSION}"
@@ -81,7 +81,7 @@ release() {
     delete_outcome="not this worker: its number is unknown"
     say "not deleting queued resource $RUNNER_NAME: this worker does not know its number, and only worker 0 deletes (the watcher, or runner cancel $RUNNER_NAME, frees it)"
   elif [ "$worker" != 0 ]; then
-    return 0
+    delete_outcome="left to worker 0"
   elif [ "$RUNNER_KEEP" = 1 ]; then
     delete_outcome="kept (--keep): still billing until runner cancel $RUNNER_NAME"
     say "keeping queued resource $RUNNER_NAME (--keep) after: $1; it bills until runner cancel $RUNNER_NAME"

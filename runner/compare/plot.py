@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from runner.compare.report import _GCS_TIMEOUT_S, Row, SummaryError, _common_prefix
+from runner.compare.report import Row, _common_prefix
+from runner.compare.summaries import _GCS_TIMEOUT_S, SummaryError
 from runner.data import storage
 
 
@@ -26,8 +27,9 @@ def check_plotting() -> None:
 
 def plot(rows: list[Row], path: str) -> str:
     """A PNG: steady (and first) epoch time and throughput against batch size, one line per device and replica
-    count; titled with the jobs, each throughput point labelled with its run and evaluation accuracy, and the
-    runs listed under the plots. The title and the list are also the PNG's Title and Description."""
+    count; titled with the jobs, each throughput point labelled with its run, evaluation accuracy and MFU, and
+    the runs listed under the plots (with their epochs, precision and marks). The title and the list are also
+    the PNG's Title and Description."""
     check_plotting()
     import matplotlib
 
@@ -42,11 +44,16 @@ def plot(rows: list[Row], path: str) -> str:
         "Epoch time and throughput by batch size: " + ", ".join(r.job for r in usable)
     )
     legend_rows = [
-        f"{r.job}: {r.device} x{r.replicas}, batch {r.batch}, "
+        f"{r.job}{_marks(r)}: {r.device} x{r.replicas}, batch {r.batch}, "
         + ("accuracy -" if r.accuracy is None else f"accuracy {r.accuracy:.4f}")
         + ("" if r.examples_per_sec is None else f", {r.examples_per_sec:,.0f} examples/s")
+        + ("" if r.mfu is None else f", MFU {r.mfu:.1%}")
+        + f", {r.epochs if r.epochs is not None else '-'} epochs" + (f", {r.precision}" if r.precision else "")
         for r in usable
     ]
+    if any(r.beyond_swept or r.not_asked for r in usable):
+        legend_rows.append("*: other settings than the baseline's beyond the swept ones; !: not as the sweep "
+                           "asked (the table's notes name them)")
     groups: dict[str, list[Row]] = {}
     for row in usable:
         groups.setdefault(f"{row.device} x{row.replicas}", []).append(row)
@@ -65,6 +72,8 @@ def plot(rows: list[Row], path: str) -> str:
             text = r.job[len(prefix):] if prefix else r.job
             if r.accuracy is not None:
                 text += f"\nacc {r.accuracy:.4f}"
+            if r.mfu is not None:
+                text += f"\nMFU {r.mfu:.1%}"
             right.annotate(text, (r.batch, r.examples_per_sec), textcoords="offset points", xytext=(0, 7),
                            ha="center", fontsize=7)
     ticks = sorted({r.batch for r in usable})
@@ -96,3 +105,7 @@ def plot(rows: list[Row], path: str) -> str:
     else:
         Path(path).write_bytes(buffer.getvalue())
     return path
+
+
+def _marks(row: Row) -> str:
+    return ("*" if row.beyond_swept else "") + ("!" if row.not_asked else "")

@@ -1,9 +1,19 @@
 """Compare runs: read their summaries (any schema version this runner knows), tabulate, plot.
 
 A run is a run folder (holding summary.json) or a summary file, local or gs://. Each becomes one row:
-device, replicas, batch, first epoch, steady epoch, step time, examples/s, goodput, accuracy, and the
-speed-up of its throughput over a chosen baseline row. No TensorFlow: gs:// paths are read and written
-with google-cloud-storage; the plot (runner/compare/plot.py) needs matplotlib, the `plot` extra.
+device, replicas, batch, epochs trained, learning rate, precision, first epoch, steady epoch, step time,
+examples/s, MFU, goodput, accuracy, input wait, total time, and the speed-up of its throughput over a
+baseline row. The settings each run was made with come from the spec.json beside its summary.
+
+The order and the baseline (`runner sweep` and `runner report` apply the same rule, `order_rows`): rows are
+sorted by the swept settings (those that differ between the runs and that every run's name holds as
+`-<key>-`, as a sweep names its variants), in the spec's order, numbers by value; then by the other settings
+that differ; then by job name. The baseline is the first row unless `--baseline` names another. A row whose
+settings differ from the baseline's in anything but the swept settings is marked `*` and a note names the
+difference: a 12-epoch run beside 1-epoch ones is not a speed-up.
+
+No TensorFlow: gs:// paths are read and written with google-cloud-storage; the plot (runner/compare/plot.py)
+needs matplotlib, the `plot` extra.
 """
 
 from __future__ import annotations
@@ -11,22 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import posixpath
 import shutil
 import textwrap
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from runner import DataError
-from runner.data import storage
-from runner.rundir.timing import PHASES
-
-READABLE_VERSIONS = (1, 2)
-
-
-class SummaryError(DataError):
-    """A path that holds no summary this runner can read; the message says which and why."""
+from runner.compare.summaries import SummaryError, read_spec, read_summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,118 +48,27 @@ class Row:
     speedup: float | None = None
     software: tuple[tuple[str, str], ...] = ()  # (TensorFlow | Keras | malloc, version), as far as recorded
     train_input: str | None = None  # in_memory | streamed (summary train_input.mode); None when not recorded
-
-
-# --- reading -----------------------------------------------------------------------------------
-
-
-def read_text(path: str) -> str:
-    """A local file, or a gs:// object read with google-cloud-storage: no TensorFlow, so a report (and a
-    sweep's check for finished variants) starts in a second. FileNotFoundError when there is none."""
-    if not storage.is_gcs(path):
-        return Path(path).read_text()
-    from google.api_core import exceptions as api_exceptions
-
-    bucket, name = storage.split_gcs(path)
-    try:
-        return storage.make_client().bucket(bucket).blob(name).download_as_text(timeout=_GCS_TIMEOUT_S)
-    except api_exceptions.NotFound:
-        raise FileNotFoundError(path) from None
-    except api_exceptions.GoogleAPICallError as exc:  # permission, network: say so instead of a traceback
-        raise SummaryError(f"{path}: cannot read from the bucket: {exc.message or exc}") from None
-
-
-_GCS_TIMEOUT_S = 60.0
-
-
-def _is_dir(path: str) -> bool:
-    if not storage.is_gcs(path):
-        return Path(path).is_dir()
-    bucket, name = storage.split_gcs(path)
-    if not name:
-        return True
-    try:
-        return bool(list(storage.make_client().list_blobs(bucket, prefix=name.rstrip("/") + "/", max_results=1)))
-    except Exception:  # noqa: BLE001 - an unreadable bucket: reading the path says why
-        return False
-
-
-def summary_path(source: str) -> str:
-    """A run folder's summary.json, or the file itself."""
-    source = source.rstrip("/") or "/"
-    return posixpath.join(source, "summary.json") if _is_dir(source) else source
-
-
-def read_summary(source: str) -> dict[str, Any]:
-    """The summary at `source` in the current form (schema_version 2), upgraded if older."""
-    path = summary_path(source)
-    try:
-        text = read_text(path)
-    except FileNotFoundError:
-        raise SummaryError(
-            f"{path}: no such file; pass a run folder (holding summary.json) or a summary file"
-        ) from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
-        raise SummaryError(f"{path}: cannot be read as a summary ({type(exc).__name__})") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        # A saved stdout of `runner run`: the summary is its last line.
-        lines = [line for line in text.splitlines() if line.strip()]
-        try:
-            doc = json.loads(lines[-1])
-        except (json.JSONDecodeError, IndexError):
-            raise SummaryError(
-                f"{path}: not JSON; a summary is summary.json or the last stdout line of `runner run`"
-            ) from None
-    return upgrade(doc, path)
-
-
-def upgrade(doc: Any, path: str) -> dict[str, Any]:
-    """Brings a summary of an older schema_version to the current form; refuses versions it does not know."""
-    if not isinstance(doc, dict) or "timing" not in doc or "status" not in doc:
-        raise SummaryError(f"{path}: not a runner summary (no `status` and `timing`)")
-    version = doc.get("schema_version")
-    if version not in READABLE_VERSIONS:
-        newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
-        raise SummaryError(
-            f"{path}: schema_version {version!r} cannot be read: this runner reads "
-            f"{', '.join(map(str, READABLE_VERSIONS))}" + ("; upgrade runner to read it" if newer else "")
-        )
-    if version == 1:
-        doc = _from_v1(doc)
-    return doc
-
-
-def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
-    """Version 1 had no import/run-folder phases and no input wait; its epoch seconds included
-    checkpoint saves made inside the epoch. What it did not record stays None, never guessed."""
-    doc = json.loads(json.dumps(doc))
-    timing = doc["timing"]
-    for name in PHASES:
-        timing.setdefault(f"{name}_s", None)
-    phases = [timing[f"{n}_s"] for n in PHASES if timing[f"{n}_s"] is not None]
-    total = timing.get("total_s")
-    timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
-    timing.update({"input_wait_s": None, "input_wait_fraction": None,
-                   "input_wait_method": "not recorded (schema_version 1)"})
-    train, first = timing.get("train_s"), timing.get("first_epoch_s")
-    timing["steady_train_s"] = None if train is None or first is None else round(max(0.0, train - first), 4)
-    timing["fit_overhead_s"] = None  # its epoch times held checkpoint saves: the difference would mislead
-    for epoch in doc.get("epochs", []):
-        epoch.setdefault("checkpoint_s", None)
-        epoch.setdefault("input_wait_s", None)
-    doc["read_from_schema_version"] = 1
-    doc["schema_version"] = 2
-    return doc
+    epochs: int | None = None  # epochs trained: the last epoch record's number (records span every attempt)
+    learning_rate: str | None = None  # from spec.json: the rate, or the schedule's class
+    precision: str | None = None  # accelerator.precision.policy
+    total_s: float | None = None  # the latest attempt's timing.total_s
+    mfu: float | None = None  # throughput.mfu (absent before it was recorded)
+    mfu_why: str | None = None  # throughput.why_null, when the summary has a throughput block without an MFU
+    attempts: tuple[int, ...] = ()  # the attempts whose epochs the summary lists
+    attempt: int | None = None  # the attempt the timing block describes
+    settings: tuple[tuple[str, Any], ...] = ()  # (dotted key, value) the run was made with, comparable ones only
+    beyond_swept: tuple[str, ...] = ()  # "key value (baseline value)": differs from the baseline beyond the sweep
+    not_asked: tuple[str, ...] = ()  # "key: made with value, asked value" (runner sweep's check of spec.json)
 
 
 # --- rows --------------------------------------------------------------------------------------
 
 
-def to_row(source: str, doc: dict[str, Any]) -> Row:
+def to_row(source: str, doc: dict[str, Any], spec: dict[str, Any] | None = None) -> Row:
+    """One row from a summary and, when known, the resolved spec it was made with (the run folder's spec.json)."""
     timing, accelerator = doc["timing"], doc.get("accelerator") or {}
     metrics = doc.get("metrics") or {}
+    epochs = [e for e in doc.get("epochs") or [] if isinstance(e, dict)]
     return Row(
         source=source,
         job=doc.get("job", "?"),
@@ -177,7 +86,58 @@ def to_row(source: str, doc: dict[str, Any]) -> Row:
         input_wait_fraction=timing.get("input_wait_fraction"),
         software=tuple((name, accelerator[key]) for key, name in _SOFTWARE if accelerator.get(key)),
         train_input=(doc.get("train_input") or {}).get("mode"),
+        # Not len(epochs): the list spans every attempt, and a resumed partial epoch has two records.
+        epochs=epochs[-1].get("epoch") if epochs else None,
+        learning_rate=_learning_rate(spec),
+        precision=(accelerator.get("precision") or {}).get("policy"),
+        total_s=timing.get("total_s"),
+        mfu=(doc.get("throughput") or {}).get("mfu"),
+        mfu_why=(doc.get("throughput") or {}).get("why_null"),
+        attempts=tuple(sorted({e["attempt"] for e in epochs if isinstance(e.get("attempt"), int)})),
+        attempt=doc.get("attempt"),
+        settings=settings_of(doc, spec),
     )
+
+
+def _learning_rate(spec: dict[str, Any] | None) -> str | None:
+    """The rate as training used it (runner/spec/train.py's precedence): a schedule's class, an optimizer
+    config's rate, else train.learning_rate."""
+    train = (spec or {}).get("train") or {}
+    if train.get("schedule"):
+        schedule = train["schedule"]
+        return str(schedule.get("class_name", "schedule")) if isinstance(schedule, dict) else str(schedule)
+    optimizer = train.get("optimizer")
+    if isinstance(optimizer, dict) and "learning_rate" in (optimizer.get("config") or {}):
+        return f"{optimizer['config']['learning_rate']:g}"
+    rate = train.get("learning_rate")
+    return None if rate is None else f"{rate:g}"
+
+
+# Spec keys that say nothing about what a run measured: where it wrote, how it saved, what it may import.
+_NOT_SETTINGS = ("name", "output.", "code.", "checkpoint.", "storage.", "profile", "pinned", "data.verify",
+                 "accelerator.timeout_s", "train.max_duration", "train.stall_timeout")
+
+
+def settings_of(doc: dict[str, Any], spec: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """The settings a run was made with, as (dotted key, value): the spec.json's comparable keys, and the
+    global batch and epochs the summary records (all a summary without its spec.json tells)."""
+    flat = dict(flatten(spec)) if spec else {}
+    if spec and spec.get("kind") != "matmul_bench":
+        flat = {k: v for k, v in flat.items() if not k.startswith("matmul.")}
+    flat = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n) for n in _NOT_SETTINGS)}
+    if doc.get("global_batch_size") is not None:
+        flat["data.global_batch_size"] = doc["global_batch_size"]
+    if doc.get("train_epochs") is not None:
+        flat["train.epochs"] = doc["train_epochs"]
+    return tuple(flat.items())
+
+
+def flatten(doc: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in doc.items():
+        if isinstance(value, dict) and value and key != "params":
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
 _SOFTWARE = (("tensorflow", "TensorFlow"), ("keras", "Keras"), ("allocator", "malloc"))
@@ -194,6 +154,34 @@ def _software_differs(rows: list[Row]) -> bool:
         for name, value in row.software:
             seen.setdefault(name, set()).add(value)
     return any(len(values) > 1 for values in seen.values())
+
+
+def differing_keys(rows: list[Row]) -> list[str]:
+    """Settings every row records and not all with the same value, in the spec's order."""
+    known = [dict(r.settings) for r in rows]
+    keys = [k for k, _ in rows[0].settings] if rows else []
+    return [k for k in keys if all(k in s for s in known) and len({json.dumps(s[k]) for s in known}) > 1]
+
+
+def swept_keys(rows: list[Row]) -> list[str]:
+    """The differing settings every run's name holds as `-<key>-` (runner sweep names variants that way)."""
+    return [k for k in differing_keys(rows) if all(f"-{k.split('.')[-1]}-" in f"{r.job}-" for r in rows)]
+
+
+def _sortable(value: Any) -> tuple[int, Any]:
+    if value is None:
+        return (0, 0)
+    if isinstance(value, (int, float)):
+        return (1, value)
+    return (2, str(value))
+
+
+def order_rows(rows: list[Row]) -> list[Row]:
+    """The rule `runner report` and `runner sweep` share (module docstring): by the swept settings, then the
+    other differing ones, then job name; so both print the same order and pick the same default baseline."""
+    swept = swept_keys(rows)
+    keys = swept + [k for k in differing_keys(rows) if k not in swept]
+    return sorted(rows, key=lambda r: ([_sortable(dict(r.settings)[k]) for k in keys], r.job))
 
 
 def pick_baseline(rows: list[Row], baseline: str | None) -> Row:
@@ -220,37 +208,70 @@ def with_speedup(rows: list[Row], baseline: Row) -> list[Row]:
     ]
 
 
-def load_rows(sources: Iterable[str], baseline: str | None = None) -> tuple[list[Row], list[str]]:
-    """Rows for every readable source, and one problem line per source that could not be read."""
+def with_differences(rows: list[Row], baseline: Row) -> list[Row]:
+    """Each row with the settings it differs from the baseline in, beyond the swept ones."""
+    swept = swept_keys(rows)
+    others = [k for k in differing_keys(rows) if k not in swept]
+    base = dict(baseline.settings)
+    marked = []
+    for row in rows:
+        mine = dict(row.settings)
+        beyond = tuple(f"{k} {_show(mine[k])} (baseline {_show(base[k])})" for k in others if mine[k] != base[k])
+        marked.append(dataclasses.replace(row, beyond_swept=beyond))
+    return marked
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def load_rows(
+    sources: Iterable[str], baseline: str | None = None, not_asked: dict[str, list[str]] | None = None
+) -> tuple[list[Row], list[str]]:
+    """Rows for every readable source in the shared order, with speed-ups and differences against the
+    baseline; and one problem line per source that could not be read. `not_asked`: per source, how the run
+    differs from the spec a sweep asked for (marked `!`)."""
     rows, problems = [], []
     for source in sources:
         try:
-            rows.append(to_row(source, read_summary(source)))
+            doc = read_summary(source)
         except SummaryError as exc:
             problems.append(str(exc))
+            continue
+        row = to_row(source, doc, read_spec(source, doc))
+        rows.append(dataclasses.replace(row, not_asked=tuple((not_asked or {}).get(source, ()))))
     if rows:
-        rows = with_speedup(rows, pick_baseline(rows, baseline))
+        rows = order_rows(rows)
+        base = pick_baseline(rows, baseline)
+        rows = with_differences(with_speedup(rows, base), base)
     return rows, problems
 
 
 # --- rendering ---------------------------------------------------------------------------------
 
 COLUMNS = (
-    ("job", "run"), ("device", "device"), ("replicas", "replicas"), ("batch", "batch"),
+    ("job", "run"), ("device", "device"), ("replicas", "replicas"), ("batch", "batch"), ("epochs", "epochs"),
+    ("learning_rate", "learning rate"), ("precision", "precision"),
     ("first_epoch_s", "first epoch s"), ("steady_epoch_s", "steady epoch s"), ("step_time_ms", "step ms"),
-    ("examples_per_sec", "examples/s"), ("goodput", "goodput"), ("accuracy", "accuracy"),
-    ("input_wait_fraction", "input wait"), ("speedup", "speed-up"),
+    ("examples_per_sec", "examples/s"), ("mfu", "MFU"), ("goodput", "goodput"), ("accuracy", "accuracy"),
+    ("input_wait_fraction", "input wait"), ("total_s", "total s"), ("speedup", "speed-up"),
 )
+_TEXT_COLUMNS = ("job", "device", "learning_rate", "precision")  # aligned left; the others are numbers
 
 
 def _cell(row: Row, field: str) -> str:
     value = getattr(row, field)
     if value is None:
         return "-"
-    if field == "job" and row.status != "succeeded":
-        return f"{value} ({row.status})"
+    if field == "job":
+        marks = ("*" if row.beyond_swept else "") + ("!" if row.not_asked else "")
+        return f"{value}{marks}" + ("" if row.status == "succeeded" else f" ({row.status})")
     if field in ("goodput", "input_wait_fraction"):
         return f"{value:.0%}"
+    if field == "mfu":
+        return f"{value:.1%}"
+    if field == "total_s":
+        return f"{value:.1f}"
     if field == "accuracy":
         return f"{value:.4f}"
     if field == "speedup":
@@ -268,8 +289,25 @@ def table(rows: list[Row]) -> list[list[str]]:
 
 
 def notes(rows: list[Row], baseline: Row) -> list[str]:
-    lines = [f"speed-up: examples/s over {baseline.job}'s; "
+    swept = swept_keys(rows)
+    lines = [f"speed-up: examples/s over {baseline.job}'s (the first row unless --baseline names another; rows "
+             f"sorted by {', '.join(swept) or 'the settings that differ, then job name'}); "
              "first epoch includes compilation and is kept out of step time"]
+    beyond = [f"{r.job}: {', '.join(r.beyond_swept)}" for r in rows if r.beyond_swept]
+    if beyond:
+        lines.append(f"* made with other settings than the baseline {baseline.job}, beyond "
+                     f"{' and '.join(swept) or 'what the runs were compared by'}: " + "; ".join(beyond))
+    asked = [f"{r.job}: {', '.join(r.not_asked)}" for r in rows if r.not_asked]
+    if asked:
+        lines.append("! not made with the settings this sweep asked for (its run folder was finished before): "
+                     + "; ".join(asked))
+    why = [f"{r.job}: {r.mfu_why}" for r in rows if r.mfu is None and r.mfu_why]
+    if why:
+        lines.append("MFU (model FLOPs utilisation, the summary's throughput block) is - where: " + "; ".join(why))
+    resumed = [f"{r.job} (epochs trained in attempts {', '.join(map(str, r.attempts))}; timing of attempt {r.attempt})"
+               for r in rows if len(r.attempts) > 1]
+    if resumed:
+        lines.append("resumed runs: their timing columns cover the last attempt only: " + "; ".join(resumed))
     old = [r.job for r in rows if r.schema_version < 2]
     if old:
         lines.append(f"read from schema_version 1 (no input wait recorded): {', '.join(old)}")
@@ -284,10 +322,16 @@ def notes(rows: list[Row], baseline: Row) -> list[str]:
 
 def markdown(rows: list[Row], baseline: Row) -> str:
     cells = table(rows)
-    numeric = [i for i, (field, _) in enumerate(COLUMNS) if field not in ("job", "device")]
+    numeric = [i for i, (field, _) in enumerate(COLUMNS) if field not in _TEXT_COLUMNS]
     rule = ["---:" if i in numeric else "---" for i in range(len(COLUMNS))]
+    cells = [[_literal(c) for c in line] for line in cells]
     lines = ["| " + " | ".join(r) + " |" for r in (cells[0], rule, *cells[1:])]
-    return "\n".join(lines + [""] + [f"_{n}_" for n in notes(rows, baseline)]) + "\n"
+    return "\n".join(lines + [""] + [f"_{_literal(n)}_" for n in notes(rows, baseline)]) + "\n"
+
+
+def _literal(text: str) -> str:
+    """`*` marks a row here: escaped, Markdown shows it instead of starting emphasis."""
+    return text.replace("*", "\\*")
 
 
 def terminal_width() -> int:
@@ -322,7 +366,8 @@ def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
         cells = [cells[0], *([line[0][len(prefix):], *line[1:]] for line in cells[1:])]
     transposed = [[title, *(line[i] for line in cells[1:])] for i, title in enumerate(cells[0])]
     lines: list[str] | None = None
-    for grid, left in ((cells, 2), (transposed, len(transposed[0]))):
+    text_columns = {i for i, (field, _) in enumerate(COLUMNS) if field in _TEXT_COLUMNS}
+    for grid, left in ((cells, text_columns), (transposed, set(range(len(transposed[0]))))):
         for widths in (_widths(grid, wrap=False), _widths(grid, wrap=True)):
             if sum(widths) + _GAP * (len(widths) - 1) <= width:
                 lines = _render(grid, widths, left)
@@ -351,11 +396,11 @@ def _widths(grid: list[list[str]], wrap: bool) -> list[int]:
     return [max(header(grid[0][i]), *(len(line[i]) for line in grid[1:])) for i in range(len(grid[0]))]
 
 
-def _render(grid: list[list[str]], widths: list[int], left: int) -> list[str]:
-    """Text lines: the header (wrapped within each column, bottom-aligned), a rule, then the rows; the first
-    `left` columns are aligned left, the others (numbers) right."""
+def _render(grid: list[list[str]], widths: list[int], left: set[int]) -> list[str]:
+    """Text lines: the header (wrapped within each column, bottom-aligned), a rule, then the rows; the
+    columns in `left` are aligned left, the others (numbers) right."""
     def cell(text: str, index: int) -> str:
-        return text.ljust(widths[index]) if index < left else text.rjust(widths[index])
+        return text.ljust(widths[index]) if index in left else text.rjust(widths[index])
 
     heads = [textwrap.wrap(title, w, break_long_words=False) or [""] for title, w in zip(grid[0], widths, strict=True)]
     depth = max(len(h) for h in heads)

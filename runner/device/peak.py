@@ -2,7 +2,7 @@
 
 TPUs and GPUs: the vendor's published figure, one row per generation or model and dtype in `TABLE`, each with
 its source. A "device" is one replica as the summary counts them (`accelerator.replicas`), so a chip's figure
-is divided by the devices TensorFlow makes of it: two on v3 (each TensorCore is a device), one on v5e
+is divided by the devices TensorFlow makes of it: two on v3 (each TensorCore a replica; not run here), one on v5e
 and v6e (one TensorCore per chip). v4 and v5p have two TensorCores per chip run as one "megacore" device by
 default in JAX (jax.experimental.pallas.tpu.ChipVersion); that TensorFlow's TPUStrategy does the same is
 unverified here (no TPU ran), so those rows say so. GPUs: dense (no 2:4 sparsity) Tensor Core rates; float32

@@ -3,7 +3,7 @@
 Two signs, each a warning with its numbers (the summary's `warnings`):
   - an accuracy within 2 points of chance (1 / classes; the classes read from the model's output: its last
     dimension, or 2 for a single sigmoid output);
-  - a training loss that never fell below its first epoch's (at least two epochs trained).
+  - a training loss that never fell below its first epoch's by 0.1% (at least two epochs trained).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from runner.rundir.timing import EpochRecord
 
 # How close to chance an accuracy may be and still count as "at chance", in points of accuracy.
 CHANCE_MARGIN = 0.02
+# A loss that fell by less than this share of its first epoch's did not fall (float noise is not learning).
+LOSS_FELL = 1e-3
 
 
 def classes_of_output(output_shape: Any) -> int | None:
@@ -50,7 +52,7 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
                 "the learning rate"
             )
     losses = [e.loss for e in epochs if e.loss is not None]
-    if len(losses) >= 2 and min(losses[1:]) >= losses[0]:
+    if len(losses) >= 2 and min(losses[1:]) > losses[0] * (1 - LOSS_FELL):
         found.append(
             f"the training loss never fell below its first epoch's ({losses[0]:.4g}; last {losses[-1]:.4g}): the "
             "model learned nothing. Lower train.learning_rate, or check the data and the loss"

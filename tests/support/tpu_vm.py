@@ -21,8 +21,8 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                                      summary with status "stalled" and exits 124
                                          limit       the same at `--set train.max_duration=S`: "time_limit", 124
                                          real        the real `python -m runner run` on this machine's CPU
-                                                     (`--set accelerator.kind=cpu`: there is no TPU here; the
-                                                     limits' --set too, once the local spec knows their keys)
+                                                     (`--set accelerator.kind=cpu`: there is no TPU here), with
+                                                     the limits' `--set`s it was given
   docker rm -f NAME                    recorded
   --log-driver=gcplogs                 with FAKE_LOGGING (an endpoint) each output line is also written to
                                        Cloud Logging's entries:write as docker's gcplogs driver writes it
@@ -379,17 +379,8 @@ def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[
     env["PATH"] = os.environ["FAKE_REAL_PATH"]
     # The process group gets the VM's SIGTERM; the job handles it itself, this stand-in only relays output.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from runner.spec.types import JobSpec
-
-    # The limits' keys reach the real job once this checkout's spec has them (the image's runner always does).
-    train_keys = (
-        JobSpec.model_fields["train"].annotation.model_fields
-        if hasattr(JobSpec.model_fields["train"].annotation, "model_fields")
-        else {}
-    )
-    sets = [
-        x for key, value in given.items() if key.split(".", 1)[1] in train_keys for x in ("--set", f"{key}={value}")
-    ]
+    # The job's limits from its command line (`--set train.max_duration=S ...`), as the image's runner gets them.
+    sets = [x for key, value in given.items() for x in ("--set", f"{key}={value}")]
     child = subprocess.Popen(
         [sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu", *sets],
         stdout=subprocess.PIPE,

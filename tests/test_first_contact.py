@@ -1,0 +1,155 @@
+"""A user's first jobs of their own: nothing ends in exit 0 with a meaningless answer, and every way out of a
+stop is one that works. Real runs of `runner run` on tiny MNIST (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+
+SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
+
+# A model that cannot learn: its softmax sees only zeros, so every image gets the same 10% for each class.
+CONSTANT_MODEL = '''
+import tensorflow as tf
+
+
+def constant(params, features, inputs):
+    keras = tf.keras
+    image = keras.Input(shape=features[inputs[0]].shape, name=inputs[0])
+    flat = keras.layers.Flatten()(image)
+    frozen = keras.layers.Dense(10, kernel_initializer="zeros", trainable=False, dtype="float32")(flat)
+    # A trainable layer whose output is multiplied by zero: the optimizer has a variable, the output never moves.
+    ignored = keras.layers.Dense(10, dtype="float32")(flat)
+    logits = keras.layers.Add(dtype="float32")([frozen, keras.layers.Rescaling(0.0, dtype="float32")(ignored)])
+    return keras.Model(image, keras.layers.Activation("softmax", dtype="float32")(logits))
+'''
+
+
+def _constant_job(mnist_job, tmp_path: Path, name: str, **train) -> Path:
+    package = tmp_path / "code" / "flat"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(CONSTANT_MODEL)
+    return mnist_job(
+        name, model={"name": "flat.nets:constant"}, code={"folder": str(tmp_path / "code")},
+        train={"epochs": 2, "steps_per_epoch": 4, "mixed_precision": "float32", **train},
+        output={"tensorboard": False},
+    )
+
+
+@pytest.mark.slow
+def test_a_run_that_learned_nothing_is_not_a_success(mnist_job, tmp_path: Path) -> None:
+    spec = _constant_job(mnist_job, tmp_path, "flat")
+    result = run_cli("run", spec)
+    assert result.returncode == 4, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    jsonschema.validate(summary, SCHEMA)
+    assert summary["status"] == "learned_nothing"
+    warnings = summary["warnings"]
+    assert any("at chance for 10 classes" in w for w in warnings), warnings
+    assert any("never fell below its first epoch's" in w for w in warnings), warnings
+    closing = [line for line in result.stderr.splitlines() if line.startswith("learned nothing: ")]
+    assert closing and "; precision float32 (train.mixed_precision: float32)" in closing[0], result.stderr[-2000:]
+    assert "train.allow_chance: true" in result.stderr
+    # The model is saved (the user may want to look at it); a run that expects chance says so in its spec.
+    run_dir = tmp_path / "runs" / "flat"
+    assert (run_dir / "model.keras").exists()
+    allowed = run_cli("run", spec, "--set", "train.allow_chance=true")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    accepted = last_json(allowed.stdout)
+    assert accepted["status"] == "succeeded" and accepted["warnings"]
+
+
+@pytest.mark.slow
+def test_a_start_refused_by_the_run_leaves_no_run_folder(mnist_job, tmp_path: Path) -> None:
+    """A built-in model's unknown param is found when the model is built, after the run folder was opened."""
+    spec = mnist_job("typo", model={"name": "mnist_cnn", "params": {"clases": 10}})
+    result = run_cli("run", spec)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "has no param 'clases'; did you mean 'classes'?" in result.stderr
+    assert not (tmp_path / "runs" / "typo").exists(), "a refusal at start leaves nothing behind"
+
+
+@pytest.mark.slow
+def test_a_bucket_whose_host_cannot_be_resolved_is_storage_unreachable(tmp_path: Path) -> None:
+    """No proxy and no network to Google here: curl cannot resolve TensorFlow's fixed GCS host (exit 3)."""
+    spec = write_spec(tmp_path, {
+        "name": "dns", "data": {"train": "gs://runner-dns-test/mnist/train-*.tfrecord"},
+        "storage": {"timeout_s": 5}, "output": {"dir": str(tmp_path / "runs")},
+    })
+    env = {k: v for k, v in cli_env(GOOGLE_AUTH_TOKEN_FOR_TESTING="x", NO_GCE_CHECK="true").items()
+           if k.lower() not in ("https_proxy", "http_proxy", "all_proxy")}
+    result = run_cli("run", spec, env=env, timeout=180)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "storage unreachable: gs://runner-dns-test cannot be reached from this machine" in result.stderr
+    assert "cannot read the data" not in result.stderr
+    assert not (tmp_path / "runs" / "dns").exists()
+
+
+@pytest.mark.slow
+def test_fresh_moves_the_finished_run_aside_and_starts_at_step_0(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("again", train={"epochs": 2, "steps_per_epoch": 3}, output={"tensorboard": False})
+    first = run_cli("run", spec)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shorter = run_cli("run", spec, "--set", "train.epochs=1")
+    assert shorter.returncode == 2 and "--fresh" in shorter.stderr and not re.search(r"\bdelete\b", shorter.stderr)
+    fresh = run_cli("run", spec, "--set", "train.epochs=1", "--fresh")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    summary = last_json(fresh.stdout)
+    assert summary["resumed_from_step"] == 0 and summary["final_step"] == 3
+    (aside,) = (tmp_path / "runs").glob("again.old-*")
+    assert "--fresh: " in fresh.stderr and str(aside) in fresh.stderr
+    old = json.loads((aside / "summary.json").read_text())
+    assert old["train_epochs"] == 2 and (aside / "model.keras").exists()
+    assert (aside / "checkpoints" / "checkpoint").exists(), "the old checkpoints moved whole, nothing deleted"
+    assert not (aside / "lease.json").exists() and not (tmp_path / "runs" / "again" / "lease.json").exists()
+
+
+@pytest.mark.slow
+def test_a_time_limit_saves_and_the_next_attempt_reports_every_epoch(mnist_job, tmp_path: Path) -> None:
+    """train.max_duration counts from the process start: a limit shorter than start-up stops at the first step,
+    saved (exit 124); the rerun (no limit) continues, and its summary lists both attempts' epochs."""
+    spec = mnist_job("limited", train={"epochs": 2, "steps_per_epoch": 6, "max_duration": 1},
+                     data={"eval": None}, output={"tensorboard": False})
+    stopped = run_cli("run", spec)
+    assert stopped.returncode == 124, stopped.stderr[-3000:]
+    first = last_json(stopped.stdout)
+    jsonschema.validate(first, SCHEMA)
+    assert first["status"] == "time_limit" and first["time_limit"]["max_duration_s"] == 1
+    assert first["epochs"][0]["partial"] and first["epochs"][0]["attempt"] == 1
+    assert "interrupted after" in stopped.stderr and "time limit at step" in stopped.stderr
+    saved = first["epochs"][0]["steps"]
+    unlimited = mnist_job("limited", train={"epochs": 2, "steps_per_epoch": 6},
+                          data={"eval": None}, output={"tensorboard": False})
+    resumed = run_cli("run", unlimited)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = last_json(resumed.stdout)
+    jsonschema.validate(summary, SCHEMA)
+    assert summary["resumed_from_step"] == saved and summary["final_step"] == 12
+    attempts = [(e["attempt"], e["epoch"], e["partial"]) for e in summary["epochs"]]
+    assert attempts == [(1, 1, True), (2, 1, False), (2, 2, False)], attempts
+    assert sum(e["steps"] for e in summary["epochs"]) == 12
+    assert summary["timing"]["steady_epoch_s"] is not None
+
+
+def test_the_exit_codes_table_in_the_readme_names_every_code_the_runner_uses() -> None:
+    import runner
+
+    codes = {v for k, v in vars(runner).items() if k.startswith("EXIT_")}
+    readme = (REPO / "README.md").read_text()
+    assert codes == {0, 1, 2, 3, 4, 75, 124, 130}
+    assert all(f"\n| {code} |" in readme for code in codes), "README's exit-code table"
+
+
+def test_dns_failures_map_to_exit_3_without_tensorflow() -> None:
+    from runner.data.storage import storage_error
+
+    message = "Error executing an HTTP request: libcurl code 6 meaning 'Couldn't resolve host name'"
+    error = storage_error(RuntimeError(message), ["gs://b/x/train-*.tfrecord"], 5)
+    assert error is not None and error.exit_code == 3 and "gs://b" in str(error)
