@@ -153,3 +153,16 @@ def test_dns_failures_map_to_exit_3_without_tensorflow() -> None:
     message = "Error executing an HTTP request: libcurl code 6 meaning 'Couldn't resolve host name'"
     error = storage_error(RuntimeError(message), ["gs://b/x/train-*.tfrecord"], 5)
     assert error is not None and error.exit_code == 3 and "gs://b" in str(error)
+
+
+def test_an_unusable_credentials_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """google-auth's own error for a file that is not JSON, read through the client the runner makes."""
+    from runner import StorageError
+    from runner.data.storage import make_client
+
+    broken = tmp_path / "key.json"
+    broken.write_text("{not json")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(broken))
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    with pytest.raises(StorageError, match=rf"the credentials file {broken} \(GOOGLE_APPLICATION_CREDENTIALS\)"):
+        make_client()

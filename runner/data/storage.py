@@ -198,11 +198,23 @@ def make_client():
         return storage.Client(project="emulator", credentials=AnonymousCredentials())
     try:
         return storage.Client()
-    except auth_exceptions.DefaultCredentialsError:
-        raise StorageError(
-            "no Google Cloud credentials found: on a TPU VM the VM's service account is used; elsewhere run "
-            "`gcloud auth application-default login`"
-        ) from None
+    except auth_exceptions.DefaultCredentialsError as exc:
+        raise credentials_error(exc, StorageError) from None
+
+
+def credentials_error(exc: Exception, kind: type[Exception]) -> Exception:
+    """What google-auth's DefaultCredentialsError means to a user: a named credentials file that cannot be
+    used (GOOGLE_APPLICATION_CREDENTIALS), or no credentials at all."""
+    named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if named:
+        return kind(
+            f"the credentials file {named} (GOOGLE_APPLICATION_CREDENTIALS) cannot be used: {exc}; fix the file, "
+            "or unset GOOGLE_APPLICATION_CREDENTIALS to use `gcloud auth application-default login`'s"
+        )
+    return kind(
+        "no Google Cloud credentials found: on a TPU VM the VM's service account is used; elsewhere run "
+        "`gcloud auth application-default login`"
+    )
 
 
 def is_transient(exc: BaseException) -> bool:

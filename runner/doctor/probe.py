@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from runner.data import storage
 from runner.data.storage import is_gcs, split_gcs
 from runner.device.tpu_env import prepare_tpu_env
 from runner.doctor.checks import Check
@@ -246,7 +247,13 @@ def main() -> None:
                 check.seconds, began = round(time.monotonic() - began, 3), time.monotonic()
                 _emit(out, {"check": check.to_dict()})
         except Exception as exc:  # one broken step must not hide the others
-            broken = Check(step, "fail", _first_line(exc), "a bug in the doctor: report it with this line")
+            # A storage fault (DNS, an outage, a full disk) is what it is, with its own fix; anything else is ours.
+            paths = [spec.data.train, spec.data.eval, spec.output.dir]
+            fault = storage.storage_error(exc, paths, spec.storage.timeout_s)
+            if fault is not None:
+                broken = Check(step, "fail", str(fault), "see the message: storage unreachable is exit 3 for a run")
+            else:
+                broken = Check(step, "fail", _first_line(exc), "a bug in the doctor: report it with this line")
             _emit(out, {"check": broken.to_dict()})
         _emit(out, {"done": step})
     _emit(out, {"idle": True})
