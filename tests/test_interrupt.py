@@ -54,7 +54,11 @@ def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_cont
     assert resumed["status"] == "succeeded"
     assert resumed["resumed_from_step"] == saved
     assert resumed["final_step"] == EPOCHS * STEPS
-    assert sum(e["steps"] for e in resumed["epochs"]) == EPOCHS * STEPS - saved
+    mine = [e for e in resumed["epochs"] if e["attempt"] == resumed["attempt"]]
+    assert sum(e["steps"] for e in mine) == EPOCHS * STEPS - saved
+    # The interrupted attempt's epochs come first; its cut-short epoch is marked partial.
+    earlier = [e for e in resumed["epochs"] if e["attempt"] < resumed["attempt"]]
+    assert [e["partial"] for e in earlier] == [False, True] and sum(e["steps"] for e in earlier) == saved
     attempts = sorted((run_dir / "attempts").iterdir())
     assert [json.loads(a.read_text())["status"] for a in attempts] == ["interrupted", "succeeded"]
 

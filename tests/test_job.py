@@ -59,7 +59,8 @@ def test_run_trains_then_reruns_as_complete_then_extends(mnist_job, tmp_path: Pa
     extended = last_json(longer.stdout)
     assert extended["accelerator"]["allocator"] == "tcmalloc"
     assert extended["resumed_from_step"] == 32
-    assert [e["epoch"] for e in extended["epochs"]] == [3]
+    # The summary lists the job's epochs across its attempts; this attempt trained the third.
+    assert [(e["attempt"], e["epoch"]) for e in extended["epochs"]] == [(1, 1), (1, 2), (2, 3)]
     assert extended["final_step"] == 48
     assert extended["attempt"] == 3 - 1  # the already-complete re-run was not an attempt
 

@@ -170,6 +170,8 @@ def test_pixels_scaled_to_0_1_are_refused_naming_both_ranges_and_the_fix(
     report = last_json(good.stdout)
     assert report["examples"] == 9
     assert report["metrics"]["accuracy"] == pytest.approx(np.mean(np.array(expected) == labels), abs=1e-6)
+    shards = run_cli("evaluate", job, "--input", f"{tiny_mnist}/test-*.tfrecord", *overrides)
+    assert shards.returncode == 0 and last_json(shards.stdout)["examples"] == 512, shards.stderr
 
 
 @pytest.mark.xdist_group("predict_ranges")

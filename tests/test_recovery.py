@@ -179,6 +179,19 @@ def test_a_bad_spec_exit_2_is_not_restarted(cloud):
     assert cloud.job()["outcome"]["exit_code"] == 2
 
 
+def test_a_stalled_job_is_not_restarted_even_on_spot_and_its_slice_goes(cloud):
+    cloud.vm("stall")  # the job's stall guard fires after the --stall-timeout it was given: exit 124, "stalled"
+    args = cloud.submit_args(cloud.spec(), "--spot", "--stall-timeout", "10s")
+    code, out, err = finish(cloud.start(*args), timeout=240)
+    assert code == 124, err[-3000:]
+    final = last_json(out)
+    assert final["outcome"]["outcome"] == "stalled" and final["restarts"] == []
+    assert "--max-run-duration or --stall-timeout; not restarted" in final["outcome"]["reason"]
+    assert len(cloud.creates()) == 1, "spot restarts are for preemptions, not for a job that stopped itself"
+    assert [r for r in cloud.api.requests() if r["method"] == "DELETE"], "the slice was deleted"
+    assert wait_until(lambda: tpu_fake_has_no_queued_resource(cloud), timeout=30)
+
+
 def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud):
     cloud.vm("exit:75")
     code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")), timeout=240)

@@ -32,7 +32,8 @@ def assert_exact_count(summary: dict, resumed_from: int) -> None:
     assert summary["status"] == "succeeded", summary.get("error")
     assert summary["resumed_from_step"] == resumed_from
     assert summary["final_step"] == EPOCHS * STEPS
-    epochs = summary["epochs"]
+    # The summary lists every attempt's epochs that were reported (a killed attempt reports none), each marked.
+    epochs = [e for e in summary["epochs"] if e["attempt"] == summary["attempt"]]
     assert sum(e["steps"] for e in epochs) == EPOCHS * STEPS - resumed_from
     assert epochs[0]["epoch"] == resumed_from // STEPS + 1  # numbering continues across attempts
     assert epochs[0]["steps"] == STEPS - resumed_from % STEPS

@@ -146,6 +146,24 @@ def test_runs_made_with_other_settings_are_marked_and_the_suggested_name_works(m
 
 
 @pytest.mark.slow
+def test_a_failed_variant_is_named_and_fixing_it_reuses_the_finished_ones(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("fx", train={"epochs": 1})
+    failed = run_cli("sweep", spec, "--set", "data.global_batch_size=128,4096")  # 2,048 records: no 4,096 batch
+    assert failed.returncode == 2, failed.stderr
+    assert "make no full batch of data.global_batch_size (4096)" in failed.stderr
+    assert ("sweep: 1 of 2 variants succeeded; fx-global_batch_size-4096 exited 2: fix what its error above says "
+            "(in the spec, the data or the values swept), then run the sweep again") in failed.stderr
+    assert "cannot read" not in failed.stderr, "a variant that wrote nothing is left out of the table"
+    assert [line.split()[0] for line in failed.stdout.splitlines()[2:]][:1] == ["fx-global_batch_size-128"]
+
+    fixed = run_cli("sweep", spec, "--set", "data.global_batch_size=128,256")
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stderr.count("already complete") == 1, "the finished variant is not trained again"
+    assert json.loads((tmp_path / "runs" / "fx-global_batch_size-256" / "summary.json").read_text())["status"] == (
+        "succeeded")
+
+
+@pytest.mark.slow
 def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mnist_job, tmp_path: Path) -> None:
     spec = mnist_job("pre", train={"epochs": 40, "steps_per_epoch": 2})  # short, so that continuing is quick
     sweep = subprocess.Popen(

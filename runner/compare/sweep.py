@@ -273,8 +273,8 @@ def advice(spec_path: str | Path, sets: list[str], variants: list[Variant], outc
         first = failed[0]
         lines.append(
             f"sweep: {succeeded} of {len(variants)} variants succeeded; {first.variant.name} exited "
-            f"{first.exit_code}: fix what its error above says, then run the same sweep again (finished "
-            "variants are skipped)"
+            f"{first.exit_code}: fix what its error above says (in the spec, the data or the values swept), then "
+            "run the sweep again (finished variants are skipped)"
         )
     return lines
 

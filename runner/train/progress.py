@@ -326,9 +326,9 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
     epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
     computed = _precision(summary)
     if status == "succeeded":
-        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary) + computed
+        return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}{computed}" + _model_at(summary)
     if status == "learned_nothing":  # trained and saved, but at chance: the warning follows
-        return f"learned nothing: {epochs}{_result(summary)} in {duration(total_s)}" + _model_at(summary) + computed
+        return f"learned nothing: {epochs}{_result(summary)} in {duration(total_s)}{computed}" + _model_at(summary)
     if status in ("preempted", "interrupted", "time_limit"):  # saved, and the same command continues
         saves = summary.get("checkpoint_saves")
         saved = saves["saves"] > 0 if saves else bool(records)  # a stop before training saved nothing new
@@ -342,9 +342,9 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
 
 
 def _precision(summary: dict[str, Any]) -> str:
-    """`; precision bfloat16 (cpu flag avx512_bf16)`: what the job computed in, and why."""
+    """`, bfloat16 (cpu flag avx512_bf16)`: what the job computed in, and why."""
     chosen = (summary.get("accelerator") or {}).get("precision") or {}
-    return f"; precision {chosen['policy']} ({chosen.get('reason', '')})" if chosen.get("policy") else ""
+    return f", {chosen['policy']} ({chosen.get('reason', '')})" if chosen.get("policy") else ""
 
 
 def _model_at(summary: dict[str, Any]) -> str:
