@@ -417,6 +417,8 @@ def test_preemption_like_exits_and_disruptions_restart_with_or_without_spot_and_
 
 def test_max_restarts_as_given_bounds_the_jobset_restarts(cloud_spec):
     assert gke_manifest(cloud_spec, "--max-restarts", "5")["spec"]["failurePolicy"]["maxRestarts"] == 5
+    # Through the command: an explicit 0 without --spot stays 0 (not the default of 3).
+    assert gke_manifest(cloud_spec, "--max-restarts", "0")["spec"]["failurePolicy"]["maxRestarts"] == 0
     sub = submission(cloud_spec, max_restarts=0)
     manifest = gke.jobset(sub, engines.Options(max_restarts=0))  # the flag as given: 0 means none
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 0

@@ -54,9 +54,10 @@ class EngineFlags:
         return {"--queue": self.queue is not None, "--namespace": self.namespace is not None,
                 "--cluster": self.cluster is not None, "--format": self.output_format is not None}
 
-    def options(self) -> engines.Options:
+    def options(self, max_restarts: int | None = None) -> engines.Options:
+        """`max_restarts`: --max-restarts as given (None: not given), so an explicit 0 stays 0 on GKE."""
         return engines.Options(queue=self.queue, namespace=self.namespace or "default", cluster=self.cluster,
-                               output_format=self.output_format or "manifest")
+                               output_format=self.output_format or "manifest", max_restarts=max_restarts)
 
 
 # The TPU VM's flags the engines' table (engines.FLAG_TARGETS) does not list: they mean nothing elsewhere yet.
@@ -165,7 +166,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
         stall_timeout=vm.stall_timeout, allow_unverified=vm.allow_unverified,
     )
     if on != "tpu-vm":
-        text, sent = engines.submit(on, sub, engine.options(), dry_run=dry_run)
+        text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run)
         return Launched(text=text if sent is None else "", doc=sent)
     for line in price_lines(sub, _previous_run(sub, say)):
         say(line)
