@@ -42,7 +42,7 @@ def main() -> None:
         sets = [f"name=mfu-{name}", f"output.dir={out}", f"data.train={folder}/train-*.tfrecord", "data.eval=null",
                 "train.epochs=2", f"train.steps_per_epoch={args.steps}"]
         if name == "weather_rnn":
-            sets += ["data.validation=null", "train.validate_every_epoch=false"]
+            sets.append(f"data.validation={folder}/validation-*.tfrecord")  # its early stopping watches val_loss
         done = subprocess.run([sys.executable, "-m", "runner", "run", f"jobs/{name}.yaml",
                                *(a for s in sets for a in ("--set", s))], cwd=REPO, capture_output=True, text=True)
         if done.returncode:

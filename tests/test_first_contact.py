@@ -166,3 +166,37 @@ def test_an_unusable_credentials_file_is_named(tmp_path: Path, monkeypatch: pyte
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     with pytest.raises(StorageError, match=rf"the credentials file {broken} \(GOOGLE_APPLICATION_CREDENTIALS\)"):
         make_client()
+
+
+@pytest.mark.slow
+def test_a_run_folder_resumes_only_under_the_keras_and_tensorflow_that_can_read_it(mnist_job, tmp_path: Path) -> None:
+    """A real tf-keras checkpoint, then a Keras 3 run of the same job: refused, naming both; the TensorFlow
+    version may rise between attempts, never fall."""
+    spec = mnist_job("flavours", train={"epochs": 2, "steps_per_epoch": 3, "allow_chance": True},
+                     data={"eval": None}, output={"tensorboard": False})
+    keras3 = {k: v for k, v in cli_env().items() if k != "TF_USE_LEGACY_KERAS"}
+    legacy = run_cli("run", spec, "--set", "train.epochs=1", env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
+    assert legacy.returncode == 0, legacy.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "flavours"
+    pins = json.loads((run_dir / "spec.json").read_text())["pinned"]
+    assert pins["keras.flavour"] == "tf-keras" and pins["tensorflow.version"]
+
+    refused = run_cli("run", spec, env=keras3)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "written with tf-keras and this run trains with keras3" in refused.stderr
+    assert "TF_USE_LEGACY_KERAS=1" in refused.stderr and "--fresh" in refused.stderr
+
+    # The same folder, as if an older TensorFlow had written it: this newer one resumes it.
+    doc = json.loads((run_dir / "spec.json").read_text())
+    doc["pinned"]["tensorflow.version"] = "2.0.0"
+    (run_dir / "spec.json").write_text(json.dumps(doc))
+    resumed = run_cli("run", spec, env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert last_json(resumed.stdout)["resumed_from_step"] == 3
+
+    doc = json.loads((run_dir / "spec.json").read_text())
+    doc["pinned"]["tensorflow.version"] = "9.0.0"
+    (run_dir / "spec.json").write_text(json.dumps(doc))
+    newer = run_cli("run", spec, "--set", "train.epochs=3", env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
+    assert newer.returncode == 2, newer.stderr[-3000:]
+    assert "written by TensorFlow 9.0.0" in newer.stderr and "reads checkpoints of older versions" in newer.stderr

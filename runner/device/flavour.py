@@ -21,6 +21,12 @@ from runner import AcceleratorError
 from runner.device import host
 
 
+def active(environ: dict[str, str] | None = None) -> str:
+    """The Keras this process trains with once `choose_keras` ran: 'tf-keras' or 'keras3'."""
+    environ = os.environ if environ is None else environ
+    return "tf-keras" if environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes") else "keras3"
+
+
 def choose_keras(environ: dict[str, str] | None = None) -> str:
     """Sets TF_USE_LEGACY_KERAS when the runner needs tf-keras; returns 'tf-keras' or 'keras3'."""
     environ = os.environ if environ is None else environ

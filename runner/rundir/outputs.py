@@ -73,7 +73,17 @@ from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
 from runner.rundir import serving
 from runner.rundir.lease import Lease
-from runner.rundir.pins import FINGERPRINT, PINNED_KEYS, data_fingerprint, dotted, pinned, show
+from runner.rundir.pins import (
+    FINGERPRINT,
+    FLAVOUR,
+    PINNED_KEYS,
+    TENSORFLOW,
+    data_fingerprint,
+    dotted,
+    pinned,
+    show,
+    version,
+)
 from runner.rundir.timing import completion
 from runner.spec.types import JobSpec
 
@@ -273,8 +283,12 @@ class RunFolder:
             log.warning("%s has checkpoints but no spec.json: cannot tell what they were made with", self.path)
             return
         before = previous.get("pinned") or {key: dotted(previous, key) for key in PINNED_KEYS}  # older folders
+        self._check_software(spec, before, now)
         # A fingerprint not known on either side (older folders; data no longer readable) is not compared.
-        known = [key for key in now if key in before and (key != FINGERPRINT or None not in (before[key], now[key]))]
+        known = [
+            key for key in now if key in before and key not in (FLAVOUR, TENSORFLOW)
+            and (key != FINGERPRINT or None not in (before[key], now[key]))
+        ]
         changed = [f"{key}: {show(before[key])} -> {show(now[key])}" for key in known if before[key] != now[key]]
         if changed == [f"{FINGERPRINT}: {show(before[FINGERPRINT])} -> {show(now[FINGERPRINT])}"]:
             manifest = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
@@ -292,6 +306,26 @@ class RunFolder:
                 f"with another spec ({'; '.join(changed)}): the checkpoints mean something else. Run it with the "
                 f"earlier settings, choose a new job name (`--set name={spec.name}-2`), or start this job over with "
                 "`runner run --fresh` (the folder is moved aside, not deleted)"
+            )
+
+    def _check_software(self, spec: JobSpec, before: dict[str, Any], now: dict[str, Any]) -> None:
+        """The Keras flavour must be the one that wrote the checkpoints; TensorFlow the same or newer."""
+        wrote, runs = before.get(FLAVOUR), now[FLAVOUR]
+        if wrote and wrote != runs:
+            where = {"tf-keras": "TF_USE_LEGACY_KERAS=1 with tf-keras installed (the TPU image has it)",
+                     "keras3": "Keras 3, TensorFlow's default (unset TF_USE_LEGACY_KERAS)"}
+            self._refuse(
+                f"{self.path}'s checkpoints were written with {wrote} and this run trains with {runs}: a "
+                f"checkpoint of one does not restore under the other. Resume it with {where[wrote]}, or start "
+                "this job over with `runner run --fresh` (the folder is moved aside, not deleted)"
+            )
+        older = before.get(TENSORFLOW)
+        if older and version(now[TENSORFLOW]) < version(older):
+            self._refuse(
+                f"{self.path}'s checkpoints were written by TensorFlow {older} and this run has {now[TENSORFLOW]}: "
+                "TensorFlow reads checkpoints of older versions, not newer ones. Resume it where TensorFlow is "
+                f"{older} or newer (the CPU image has 2.21, the TPU image 2.19: docs/image.md), or start over "
+                "with `runner run --fresh`"
             )
 
     def _refuse(self, message: str) -> None:

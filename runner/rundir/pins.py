@@ -15,7 +15,10 @@ import posixpath
 import re
 from typing import Any
 
+import tensorflow as tf
+
 from runner.data import pipeline
+from runner.device import flavour
 from runner.spec.train import optimizer_identity
 from runner.spec.types import JobSpec
 
@@ -26,6 +29,10 @@ PINNED_KEYS = (
     "data.global_batch_size", "data.inputs", "data.label", "data.features", "data.preprocess",
 )
 FINGERPRINT = "data.fingerprint"
+# What wrote the checkpoints (runner/rundir/outputs.py `_check_software`): a tf-keras checkpoint does not restore
+# under Keras 3 (ValueError, measured), so the flavour must match; TensorFlow reads checkpoints an older
+# TensorFlow wrote, not the other way round, so its version may only rise.
+FLAVOUR, TENSORFLOW = "keras.flavour", "tensorflow.version"
 
 
 def data_fingerprint(shards: pipeline.Shards) -> str:
@@ -44,7 +51,15 @@ def data_fingerprint(shards: pipeline.Shards) -> str:
 def pinned(spec: JobSpec, fingerprint: str | None) -> dict[str, Any]:
     doc = spec.to_dict()
     doc["train"]["optimizer_class"] = optimizer_identity(spec.train)  # its slots are in the checkpoints
-    return {**{key: dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint}
+    return {
+        **{key: dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint,
+        FLAVOUR: flavour.active(), TENSORFLOW: tf.__version__,
+    }
+
+
+def version(text: str) -> tuple[int, ...]:
+    """'2.21.0' -> (2, 21, 0); a suffix such as 'rc1' or '+cpu' is ignored."""
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
 def dotted(doc: dict[str, Any], key: str) -> Any:

@@ -151,11 +151,16 @@ def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
     without this a resumed run would go on at the rate it was saved with (a rate lowered by ReduceLROnPlateau
     included) whatever the spec now says. A schedule is no variable: it continues from the restored step."""
     optimizer = checkpoint.optimizer
-    rate = None if _has_schedule(optimizer) else float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    rate = None if _has_schedule(optimizer) else to_float(optimizer.learning_rate)
     checkpoint.restore(path).expect_partial()
     if rate is not None:
         optimizer.learning_rate = rate
     return int(optimizer.iterations.numpy())
+
+
+def to_float(value: Any) -> float:
+    """A scalar variable or tensor as a float, under Keras 3 and tf-keras alike (tf-keras has no keras.ops)."""
+    return float(np.asarray(tf.convert_to_tensor(value)))
 
 
 def _has_schedule(optimizer: Any) -> bool:
@@ -246,7 +251,7 @@ def check_first_outputs(model: Any, loss: Any, batch_outputs: Any) -> None:
     tensor or array; a model with several outputs is not checked)."""
     if _expects(loss) != "probabilities" or isinstance(batch_outputs, (list, tuple, dict)):
         return
-    values = np.asarray(keras.ops.convert_to_numpy(batch_outputs), dtype=np.float64)
+    values = np.asarray(tf.convert_to_tensor(batch_outputs), dtype=np.float64)
     if values.size == 0 or not np.isfinite(values).all():
         return  # a non-finite output is the divergence check's to report
     low, high = float(values.min()), float(values.max())

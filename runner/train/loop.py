@@ -17,7 +17,7 @@ from runner import Diverged
 from runner.data import pipeline
 from runner.rundir.timing import Phases
 from runner.spec.train import CheckpointSpec, TrainSpec
-from runner.train import fit, limits, observe, progress
+from runner.train import build, fit, limits, observe, progress
 from runner.train.preemption import PreemptionNotice
 from runner.train.saver import Saver
 
@@ -118,5 +118,5 @@ def train(
     stopped = [c.stopped_epoch + 1 for c in plateau if getattr(c, "stopped_epoch", 0)]
     outcome.stopped_early_after_epoch = stopped[0] if stopped else None
     if settings.reduce_lr_patience is not None:
-        outcome.final_learning_rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+        outcome.final_learning_rate = build.to_float(model.optimizer.learning_rate)
     return outcome
