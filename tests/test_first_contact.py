@@ -200,3 +200,67 @@ def test_a_run_folder_resumes_only_under_the_keras_and_tensorflow_that_can_read_
     newer = run_cli("run", spec, "--set", "train.epochs=3", env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
     assert newer.returncode == 2, newer.stderr[-3000:]
     assert "written by TensorFlow 9.0.0" in newer.stderr and "reads checkpoints of older versions" in newer.stderr
+
+
+CALLBACK = '''
+import json
+import os
+
+import tensorflow as tf
+
+
+class EpochMarks(tf.keras.callbacks.Callback):
+    """Appends each finished epoch and the optimizer's learning rate to the file MARKS names."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = self.model.optimizer.learning_rate
+        with open(os.environ["MARKS"], "a") as marks:
+            marks.write(json.dumps({"epoch": epoch + 1, "lr": float(tf.convert_to_tensor(rate))}) + "\\n")
+'''
+
+
+@pytest.mark.slow
+def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_path: Path) -> None:
+    """AdamW with weight decay and clipnorm, a cosine schedule with warmup, balanced class weights from the
+    manifest's label counts and a callback of the user's: trained, preempted mid-epoch, resumed, reported."""
+    import signal
+
+    from tests.support.runs import finish, signal_in_second_epoch, start_run
+
+    package = tmp_path / "code" / "mine"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "marks.py").write_text(CALLBACK)
+    steps = 40
+    spec = mnist_job(
+        "keras_user", code={"folder": str(tmp_path / "code")}, output={"tensorboard": False},
+        data={"eval": None, "global_batch_size": 32},
+        train={
+            "epochs": 3, "steps_per_epoch": steps, "mixed_precision": "float32", "learning_rate": None,
+            "optimizer": {"class_name": "AdamW", "config": {"weight_decay": 0.01, "clipnorm": 1.0}},
+            "schedule": {"class_name": "CosineDecay", "config": {
+                "initial_learning_rate": 1e-4, "decay_steps": 3 * steps, "warmup_target": 0.002, "warmup_steps": 10,
+            }},
+            "class_weight": "balanced", "callbacks": ["mine.marks:EpochMarks"],
+        },
+    )
+    text = spec.read_text().replace("  learning_rate: null\n", "")
+    spec.write_text(text)
+    marks = tmp_path / "marks.jsonl"
+    env = cli_env(MARKS=str(marks))
+    run_dir = tmp_path / "runs" / "keras_user"
+    process = start_run(spec, env=env)
+    signal_in_second_epoch(process, run_dir, signal.SIGTERM)
+    code, out, err = finish(process)
+    assert code == 75, err[-3000:]
+    assert "train.class_weight balanced: 0: " in err
+    resumed = run_cli("run", spec, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = last_json(resumed.stdout)
+    jsonschema.validate(summary, SCHEMA)
+    assert summary["status"] == "succeeded" and summary["final_step"] == 3 * steps
+    epochs = [json.loads(line)["epoch"] for line in marks.read_text().splitlines()]
+    assert epochs[0] == 1 and epochs[-2:] == [2, 3], epochs  # the user's callback ran in both attempts
+    # The schedule continues from the restored step: past warmup, the rate decays towards 0 by the last step.
+    rates = [json.loads(line)["lr"] for line in marks.read_text().splitlines()]
+    assert 0 < rates[-1] < rates[-2] <= 0.002, rates

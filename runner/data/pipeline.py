@@ -113,6 +113,20 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
     return Shards(pattern, files, records, features, manifest)
 
 
+def label_counts(shards: Shards) -> list[int] | None:
+    """Records per class id over the shards (the manifest's label_counts, summed); None when a shard's entry
+    has none (a manifest written before they were recorded, or labels that are no class ids)."""
+    entries = manifest_entries(shards.manifest)
+    total: list[int] = []
+    for path in shards.files:
+        counts = entries[posixpath.basename(path)][2].get("label_counts")
+        if counts is None:
+            return None
+        total = [a + b for a, b in zip(total + [0] * (len(counts) - len(total)),
+                                       counts + [0] * (len(total) - len(counts)), strict=True)]
+    return total
+
+
 def check_declared(declared: dict[str, FeatureSpec] | None, shards: Shards) -> None:
     """Refuses a spec whose `data.features` differ from the manifest; names each feature and both schemas."""
     if declared is None:

@@ -213,5 +213,8 @@ def _check_entry(entry: Any, field: str, path: str) -> None:
         isinstance(labels, list) and len(labels) == 2 and all(map(integer, labels)) and labels[0] <= labels[1]
     ):
         problems.append(f"`{field}.label_range` ({labels!r}) is not [lowest label, highest label]")
+    counts = entry.get("label_counts")
+    if counts is not None and not (isinstance(counts, list) and all(map(count, counts))):
+        problems.append(f"`{field}.label_counts` ({str(counts)[:60]}) is not a list of record counts per class id")
     if problems:
         raise DataError(f"{path}: field {'; field '.join(problems)}; {WRITE_AGAIN}")

@@ -8,6 +8,7 @@ import logging
 
 import tensorflow as tf
 
+from runner import DataError, SpecError
 from runner.data import in_memory, pipeline
 from runner.device import host
 from runner.device.strategy import Accelerator
@@ -40,6 +41,8 @@ class Inputs:
     preprocess: object
     clock: observe.InputClock | None
     input_method: str
+    class_weight: dict[int, float] | None = None
+    callbacks: list = dataclasses.field(default_factory=list)  # the user's own (train.callbacks), built
 
 
 def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: Accelerator, facts: Facts) -> Inputs:
@@ -87,4 +90,46 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     validation = None
     if spec.train.validate_every_epoch:  # data.validation, else the eval shards (the spec checks one is set)
         validation = evaluation("data.validation") if "data.validation" in shards else eval_
-    return Inputs(train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method)
+    return Inputs(
+        train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method,
+        class_weight_of(spec.train.class_weight, train_shards), user_callbacks(spec),
+    )
+
+
+def class_weight_of(asked: dict[int, float] | str | None, shards: pipeline.Shards) -> dict[int, float] | None:
+    """train.class_weight as Keras fit takes it; `balanced` from the manifest's label counts."""
+    if asked != "balanced":
+        return dict(asked) if asked else None
+    counts = pipeline.label_counts(shards)
+    if not counts:
+        raise DataError(
+            f"train.class_weight: balanced needs the records per class, which the manifest beside "
+            f"{shards.pattern} does not list (label_counts): write it again with `runner prepare` (a built-in or "
+            "your own data) or `runner manifest SPEC --force`, or give the weights as {class id: weight}"
+        )
+    total, classes = sum(counts), len(counts)
+    weights = {index: (total / (classes * n) if n else 1.0) for index, n in enumerate(counts)}
+    log.info("train.class_weight balanced: %s", ", ".join(f"{k}: {v:.3g}" for k, v in weights.items()))
+    return weights
+
+
+def user_callbacks(spec: JobSpec) -> list:
+    """train.callbacks: each `package.module:Class` imported from the spec's code roots and called with no
+    arguments; it must give a Keras callback."""
+    built = []
+    for index, path in enumerate(spec.train.callbacks):
+        key = f"train.callbacks[{index}]"
+        make = usercode.load_callable(path, key, (), spec.code_roots)
+        try:
+            callback = make()
+        except Exception as exc:  # the user's code refused to start: a start-up error, not training
+            raise SpecError(
+                f"{key}: {path!r} raised {type(exc).__name__} when called with no arguments: {exc}"
+            ) from exc
+        if not isinstance(callback, tf.keras.callbacks.Callback):
+            raise SpecError(
+                f"{key}: {path!r} gave a {type(callback).__name__}, not a keras.callbacks.Callback (subclass "
+                "tf.keras.callbacks.Callback, and take no arguments in __init__)"
+            )
+        built.append(callback)
+    return built

@@ -7,6 +7,7 @@ benchmark is a job of another kind: run_job hands it to runner/job/matmul.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import posixpath
@@ -74,7 +75,7 @@ def run_job(
         training = True
         _train(spec, attempt, model, saver, job.inputs, plan, job.recorder, notice, verbose, progress_every)
         job.metrics = _evaluate(spec, attempt, model, job.inputs, verbose)
-        warnings = verdict.warnings_of(job.recorder.epochs, job.metrics, verdict.classes_of_output(model.output_shape))
+        warnings = verdict.warnings_of(job.epochs(), job.metrics, verdict.classes_of_output(model.output_shape))
         _export(spec, attempt, model, job.inputs)
         status = _judge(spec, attempt, warnings)
     except Preempted as exc:
@@ -104,6 +105,7 @@ class _Job:
         self.inputs: Inputs | None = None
         self.precision: precision.Precision | None = None
         self.metrics: dict = {}
+        self._earlier: list[dict] | None = None
         chief = attempt.worker_index == 0
         self.scalars = observe.ScalarLog(attempt.run.file("tensorboard")) if spec.output.tensorboard and chief else None
         self._epoch_line = observe.epoch_line(spec.train.epochs)
@@ -131,11 +133,19 @@ class _Job:
             self.inputs = make_inputs(spec, shards, attempt.accelerator, attempt.facts)
 
     def _earlier_epochs(self) -> list[dict]:
-        try:
-            return self.attempt.run.epochs_before(self.attempt.number)
-        except (tf.errors.OpError, ValueError) as exc:  # the summary is still written, with this attempt's epochs
-            log.warning("could not read the earlier attempts' epochs from %s: %s", self.attempt.run.path, exc)
-            return []
+        if self._earlier is None:
+            try:
+                self._earlier = self.attempt.run.epochs_before(self.attempt.number)
+            except (tf.errors.OpError, ValueError) as exc:  # the summary still comes, with this attempt's epochs
+                log.warning("could not read the earlier attempts' epochs from %s: %s", self.attempt.run.path, exc)
+                self._earlier = []
+        return self._earlier
+
+    def epochs(self) -> list[EpochRecord]:
+        """The job's epochs so far: every earlier attempt's, then this one's."""
+        known = {f.name for f in dataclasses.fields(EpochRecord)}
+        earlier = [EpochRecord(**{k: v for k, v in r.items() if k in known}) for r in self._earlier_epochs()]
+        return earlier + self.recorder.epochs
 
     def finish(self, status: str, error: RunnerError | None) -> dict:
         """The summary, written to the run folder by the chief (runner/rundir/attempt.py) and returned."""
@@ -209,10 +219,11 @@ def _train(
     if spec.profile:
         profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps)
     validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
+    feed = loop.Feed(inputs.train_ds, validation, spec.data.train, inputs.class_weight)
     outcome = loop.train(
-        model, saver, loop.Feed(inputs.train_ds, validation, spec.data.train), plan, recorder, notice,
-        attempt.phases, settings=spec.train, saving=spec.checkpoint, global_batch=spec.data.global_batch_size,
-        profiler=profiler, verbose=verbose, progress_every=progress_every,
+        model, saver, feed, plan, recorder, notice, attempt.phases, settings=spec.train, saving=spec.checkpoint,
+        global_batch=spec.data.global_batch_size, profiler=profiler, verbose=verbose, progress_every=progress_every,
+        callbacks=inputs.callbacks,
     )
     facts, step = attempt.facts, outcome.final_step
     facts.checkpoint_saves, facts.profile = outcome.checkpoint_saves, outcome.profile

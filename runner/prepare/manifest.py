@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from runner import DataError, SpecError
 from runner.data import pipeline, schema, verify
-from runner.prepare.shards import holds_class_ids, label_range, training_split, write_manifest
+from runner.prepare.shards import holds_class_ids, label_counts, label_range, training_split, write_manifest
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,14 @@ _CHECK_BATCH = 256
 def _index_shard(
     path: str, features: dict[str, schema.StoredFeature], label: str, inputs: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    records, labels, ranges = _check_records(path, features, label, inputs)
+    records, labels, ranges, counts = _check_records(path, features, label, inputs)
     entry = {"file": posixpath.basename(path), "records": records, "bytes": tf.io.gfile.stat(path).length}
     entry["sha256"] = verify.sha256_of(path)
-    return {**entry, **({"label_range": labels} if labels else {})}, ranges
+    if labels:
+        entry["label_range"] = labels
+    if labels and counts:
+        entry["label_counts"] = counts
+    return entry, ranges
 
 
 def _merge_ranges(found: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -123,17 +127,17 @@ def _range_of(values: Any, dtype: str) -> dict[str, Any]:
 
 def _check_records(
     path: str, features: dict[str, schema.StoredFeature], label: str, inputs: tuple[str, ...] = ()
-) -> tuple[int, list[int] | None, dict[str, dict[str, Any]]]:
+) -> tuple[int, list[int] | None, dict[str, dict[str, Any]], list[int]]:
     """Counts the shard's records, parsing and decoding all of them with the training pipeline's own parser;
-    returns the count, the label_range of class-id labels and the value range of each numeric input (as
-    decoded: an image's pixels).
+    returns the count, the label_range of class-id labels, the value range of each numeric input (as
+    decoded: an image's pixels) and the records per class id (label_counts; [] for other labels).
 
     A batch that fails is read again record by record (schema.record_problems), so the error names the
     record and the feature. The first record also gets that check up front: it sees what decoding forgives
     (a PNG where JPEG is declared decodes all the same).
     """
     batches = tf.data.TFRecordDataset(path).batch(_CHECK_BATCH)
-    count, ranges, found = 0, [], []
+    count, ranges, found, counts = 0, [], [], []
     numeric = [n for n in inputs if n in features and features[n].dtype != "string"]
     class_ids = label in features and holds_class_ids(features[label])
     try:
@@ -144,7 +148,12 @@ def _check_records(
         for size, parsed in sized:
             count += int(size)
             if class_ids and int(size):
-                ranges.append(label_range(parsed[label].numpy().reshape(-1), features[label]))
+                ids = parsed[label].numpy().reshape(-1)
+                ranges.append(label_range(ids, features[label]))
+                if ids.min() >= 0:
+                    counted = label_counts(ids)
+                    counts = [a + b for a, b in zip(counts + [0] * (len(counted) - len(counts)),
+                                                    counted + [0] * (len(counts) - len(counted)), strict=True)]
             if int(size):
                 found.append({n: _range_of(parsed[n], features[n].dtype) for n in numeric})
     except tf.errors.DataLossError as exc:
@@ -156,7 +165,7 @@ def _check_records(
         batch = next(iter(batches.skip(count // _CHECK_BATCH).take(1))).numpy()
         raise _misfit(path, batch, count, exc, features) from None
     labels = [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else None
-    return count, labels, _merge_ranges(found)
+    return count, labels, _merge_ranges(found), counts
 
 
 def _misfit(path: str, records, first: int, exc: tf.errors.OpError | None, features: dict) -> DataError:

@@ -225,7 +225,10 @@ def write_split(
         entry = {"file": name, "records": int(len(rows)), "bytes": tf.io.gfile.stat(path).length}
         entry["sha256"] = verify.sha256_of(path)
         labels = label_range(arrays[dataset.label][rows], dataset.features[dataset.label])
-        entries.append({**entry, **({"label_range": labels} if labels else {})})
+        if labels:
+            entry["label_range"] = labels
+            entry["label_counts"] = label_counts(arrays[dataset.label][rows])
+        entries.append(entry)
     return entries
 
 
@@ -279,6 +282,11 @@ def label_range(labels: np.ndarray, feature: Feature) -> list[int] | None:
     if not holds_class_ids(feature) or not len(labels):
         return None
     return [int(np.min(labels)), int(np.max(labels))]
+
+
+def label_counts(labels: np.ndarray) -> list[int]:
+    """How many records hold each class id, 0 up to the highest (train.class_weight: balanced reads them)."""
+    return [int(n) for n in np.bincount(np.asarray(labels).reshape(-1).astype(np.int64))]
 
 
 def manifest_for(dataset: Dataset, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pydantic import Field, PlainValidator, StrictBool, field_validator, model_v
 
 from runner.spec import keras
 from runner.spec.base import INT32_MAX, LEARNING_RATE_RANGE, MAX_WAIT_S, MIN_WAIT_S, Integer, Number, Strict, bounded
+from runner.spec.usercode import check_import_path, is_import_path
 
 
 def _auto_or_steps(value: Any) -> int | str:
@@ -28,6 +29,9 @@ def _auto_or_steps(value: Any) -> int | str:
 # The momentum the name `sgd` has always meant here (Keras's own SGD default is 0.0); `{class_name: SGD}` is
 # Keras's default, as written.
 SGD_MOMENTUM = 0.9
+
+
+ClassId = Annotated[int, Field(ge=0, le=1_000_000)]
 
 
 class TrainSpec(Strict):
@@ -69,6 +73,12 @@ class TrainSpec(Strict):
     # A finished run whose metric is at chance (or whose loss never fell below its first epoch's) ends as
     # learned_nothing, exit 4; true keeps such a run `succeeded` (with the warning in its summary).
     allow_chance: StrictBool = False
+    # Keras fit's class_weight: {class id: weight}, or `balanced` (total / (classes x count) from the manifest's
+    # label_counts, as scikit-learn's "balanced"). Unset: every class weighs 1.
+    class_weight: dict[ClassId, bounded(1e-6, 1e6)] | Literal["balanced"] | None = None
+    # Your own Keras callbacks, `package.module:Class` (called with no arguments), run after the runner's own
+    # (the finite-loss check, timing, checkpoints and preemption), so a callback of yours cannot break a save.
+    callbacks: tuple[Annotated[str, Field(max_length=256)], ...] = Field((), max_length=32)
 
     @model_validator(mode="after")
     def _plateau_needs_validation(self) -> TrainSpec:
@@ -104,6 +114,15 @@ class TrainSpec(Strict):
                 f"({in_config:g}) disagree: the optimizer's config wins; remove train.learning_rate"
             )
         return self
+
+    @field_validator("callbacks")
+    @classmethod
+    def _callbacks_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not is_import_path(path):
+                raise ValueError(f"{path!r}: name your callback class as `package.module:Class`")
+            check_import_path(path)
+        return value
 
     @field_validator("metrics")
     @classmethod

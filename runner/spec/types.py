@@ -368,6 +368,7 @@ class JobSpec(Strict):
         named = {"model.name": self.model.name, "data.preprocess": self.data.preprocess or ""}
         named["train.loss"] = self.train.loss
         named.update({f"train.metrics[{i}]": m for i, m in enumerate(self.train.metrics)})
+        named.update({f"train.callbacks[{i}]": c for i, c in enumerate(self.train.callbacks)})
         return {key: value for key, value in named.items() if isinstance(value, str) and is_import_path(value)}
 
     @property

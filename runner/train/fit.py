@@ -235,6 +235,7 @@ def fit(
     extra_callbacks: list[keras.callbacks.Callback] = (),
     verbose: int = 0,
     validation: tuple[tf.data.Dataset, int] | None = None,
+    class_weight: dict[int, float] | None = None,
 ) -> None:
     """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice
     or when a callback (early stopping) ends training, and with Diverged when the loss is NaN or infinite.
@@ -252,6 +253,7 @@ def fit(
             # A non-finite loss stops training before any other callback records or saves the step; the
             # checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
             callbacks=[finite, recorder, checkpointer, *extra_callbacks],
+            class_weight=class_weight,
             verbose=verbose,
             shuffle=False,  # the dataset shuffles itself; Keras would only warn
         )

@@ -42,20 +42,23 @@ class Outcome:
 
 @dataclasses.dataclass
 class Feed:
-    """What training reads: the training batches, the per-epoch validation (dataset, steps) if any, and the
-    training pattern (named when a read fails)."""
+    """What training reads: the training batches, the per-epoch validation (dataset, steps) if any, the
+    training pattern (named when a read fails) and the class weights (Keras fit's class_weight)."""
 
     dataset: tf.data.Dataset
     validation: tuple[tf.data.Dataset, int] | None
     pattern: str
+    class_weight: dict[int, float] | None = None
 
 
 def train(
     model: keras.Model, saver: Saver, feed: Feed, plan: fit.Plan, recorder: fit.Recorder, notice: PreemptionNotice,
     phases: Phases, *, settings: TrainSpec, saving: CheckpointSpec, global_batch: int,
     profiler: observe.ProfileWindow | None = None, verbose: int = 0, progress_every: float | None = None,
+    callbacks: list[keras.callbacks.Callback] = (),
 ) -> Outcome:
-    """Trains the plan; never raises for what ends training (see Outcome), so its bookkeeping always arrives."""
+    """Trains the plan; never raises for what ends training (see Outcome), so its bookkeeping always arrives.
+    `callbacks`: the user's own (train.callbacks), run after every callback of the runner's."""
 
     def save(step: int) -> None:
         with phases.phase("checkpoint"):
@@ -74,12 +77,13 @@ def train(
         global_batch=global_batch, every_s=progress_every,
     )
     limits_ = [watcher for watcher in (limit, stall) if watcher is not None]
-    watchers = [*limits_, *plateau, *([profiler] if profiler else []), shown]
+    watchers = [*limits_, *plateau, *([profiler] if profiler else []), shown, *callbacks]
     began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
     with notice:
         try:
             fit.fit(
-                model, feed.dataset, plan, recorder, checkpointer, watchers, verbose=verbose, validation=feed.validation
+                model, feed.dataset, plan, recorder, checkpointer, watchers, verbose=verbose,
+                validation=feed.validation, class_weight=feed.class_weight,
             )
             with phases.phase("checkpoint"):
                 saver.wait()  # the last checkpoint written (within the grace after a notice) before summary and export

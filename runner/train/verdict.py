@@ -38,8 +38,8 @@ def _accuracy(metrics: dict[str, Any]) -> tuple[str, float] | None:
 
 
 def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes: int | None) -> list[str]:
-    """What says the model learned nothing; [] when nothing does. `metrics`: the final evaluation's, else
-    the last epoch's training metrics are read."""
+    """What says the model learned nothing; [] when nothing does. `epochs`: the job's, across its attempts.
+    `metrics`: the final evaluation's, else the last epoch's training metrics are read."""
     found = []
     scored = _accuracy(metrics) or (_accuracy(epochs[-1].metrics) if epochs else None)
     if scored and classes and classes > 1:
@@ -51,7 +51,10 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
                 "model learned nothing. Check that the loss fits the model's output (from_logits), the labels and "
                 "the learning rate"
             )
-    losses = [e.loss for e in epochs if e.loss is not None]
+    # Whole epochs only: a cut-short epoch, or the rest of one finished by a resumed attempt, averages its
+    # loss over another part of the data and the training.
+    whole = max((e.steps for e in epochs), default=0)
+    losses = [e.loss for e in epochs if e.loss is not None and not e.partial and e.steps == whole]
     if len(losses) >= 2 and min(losses[1:]) > losses[0] * (1 - LOSS_FELL):
         found.append(
             f"the training loss never fell below its first epoch's ({losses[0]:.4g}; last {losses[-1]:.4g}): the "
