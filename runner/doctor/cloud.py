@@ -1,0 +1,480 @@
+"""`runner doctor --cloud`: what a cloud submission needs, asked of the APIs themselves before anything bills.
+
+    cloud_credentials  an access token (CLOUDSDK_AUTH_ACCESS_TOKEN, else Application Default Credentials) and
+                       the project (--project, GOOGLE_CLOUD_PROJECT, gcloud's configuration)
+    tpu_api            the Cloud TPU API answers a list of nodes and of queued resources in the zone, through
+                       the same client `runner submit` uses (runner/cloud/tpu_api.py, its endpoint override)
+    tpu_type           the TPU type is among the zone's acceleratorTypes
+    quota              said to be unknown: the TPU API reports no quota
+    engine             (--on skypilot|gke|vertex) the engine's API answers its client's cheapest call
+    bucket_read        data.train's folder lists objects (google-cloud-storage; STORAGE_EMULATOR_HOST honoured)
+    bucket_write       a probe object is written, read back and deleted under output.dir
+    image              the image's manifest is in its registry (Docker Registry HTTP API v2, the same token)
+
+Every answer is one of: present (ok), missing, denied (HTTP 403), unreachable (connection refused, DNS), and
+each check says the command that fixes it. Every call runs in a daemon thread bounded by `timeout` seconds
+(runner/device/bounded.py): a DNS lookup ignores socket timeouts. No client retries: a preflight that
+waited out a retry budget would be slower than the failure it predicts.
+
+`RUNNER_REGISTRY_ENDPOINT` (tests, private mirrors) replaces the registry's https://HOST with another base URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from runner.device.bounded import Bounded
+from runner.doctor.checks import Check
+from runner.spec.types import JobSpec
+
+REGISTRY_ENV = "RUNNER_REGISTRY_ENDPOINT"
+ENGINES = ("tpu-vm", "skypilot", "gke", "vertex")
+# The manifest kinds a multi-arch or single image can have: without them a registry may answer 404 for an
+# index it holds (the OCI Distribution Spec's content negotiation).
+_MANIFEST_TYPES = ", ".join((
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+))
+_GOOGLE_REGISTRY = re.compile(r"^(?:[a-z0-9-]+-docker\.pkg\.dev|(?:[a-z]+\.)?gcr\.io)$")
+_REFERENCE = re.compile(r"^(?P<host>[^/]+)/(?P<name>[^:@]+)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>\S+))?$")
+_NOT_RUN = "not run: no credentials or no project (see cloud_credentials)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """What every cloud call uses: the credentials, an access token from them, and the project."""
+
+    credentials: Any
+    token: str
+    project: str
+
+
+def _region(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+def _reason(exc: BaseException) -> str:
+    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {' '.join(str(text).split())[:300]}"
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Connection refused, DNS and TLS failures: nothing answered (as opposed to an HTTP refusal)."""
+    import requests
+
+    return isinstance(exc, (OSError, urllib.error.URLError, requests.exceptions.ConnectionError)) and not isinstance(
+        exc, urllib.error.HTTPError)
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status of a refusal from google-api-core, google-cloud-storage, kubernetes or urllib."""
+    for attribute in ("code", "status"):
+        value = getattr(exc, attribute, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _bounded(name: str, seconds: float, fn: Callable[[], Check]) -> Check:
+    began = time.monotonic()
+    try:
+        check = Bounded(f"doctor-{name}", fn).result(seconds)
+    except TimeoutError:
+        check = Check(name, "fail", f"unreachable: no answer within {seconds:g} s",
+                      "check DNS, the network, and any https_proxy; raise --timeout for a slow link")
+    except Exception as exc:  # a check that broke is a row of the report, not a broken doctor
+        check = Check(name, "fail", f"the check itself failed: {_reason(exc)}", "report this as a bug")
+    check.seconds = round(time.monotonic() - began, 3)
+    return check
+
+
+# --- credentials and project ------------------------------------------------------------------
+
+
+def find_project(flag: str | None, environ: dict[str, str], credentials_project: str | None) -> tuple[str | None, str]:
+    """The project and where it came from: --project, GOOGLE_CLOUD_PROJECT, gcloud's configuration, the key file."""
+    from runner.cloud import gcloud_config
+
+    for value, source in ((flag, "--project"), (environ.get("GOOGLE_CLOUD_PROJECT"), "GOOGLE_CLOUD_PROJECT"),
+                          (gcloud_config.default_project(), "gcloud config core/project"),
+                          (credentials_project, "the credentials' own project")):
+        if value:
+            return value, source
+    return None, ""
+
+
+def check_credentials(project_flag: str | None, environ: dict[str, str]) -> tuple[Check, Access | None]:
+    """An access token from the credentials `runner submit` uses, and the project it would submit to."""
+    import google.auth
+    import google.auth.transport.requests
+    from google.auth import exceptions as auth_exceptions
+    from google.oauth2.credentials import Credentials
+
+    from runner.cloud.submit import SCOPE
+
+    login = "gcloud auth application-default login"
+    credentials_project = None
+    if environ.get("CLOUDSDK_AUTH_ACCESS_TOKEN"):
+        credentials, source = Credentials(environ["CLOUDSDK_AUTH_ACCESS_TOKEN"]), "CLOUDSDK_AUTH_ACCESS_TOKEN"
+    else:
+        try:
+            credentials, credentials_project = google.auth.default(scopes=[SCOPE])
+        except auth_exceptions.DefaultCredentialsError as exc:
+            return Check("cloud_credentials", "fail", f"missing: no Application Default Credentials ({_reason(exc)})",
+                         f"{login} (or set GOOGLE_APPLICATION_CREDENTIALS to a key file)"), None
+        source = f"Application Default Credentials ({type(credentials).__module__.rsplit('.', 1)[-1]})"
+        try:
+            credentials.refresh(google.auth.transport.requests.Request())
+        except auth_exceptions.RefreshError as exc:
+            return Check("cloud_credentials", "fail", f"denied: {source} gave no access token: {_reason(exc)}",
+                         login), None
+        except auth_exceptions.TransportError as exc:
+            return Check("cloud_credentials", "fail", f"unreachable: the token endpoint: {_reason(exc)}",
+                         "check DNS, the network and https_proxy"), None
+    project, where = find_project(project_flag, environ, credentials_project)
+    if not project:
+        return Check("cloud_credentials", "fail", f"credentials from {source}, but no project: none of --project, "
+                     "GOOGLE_CLOUD_PROJECT, gcloud's core/project is set", "gcloud config set project PROJECT_ID "
+                     "(or pass --project)"), None
+    evidence = f"credentials from {source}; project {project} (from {where})"
+    action = ""
+    if where == "GOOGLE_CLOUD_PROJECT":  # `runner submit` reads --project, else gcloud's configuration only
+        action = f"pass --project {project} to `runner submit` too: it does not read GOOGLE_CLOUD_PROJECT"
+    access = Access(credentials, credentials.token, project)
+    return Check("cloud_credentials", "ok", evidence, action, data={"project": project, "source": where}), access
+
+
+# --- the Cloud TPU API ------------------------------------------------------------------------
+
+
+def _tpu_refusal(name: str, what: str, exc: BaseException, project: str) -> Check:
+    status = _status(exc)
+    enable = f"gcloud services enable tpu.googleapis.com --project {project}"
+    if _unreachable(exc):
+        return Check(name, "fail", f"unreachable: {what}: {_reason(exc)}",
+                     "check DNS, the network, https_proxy and CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU if set")
+    if status in (401, 403):
+        disabled = "SERVICE_DISABLED" in str(exc) or "has not been used" in str(exc)
+        action = enable if disabled else (f"{enable}; if it is enabled, grant the account a Cloud TPU role: gcloud "
+                                          f"projects add-iam-policy-binding {project} --member=user:EMAIL "
+                                          "--role=roles/tpu.admin")
+        return Check(name, "fail", f"denied ({status}): {what}: {_reason(exc)}", action)
+    if status == 404:
+        return Check(name, "fail", f"missing ({status}): {what}: {_reason(exc)}",
+                     f"check --project and --zone (gcloud compute tpus locations list --project {project})")
+    return Check(name, "fail", f"{what}: {_reason(exc)}", enable)
+
+
+def check_tpu_api(client: Any, access: Access, zone: str, timeout: float) -> Check:
+    """One page of nodes and of queued resources: the two collections `runner submit` and `status` use."""
+    parent = f"projects/{access.project}/locations/{zone}"
+    counts = {}
+    for kind, call in (("nodes", client.list_nodes), ("queued resources", client.list_queued_resources)):
+        try:
+            pager = call(request={"parent": parent, "page_size": 10}, timeout=timeout, retry=None)
+            counts[kind] = len(list(itertools.islice(pager, 10)))
+        except Exception as exc:
+            return _tpu_refusal("tpu_api", f"the Cloud TPU API refused to list {kind} in {parent}", exc,
+                                access.project)
+    shown = ", ".join(f"{n}{'+' if n == 10 else ''} {kind}" for kind, n in counts.items())
+    return Check("tpu_api", "ok", f"the Cloud TPU API answered for {parent}: {shown}", data=counts)
+
+
+def check_tpu_type(client: Any, access: Access, zone: str, tpu_type: str, timeout: float) -> Check:
+    """The zone's acceleratorTypes (projects/P/locations/Z/acceleratorTypes) name the TPU type."""
+    parent = f"projects/{access.project}/locations/{zone}"
+    try:
+        offered = sorted({item.type_ for item in client.list_accelerator_types(
+            request={"parent": parent}, timeout=timeout, retry=None)})
+    except Exception as exc:
+        return _tpu_refusal("tpu_type", f"listing the acceleratorTypes of {parent}", exc, access.project)
+    data = {"offered": offered}
+    if tpu_type in offered:
+        return Check("tpu_type", "ok", f"present: {zone} offers {tpu_type} ({len(offered)} types offered there)",
+                     data=data)
+    generation = tpu_type.split("-")[0]
+    near = [t for t in offered if t.split("-")[0] == generation] or offered
+    return Check("tpu_type", "fail", f"missing: {zone} does not offer {tpu_type}; it offers "
+                 f"{', '.join(near[:12]) or 'no TPU type at all'}{' ...' if len(near) > 12 else ''}",
+                 f"pick a zone that offers it (gcloud compute tpus accelerator-types list --zone=ZONE "
+                 f"--project={access.project}) or a type {zone} offers", data=data)
+
+
+def quota_check(tpu_type: str, zone: str) -> Check:
+    """The TPU API has no quota call: say so rather than guess."""
+    return Check("quota", "ok", f"not checked: quota: not reported by the TPU API (for {tpu_type} in {zone}); "
+                 "a queued resource without quota waits in ACCEPTED or fails, and `runner status` says which",
+                 "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)")
+
+
+# --- the engines --------------------------------------------------------------------------------
+
+
+def _not_installed(engine: str, install: str) -> Check:
+    return Check("engine", "warn", f"not checked: the {engine} client is not installed", install)
+
+
+def check_vertex(access: Access, zone: str, timeout: float) -> Check:
+    try:
+        from runner.cloud.engines import vertex
+        client = vertex.make_client(_region(zone))
+    except ImportError:
+        return _not_installed("Vertex AI", "pip install 'tpu-job-runner[vertex]'")
+    parent = f"projects/{access.project}/locations/{_region(zone)}"
+    try:
+        pager = client.list_custom_jobs(request={"parent": parent, "page_size": 1}, timeout=timeout, retry=None)
+        list(itertools.islice(pager, 1))
+    except Exception as exc:
+        status = _status(exc)
+        if _unreachable(exc):
+            return Check("engine", "fail", f"unreachable: Vertex AI for {parent}: {_reason(exc)}",
+                         "check DNS, the network and CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM if set")
+        return Check("engine", "fail", f"{'denied' if status in (401, 403) else 'refused'} ({status}): Vertex AI "
+                     f"would not list the custom jobs of {parent}: {_reason(exc)}",
+                     f"gcloud services enable aiplatform.googleapis.com --project {access.project}; grant the "
+                     "account roles/aiplatform.user")
+    return Check("engine", "ok", f"Vertex AI answered a list of the custom jobs of {parent}")
+
+
+def check_gke(timeout: float) -> Check:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        return _not_installed("Kubernetes", "pip install 'tpu-job-runner[gke]'")
+    get_credentials = "gcloud container clusters get-credentials CLUSTER --location LOCATION"
+    try:
+        api_client = config.new_client_from_config()  # KUBECONFIG honoured, as `runner submit --on gke` does
+    except Exception as exc:
+        return Check("engine", "fail", f"missing: no Kubernetes cluster in kubeconfig: {_reason(exc)}",
+                     f"{get_credentials} (or set KUBECONFIG)")
+    host = api_client.configuration.host
+    try:
+        version = client.VersionApi(api_client).get_code(_request_timeout=timeout)
+    except Exception as exc:
+        status = _status(exc)
+        if status in (401, 403):
+            return Check("engine", "fail", f"denied ({status}): the cluster at {host} refused the credentials: "
+                         f"{_reason(exc)}", f"{get_credentials}; grant the account roles/container.developer")
+        what = "unreachable" if status is None else f"refused ({status})"
+        return Check("engine", "fail", f"{what}: the cluster at {host}: {_reason(exc)}",
+                     f"check the cluster is running and reachable from here; {get_credentials}")
+    return Check("engine", "ok", f"the Kubernetes API at {host} answered (version {version.git_version})")
+
+
+def check_skypilot(timeout: float) -> Check:
+    try:
+        from sky.client import sdk
+    except ImportError:
+        return _not_installed("SkyPilot", "pip install 'tpu-job-runner[skypilot]'")
+    try:
+        health = sdk.api_info()  # `sky api info`: GET /api/health on the API server
+    except Exception as exc:
+        status = _status(getattr(exc, "response", None) or exc)
+        what = "unreachable" if status is None else f"{'denied' if status in (401, 403) else 'refused'} ({status})"
+        return Check("engine", "fail", f"{what}: the SkyPilot API server: {_reason(exc)}",
+                     "sky api start (a local server), or `sky api login -e URL` / SKYPILOT_API_SERVER_ENDPOINT")
+    status = str(getattr(health.status, "value", health.status))
+    evidence = f"the SkyPilot API server answered: {status}, version {health.version or '?'}"
+    if status != "healthy":
+        return Check("engine", "fail", evidence, "sky api stop; sky api start (or ask the server's operator)")
+    return Check("engine", "ok", evidence + "; `sky check gcp` on the server says whether it reaches GCP")
+
+
+# --- buckets ------------------------------------------------------------------------------------
+
+
+def _storage_client(access: Access):
+    from google.cloud import storage
+
+    return storage.Client(project=access.project, credentials=access.credentials)
+
+
+def _storage_refusal(name: str, url: str, exc: BaseException, bucket: str, role: str) -> Check:
+    status = _status(exc)
+    grant = (f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=user:EMAIL --role={role} "
+             "(and the same for the TPU VM's service account)")
+    if _unreachable(exc):
+        return Check(name, "fail", f"unreachable: {url}: {_reason(exc)}", "check DNS, the network and https_proxy")
+    if status in (401, 403):
+        return Check(name, "fail", f"denied ({status}): {url}: {_reason(exc)}", grant)
+    if status == 404:
+        return Check(name, "fail", f"missing: bucket gs://{bucket} does not exist ({_reason(exc)})",
+                     f"gcloud storage buckets create gs://{bucket} --location=REGION")
+    return Check(name, "fail", f"{url}: {_reason(exc)}", grant)
+
+
+def check_bucket_read(access: Access, pattern: str, timeout: float) -> Check:
+    """data.train's folder lists at least one object."""
+    from runner.data.storage import split_gcs
+
+    bucket, path = split_gcs(pattern)
+    prefix = path.split("*", 1)[0].rsplit("/", 1)[0]
+    folder = f"gs://{bucket}/{prefix}"
+    try:
+        blobs = _storage_client(access).list_blobs(bucket, prefix=prefix + "/" if prefix else "", max_results=3,
+                                                   timeout=timeout, retry=None)
+        names = [blob.name for blob in blobs]
+    except Exception as exc:
+        return _storage_refusal("bucket_read", folder, exc, bucket, "roles/storage.objectViewer")
+    if not names:
+        return Check("bucket_read", "fail", f"missing: no objects under {folder}/ (data.train {pattern})",
+                     f"runner prepare DATASET --out {folder}, or fix data.train")
+    return Check("bucket_read", "ok", f"present: {folder}/ lists {names[0]}{' ...' if len(names) > 1 else ''}")
+
+
+def check_bucket_write(access: Access, output_dir: str, timeout: float) -> Check:
+    """A probe object written under output.dir, read back and deleted (checkpoint rotation deletes too)."""
+    from runner.data.storage import split_gcs
+
+    bucket, path = split_gcs(output_dir)
+    name = f"{path.rstrip('/') + '/' if path else ''}.runner-doctor-{uuid.uuid4().hex[:12]}"
+    url = f"gs://{bucket}/{name}"
+    payload = b"runner doctor --cloud probe"
+    try:
+        blob = _storage_client(access).bucket(bucket).blob(name)
+        blob.upload_from_string(payload, timeout=timeout, retry=None)
+        back = blob.download_as_bytes(timeout=timeout, retry=None)
+        blob.delete(timeout=timeout, retry=None)
+    except Exception as exc:
+        return _storage_refusal("bucket_write", url, exc, bucket, "roles/storage.objectAdmin")
+    if back != payload:
+        return Check("bucket_write", "fail", f"{url} read back {len(back)} bytes, not the {len(payload)} written",
+                     "check what sits between this machine and the bucket (a proxy, a mirror)")
+    return Check("bucket_write", "ok", f"created, read back and deleted {url}")
+
+
+# --- the image ----------------------------------------------------------------------------------
+
+
+def parse_image(image: str) -> tuple[str, str, str]:
+    """(registry host, repository name, tag or digest) of a full image reference."""
+    match = _REFERENCE.match(image)
+    if not match or "." not in match["host"] and ":" not in match["host"] and match["host"] != "localhost":
+        raise ValueError(f"--image {image!r} names no registry host (write HOST/PATH/NAME:TAG)")
+    return match["host"], match["name"], match["digest"] or match["tag"] or "latest"
+
+
+def check_image(access: Access, image: str, environ: dict[str, str], timeout: float) -> Check:
+    """GET /v2/NAME/manifests/REF with the access token as a Bearer token, as Artifact Registry's docs do it."""
+    try:
+        host, name, reference = parse_image(image)
+    except ValueError as exc:
+        return Check("image", "fail", str(exc), "pass the image as pushed, e.g. REGION-docker.pkg.dev/P/runner/runner:tpu")
+    override = environ.get(REGISTRY_ENV, "").rstrip("/")
+    if not override and not _GOOGLE_REGISTRY.match(host):
+        return Check("image", "warn", f"not checked: {host} is not Artifact Registry (*-docker.pkg.dev) or gcr.io",
+                     "check it with `docker manifest inspect IMAGE` using the TPU VM's credentials")
+    url = f"{override or 'https://' + host}/v2/{name}/manifests/{reference}"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {access.token}",
+                                                   "Accept": _MANIFEST_TYPES})
+    reader = (f"gcloud artifacts repositories add-iam-policy-binding REPOSITORY --location=REGION "
+              f"--member=user:EMAIL --role=roles/artifactregistry.reader --project={access.project}")
+    push = ("build and push it: gcloud builds submit --config cloudbuild.yaml "
+            "--substitutions=SHORT_SHA=$(git rev-parse --short HEAD),_BUILD_TPU=true .")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            digest = answer.headers.get("Docker-Content-Digest") or "?"
+            kind = answer.headers.get("Content-Type", "?").split(";")[0]
+    except urllib.error.HTTPError as exc:
+        body = exc.read()[:300].decode(errors="replace")
+        try:
+            codes = ", ".join(error.get("code", "?") for error in json.loads(body).get("errors", []))
+        except (ValueError, AttributeError):
+            codes = body.strip()[:120]
+        if exc.code == 404:
+            return Check("image", "fail", f"missing (404 {codes}): {image} is not in {host}", push)
+        if exc.code in (401, 403):
+            return Check("image", "fail", f"denied ({exc.code} {codes}): {host} refused these credentials for "
+                         f"{image}", f"{reader} (Artifact Registry API: gcloud services enable "
+                         f"artifactregistry.googleapis.com)")
+        return Check("image", "fail", f"{host} answered {exc.code} ({codes}) for {image}", push)
+    except (OSError, urllib.error.URLError) as exc:
+        return Check("image", "fail", f"unreachable: {url.split('/v2/')[0]}: {getattr(exc, 'reason', exc)}",
+                     f"check DNS, the network and https_proxy{'; and ' + REGISTRY_ENV if override else ''}")
+    return Check("image", "ok", f"present: {image} ({kind}, {digest}); the TPU VM pulls it with its own service "
+                 "account, which needs roles/artifactregistry.reader", data={"digest": digest})
+
+
+# --- all of them --------------------------------------------------------------------------------
+
+
+def preflight(
+    *,
+    tpu_type: str,
+    zone: str,
+    image: str | None = None,
+    project: str | None = None,
+    on: str = "tpu-vm",
+    spec: JobSpec | None = None,
+    timeout: float = 30.0,
+    environ: dict[str, str] | None = None,
+) -> list[Check]:
+    """The cloud checks, in order, each bounded by `timeout` seconds; never raises for a failed check.
+
+    `spec` gives the buckets (data.train's folder is read, output.dir written); without it they are not
+    checked. Credentials come from CLOUDSDK_AUTH_ACCESS_TOKEN, else Application Default Credentials, as
+    `runner submit`'s own calls get them (runner/cloud/tpu_api.py)."""
+    environ = dict(os.environ if environ is None else environ)
+    if on not in ENGINES:
+        raise ValueError(f"--on {on!r}: choose one of {', '.join(ENGINES)}")
+    found: list[Check] = []
+    holder: dict[str, Access | None] = {}
+
+    def credentials() -> Check:
+        check, holder["access"] = check_credentials(project, environ)
+        return check
+
+    found.append(_bounded("cloud_credentials", timeout, credentials))
+    access = holder.get("access")
+    names = ["tpu_api", "tpu_type", "quota", *(["engine"] if on != "tpu-vm" else []), "bucket_read", "bucket_write",
+             "image"]
+    if access is None:
+        return found + [Check(name, "fail", _NOT_RUN, "fix cloud_credentials first") for name in names]
+
+    from runner.cloud import tpu_api
+
+    client = tpu_api.make_client()
+    found.append(_bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
+    found.append(_bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
+    found.append(quota_check(tpu_type, zone))
+    if on == "vertex":
+        found.append(_bounded("engine", timeout, lambda: check_vertex(access, zone, timeout)))
+    elif on == "gke":
+        found.append(_bounded("engine", timeout, lambda: check_gke(timeout)))
+    elif on == "skypilot":
+        found.append(_bounded("engine", timeout, lambda: check_skypilot(timeout)))
+    from runner.data.storage import is_gcs
+
+    train = spec.data.train if spec is not None else None
+    output = spec.output.dir if spec is not None else None
+    if train and is_gcs(train):
+        found.append(_bounded("bucket_read", timeout, lambda: check_bucket_read(access, train, timeout)))
+    else:
+        found.append(Check("bucket_read", "ok", f"not checked: data.train is {train or 'not given (no SPEC)'}, "
+                           "not a gs:// path"))
+    if output and is_gcs(output):
+        found.append(_bounded("bucket_write", timeout, lambda: check_bucket_write(access, output, timeout)))
+    else:
+        what = "not given (no SPEC)" if spec is None else output
+        found.append(Check("bucket_write", "fail" if spec is not None else "ok",
+                           f"{'' if spec is not None else 'not checked: '}output.dir is {what}, not a gs:// path"
+                           + (": a TPU VM's local disk goes with it" if spec is not None else ""),
+                           "--set output.dir=gs://BUCKET/runs" if spec is not None else ""))
+    if image:
+        found.append(_bounded("image", timeout, lambda: check_image(access, image, environ, timeout)))
+    else:
+        found.append(Check("image", "fail", "missing: no --image", "pass --image REGION-docker.pkg.dev/PROJECT/"
+                           "runner/runner:tpu, as `runner submit` will"))
+    return found
