@@ -29,18 +29,6 @@ GCLOUD = shutil.which("gcloud")
 QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources"
 
 
-@pytest.fixture(scope="module")
-def bucket(gcs) -> str:
-    """The run folders' bucket, on the emulator (job.json, cancel marks, summaries)."""
-    from google.api_core import exceptions
-
-    try:
-        gcs.bucket(BUCKET)
-    except exceptions.Conflict:
-        pass
-    return BUCKET
-
-
 @pytest.fixture
 def api(tpu_fake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
     """The environment that points the runner, gcloud and the bucket at the fakes (the bucket's run folders

@@ -40,17 +40,6 @@ QR_PATH = f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources/mnist-cnn"
 SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
 
 
-@pytest.fixture(scope="module")
-def bucket(gcs) -> str:
-    from google.api_core import exceptions
-
-    try:
-        gcs.bucket(BUCKET)
-    except exceptions.Conflict:
-        pass
-    return BUCKET
-
-
 @pytest.fixture
 def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
     for name in gcs.objects(bucket, "runs/"):

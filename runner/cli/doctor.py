@@ -30,6 +30,30 @@ def _table(report) -> str:
     return captured.get()
 
 
+def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):
+    import time
+
+    from runner.cloud import gcloud_config
+    from runner.cloud.submit import check_zone
+    from runner.doctor.cloud import ENGINES, preflight
+    from runner.doctor.report import Report
+
+    if on not in ENGINES:
+        raise fail(SpecError(f"--on {on!r}: choose one of {', '.join(ENGINES)}"))
+    if not tpu_type:
+        raise fail(SpecError("--cloud needs --tpu-type (e.g. v5litepod-8): its zone must offer it"))
+    zone = zone or gcloud_config.default_zone()
+    if not zone:
+        raise fail(SpecError("--cloud needs --zone (or gcloud config set compute/zone ZONE)"))
+    try:
+        check_zone(zone)
+    except SpecError as error:
+        raise fail(error) from None
+    began = time.monotonic()
+    found = preflight(tpu_type=tpu_type, zone=zone, image=image, project=project, on=on, spec=job, timeout=timeout)
+    return Report(found, time.monotonic() - began, str(spec) if spec else None)
+
+
 @app.command()
 def doctor(
     spec: Annotated[
@@ -57,6 +81,23 @@ def doctor(
         int | None,
         typer.Option(min=1, help="Check the batch arithmetic for this many replicas (e.g. 8 for a v3-8)."),
     ] = None,
+    cloud: Annotated[
+        bool,
+        typer.Option("--cloud", help="Check the cloud a submission goes to instead of this machine: credentials, "
+                     "project, TPU API, TPU type in the zone, engine, buckets, image (docs/doctor.md)."),
+    ] = False,
+    tpu_type: Annotated[str | None, typer.Option(help="With --cloud: the TPU type, e.g. v5litepod-8.")] = None,
+    zone: Annotated[
+        str | None, typer.Option(help="With --cloud: the zone (default: gcloud's compute/zone).")
+    ] = None,
+    image: Annotated[str | None, typer.Option(help="With --cloud: the image `runner submit` will be given.")] = None,
+    project: Annotated[
+        str | None,
+        typer.Option(help="With --cloud: the project (default: GOOGLE_CLOUD_PROJECT, then gcloud's core/project)."),
+    ] = None,
+    on: Annotated[
+        str, typer.Option(help="With --cloud: where the job goes: tpu-vm, skypilot, gke or vertex.")
+    ] = "tpu-vm",
 ) -> None:
     """Check this machine (and a job spec) for the ways TPU jobs fail: versions, devices, libtpu lockfile,
     credentials, GCS, TensorFlow import and TPU start, buckets, data shards, batch size.
@@ -70,13 +111,22 @@ def doctor(
     * `runner doctor`
     * `runner doctor jobs/mnist_cnn.yaml`
     * `runner doctor jobs/mnist_cnn.yaml --json --save`
+    * `runner doctor --cloud jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --image IMAGE`
     """
-    from runner.doctor import run_doctor
-
+    cloud_flags = {"--tpu-type": tpu_type, "--zone": zone, "--image": image, "--project": project,
+                   "--on": None if on == "tpu-vm" else on}
+    given = [flag for flag, value in cloud_flags.items() if value is not None]
+    if given and not cloud:
+        raise fail(SpecError(f"{', '.join(given)} apply only with --cloud"))
     if save and spec is None:
         raise fail(SpecError("--save needs a SPEC: the report goes to its run folder"))
     job = load(spec, overrides) if spec is not None else None
-    report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save)
+    if cloud:
+        report = _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout)
+    else:
+        from runner.doctor import run_doctor
+
+        report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), separators=(",", ":")))
     else:

@@ -371,7 +371,7 @@ def check_image(access: Access, image: str, environ: dict[str, str], timeout: fl
     try:
         host, name, reference = parse_image(image)
     except ValueError as exc:
-        return Check("image", "fail", str(exc), "pass the image as pushed, e.g. REGION-docker.pkg.dev/P/runner/runner:tpu")
+        return Check("image", "fail", str(exc), "pass it as pushed: REGION-docker.pkg.dev/PROJECT/runner/runner:tpu")
     override = environ.get(REGISTRY_ENV, "").rstrip("/")
     if not override and not _GOOGLE_REGISTRY.match(host):
         return Check("image", "warn", f"not checked: {host} is not Artifact Registry (*-docker.pkg.dev) or gcr.io",
@@ -405,6 +405,13 @@ def check_image(access: Access, image: str, environ: dict[str, str], timeout: fl
                      f"check DNS, the network and https_proxy{'; and ' + REGISTRY_ENV if override else ''}")
     return Check("image", "ok", f"present: {image} ({kind}, {digest}); the TPU VM pulls it with its own service "
                  "account, which needs roles/artifactregistry.reader", data={"digest": digest})
+
+
+def _spec_path(spec: JobSpec | None, key: str) -> str | None:
+    if spec is None:
+        return None
+    section, field = key.split(".")
+    return getattr(getattr(spec, section), field)
 
 
 # --- all of them --------------------------------------------------------------------------------
@@ -455,23 +462,16 @@ def preflight(
         found.append(_bounded("engine", timeout, lambda: check_gke(timeout)))
     elif on == "skypilot":
         found.append(_bounded("engine", timeout, lambda: check_skypilot(timeout)))
-    from runner.data.storage import is_gcs
-
-    train = spec.data.train if spec is not None else None
-    output = spec.output.dir if spec is not None else None
-    if train and is_gcs(train):
-        found.append(_bounded("bucket_read", timeout, lambda: check_bucket_read(access, train, timeout)))
-    else:
-        found.append(Check("bucket_read", "ok", f"not checked: data.train is {train or 'not given (no SPEC)'}, "
-                           "not a gs:// path"))
-    if output and is_gcs(output):
-        found.append(_bounded("bucket_write", timeout, lambda: check_bucket_write(access, output, timeout)))
-    else:
-        what = "not given (no SPEC)" if spec is None else output
-        found.append(Check("bucket_write", "fail" if spec is not None else "ok",
-                           f"{'' if spec is not None else 'not checked: '}output.dir is {what}, not a gs:// path"
-                           + (": a TPU VM's local disk goes with it" if spec is not None else ""),
-                           "--set output.dir=gs://BUCKET/runs" if spec is not None else ""))
+    for name, key, check in (("bucket_read", "data.train", check_bucket_read),
+                             ("bucket_write", "output.dir", check_bucket_write)):
+        path = _spec_path(spec, key)
+        if path is not None and path.startswith("gs://"):
+            found.append(_bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout)))
+        elif spec is None or path is None:
+            found.append(Check(name, "ok", f"not checked: {'no SPEC' if spec is None else key + ' is not set'}"))
+        else:  # `runner submit` refuses it too, before any call
+            found.append(Check(name, "fail", f"{key} is {path!r}, not a gs:// path: a TPU VM sees neither this "
+                               "machine's files nor its own disk once it is gone", f"--set {key}=gs://BUCKET/..."))
     if image:
         found.append(_bounded("image", timeout, lambda: check_image(access, image, environ, timeout)))
     else:

@@ -60,3 +60,19 @@ def cloud_spec(tmp_path: Path) -> Path:
         "train": {"epochs": 2},
         "output": {"dir": "gs://runner-test/runs"},
     })
+
+
+# The run folders' bucket of the submit tests, on the GCS emulator (job.json, cancel marks, summaries).
+RUNS_BUCKET = "runner-test"
+
+
+@pytest.fixture(scope="module")
+def bucket(gcs) -> str:
+    """RUNS_BUCKET, made once on the emulator."""
+    from google.api_core import exceptions
+
+    try:
+        gcs.bucket(RUNS_BUCKET)
+    except exceptions.Conflict:
+        pass
+    return RUNS_BUCKET
