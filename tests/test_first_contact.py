@@ -97,6 +97,12 @@ def test_fresh_moves_the_finished_run_aside_and_starts_at_step_0(mnist_job, tmp_
     spec = mnist_job("again", train={"epochs": 2, "steps_per_epoch": 3}, output={"tensorboard": False})
     first = run_cli("run", spec)
     assert first.returncode == 0, first.stderr[-3000:]
+    # Every training summary says how close it came to the hardware (runner/train/flops.py, device/peak.py).
+    throughput = last_json(first.stdout)["throughput"]
+    assert throughput["model_flops_per_example"] == pytest.approx(13.78e6, rel=0.02), throughput
+    assert throughput["flops_method"].startswith("tf_profiler")
+    assert throughput["peak_tflops_per_device"] > 0 and "measured on this host" in throughput["peak_source"]
+    assert 0 < throughput["mfu"] < 1 and f"MFU {throughput['mfu']:.1%}" in first.stderr
     shorter = run_cli("run", spec, "--set", "train.epochs=1")
     assert shorter.returncode == 2 and "--fresh" in shorter.stderr and not re.search(r"\bdelete\b", shorter.stderr)
     fresh = run_cli("run", spec, "--set", "train.epochs=1", "--fresh")

@@ -71,11 +71,11 @@ def _reason(exc: BaseException) -> str:
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Connection refused, DNS and TLS failures: nothing answered (as opposed to an HTTP refusal)."""
+    """Connection refused, DNS, TLS and timeouts: nothing answered (as opposed to an HTTP refusal)."""
     import requests
 
-    return isinstance(exc, (OSError, urllib.error.URLError, requests.exceptions.ConnectionError)) and not isinstance(
-        exc, urllib.error.HTTPError)
+    nothing = (OSError, urllib.error.URLError, requests.exceptions.ConnectionError, requests.exceptions.Timeout)
+    return isinstance(exc, nothing) and not isinstance(exc, urllib.error.HTTPError)
 
 
 def _status(exc: BaseException) -> int | None:
@@ -426,14 +426,14 @@ def preflight(
     on: str = "tpu-vm",
     spec: JobSpec | None = None,
     timeout: float = 30.0,
-    environ: dict[str, str] | None = None,
 ) -> list[Check]:
     """The cloud checks, in order, each bounded by `timeout` seconds; never raises for a failed check.
 
     `spec` gives the buckets (data.train's folder is read, output.dir written); without it they are not
     checked. Credentials come from CLOUDSDK_AUTH_ACCESS_TOKEN, else Application Default Credentials, as
-    `runner submit`'s own calls get them (runner/cloud/tpu_api.py)."""
-    environ = dict(os.environ if environ is None else environ)
+    `runner submit`'s own calls get them (runner/cloud/tpu_api.py), and every endpoint override is read from
+    the environment as the clients themselves read it."""
+    environ = dict(os.environ)
     if on not in ENGINES:
         raise ValueError(f"--on {on!r}: choose one of {', '.join(ENGINES)}")
     found: list[Check] = []

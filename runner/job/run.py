@@ -17,13 +17,13 @@ import tensorflow as tf
 
 from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
 from runner.data import integrity, pipeline
-from runner.device import host, precision
+from runner.device import host, peak, precision
 from runner.device.strategy import per_replica_batch, resolve_accelerator
 from runner.job.inputs import Inputs, make_inputs
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
-from runner.train import build, fit, loop, observe, progress, verdict
+from runner.train import build, fit, flops, loop, observe, progress, verdict
 from runner.train.preemption import EarlyNotice, PreemptionNotice
 from runner.train.saver import Saver
 
@@ -141,6 +141,17 @@ class _Job:
                 self._earlier = []
         return self._earlier
 
+    def _peak(self) -> tuple[float | None, str] | None:
+        """The device's peak TFLOP/s in the job's precision, for MFU; None when nothing trained. A CPU's is
+        measured once per host and dtype (its own timed phase), then read from its cache."""
+        accelerator = self.attempt.accelerator
+        if not self.recorder.epochs or accelerator is None or self.attempt.model_flops is None:
+            return None
+        detail = peak.device_detail(accelerator.kind, accelerator.to_dict().get("tpu_runtime"))
+        cpu_devices = accelerator.replicas if accelerator.kind == "cpu" else 1
+        with self.attempt.phases.phase("peak"):
+            return peak.peak_tflops(accelerator.kind, detail, self.precision.policy, cpu_devices=cpu_devices)
+
     def epochs(self) -> list[EpochRecord]:
         """The job's epochs so far: every earlier attempt's, then this one's."""
         known = {f.name for f in dataclasses.fields(EpochRecord)}
@@ -156,6 +167,7 @@ class _Job:
             self.scalars.close()
             facts.tensorboard = self.scalars.folder
         not_built = "not measured: the job stopped before its input pipeline was built"
+        peak = self._peak()
         summary = self.attempt.summary(
             status, error, epochs=self.recorder.epochs, metrics=self.metrics,
             global_batch=self.spec.data.global_batch_size,
@@ -167,6 +179,12 @@ class _Job:
         if self.precision is not None and summary.get("accelerator") is not None:
             summary["accelerator"]["precision"] = self.precision.to_dict()  # what the job computed in, and why
             summary["accelerator"]["onednn"] = precision.onednn_enabled()
+        if peak is not None:
+            (flops_per_example, method), (value, source) = self.attempt.model_flops, peak
+            summary["throughput"] = flops.throughput_block(
+                flops_per_example, method, summary["timing"]["examples_per_sec"],
+                self.attempt.accelerator.replicas, value, source,
+            )
         self.attempt.finish(summary)
         return summary
 
@@ -198,6 +216,8 @@ def _build_and_restore(
     facts.steps_per_execution = build.steps_per_execution(spec, accelerator.kind)
     with attempt.phases.phase("build"):
         model, checkpoint = build.build_compiled(spec, inputs.train.features, accelerator, chosen)
+        per_replica = spec.data.global_batch_size // accelerator.replicas
+        attempt.model_flops = flops.count(model, per_replica)  # one traced forward pass: milliseconds
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:

@@ -53,7 +53,6 @@ class Facts:
     interruption: dict | None = None
     preemption: dict | None = None
     time_limit: dict | None = None
-    throughput: dict | None = None
     warnings: list | None = None
     model: Any = None
     tensorboard: str | None = None
@@ -74,6 +73,8 @@ class Attempt:
     worker_index: int = 0  # this process's place in a multi-worker cluster (TF_CONFIG); 0 is the chief
     accelerator: Accelerator | None = None
     facts: Facts = dataclasses.field(default_factory=Facts)
+    # (FLOPs per training example, how counted): runner/train/flops.py, once the model is built.
+    model_flops: tuple[float | None, str] | None = None
 
     @classmethod
     def begin(cls, spec: JobSpec, spec_loaded_at: float | None) -> Attempt:

@@ -25,7 +25,7 @@ SCHEMA_VERSION = 2
 # "import" is loading TensorFlow after the spec is checked.
 PHASES = (
     "startup", "import", "run_folder", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval",
-    "export",
+    "export", "peak",
 )
 
 

@@ -60,9 +60,12 @@ def _traced_forward(model: Any, batch: int) -> tuple[float | None, str]:
     loops = sorted({op.type for op in graph.get_operations() if op.type in CONTROL_FLOW_OPS})
     if loops:
         return None, f"the traced graph holds {', '.join(loops)}, whose bodies TensorFlow's profiler does not count"
+    from tensorflow.python.util import deprecation
+
     options = option_builder.ProfileOptionBuilder.float_operation()
     options["output"] = "none"  # the profiler prints a table to stdout otherwise: stdout carries the summary
-    total = model_analyzer.profile(graph, options=options).total_float_ops
+    with deprecation.silence():  # its TF1 shape helper warns on every call: noise in a user's log
+        total = model_analyzer.profile(graph, options=options).total_float_ops
     if not total:
         return None, "TensorFlow's profiler counted 0 float ops (shapes unknown at trace time)"
     return total / batch, "traced"

@@ -324,7 +324,7 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
             + _model_at(summary)
         )
     epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
-    computed = _precision(summary)
+    computed = _precision(summary) + _mfu(summary)
     if status == "succeeded":
         return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}{computed}" + _model_at(summary)
     if status == "learned_nothing":  # trained and saved, but at chance: the warning follows
@@ -339,6 +339,12 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
     return f"{status} after {epochs} in {duration(total_s)}{where} (the error follows)"
+
+
+def _mfu(summary: dict[str, Any]) -> str:
+    """`, MFU 7.4%`: model FLOPs utilisation over the steady epochs (runner/train/flops.py), when known."""
+    mfu = (summary.get("throughput") or {}).get("mfu")
+    return f", MFU {mfu:.1%}" if isinstance(mfu, (int, float)) else ""
 
 
 def _precision(summary: dict[str, Any]) -> str:
