@@ -49,13 +49,14 @@ demo: $(STAMP) $(DATA)/manifest.json
 system-deps:
 	bash scripts/system-deps.sh
 
-# pyflakes' checks first (undefined names, unused imports): seconds, before the suite's minutes.
+# ruff first (pyproject.toml: pyflakes, lines of at most 120, import order, bugbear, pyupgrade): seconds,
+# before the suite's minutes.
 # The suite on TEST_WORKERS pytest-xdist workers (most of its time is child processes starting TensorFlow and
 # waiting on signals, servers and saves); the tests that drive the Docker engine share one worker.
 TEST_WORKERS ?= 2
 
 test: $(TEST_STAMP) $(XPK_STAMP) system-deps
-	$(BIN)/ruff check --quiet --select F runner tests benchmarks examples
+	$(BIN)/ruff check --quiet runner tests benchmarks examples scripts
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 test-fast: $(TEST_STAMP)

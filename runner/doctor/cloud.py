@@ -67,6 +67,8 @@ def _region(zone: str) -> str:
 
 def _reason(exc: BaseException) -> str:
     text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    if hasattr(exc, "body") and hasattr(exc, "reason"):  # kubernetes' ApiException: str() carries every header
+        text = f"{exc.reason}: {str(exc.body)[:200]}"
     return f"{type(exc).__name__}: {' '.join(str(text).split())[:300]}"
 
 

@@ -115,7 +115,7 @@ class Handler(FakeHandler):
                                               for t in state.offers.get(zone, [])]}
         if _VERTEX.match(path):
             return 200, {}
-        if path == "/version":
+        if path in ("/version", "/version/"):  # the kubernetes client asks with the slash
             return 200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "platform": "linux/amd64"}
         if path == "/api/health":
             return 200, {"status": "healthy", "api_version": "1", "version": "0.14.1", "commit": "fake"}
