@@ -275,7 +275,7 @@ def test_gke_asks_the_clusters_api_from_kubeconfig(fake, tmp_path) -> None:
     kubeconfig(tmp_path / "kubeconfig", fake.endpoint)
     code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
     assert code == 0 and "version v1.31.0-fake" in checks["engine"]["evidence"], checks
-    assert [r["authorization"] for r in fake.requests() if r["path"] == "/version"] == [f"Bearer {TOKEN}"]
+    assert [r["authorization"] for r in fake.requests() if r["path"] == "/version/"] == [f"Bearer {TOKEN}"]
     fake.deny("/version", 403)
     code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
     assert code == 3 and checks["engine"]["evidence"].startswith("denied (403)")

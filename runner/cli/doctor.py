@@ -30,6 +30,20 @@ def _table(report) -> str:
     return captured.get()
 
 
+def cloud_clients():
+    """The clients `runner submit` uses, for the doctor's cloud checks (the two do not import each other)."""
+    from runner.cloud import gcloud_config, submit, tpu_api
+    from runner.doctor.cloud import CloudClients
+
+    def vertex_client(region: str):
+        from runner.cloud.engines import vertex
+
+        return vertex.make_client(region)
+
+    return CloudClients(tpu=tpu_api.make_client, vertex=vertex_client, default_project=gcloud_config.default_project,
+                        scope=submit.SCOPE)
+
+
 def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):
     import time
 
@@ -50,7 +64,8 @@ def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):
     except SpecError as error:
         raise fail(error) from None
     began = time.monotonic()
-    found = preflight(tpu_type=tpu_type, zone=zone, image=image, project=project, on=on, spec=job, timeout=timeout)
+    found = preflight(tpu_type=tpu_type, zone=zone, image=image, project=project, on=on, spec=job, timeout=timeout,
+                      clients=cloud_clients())
     return Report(found, time.monotonic() - began, str(spec) if spec else None)
 
 

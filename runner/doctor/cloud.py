@@ -26,15 +26,15 @@ import itertools
 import json
 import os
 import re
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from runner.device.bounded import Bounded
+from runner.doctor.answers import bounded, reason, status_of, unreachable
 from runner.doctor.checks import Check
+from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
 from runner.spec.types import JobSpec
 
 REGISTRY_ENV = "RUNNER_REGISTRY_ENDPOINT"
@@ -53,6 +53,18 @@ _NOT_RUN = "not run: no credentials or no project (see cloud_credentials)"
 
 
 @dataclasses.dataclass(frozen=True)
+class CloudClients:
+    """What `runner submit` itself uses, handed in by the command line (the doctor and the submit path are
+    neighbours that do not import each other): its TPU client, its Vertex AI client for a region, gcloud's
+    default project and the OAuth scope its credentials ask for."""
+
+    tpu: Callable[[], Any]
+    vertex: Callable[[str], Any]
+    default_project: Callable[[], str | None]
+    scope: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Access:
     """What every cloud call uses: the credentials, an access token from them, and the project."""
 
@@ -61,70 +73,27 @@ class Access:
     project: str
 
 
-def _region(zone: str) -> str:
-    return zone.rsplit("-", 1)[0]
-
-
-def _reason(exc: BaseException) -> str:
-    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    if hasattr(exc, "body") and hasattr(exc, "reason"):  # kubernetes' ApiException: str() carries every header
-        text = f"{exc.reason}: {str(exc.body)[:200]}"
-    return f"{type(exc).__name__}: {' '.join(str(text).split())[:300]}"
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """Connection refused, DNS, TLS and timeouts: nothing answered (as opposed to an HTTP refusal)."""
-    import requests
-
-    nothing = (OSError, urllib.error.URLError, requests.exceptions.ConnectionError, requests.exceptions.Timeout)
-    return isinstance(exc, nothing) and not isinstance(exc, urllib.error.HTTPError)
-
-
-def _status(exc: BaseException) -> int | None:
-    """The HTTP status of a refusal from google-api-core, google-cloud-storage, kubernetes or urllib."""
-    for attribute in ("code", "status"):
-        value = getattr(exc, attribute, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _bounded(name: str, seconds: float, fn: Callable[[], Check]) -> Check:
-    began = time.monotonic()
-    try:
-        check = Bounded(f"doctor-{name}", fn).result(seconds)
-    except TimeoutError:
-        check = Check(name, "fail", f"unreachable: no answer within {seconds:g} s",
-                      "check DNS, the network, and any https_proxy; raise --timeout for a slow link")
-    except Exception as exc:  # a check that broke is a row of the report, not a broken doctor
-        check = Check(name, "fail", f"the check itself failed: {_reason(exc)}", "report this as a bug")
-    check.seconds = round(time.monotonic() - began, 3)
-    return check
-
-
 # --- credentials and project ------------------------------------------------------------------
 
 
-def find_project(flag: str | None, environ: dict[str, str], credentials_project: str | None) -> tuple[str | None, str]:
+def find_project(flag: str | None, environ: dict[str, str], gcloud_project: str | None,
+                 credentials_project: str | None) -> tuple[str | None, str]:
     """The project and where it came from: --project, GOOGLE_CLOUD_PROJECT, gcloud's configuration, the key file."""
-    from runner.cloud import gcloud_config
-
     for value, source in ((flag, "--project"), (environ.get("GOOGLE_CLOUD_PROJECT"), "GOOGLE_CLOUD_PROJECT"),
-                          (gcloud_config.default_project(), "gcloud config core/project"),
+                          (gcloud_project, "gcloud config core/project"),
                           (credentials_project, "the credentials' own project")):
         if value:
             return value, source
     return None, ""
 
 
-def check_credentials(project_flag: str | None, environ: dict[str, str]) -> tuple[Check, Access | None]:
+def check_credentials(project_flag: str | None, environ: dict[str, str],
+                      clients: CloudClients) -> tuple[Check, Access | None]:
     """An access token from the credentials `runner submit` uses, and the project it would submit to."""
     import google.auth
     import google.auth.transport.requests
     from google.auth import exceptions as auth_exceptions
     from google.oauth2.credentials import Credentials
-
-    from runner.cloud.submit import SCOPE
 
     login = "gcloud auth application-default login"
     credentials_project = None
@@ -132,20 +101,20 @@ def check_credentials(project_flag: str | None, environ: dict[str, str]) -> tupl
         credentials, source = Credentials(environ["CLOUDSDK_AUTH_ACCESS_TOKEN"]), "CLOUDSDK_AUTH_ACCESS_TOKEN"
     else:
         try:
-            credentials, credentials_project = google.auth.default(scopes=[SCOPE])
+            credentials, credentials_project = google.auth.default(scopes=[clients.scope])
         except auth_exceptions.DefaultCredentialsError as exc:
-            return Check("cloud_credentials", "fail", f"missing: no Application Default Credentials ({_reason(exc)})",
+            return Check("cloud_credentials", "fail", f"missing: no Application Default Credentials ({reason(exc)})",
                          f"{login} (or set GOOGLE_APPLICATION_CREDENTIALS to a key file)"), None
         source = f"Application Default Credentials ({type(credentials).__module__.rsplit('.', 1)[-1]})"
         try:
             credentials.refresh(google.auth.transport.requests.Request())
         except auth_exceptions.RefreshError as exc:
-            return Check("cloud_credentials", "fail", f"denied: {source} gave no access token: {_reason(exc)}",
+            return Check("cloud_credentials", "fail", f"denied: {source} gave no access token: {reason(exc)}",
                          login), None
         except auth_exceptions.TransportError as exc:
-            return Check("cloud_credentials", "fail", f"unreachable: the token endpoint: {_reason(exc)}",
+            return Check("cloud_credentials", "fail", f"unreachable: the token endpoint: {reason(exc)}",
                          "check DNS, the network and https_proxy"), None
-    project, where = find_project(project_flag, environ, credentials_project)
+    project, where = find_project(project_flag, environ, clients.default_project(), credentials_project)
     if not project:
         return Check("cloud_credentials", "fail", f"credentials from {source}, but no project: none of --project, "
                      "GOOGLE_CLOUD_PROJECT, gcloud's core/project is set", "gcloud config set project PROJECT_ID "
@@ -162,21 +131,21 @@ def check_credentials(project_flag: str | None, environ: dict[str, str]) -> tupl
 
 
 def _tpu_refusal(name: str, what: str, exc: BaseException, project: str) -> Check:
-    status = _status(exc)
+    status = status_of(exc)
     enable = f"gcloud services enable tpu.googleapis.com --project {project}"
-    if _unreachable(exc):
-        return Check(name, "fail", f"unreachable: {what}: {_reason(exc)}",
+    if unreachable(exc):
+        return Check(name, "fail", f"unreachable: {what}: {reason(exc)}",
                      "check DNS, the network, https_proxy and CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU if set")
     if status in (401, 403):
         disabled = "SERVICE_DISABLED" in str(exc) or "has not been used" in str(exc)
         action = enable if disabled else (f"{enable}; if it is enabled, grant the account a Cloud TPU role: gcloud "
                                           f"projects add-iam-policy-binding {project} --member=user:EMAIL "
                                           "--role=roles/tpu.admin")
-        return Check(name, "fail", f"denied ({status}): {what}: {_reason(exc)}", action)
+        return Check(name, "fail", f"denied ({status}): {what}: {reason(exc)}", action)
     if status == 404:
-        return Check(name, "fail", f"missing ({status}): {what}: {_reason(exc)}",
+        return Check(name, "fail", f"missing ({status}): {what}: {reason(exc)}",
                      f"check --project and --zone (gcloud compute tpus locations list --project {project})")
-    return Check(name, "fail", f"{what}: {_reason(exc)}", enable)
+    return Check(name, "fail", f"{what}: {reason(exc)}", enable)
 
 
 def check_tpu_api(client: Any, access: Access, zone: str, timeout: float) -> Check:
@@ -221,79 +190,6 @@ def quota_check(tpu_type: str, zone: str) -> Check:
                  "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)")
 
 
-# --- the engines --------------------------------------------------------------------------------
-
-
-def _not_installed(engine: str, install: str) -> Check:
-    return Check("engine", "warn", f"not checked: the {engine} client is not installed", install)
-
-
-def check_vertex(access: Access, zone: str, timeout: float) -> Check:
-    try:
-        from runner.cloud.engines import vertex
-        client = vertex.make_client(_region(zone))
-    except ImportError:
-        return _not_installed("Vertex AI", "pip install 'tpu-job-runner[vertex]'")
-    parent = f"projects/{access.project}/locations/{_region(zone)}"
-    try:
-        pager = client.list_custom_jobs(request={"parent": parent, "page_size": 1}, timeout=timeout, retry=None)
-        list(itertools.islice(pager, 1))
-    except Exception as exc:
-        status = _status(exc)
-        if _unreachable(exc):
-            return Check("engine", "fail", f"unreachable: Vertex AI for {parent}: {_reason(exc)}",
-                         "check DNS, the network and CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM if set")
-        return Check("engine", "fail", f"{'denied' if status in (401, 403) else 'refused'} ({status}): Vertex AI "
-                     f"would not list the custom jobs of {parent}: {_reason(exc)}",
-                     f"gcloud services enable aiplatform.googleapis.com --project {access.project}; grant the "
-                     "account roles/aiplatform.user")
-    return Check("engine", "ok", f"Vertex AI answered a list of the custom jobs of {parent}")
-
-
-def check_gke(timeout: float) -> Check:
-    try:
-        from kubernetes import client, config
-    except ImportError:
-        return _not_installed("Kubernetes", "pip install 'tpu-job-runner[gke]'")
-    get_credentials = "gcloud container clusters get-credentials CLUSTER --location LOCATION"
-    try:
-        api_client = config.new_client_from_config()  # KUBECONFIG honoured, as `runner submit --on gke` does
-    except Exception as exc:
-        return Check("engine", "fail", f"missing: no Kubernetes cluster in kubeconfig: {_reason(exc)}",
-                     f"{get_credentials} (or set KUBECONFIG)")
-    host = api_client.configuration.host
-    try:
-        version = client.VersionApi(api_client).get_code(_request_timeout=timeout)
-    except Exception as exc:
-        status = _status(exc)
-        if status in (401, 403):
-            return Check("engine", "fail", f"denied ({status}): the cluster at {host} refused the credentials: "
-                         f"{_reason(exc)}", f"{get_credentials}; grant the account roles/container.developer")
-        what = "unreachable" if status is None else f"refused ({status})"
-        return Check("engine", "fail", f"{what}: the cluster at {host}: {_reason(exc)}",
-                     f"check the cluster is running and reachable from here; {get_credentials}")
-    return Check("engine", "ok", f"the Kubernetes API at {host} answered (version {version.git_version})")
-
-
-def check_skypilot(timeout: float) -> Check:
-    try:
-        from sky.client import sdk
-    except ImportError:
-        return _not_installed("SkyPilot", "pip install 'tpu-job-runner[skypilot]'")
-    try:
-        health = sdk.api_info()  # `sky api info`: GET /api/health on the API server
-    except Exception as exc:
-        status = _status(getattr(exc, "response", None) or exc)
-        what = "unreachable" if status is None else f"{'denied' if status in (401, 403) else 'refused'} ({status})"
-        return Check("engine", "fail", f"{what}: the SkyPilot API server: {_reason(exc)}",
-                     "sky api start (a local server), or `sky api login -e URL` / SKYPILOT_API_SERVER_ENDPOINT")
-    status = str(getattr(health.status, "value", health.status))
-    evidence = f"the SkyPilot API server answered: {status}, version {health.version or '?'}"
-    if status != "healthy":
-        return Check("engine", "fail", evidence, "sky api stop; sky api start (or ask the server's operator)")
-    return Check("engine", "ok", evidence + "; `sky check gcp` on the server says whether it reaches GCP")
-
-
 # --- buckets ------------------------------------------------------------------------------------
 
 
@@ -304,17 +200,17 @@ def _storage_client(access: Access):
 
 
 def _storage_refusal(name: str, url: str, exc: BaseException, bucket: str, role: str) -> Check:
-    status = _status(exc)
+    status = status_of(exc)
     grant = (f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=user:EMAIL --role={role} "
              "(and the same for the TPU VM's service account)")
-    if _unreachable(exc):
-        return Check(name, "fail", f"unreachable: {url}: {_reason(exc)}", "check DNS, the network and https_proxy")
+    if unreachable(exc):
+        return Check(name, "fail", f"unreachable: {url}: {reason(exc)}", "check DNS, the network and https_proxy")
     if status in (401, 403):
-        return Check(name, "fail", f"denied ({status}): {url}: {_reason(exc)}", grant)
+        return Check(name, "fail", f"denied ({status}): {url}: {reason(exc)}", grant)
     if status == 404:
-        return Check(name, "fail", f"missing: bucket gs://{bucket} does not exist ({_reason(exc)})",
+        return Check(name, "fail", f"missing: bucket gs://{bucket} does not exist ({reason(exc)})",
                      f"gcloud storage buckets create gs://{bucket} --location=REGION")
-    return Check(name, "fail", f"{url}: {_reason(exc)}", grant)
+    return Check(name, "fail", f"{url}: {reason(exc)}", grant)
 
 
 def check_bucket_read(access: Access, pattern: str, timeout: float) -> Check:
@@ -428,6 +324,7 @@ def preflight(
     on: str = "tpu-vm",
     spec: JobSpec | None = None,
     timeout: float = 30.0,
+    clients: CloudClients,
 ) -> list[Check]:
     """The cloud checks, in order, each bounded by `timeout` seconds; never raises for a failed check.
 
@@ -442,40 +339,38 @@ def preflight(
     holder: dict[str, Access | None] = {}
 
     def credentials() -> Check:
-        check, holder["access"] = check_credentials(project, environ)
+        check, holder["access"] = check_credentials(project, environ, clients)
         return check
 
-    found.append(_bounded("cloud_credentials", timeout, credentials))
+    found.append(bounded("cloud_credentials", timeout, credentials))
     access = holder.get("access")
     names = ["tpu_api", "tpu_type", "quota", *(["engine"] if on != "tpu-vm" else []), "bucket_read", "bucket_write",
              "image"]
     if access is None:
         return found + [Check(name, "fail", _NOT_RUN, "fix cloud_credentials first") for name in names]
 
-    from runner.cloud import tpu_api
-
-    client = tpu_api.make_client()
-    found.append(_bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
-    found.append(_bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
+    client = clients.tpu()
+    found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
+    found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
     found.append(quota_check(tpu_type, zone))
     if on == "vertex":
-        found.append(_bounded("engine", timeout, lambda: check_vertex(access, zone, timeout)))
+        found.append(bounded("engine", timeout, lambda: check_vertex(clients.vertex, access.project, zone, timeout)))
     elif on == "gke":
-        found.append(_bounded("engine", timeout, lambda: check_gke(timeout)))
+        found.append(bounded("engine", timeout, lambda: check_gke(timeout)))
     elif on == "skypilot":
-        found.append(_bounded("engine", timeout, lambda: check_skypilot(timeout)))
+        found.append(bounded("engine", timeout, lambda: check_skypilot(timeout)))
     for name, key, check in (("bucket_read", "data.train", check_bucket_read),
                              ("bucket_write", "output.dir", check_bucket_write)):
         path = _spec_path(spec, key)
         if path is not None and path.startswith("gs://"):
-            found.append(_bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout)))
+            found.append(bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout)))
         elif spec is None or path is None:
             found.append(Check(name, "ok", f"not checked: {'no SPEC' if spec is None else key + ' is not set'}"))
         else:  # `runner submit` refuses it too, before any call
             found.append(Check(name, "fail", f"{key} is {path!r}, not a gs:// path: a TPU VM sees neither this "
                                "machine's files nor its own disk once it is gone", f"--set {key}=gs://BUCKET/..."))
     if image:
-        found.append(_bounded("image", timeout, lambda: check_image(access, image, environ, timeout)))
+        found.append(bounded("image", timeout, lambda: check_image(access, image, environ, timeout)))
     else:
         found.append(Check("image", "fail", "missing: no --image", "pass --image REGION-docker.pkg.dev/PROJECT/"
                            "runner/runner:tpu, as `runner submit` will"))

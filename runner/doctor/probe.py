@@ -64,10 +64,10 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
                 "run on a TPU VM (or set accelerator.tpu to a TPU name or grpc://host:8470)",
             )
         elif kind == "auto":
+            # Not a second warning: the devices check has already said there is no accelerator here.
             yield Check(
-                "tpu", "warn", "no TPU: nothing names one (accelerator.tpu, TPU_NAME, COLAB_TPU_ADDR unset) and there "
-                "are no /dev/accel* or /dev/vfio/N device files; a job here runs on GPU or CPU",
-                "nothing, unless this should be a TPU VM (see the devices check)",
+                "tpu", "ok", "not used: no TPU is named (accelerator.tpu, TPU_NAME, COLAB_TPU_ADDR unset) or found "
+                "(no /dev/accel*, /dev/vfio/N); a job here runs on GPU or CPU (see the devices check)",
             )
         else:
             yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r}")

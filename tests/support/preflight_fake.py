@@ -116,7 +116,9 @@ class Handler(FakeHandler):
         if _VERTEX.match(path):
             return 200, {}
         if path in ("/version", "/version/"):  # the kubernetes client asks with the slash
-            return 200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "platform": "linux/amd64"}
+            return 200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "gitCommit": "fake",
+                         "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.23",
+                         "compiler": "gc", "platform": "linux/amd64"}
         if path == "/api/health":
             return 200, {"status": "healthy", "api_version": "1", "version": "0.14.1", "commit": "fake"}
         return _google_error(404, "NOT_FOUND", f"{method} {path} is not part of this fake")

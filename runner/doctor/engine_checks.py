@@ -1,0 +1,84 @@
+"""The engine check of `runner doctor --cloud --on ENGINE`: the cheapest call of the engine's own client (Vertex
+AI: one page of custom jobs; GKE: the cluster's /version from kubeconfig; SkyPilot: `sky api info`'s health
+call). An engine whose client is not installed is a warning, "not checked", with the extra that installs it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from runner.doctor.answers import reason, region, status_of, unreachable
+from runner.doctor.checks import Check
+
+# --- the engines --------------------------------------------------------------------------------
+
+
+def _not_installed(engine: str, install: str) -> Check:
+    return Check("engine", "warn", f"not checked: the {engine} client is not installed", install)
+
+
+def check_vertex(make_client: Callable[[str], Any], project: str, zone: str, timeout: float) -> Check:
+    """One page of custom jobs, through the client `runner submit --on vertex` uses (`make_client(region)`)."""
+    try:
+        client = make_client(region(zone))
+    except ImportError:
+        return _not_installed("Vertex AI", "pip install 'tpu-job-runner[vertex]'")
+    parent = f"projects/{project}/locations/{region(zone)}"
+    try:
+        pager = client.list_custom_jobs(request={"parent": parent, "page_size": 1}, timeout=timeout, retry=None)
+        list(itertools.islice(pager, 1))
+    except Exception as exc:
+        status = status_of(exc)
+        if unreachable(exc):
+            return Check("engine", "fail", f"unreachable: Vertex AI for {parent}: {reason(exc)}",
+                         "check DNS, the network and CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM if set")
+        return Check("engine", "fail", f"{'denied' if status in (401, 403) else 'refused'} ({status}): Vertex AI "
+                     f"would not list the custom jobs of {parent}: {reason(exc)}",
+                     f"gcloud services enable aiplatform.googleapis.com --project {project}; grant the "
+                     "account roles/aiplatform.user")
+    return Check("engine", "ok", f"Vertex AI answered a list of the custom jobs of {parent}")
+
+
+def check_gke(timeout: float) -> Check:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        return _not_installed("Kubernetes", "pip install 'tpu-job-runner[gke]'")
+    get_credentials = "gcloud container clusters get-credentials CLUSTER --location LOCATION"
+    try:
+        api_client = config.new_client_from_config()  # KUBECONFIG honoured, as `runner submit --on gke` does
+    except Exception as exc:
+        return Check("engine", "fail", f"missing: no Kubernetes cluster in kubeconfig: {reason(exc)}",
+                     f"{get_credentials} (or set KUBECONFIG)")
+    host = api_client.configuration.host
+    try:
+        version = client.VersionApi(api_client).get_code(_request_timeout=timeout)
+    except Exception as exc:
+        status = status_of(exc)
+        if status in (401, 403):
+            return Check("engine", "fail", f"denied ({status}): the cluster at {host} refused the credentials: "
+                         f"{reason(exc)}", f"{get_credentials}; grant the account roles/container.developer")
+        what = "unreachable" if unreachable(exc) else "refused" if status is None else f"refused ({status})"
+        return Check("engine", "fail", f"{what}: the cluster at {host}: {reason(exc)}",
+                     f"check the cluster is running and reachable from here; {get_credentials}")
+    return Check("engine", "ok", f"the Kubernetes API at {host} answered (version {version.git_version})")
+
+
+def check_skypilot(timeout: float) -> Check:
+    try:
+        from sky.client import sdk
+    except ImportError:
+        return _not_installed("SkyPilot", "pip install 'tpu-job-runner[skypilot]'")
+    try:
+        health = sdk.api_info()  # `sky api info`: GET /api/health on the API server
+    except Exception as exc:
+        status = status_of(getattr(exc, "response", None) or exc)
+        what = "unreachable" if status is None else f"{'denied' if status in (401, 403) else 'refused'} ({status})"
+        return Check("engine", "fail", f"{what}: the SkyPilot API server: {reason(exc)}",
+                     "sky api start (a local server), or `sky api login -e URL` / SKYPILOT_API_SERVER_ENDPOINT")
+    status = str(getattr(health.status, "value", health.status))
+    evidence = f"the SkyPilot API server answered: {status}, version {health.version or '?'}"
+    if status != "healthy":
+        return Check("engine", "fail", evidence, "sky api stop; sky api start (or ask the server's operator)")
+    return Check("engine", "ok", evidence + "; `sky check gcp` on the server says whether it reaches GCP")
