@@ -60,7 +60,7 @@ EOF
     # Off a TPU VM: no metadata server to ask (it would take minutes), and a v5e's generation given instead.
     log="$(mktemp)"
     TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5litepod-8 TF_CPP_MIN_LOG_LEVEL=0 python3 - >"$log" 2>&1 <<'EOF' || { cat "$log" >&2; exit 1; }
-from runner.tpu_env import apply_tpu_env
+from runner.device.tpu_env import apply_tpu_env
 runtime = apply_tpu_env("local")
 if runtime.device_api != "pjrt" or runtime.problem:
     raise SystemExit(f"device API for a v5e: {runtime.device_api}, {runtime.problem}")
