@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -111,7 +110,6 @@ def run(
     job = load(spec, overrides)
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
-    from runner import Interrupted, Preempted
     from runner.job.run import run_job
 
     if fresh:
@@ -124,12 +122,6 @@ def run(
             raise fail(error, debug) from None
         said = f"{job.run_dir} moved to {moved}" if moved else f"no earlier run in {job.run_dir}"
         typer.echo(f"--fresh: {said}", err=True)
-    if job.kind == "matmul_bench":  # no checkpoints to save: a notice just stops it before it starts
-        early.restore()
-        if early.signal == signal.SIGINT:
-            raise fail(Interrupted("interrupted while starting; nothing was run; run the job again"))
-        if early.at is not None:
-            raise fail(Preempted("preemption notice received while starting; nothing was run; run the job again"))
     from runner.train.progress import closing_line
 
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import statistics
 import time
 
 import tensorflow as tf
 
-from runner import RunnerError
+from runner import Interrupted, Preempted, RunnerError
 from runner.device.strategy import resolve_accelerator
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.spec.types import JobSpec, MatmulSpec
+from runner.train.preemption import EarlyNotice
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +91,25 @@ def _significant(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def run_bench(spec: JobSpec, *, spec_loaded_at: float | None = None) -> JobResult:
+def run_bench(
+    spec: JobSpec, *, spec_loaded_at: float | None = None, early_notice: EarlyNotice | None = None
+) -> JobResult:
     """Runs a matmul_bench job; returns its summary and the error that ended it, if any.
 
-    A benchmark is measured afresh on every run: each run is a new attempt and replaces summary.json.
+    A benchmark is measured afresh on every run: each run is a new attempt and replaces summary.json. It has
+    no checkpoints to save: a SIGTERM or SIGINT that came while TensorFlow loaded stops it before it starts,
+    writing nothing.
     """
     attempt = Attempt.begin(spec, spec_loaded_at)
+    if early_notice is not None:
+        early_notice.restore()
+        if early_notice.at is not None:
+            interrupted = early_notice.signal == signal.SIGINT
+            error = (Interrupted if interrupted else Preempted)(
+                f"{'interrupted' if interrupted else 'preemption notice received'} while starting; nothing was run; "
+                "run the job again"
+            )
+            return JobResult(attempt.summary("interrupted" if interrupted else "preempted", error), error)
     attempt.number = attempt.run.next_attempt()
     attempt.run.write_json("spec.json", spec.to_dict())
     attempt.facts.kind, attempt.facts.attempt, attempt.facts.run_dir = "matmul_bench", attempt.number, attempt.run.path

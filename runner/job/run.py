@@ -46,7 +46,7 @@ def run_job(
     if spec.kind == "matmul_bench":
         from runner.job import matmul
 
-        return matmul.run_bench(spec, spec_loaded_at=spec_loaded_at)
+        return matmul.run_bench(spec, spec_loaded_at=spec_loaded_at, early_notice=early_notice)
     attempt = Attempt.begin(spec, spec_loaded_at)
     try:
         with attempt.phases.phase("data_init"):  # before the run folder is touched: bad data leaves it as it was
