@@ -270,3 +270,15 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     # The schedule continues from the restored step: past warmup, the rate decays towards 0 by the last step.
     rates = [json.loads(line)["lr"] for line in marks.read_text().splitlines()]
     assert 0 < rates[-1] < rates[-2] <= 0.002, rates
+
+
+@pytest.mark.slow
+def test_an_output_dir_that_is_a_file_says_what_to_move_and_promises_no_checkpoint(mnist_job, tmp_path: Path) -> None:
+    in_the_way = tmp_path / "outputs"
+    in_the_way.write_text("a file, not a folder")
+    spec = mnist_job("blocked", output={"dir": str(in_the_way)})
+    result = run_cli("run", spec)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "a file stands where a folder is needed: move that file away" in result.stderr
+    assert str(in_the_way) in result.stderr and "Complete checkpoints are kept" not in result.stderr
+    assert in_the_way.read_text() == "a file, not a folder"

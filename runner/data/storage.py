@@ -179,8 +179,8 @@ def _local_fault(exc: BaseException, message: str) -> StorageError | None:
         path = found.group(1) if found else "the run folder"
     path = re.sub(r"\.tempstate\d+$", "", str(path))
     return StorageError(
-        f"storage fault: {path}: {os.strerror(code)}; {_LOCAL_FAULTS[code]}. Complete checkpoints are kept: "
-        "run the same job again to continue"
+        f"storage fault: {path}: {os.strerror(code)}; {_LOCAL_FAULTS[code]}, then run the same job again (it "
+        "continues from its newest complete checkpoint, if one was saved)"
     )
 
 
