@@ -99,18 +99,19 @@ def test_a_default_code_folder_above_site_packages_is_refused_only_when_code_is_
 
 
 def test_validate_names_a_missing_function_with_a_close_one_without_importing(tmp_path: Path) -> None:
+    # A module name no other test imports: validate runs in this process, where an imported one would be found.
     marker = tmp_path / "imported"
-    (tmp_path / "mymodels.py").write_text(
+    (tmp_path / "misspelt_models.py").write_text(
         f"open({str(marker)!r}, 'w').close()\n\ndef build_model(params, features, inputs):\n    pass\n\n"
         "def _private():\n    pass\n\nclass Head:\n    pass\n")
-    spec = write_spec(tmp_path, {"name": "attr", "model": {"name": "mymodels:build_modle"}})
+    spec = write_spec(tmp_path, {"name": "attr", "model": {"name": "misspelt_models:build_modle"}})
     result = invoke("validate", spec, "--no-data")
     assert result.returncode == 2
-    assert (f"{spec}:3: model.name: module 'mymodels' ({tmp_path}/mymodels.py) has no attribute 'build_modle'; "
-            "did you mean 'build_model'? (it defines: Head, build_model)") in result.stderr, result.stderr
+    assert (f"{spec}:3: model.name: module 'misspelt_models' ({tmp_path}/misspelt_models.py) has no attribute "
+            "'build_modle'; did you mean 'build_model'? (it defines: Head, build_model)") in result.stderr, result.stderr
     assert not marker.exists()
     # Names made at import time in ways the source does not show are left to the import.
-    (tmp_path / "star.py").write_text("from mymodels import *\n")
+    (tmp_path / "star.py").write_text("from misspelt_models import *\n")
     starred = write_spec(tmp_path, {"name": "attr", "model": {"name": "star:anything"}})
     assert invoke("validate", starred, "--no-data").returncode == 0
 
