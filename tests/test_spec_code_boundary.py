@@ -107,8 +107,9 @@ def test_validate_names_a_missing_function_with_a_close_one_without_importing(tm
     spec = write_spec(tmp_path, {"name": "attr", "model": {"name": "misspelt_models:build_modle"}})
     result = invoke("validate", spec, "--no-data")
     assert result.returncode == 2
-    assert (f"{spec}:3: model.name: module 'misspelt_models' ({tmp_path}/misspelt_models.py) has no attribute "
-            "'build_modle'; did you mean 'build_model'? (it defines: Head, build_model)") in result.stderr, result.stderr
+    expected = (f"{spec}:3: model.name: module 'misspelt_models' ({tmp_path}/misspelt_models.py) has no attribute "
+                "'build_modle'; did you mean 'build_model'? (it defines: Head, build_model)")
+    assert expected in result.stderr, result.stderr
     assert not marker.exists()
     # Names made at import time in ways the source does not show are left to the import.
     (tmp_path / "star.py").write_text("from misspelt_models import *\n")
