@@ -282,3 +282,8 @@ def test_an_output_dir_that_is_a_file_says_what_to_move_and_promises_no_checkpoi
     assert "a file stands where a folder is needed: move that file away" in result.stderr
     assert str(in_the_way) in result.stderr and "Complete checkpoints are kept" not in result.stderr
     assert in_the_way.read_text() == "a file, not a folder"
+    # The message's fix, followed: the file moved away, the same job runs.
+    in_the_way.rename(tmp_path / "moved-away")
+    again = run_cli("run", spec, "--set", "train.allow_chance=true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (in_the_way / "blocked" / "model.keras").exists()

@@ -76,8 +76,8 @@ def train(
         steps_per_epoch=plan.steps_per_epoch, epochs=plan.epochs, start_step=plan.start_step,
         global_batch=global_batch, every_s=progress_every,
     )
-    limits_ = [watcher for watcher in (limit, stall) if watcher is not None]
-    watchers = [*limits_, *plateau, *([profiler] if profiler else []), shown, *callbacks]
+    guards = [watcher for watcher in (limit, stall) if watcher is not None]
+    watchers = [*guards, *plateau, *([profiler] if profiler else []), shown, *callbacks]
     began, saved_before = time.monotonic(), phases.seconds.get("checkpoint", 0.0)
     with notice:
         try:
