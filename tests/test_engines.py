@@ -43,10 +43,14 @@ def test_the_container_command_hands_runner_the_same_spec(cloud_spec, tmp_path):
     stand_in.write_text(f'#!/bin/bash\necho "$@" >{tmp_path}/args\ncp "$2" {tmp_path}/spec.yaml\nexit 75\n')
     stand_in.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **engines.container_env(sub)}
-    done = subprocess.run(["bash", "-c", engines.COMMAND], env=env, timeout=30, check=False)
+    done = subprocess.run(["bash", "-c", engines.command(sub)], env=env, timeout=30, check=False)
     assert done.returncode == 75  # exec: the engine sees the runner's own exit code
-    assert (tmp_path / "args").read_text().split() == ["run", engines.SPEC_FILE]
+    # The default limits (24h, 30m) on the `runner run` line, as the TPU VM's startup script passes them.
+    assert (tmp_path / "args").read_text().split() == [
+        "run", engines.SPEC_FILE, "--set", "train.max_duration=86400", "--set", "train.stall_timeout=1800"]
     assert load_spec(tmp_path / "spec.yaml") == sub.spec
+    none = submission(cloud_spec, max_run_duration="none", stall_timeout="none")
+    assert engines.command(none) == engines.COMMAND
 
 
 @pytest.mark.parametrize("target", ["skypilot", "gke", "vertex"])
@@ -102,7 +106,7 @@ def test_skypilot_task_is_read_by_skypilots_own_loader(cloud_spec):
     assert task.envs["TPU_NAME"] == "local"
     assert load_spec_b64(task.envs["RUNNER_SPEC_B64"], cloud_spec.parent) == load_spec(
         cloud_spec, ["accelerator.kind=tpu"])
-    assert task.run.strip() == engines.COMMAND
+    assert task.run.strip() == engines.command(submission(cloud_spec))
 
 
 def test_skypilot_launch_without_skypilot_says_how_to_install_it(cloud_spec, tmp_path):
@@ -188,7 +192,10 @@ def test_vertex_request_parses_strictly_into_the_custom_job_proto(cloud_spec):
     (pool,) = job.job_spec.worker_pool_specs
     machine = pool.machine_spec
     assert (machine.machine_type, machine.tpu_topology, pool.replica_count) == ("ct5lp-hightpu-4t", "2x2", 1)
-    assert (pool.container_spec.image_uri, list(pool.container_spec.args)) == (IMAGE, [engines.COMMAND])
+    assert (pool.container_spec.image_uri, list(pool.container_spec.args)) == (
+        IMAGE, [engines.command(submission(cloud_spec, tpu_type="v5litepod-4"))])
+    # Vertex's own deadline: the default 24h limit plus the grace the job has to save and exit 124 itself.
+    assert job.job_spec.scheduling.timeout.ToSeconds() == 24 * 3600 + engines.LIMIT_GRACE_S
     assert job.job_spec.scheduling.strategy == aiplatform_v1.Scheduling.Strategy.SPOT
     # No retry after the job has started (the proto: it also turns restart_job_on_worker_restart off).
     assert job.job_spec.scheduling.disable_retries and not job.job_spec.scheduling.restart_job_on_worker_restart

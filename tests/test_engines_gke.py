@@ -63,8 +63,9 @@ def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(
 
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 4
-    assert manifest["spec"]["failurePolicy"]["rules"][0] == {
-        "name": "FailOnNonRetryableExit", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    assert manifest["spec"]["failurePolicy"]["rules"] == [
+        {"name": "FailOnNonRetryableExit", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]},
+        {"name": "FailAtTimeLimit", "action": "FailJobSet", "onJobFailureReasons": ["DeadlineExceeded"]}]
     assert replicated["replicas"] == 1
     job_spec = replicated["template"]["spec"]
     assert (job_spec["parallelism"], job_spec["completions"], job_spec["backoffLimit"]) == (1, 1, 0)
@@ -72,7 +73,8 @@ def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(
     assert disrupted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     codes = failed["onExitCodes"]
     assert (failed["action"], codes["operator"], codes["containerName"]) == ("FailJob", "NotIn", "runner")
-    assert {3, 75, 124} <= set(codes["values"]) and not {1, 2} & set(codes["values"])  # 1, 2 fail; the rest restart
+    assert {3, 75} <= set(codes["values"]) and not {1, 2, 124} & set(codes["values"])  # 1, 2, 124 fail the Job
+    assert job_spec["activeDeadlineSeconds"] == 24 * 3600 + engines.LIMIT_GRACE_S  # the default limit + grace
     pod = job_spec["template"]["spec"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
                                    "cloud.google.com/gke-tpu-topology": "2x4",
@@ -80,7 +82,8 @@ def test_jobset_validates_against_the_crd_fields_and_its_job_against_kubernetes(
                                    "cloud.google.com/gke-spot": "true"}
     (container,) = pod["containers"]
     assert container["resources"] == {"limits": {"google.com/tpu": 8}, "requests": {"google.com/tpu": 8}}
-    assert container["image"] == IMAGE and container["command"] == ["bash", "-c", engines.COMMAND]
+    assert container["image"] == IMAGE and container["command"] == ["bash", "-c", engines.command(submission(
+        cloud_spec, spot=True))]
 
 
 def test_jobset_refuses_what_the_crd_would_drop(cloud_spec):
@@ -286,7 +289,8 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     args = json.loads(parsed.stdout)
     # xpk keeps --max-restarts a string
     assert (args["tpu_type"], args["docker_image"], args["max_restarts"]) == ("v6e-4", IMAGE, "2")
-    assert args["restart_on_exit_codes"] == "3,75,124" and args["command"] == engines.COMMAND
+    assert args["restart_on_exit_codes"] == "3,75"
+    assert args["command"] == engines.command(submission(cloud_spec, tpu_type="v6e-4"))
 
     # xpk's own dry run writes the manifest it would apply; ours must agree wherever both speak.
     out = tmp_path / "xpk.yaml"
@@ -299,8 +303,11 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     ours = gke_manifest(cloud_spec, "--max-restarts", "2", tpu_type="v6e-4")
     assert ours["apiVersion"] == theirs["apiVersion"] and ours["kind"] == theirs["kind"]
     assert ours["spec"]["failurePolicy"]["maxRestarts"] == theirs["spec"]["failurePolicy"]["maxRestarts"] == 2
-    assert [{k: v for k, v in r.items() if k != "name"} for r in ours["spec"]["failurePolicy"]["rules"]] == \
-        theirs["spec"]["failurePolicy"]["rules"]
+    # Ours adds one rule after xpk's: the Job's deadline (activeDeadlineSeconds, which xpk does not set) ends it.
+    *shared, deadline = ours["spec"]["failurePolicy"]["rules"]
+    assert [{k: v for k, v in r.items() if k != "name"} for r in shared] == theirs["spec"]["failurePolicy"]["rules"]
+    assert deadline["onJobFailureReasons"] == ["DeadlineExceeded"] and "activeDeadlineSeconds" not in \
+        their_job_spec(theirs)
     (our_job,), (their_job,) = ours["spec"]["replicatedJobs"], theirs["spec"]["replicatedJobs"]
     assert {k: our_job[k] for k in ("name", "replicas")} == {k: their_job[k] for k in ("name", "replicas")}
     our_spec, their_spec = our_job["template"]["spec"], their_job["template"]["spec"]
@@ -319,7 +326,12 @@ def test_xpk_parses_the_command_and_makes_the_same_jobset_from_it(cloud_spec, tm
     for key in ("name", "image", "env"):
         assert our_box[key] == their_box[key], key
     assert our_box["resources"]["limits"] == their_box["resources"]["limits"] == {"google.com/tpu": 4}
-    assert engines.COMMAND in their_box["command"][-1]
+    assert engines.command(submission(cloud_spec, tpu_type="v6e-4")) in their_box["command"][-1]
+
+
+def their_job_spec(jobset: dict[str, Any]) -> dict[str, Any]:
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]
 
 
 def test_single_host_table_agrees_with_xpks_catalog(tmp_path):
@@ -376,14 +388,14 @@ def test_gke_submit_sends_the_manifest_with_the_kubernetes_client(cloud_spec, en
 # --- restarts, single hosts, and the clusters that would refuse the pod ---------------------------------
 
 
-def outcome(manifest: dict[str, Any], exit_code: int | None, disrupted: bool = False) -> str:
+def outcome(manifest: dict[str, Any], exit_code: int | None, disrupted: bool = False,
+            reason: str = "BackoffLimitExceeded") -> str:
     """What the two layers do with one failed pod, read from the manifest by the rules Kubernetes (batch/v1
     podFailurePolicy: the first matching rule wins; no match counts against backoffLimit) and JobSet
     (failurePolicy.rules: the first rule whose onJobFailureReasons has the Job's reason; else RestartJobSet,
     counted against maxRestarts) document."""
     (replicated,) = manifest["spec"]["replicatedJobs"]
     job_spec = replicated["template"]["spec"]
-    reason = "BackoffLimitExceeded"
     for rule in job_spec["podFailurePolicy"]["rules"]:
         conditions = [c["type"] for c in rule.get("onPodConditions", [])]
         codes = rule.get("onExitCodes")
@@ -409,10 +421,12 @@ def test_preemption_like_exits_and_disruptions_restart_with_or_without_spot_and_
     assert manifest["spec"]["failurePolicy"]["maxRestarts"] == gke.DEFAULT_RESTARTS == 3
     assert outcome(manifest, None, disrupted=True) == "replaced"  # preempted or drained node: a new pod
     assert outcome(manifest, 75, disrupted=True) == "replaced"  # SIGTERM of a drain, answered with 75
-    for code in (75, 124, 3, 137):
+    for code in (75, 3, 137):
         assert outcome(manifest, code) == "restarted", code
-    for code in (1, 2):
+    # 124: a time limit reached (saved). Never restarted, as on a TPU VM: a restart would start the clock again.
+    for code in (1, 2, 124):
         assert outcome(manifest, code) == "failed", code
+    assert outcome(manifest, None, reason="DeadlineExceeded") == "failed"  # the Job's own deadline
 
 
 def test_max_restarts_as_given_bounds_the_jobset_restarts(cloud_spec):

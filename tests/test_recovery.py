@@ -118,6 +118,7 @@ class Cloud:
             PROJECT,
             "--image",
             IMAGE,
+            "--no-preflight",  # the recovery is under test here; the preflight is in test_submit_preflight.py
             "--watch",
             "--interval",
             "0.5",

@@ -400,6 +400,6 @@ def test_an_unreachable_api_is_an_infrastructure_error(api, cloud_spec):
         probe.bind(("127.0.0.1", 0))
         closed = probe.getsockname()[1]
     env = {**api, "CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU": f"http://127.0.0.1:{closed}/"}
-    result = submit(cloud_spec, env)
+    result = submit(cloud_spec, env, "--no-preflight")  # the create's own error; the preflight's: test_submit_preflight
     assert result.returncode == 3
     assert "could not reach the Cloud TPU API to create 'mnist-cnn'" in result.stderr

@@ -238,7 +238,9 @@ def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu
     (["--stall-timeout", "1.5h"], "--stall-timeout '1.5h' is not a duration"),
     (["--stall-timeout", "5s"], "--stall-timeout '5s' is outside what the job accepts"),  # train.stall_timeout >= 10
     (["--valid-until", "2031-01-01T00:00:00"], "nor a time with its offset"),
-    (["--on", "gke", "--max-run-duration", "6h"], "--max-run-duration does not apply to --on gke"),
+    # The engines take the limits too, checked the same way (tests/test_engines_limits.py).
+    (["--on", "gke", "--stall-timeout", "5s"], "--stall-timeout '5s' is outside what the job accepts"),
+    (["--on", "vertex", "--max-run-duration", "soon"], "--max-run-duration 'soon' is not a duration"),
 ])
 def test_bad_limits_are_refused_before_any_call(api, tpu_fake, cloud_spec, flags, message):
     result = submit_job(cloud_spec, api, *flags)

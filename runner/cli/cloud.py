@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from runner import RunnerError
+
 app = typer.Typer()
 
 Project = Annotated[
@@ -75,6 +77,43 @@ def _watch(job: dict, interval: float) -> int:
     return int((final.get("outcome") or {}).get("exit_code", 1))
 
 
+class PreflightFailed(RunnerError):
+    """A cloud check of `runner submit`'s preflight failed; the exit code is `runner doctor --cloud`'s."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+PREFLIGHT_TIMEOUT_S = 30.0  # each check's bound, as `runner doctor --cloud`'s preflight() has it by default
+
+
+def _preflight(sub, on: str) -> None:
+    """The checks of `runner doctor --cloud` for this submission (its project, zone, TPU type, image, engine and
+    buckets); says what passed, raises PreflightFailed listing each failed check with its fix."""
+    import time
+
+    from runner.cli.doctor import cloud_clients
+    from runner.doctor.cloud import preflight
+    from runner.doctor.report import Report
+
+    began = time.monotonic()
+    found = preflight(tpu_type=sub.tpu.name, zone=sub.zone, image=sub.image, project=sub.project or None, on=on,
+                      spec=sub.spec, timeout=PREFLIGHT_TIMEOUT_S, clients=cloud_clients())
+    report = Report(found, time.monotonic() - began)
+    for check in found:
+        if check.status == "warn":
+            _say(f"preflight: {check.name}: {check.evidence}" + (f" ({check.action})" if check.action else ""))
+    failed = [check for check in found if check.status == "fail"]
+    if failed:
+        lines = [f"{check.name}: {check.evidence}" + (f"\n    fix: {check.action}" if check.action else "")
+                 for check in failed]
+        raise PreflightFailed(f"preflight: {len(failed)} of {len(found)} checks failed; nothing was created "
+                              "(--no-preflight skips the checks):\n  " + "\n  ".join(lines), report.exit_code)
+    _say(f"preflight: {len(found)} checks passed in {report.seconds:.1f} s (runner doctor --cloud; "
+         "--no-preflight skips them)")
+
+
 VM, GKE = "TPU VM (--on tpu-vm)", "GKE (--on gke)"  # the --help panels of the options only one target takes
 
 
@@ -109,12 +148,17 @@ Reservation = Annotated[str | None, _opt("Use reserved capacity of this project 
                                          panel=VM)]
 ValidUntil = Annotated[str | None, _opt("Give up waiting for capacity after a duration (6h) or at a time with its "
                                         "offset (2026-12-01T00:00:00Z).", "--valid-until", panel=VM)]
-MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; `none`: no limit), then delete the "
-                                    "TPU. Default 24h.", "--max-run-duration", panel=VM)]
+MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; `none`: no limit): it saves and exits "
+                                    "124. Default 24h. Every target; a TPU VM is then deleted, GKE's and Vertex AI's "
+                                    "own deadline is 10 min later (docs/engines.md).", "--max-run-duration")]
 StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (at least 10s; `none`: "
-                                          "never). Default 30m.", "--stall-timeout", panel=VM)]
+                                          "never). Default 30m. Every target.", "--stall-timeout")]
 AllowUnverified = Annotated[bool, _opt("Create a TPU type and runtime no recipe has run TensorFlow on (docs/tpu.md); "
-                                       "recorded in job.json.", "--allow-unverified", panel=VM)]
+                                       "tpu-vm (recorded in job.json) and skypilot.", "--allow-unverified")]
+Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner doctor --cloud` does: credentials, "
+                                        "project, TPU API and type, engine, buckets, image; a failed check stops "
+                                        "with exit 3 and nothing is created. Default: on; off with --dry-run "
+                                        "(offline) unless --preflight.", "--preflight/--no-preflight")]
 VmRestarts = Annotated[int | None, _opt("Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0).",
                                         "--max-restarts", min=0, panel=VM)]
 Queue = Annotated[str | None, _opt("The Kueue LocalQueue (kueue.x-k8s.io/queue-name).", panel=GKE)]
@@ -133,17 +177,19 @@ def submit(
     subnetwork: Subnetwork = None, service_account: ServiceAccount = None, reservation: Reservation = None,
     valid_until: ValidUntil = None, max_run_duration: MaxRun = None, stall_timeout: StallTimeout = None,
     allow_unverified: AllowUnverified = False, queue: Queue = None, namespace: Namespace = None,
-    cluster: Cluster = None, output_format: Format = None,
+    cluster: Cluster = None, output_format: Format = None, preflight: Preflight = None, *, ctx: typer.Context,
 ) -> None:
     """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on the VM.
 
     First it prints (stderr) the price per hour, the limits, whether TensorFlow on that TPU type and runtime
-    is verified (if not: --allow-unverified) and what a previous run's remaining epochs should cost. The job
+    is verified (if not: --allow-unverified) and what a previous run's remaining epochs should cost; then it
+    checks the cloud as `runner doctor --cloud` does (--no-preflight skips it; a dry run skips it unless
+    --preflight), and a failed check stops it (exit 3) before anything is created. The job
     runs in `docker run --net=host --privileged IMAGE run SPEC` for at most --max-run-duration; `runner logs
     NAME --follow` shows it; when it ends, worker 0 deletes the queued resource unless --keep. With --watch
     (or `runner watch NAME`) a preempted job is created again, up to --max-restarts times. Prints one JSON
-    line (--watch: the final summary). Exit 2 on a bad flag or spec (before any call), 3 when the Cloud TPU
-    API cannot be reached or refuses; with --watch, the job's.
+    line (--watch: the final summary). Exit 2 on a bad flag or spec (before any call), 3 when a preflight
+    check fails or the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
 
     **Examples**
 
@@ -156,10 +202,14 @@ def submit(
 
     vm = launch.TpuVmOptions(keep, watch, runtime_version, max_restarts, network, subnetwork, service_account,
                              reservation, valid_until, max_run_duration, stall_timeout, allow_unverified)
+    checks = _preflight if (not dry_run if preflight is None else preflight) else None
     try:
         done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
                              spot=spot, name=name, on=on, dry_run=dry_run, submission_id=submission_id, vm=vm,
-                             engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say)
+                             engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say,
+                             # typed, not read from GOOGLE_CLOUD_PROJECT (Typer carries its own click: by name)
+                             project_given=getattr(ctx.get_parameter_source("project"), "name", "") == "COMMANDLINE",
+                             preflight=checks)
         typer.echo(done.text, nl=False) if done.text else _print(done.doc)
         if done.job is not None:
             raise typer.Exit(_watch(done.job, interval))

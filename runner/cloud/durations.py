@@ -17,6 +17,10 @@ _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 # The job's wall-clock limit and stall guard when not given: finite, so that a job nobody watches stops billing.
 DEFAULT_MAX_RUN = "24h"
 DEFAULT_STALL_TIMEOUT = "30m"
+# How long after --max-run-duration something outside the container ends the job: the job saves and exits 124
+# at the limit by itself, and a checkpoint of a large model takes minutes to write. The TPU VM's startup script
+# has the same default (RUNNER_LIMIT_GRACE_S in tpu_startup.sh); the engines' own deadlines add it too.
+LIMIT_GRACE_S = 600
 _TIME = re.compile(r"(\d{4}-\d\d-\d\d)[Tt](\d\d:\d\d)(:\d\d)?(\.\d+)?([Zz]|[+-]\d\d:?\d\d)")
 
 

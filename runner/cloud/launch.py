@@ -5,6 +5,10 @@ The command only gathers the flags: the TPU VM's into `TpuVmOptions`, GKE's into
 chosen target does not use is refused (exit 2), never dropped. Before anything is sent (and in a dry run) the
 TPU VM path says what the slice costs per hour, its time limits, whether TensorFlow on that type and runtime is
 verified, and, when the bucket holds a previous run of the job, what its remaining epochs should cost.
+
+`preflight` (handed in by the command line: the cloud checks of `runner doctor --cloud`, which this package
+does not import) runs after every check that needs no call and before the first call that could create
+anything; it raises to stop the submission.
 """
 
 from __future__ import annotations
@@ -14,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner import RunnerError, SpecError
+from runner import RunnerError
 from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuVmOptions:
-    """The flags only `--on tpu-vm` takes (None: not given)."""
+    """The TPU VM's flags (None: not given); engines.FLAG_TARGETS says which other targets take each."""
 
     keep: bool = False
     watch: bool = False
@@ -60,10 +64,6 @@ class EngineFlags:
                                output_format=self.output_format or "manifest", max_restarts=max_restarts)
 
 
-# The TPU VM's flags the engines' table (engines.FLAG_TARGETS) does not list: they mean nothing elsewhere yet.
-_TPU_VM_ONLY = ("--max-run-duration", "--stall-timeout", "--allow-unverified")
-
-
 @dataclasses.dataclass
 class Launched:
     text: str = ""  # printed as it is: a dry run's script or engine document
@@ -71,14 +71,8 @@ class Launched:
     job: dict[str, Any] | None = None  # the job record, for --watch
 
 
-def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags) -> None:
-    given = vm.given()
-    known = {flag: used for flag, used in given.items() if flag not in _TPU_VM_ONLY}
-    engines.check_options(on, {**known, **engine.given()}, engine.options())
-    wrong = [flag for flag in _TPU_VM_ONLY if given[flag] and on != "tpu-vm"]
-    if wrong:
-        raise SpecError(f"cannot submit --on {on}:\n  " + "\n  ".join(f"{flag} does not apply to --on {on} "
-                                                                     "(only to --on tpu-vm)" for flag in wrong))
+def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given: bool) -> None:
+    engines.check_options(on, {**vm.given(), **engine.given(), "--project": project_given}, engine.options())
 
 
 def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) -> list[str]:
@@ -152,25 +146,35 @@ def _previous_run(sub: submit.Submission, say: Callable[[str], None]) -> dict[st
         return None
 
 
+Preflight = Callable[[submit.Submission, str], None]  # (the submission, --on): raises RunnerError to stop it
+
+
 def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None, image: str | None,
            project: str | None, spot: bool, name: str | None, on: str, dry_run: bool, submission_id: str | None,
-           vm: TpuVmOptions, engine: EngineFlags, say: Callable[[str], None]) -> Launched:
-    """Checks everything, says the price, sends (or, with dry_run, prints) the request. Raises RunnerError."""
-    _check_target(on, vm, engine)
+           vm: TpuVmOptions, engine: EngineFlags, say: Callable[[str], None], project_given: bool = False,
+           preflight: Preflight | None = None) -> Launched:
+    """Checks everything, says the price, runs `preflight` (None: no cloud checks), sends (or, with dry_run,
+    prints) the request. `project_given`: --project was typed (not read from the environment). Raises
+    RunnerError."""
+    _check_target(on, vm, engine, project_given)
     sub = submit.prepare_submission(
         spec, overrides, tpu_type=tpu_type, zone=zone or gcloud_config.default_zone(), image=image,
         project=project or gcloud_config.default_project(), spot=spot, keep=vm.keep,
+        need_project=on != "skypilot",  # SkyPilot's API server picks the project (engines.FLAG_TARGETS)
         runtime_version=vm.runtime_version, name=name, max_restarts=vm.max_restarts, network=vm.network,
         subnetwork=vm.subnetwork, service_account=vm.service_account, reservation=vm.reservation,
         valid_until=vm.valid_until, submission_id=submission_id, max_run_duration=vm.max_run_duration,
         stall_timeout=vm.stall_timeout, allow_unverified=vm.allow_unverified,
     )
+    check = None if preflight is None else (lambda: preflight(sub, on))
     if on != "tpu-vm":
-        text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run)
+        text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
         return Launched(text=text if sent is None else "", doc=sent)
     for line in price_lines(sub, _previous_run(sub, say)):
         say(line)
     submit.check_verified(sub)
+    if check is not None:
+        check()
     if dry_run:
         return Launched(text=submit.gcloud_script(sub))
     jobs.refuse_a_second_job(sub)

@@ -210,10 +210,12 @@ def prepare_submission(
     max_run_duration: str | None = None,
     stall_timeout: str | None = None,
     allow_unverified: bool = False,
+    need_project: bool = True,
 ) -> Submission:
     """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing.
 
-    max_run_duration / stall_timeout: a duration, `none`, or None for the defaults (24h, 30m)."""
+    max_run_duration / stall_timeout: a duration, `none`, or None for the defaults (24h, 30m).
+    need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown."""
     problems: list[str] = []
     checked: dict[str, Any] = {}
     for key, check, value in (
@@ -234,7 +236,7 @@ def prepare_submission(
             checked[key] = check(value)
         except SpecError as error:
             problems.append(str(error))
-    if not project:
+    if not project and need_project:
         problems.append(
             "missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
             "project to create the TPU in"
@@ -260,7 +262,7 @@ def prepare_submission(
     tpu = checked["tpu"]
     return Submission(
         name=checked.get("name") or resource_id(spec.name),
-        project=str(project),
+        project=project or "",
         zone=str(zone),
         tpu=tpu,
         image=str(image),
@@ -287,7 +289,7 @@ def check_verified(sub: Submission) -> None:
     if sub.unverified and not sub.allow_unverified:
         raise SpecError(
             f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
-            "(recorded in the job's job.json), or choose a verified type or --runtime-version"
+            "(a TPU VM job records it in its job.json), or choose a verified type or --runtime-version"
         )
 
 

@@ -16,9 +16,11 @@ IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 
 def cloud_env(tpu_endpoint: str, folder: Path, **extra: str) -> dict[str, str]:
     """The environment of a `runner` (and gcloud) on this machine whose Cloud TPU API is the fake at
-    `tpu_endpoint`; gcloud's configuration and runner's own state live in `folder`."""
+    `tpu_endpoint` (and whose image registry, for `runner submit`'s preflight); gcloud's configuration and runner's
+    own state live in `folder`."""
     return cli_env(
         CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{tpu_endpoint}/",
+        RUNNER_REGISTRY_ENDPOINT=tpu_endpoint,  # the preflight's image check: the fake serves a registry too
         CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
         CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
         CLOUDSDK_CONFIG=str(folder / "gcloud"),

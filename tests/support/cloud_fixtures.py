@@ -7,6 +7,7 @@ started once per pytest process, whichever modules use them):
     metadata_fake  the GCE metadata server fake (tests/support/metadata_fake.py), answering again for each
                    test, as worker 0 of a single-host slice
     cloud_spec     a job spec in tmp_path whose data and run folder are on gs://runner-test
+    bucket         gs://runner-test on the GCS emulator, with a training shard under cloud_spec's data.train
     engine_api     the engines' API fake (tests/support/engine_fake.py: Kubernetes, Vertex AI), recording every
                    request; a test reads the requests it made after len(engine_api.requests()) before it
 """
@@ -68,11 +69,16 @@ RUNS_BUCKET = "runner-test"
 
 @pytest.fixture(scope="module")
 def bucket(gcs) -> str:
-    """RUNS_BUCKET, made once on the emulator."""
+    """RUNS_BUCKET, made once on the emulator, holding a shard where cloud_spec's data.train points (what
+    `runner submit`'s preflight lists before it submits)."""
     from google.api_core import exceptions
 
     try:
         gcs.bucket(RUNS_BUCKET)
     except exceptions.Conflict:
         pass
+    gcs.write(RUNS_BUCKET, TRAIN_SHARD, b"records")
     return RUNS_BUCKET
+
+
+TRAIN_SHARD = "data/mnist/train-00000-of-00001.tfrecord"  # under cloud_spec's data.train

@@ -3,6 +3,8 @@
     python -m tests.support.engine_fake --port 0 --ttl 600     prints `PORT <n>` once it serves on 127.0.0.1
 
     POST /v1/projects/P/locations/R/customJobs                      Vertex AI: the CustomJob back, QUEUED
+    GET  /v1/projects/P/locations/R/customJobs                      Vertex AI: the jobs created so far
+    GET  /version                                                   Kubernetes: the API server's version
     POST /apis/jobset.x-k8s.io/v1alpha2/namespaces/NS/jobsets       Kubernetes: the JobSet back, with a uid
                                                                     (409 AlreadyExists for a name seen before)
     GET  /api/v1/namespaces/NS, /apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/NAME
@@ -37,6 +39,7 @@ class Engines(Recorder):
         super().__init__()
         self.jobsets: dict[tuple[str, str], dict[str, Any]] = {}
         self.objects: dict[str, Any] = {}  # path -> a Kubernetes object a test put there
+        self.custom_jobs: list[dict[str, Any]] = []
         self.ids = itertools.count(1)
 
 
@@ -44,6 +47,13 @@ def handle(state: Engines, method: str, path: str, body: Any) -> tuple[int, Any]
     if method == "POST" and path == "/_fake/objects":
         state.objects[body["path"]] = body["object"]
         return 200, {}
+    if method == "GET" and (match := _CUSTOM_JOBS.match(path)):  # what `runner submit`'s preflight lists
+        return 200, {"customJobs": [job for job in state.custom_jobs if job["name"].startswith(
+            f"projects/{match.group(1)}/locations/{match.group(2)}/")]} if state.custom_jobs else {}
+    if method == "GET" and path in ("/version", "/version/"):  # the kubernetes client asks with the slash
+        return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-fake", "gitCommit": "fake",
+                     "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24",
+                     "compiler": "gc", "platform": "linux/amd64"}
     if method == "GET" and path.startswith(("/api/v1/", "/apis/")):
         if path in state.objects:
             return 200, state.objects[path]
@@ -53,6 +63,7 @@ def handle(state: Engines, method: str, path: str, body: Any) -> tuple[int, Any]
         job = dict(body or {})
         job.update({"name": f"projects/{match.group(1)}/locations/{match.group(2)}/customJobs/{next(state.ids)}",
                     "state": "JOB_STATE_QUEUED", "createTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        state.custom_jobs.append(job)
         return 200, job
     if method == "POST" and (match := _JOBSETS.match(path)):
         name = (body or {}).get("metadata", {}).get("name")

@@ -18,11 +18,15 @@ IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 
 
 def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None,
-           image: str = IMAGE, project: str | None = PROJECT) -> subprocess.CompletedProcess:
-    """`runner submit` with the flags every engine takes."""
-    where = ["--project", project] if project else []
+           image: str = IMAGE, project: str | None = PROJECT, preflight: bool = False) -> subprocess.CompletedProcess:
+    """`runner submit` with the flags every engine takes. SkyPilot gets no --project (it refuses one: its API
+    server picks the project). A real submission skips the cloud checks unless `preflight`: these tests check
+    what each engine is sent; test_submit_preflight.py runs the checks against fakes."""
+    on = extra[extra.index("--on") + 1] if "--on" in extra else "tpu-vm"
+    where = ["--project", project] if project and on != "skypilot" else []
+    skip = [] if preflight or "--dry-run" in extra else ["--no-preflight"]
     return run_cli("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--image", image, *where,
-                   *extra, env=env, timeout=120)
+                   *extra, *skip, env=env, timeout=120)
 
 
 def submission(spec: Path, tpu_type: str = "v5litepod-8", image: str = IMAGE, **flags: Any):

@@ -78,6 +78,17 @@ def _denied(path: str, rule: dict[str, Any]) -> tuple[int, Any]:
     return _google_error(status, "PERMISSION_DENIED", f"Permission denied on {path} (fake)", rule.get("reason"))
 
 
+def manifest_answer(handler: FakeHandler, name: str, reference: str, present: bool) -> tuple[int, Any]:
+    """GET /v2/NAME/manifests/REF as a Docker Registry HTTP API v2 answers it (also served by tpu_fake.py)."""
+    if not present:
+        return 404, {"errors": [{"code": "MANIFEST_UNKNOWN", "message": f"manifest unknown: {name}:{reference}"}]}
+    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "layers": []}
+    digest = "sha256:" + hashlib.sha256(json.dumps(manifest).encode()).hexdigest()
+    handler.extra_headers = {"Docker-Content-Digest": digest}
+    handler.text_type = MANIFEST_TYPE
+    return 200, json.dumps(manifest)
+
+
 class Handler(FakeHandler):
     state: Preflight
 
@@ -97,15 +108,7 @@ class Handler(FakeHandler):
         if method != "GET":
             return _google_error(405, "UNIMPLEMENTED", f"{method} {path} is not part of this fake")
         if match := _MANIFEST.match(path):
-            name, reference = match.groups()
-            if (name, reference) not in state.images:
-                unknown = {"code": "MANIFEST_UNKNOWN", "message": f"manifest unknown: {name}:{reference}"}
-                return 404, {"errors": [unknown]}
-            manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "layers": []}
-            digest = "sha256:" + hashlib.sha256(json.dumps(manifest).encode()).hexdigest()
-            self.extra_headers = {"Docker-Content-Digest": digest}
-            self.text_type = MANIFEST_TYPE
-            return 200, json.dumps(manifest)
+            return manifest_answer(self, *match.groups(), present=tuple(match.groups()) in state.images)
         if match := _TPU.match(path):
             project, zone, collection = match.groups()
             if collection != "acceleratorTypes":

@@ -13,6 +13,10 @@ What it serves, in the JSON form of the real APIs (proto3 JSON, camelCase):
     GET    /v2/projects/P/locations/Z/operations[/OP]                       (metadata: createTime, endTime)
     POST   /v2/entries:write, /v2/entries:list                              Cloud Logging (a filter subset)
     POST   /v1/projects/P[/locations/L]/builds                             -> Operation carrying the Build
+and what `runner submit`'s preflight reads (runner/doctor/cloud.py), so that a submission runs it for real:
+    GET    /v2/projects/P/locations/Z/nodes | acceleratorTypes             the nodes; every single-host type
+    GET    /v2/NAME/manifests/REF                                          a registry holding every image but
+                                                                           those POST /_fake/registry removes
 Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS,
 400 FAILED_PRECONDITION (a delete without force of a queued resource whose node is up, as the API refuses).
 
@@ -39,6 +43,7 @@ Control endpoints for the tests:
                                     retries for about 30 s); {"count": N, "status": 403}: 403 PERMISSION_DENIED
     GET  /_fake/boots               every VM boot so far: queued resource, node, folder, pids, exit codes
     GET  /_fake/entries             every Cloud Logging entry written
+    POST /_fake/registry            {"missing": [[NAME, REF], ...]}: the images the registry does not hold
     POST /_fake/reset               forgets requests, resources, entries and configuration (kills VMs)
     GET  /_fake/health              "ok"
 The process exits by itself after --ttl seconds (killing its VMs), so a lost fixture never leaves it running.
@@ -64,10 +69,16 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from runner.cloud.tpu_types import single_host_types
 from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
+from tests.support.preflight_fake import manifest_answer
+
+_MANIFEST = re.compile(r"^/v2/(?!projects/)(.+)/manifests/([^/]+)$")
 
 _BUILDS = re.compile(r"^/v1/projects/([^/]+)(?:/locations/([^/]+))?/builds$")
-_RESOURCE = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(queuedResources|nodes|operations)(?:/([^/:]+))?$")
+_RESOURCE = re.compile(
+    r"^/v2/projects/([^/]+)/locations/([^/]+)/(queuedResources|nodes|operations|acceleratorTypes)(?:/([^/:]+))?$"
+)
 # The Cloud Logging filter subset the fake understands: `FIELD OP "VALUE"` terms joined by AND.
 _TERM = re.compile(r'^\s*(logName|jsonPayload\.container\.name|timestamp)\s*(=|>=|>)\s*"([^"]*)"\s*$')
 _DEFAULT_LIFECYCLE = {"provisioning_s": None, "active_s": None, "deleting_s": 0.0, "vm_linger_s": 1.0}
@@ -136,6 +147,7 @@ class Fake(Recorder):
         self.timers: list[tuple[float, Any, Any]] = []
         self.failing = 0  # the next this many API requests answer `failing_status`
         self.failing_status = 503
+        self.missing_images: set[tuple[str, str]] = set()  # what the registry does not hold (all else it does)
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -387,6 +399,7 @@ class Fake(Recorder):
         self.requests.clear(), self.queued.clear(), self.nodes.clear(), self.operations.clear()
         self.entries.clear(), self.vms.clear(), self.timers.clear(), self.incarnations.clear()
         self.lifecycle, self.boot, self.failing, self.failing_status = dict(_DEFAULT_LIFECYCLE), None, 0, 503
+        self.missing_images: set[tuple[str, str]] = set()
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -449,6 +462,12 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
         if method == "DELETE":
             force = [v.lower() for v in query.get("force", [])] == ["true"]
             return fake.delete(name, force)
+    if collection == "acceleratorTypes" and method == "GET" and short is None:
+        return 200, {"acceleratorTypes": [{"name": f"{parent}/acceleratorTypes/{t}", "type": t}
+                                          for t in single_host_types()]}
+    if collection == "nodes" and method == "GET" and short is None:
+        items = [n for key, n in fake.nodes.items() if key.startswith(parent + "/")]
+        return 200, ({"nodes": items} if items else {})
     if collection == "nodes" and method == "GET" and short:
         return (
             (200, fake.nodes[name])
@@ -476,6 +495,7 @@ class Handler(FakeHandler):
 
     def answer(self, method: str, url: urllib.parse.SplitResult, body: Any) -> tuple[int, Any]:
         fake = self.state
+        self.extra_headers, self.text_type = {}, "text/plain"  # one handler serves a keep-alive connection
         if url.path.startswith("/_fake/"):
             return self._control(method, url.path, body)
         if fake.failing > 0 and url.path.startswith("/v2/projects/"):
@@ -483,6 +503,8 @@ class Handler(FakeHandler):
             if fake.failing_status == 403:
                 return _error(403, "PERMISSION_DENIED", "Permission 'tpu.queuedResources.delete' denied (fake)")
             return _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
+        if method == "GET" and (match := _MANIFEST.match(url.path)):
+            return manifest_answer(self, *match.groups(), present=tuple(match.groups()) not in fake.missing_images)
         return handle(fake, method, url.path, urllib.parse.parse_qs(url.query), body)
 
     def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -500,6 +522,9 @@ class Handler(FakeHandler):
             if "boot" in body:
                 fake.boot = body["boot"]
             return 200, {"lifecycle": fake.lifecycle, "boot": fake.boot}
+        if path == "/_fake/registry" and method == "POST":
+            fake.missing_images = {tuple(image) for image in body.get("missing", [])}
+            return 200, {}
         if path == "/_fake/state" and method == "POST":
             try:
                 return 200, fake.set_state(body["name"], body["state"], body.get("node_state"), body.get("initiator"))
@@ -547,6 +572,10 @@ class TpuFake(FakeClient):
 
     def entries(self) -> list[dict[str, Any]]:
         return self.call("GET", "/_fake/entries")
+
+    def lose_image(self, name: str, reference: str) -> None:
+        """The registry no longer holds NAME:REF (its manifest answers 404 MANIFEST_UNKNOWN)."""
+        self.call("POST", "/_fake/registry", {"missing": [[name, reference]]})
 
     def reset(self) -> None:
         self.call("POST", "/_fake/reset", {})

@@ -4,12 +4,16 @@ Vertex AI CustomJob. `runner submit --on ENGINE` checks the spec and flags as fo
 engine in the form it takes; the runner schedules and retries nothing itself there.
 
 What every engine runs is the runner image with one command: the spec travels base64-encoded in
-RUNNER_SPEC_B64 (as on a TPU VM), is written to a file and run with `runner run`. The exit codes decide what
-the engine does next (docs/engines.md):
+RUNNER_SPEC_B64 (as on a TPU VM), is written to a file and run with `runner run`, with the job's time limits
+as the TPU VM's startup script passes them (`--set train.max_duration=S --set train.stall_timeout=S`: the job
+saves and exits 124 at either; defaults 24h and 30m, runner/cloud/durations.py). Where the engine has its own
+deadline (GKE's Job, Vertex AI's CustomJob) it is set at the wall-clock limit plus LIMIT_GRACE_S. The exit
+codes decide what the engine does next (docs/engines.md):
 
     75  preempted, checkpoint saved: run again             -> the engine restarts the job
-    124 timed out (what coreutils `timeout` returns)       -> restarted where the engine can bound it (GKE)
     3   infrastructure (accelerator, storage)              -> restarted where the engine can bound it (GKE)
+    124 a time limit reached (saved)                       -> never restarted: as on a TPU VM, a restart would
+                                                              start the clock again and bill the limit again
     1 2 training failed / bad spec or data                 -> never restarted (Vertex AI: see vertex.py)
 
 Each engine's client library is imported only when a job is sent; none is needed for --dry-run.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import shlex
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -26,12 +32,14 @@ import yaml
 from runner import (
     EXIT_INFRA,
     EXIT_PREEMPTED,
+    EXIT_TIME_LIMIT,
     EXIT_TRAINING,
     EXIT_USAGE,
     SpecError,
 )
 from runner.cloud import tpu_types
-from runner.cloud.submit import Submission, spec_yaml
+from runner.cloud.durations import LIMIT_GRACE_S, limit_overrides
+from runner.cloud.submit import Submission, check_verified, spec_yaml
 
 TARGETS = ("tpu-vm", "skypilot", "gke", "vertex")
 CONTAINER = "runner"  # the container's name where an engine names it (GKE's pod failure policy does)
@@ -39,13 +47,11 @@ SPEC_FILE = "/tmp/runner-spec.yaml"
 # The one command every engine runs in the image: the spec from the environment to a file, then the job.
 # One line, so that xpk can inline it in its own wrapper script.
 COMMAND = f'printf %s "$RUNNER_SPEC_B64" | base64 -d >{SPEC_FILE} && exec runner run {SPEC_FILE}'
-# What coreutils `timeout` returns when it ends the command: like a preemption, the job is cut short and
-# running it again continues from its newest checkpoint.
-EXIT_TIMED_OUT = 124
-PREEMPTION_LIKE = (EXIT_PREEMPTED, EXIT_TIMED_OUT)
 RETRY_UNBOUNDED = (EXIT_PREEMPTED,)
-RETRY_BOUNDED = (EXIT_INFRA, *PREEMPTION_LIKE)
-NEVER_RETRY = (EXIT_TRAINING, EXIT_USAGE)
+RETRY_BOUNDED = (EXIT_INFRA, EXIT_PREEMPTED)
+# 124 (train.max_duration or train.stall_timeout reached, saved) is never retried, as on a TPU VM
+# (runner/cloud/recovery.py): each run starts the clock again, so retries would bill max-restarts x the limit.
+NEVER_RETRY = (EXIT_TRAINING, EXIT_USAGE, EXIT_TIME_LIMIT)
 
 
 # Which targets each flag of `runner submit` means something to; any other target refuses it.
@@ -54,12 +60,31 @@ FLAG_TARGETS = {
     "--service-account": ("tpu-vm",), "--reservation": ("tpu-vm",), "--valid-until": ("tpu-vm",),
     "--runtime-version": ("tpu-vm", "skypilot"),
     "--max-restarts": ("tpu-vm", "gke"),
+    "--max-run-duration": TARGETS, "--stall-timeout": TARGETS,
+    # What tpu_types verifies is TensorFlow on a TPU type *and its TPU VM runtime*: SkyPilot creates a TPU VM
+    # with the runtime given (accelerator_args.runtime_version), GKE and Vertex AI choose the host's software.
+    "--allow-unverified": ("tpu-vm", "skypilot"),
+    "--project": ("tpu-vm", "gke", "vertex"),
     "--queue": ("gke",), "--namespace": ("gke",), "--cluster": ("gke",), "--format": ("gke",),
 }
 _WHY = {
     "--max-restarts": {"skypilot": "SkyPilot relaunches a preempted job (and exit 75) without limit and never "
-                                   "retries exits 1, 2 and 3",
+                                   "retries exits 1, 2, 3 and 124",
                        "vertex": "Vertex AI restarts a preempted worker itself and has no restart count"},
+    "--allow-unverified": {
+        engine: f"{name} picks the TPU host's software itself (there is no --runtime-version), and what "
+                "runner verifies is TensorFlow on a TPU VM runtime (docs/tpu.md): there is nothing to allow; "
+                "the TPU types it refuses are refused by the engine's own rules (docs/engines.md)"
+        for engine, name in (("gke", "GKE"), ("vertex", "Vertex AI"))},
+    # SkyPilot 0.14.1, sky/clouds/gcp.py GCP.get_project_id: the workspace's gcp.project_id (API server config),
+    # else google.auth.default()'s project; a task's `config:` may set only the keys of
+    # sky/skylet/constants.py OVERRIDEABLE_CONFIG_KEYS_IN_TASK, and neither gcp.project_id nor workspaces is one.
+    "--project": {"skypilot": "SkyPilot creates the TPU in the GCP project of its API server: the active "
+                              "workspace's gcp.project_id in the API server's ~/.sky/config.yaml, else the project "
+                              "of the server's Google credentials (GOOGLE_CLOUD_PROJECT or gcloud's core/project); "
+                              "a task cannot name a project. Drop --project and, on the API server's host, run "
+                              "`gcloud config set project PROJECT` (or give its workspace gcp.project_id: "
+                              "https://docs.skypilot.co/en/latest/admin/workspaces.html), then `sky check gcp`"},
 }
 
 
@@ -90,6 +115,18 @@ def check_options(on: str, given: dict[str, bool], options: Options) -> None:
         problems.append(f"--format {options.output_format!r}: choose manifest or xpk")
     if problems:
         raise SpecError(f"cannot submit --on {on}:\n  " + "\n  ".join(problems))
+
+
+def command(sub: Submission) -> str:
+    """COMMAND with the job's time limits on its `runner run` line, as the TPU VM's startup script adds them."""
+    limits = limit_overrides(sub.max_run_s, sub.stall_timeout_s)
+    return " ".join([COMMAND, *(f"--set {shlex.quote(limit)}" for limit in limits)])
+
+
+def deadline_s(sub: Submission) -> int | None:
+    """The engine's own deadline: the wall-clock limit plus the grace the job has to save and exit by itself
+    (None: no limit)."""
+    return None if sub.max_run_s is None else sub.max_run_s + LIMIT_GRACE_S
 
 
 def container_env(sub: Submission) -> dict[str, str]:
@@ -129,25 +166,35 @@ def refuse_multi_host(sub: Submission) -> None:
     tpu_types.refuse_multi_host(sub.tpu.name)
 
 
-def submit(on: str, sub: Submission, options: Options, *, dry_run: bool) -> tuple[str, dict | None]:
-    """What to print (the engine's own document with --dry-run) and, when sent, the engine's answer."""
+def submit(on: str, sub: Submission, options: Options, *, dry_run: bool,
+           preflight: Callable[[], None] | None = None) -> tuple[str, dict | None]:
+    """What to print (the engine's own document with --dry-run) and, when sent, the engine's answer.
+
+    `preflight` runs once the engine's document is made (every check without a call has passed) and before
+    anything is sent; it raises to stop the submission."""
     refuse_multi_host(sub)
+    check = preflight or (lambda: None)
     if on == "skypilot":
         from runner.cloud.engines import skypilot
 
+        check_verified(sub)  # a TPU VM with sub.runtime_version, as on --on tpu-vm
         task = skypilot.task(sub, dry_run=dry_run)
+        check()
         return (skypilot.task_yaml(task), None) if dry_run else ("", skypilot.launch(sub, task))
     if on == "gke":
         from runner.cloud.engines import gke
 
         if options.output_format == "xpk":
-            return gke.xpk_command(sub, options) + "\n", None
+            text = gke.xpk_command(sub, options) + "\n"
+            check()
+            return text, None
         manifest = gke.jobset(sub, options)
+        check()
         return (gke.manifest_yaml(manifest), None) if dry_run else ("", gke.apply(sub, manifest))
     if on == "vertex":
         from runner.cloud.engines import vertex
 
-        if dry_run:
-            return vertex.request_text(sub), None
-        return "", vertex.create(sub)
+        text = vertex.request_text(sub)
+        check()
+        return (text, None) if dry_run else ("", vertex.create(sub))
     raise SpecError(f"--on {on!r}: choose one of {', '.join(TARGETS)}")

@@ -7,12 +7,20 @@ with one replica per slice and one pod per host, `backoffLimit: 0`, and failure 
   - the Job's pod failure policy (Kubernetes batch/v1, first matching rule wins): a pod with the
     DisruptionTarget condition (preempted, evicted, its node drained or shut down) is `Ignore`d: the Job
     makes a new pod and nothing is counted; an exit code outside RESTART_CODES (1, 2: failed training, bad
-    spec or data) is `FailJob`; any other exit (75 preempted, 124 timed out, 3 infrastructure, signals)
-    counts against backoffLimit 0, so the Job fails with BackoffLimitExceeded;
+    spec or data; 124: a time limit reached) is `FailJob`; any other exit (75 preempted, 3 infrastructure,
+    signals) counts against backoffLimit 0, so the Job fails with BackoffLimitExceeded;
+  - the Job's deadline, `activeDeadlineSeconds` (batch/v1 JobSpec: "the duration in seconds relative to the
+    startTime that the job may be continuously active before the system tries to terminate it"; a Job
+    suspended, as Kueue admits it, has that timer "stopped and reset when the Job is resumed"): the
+    --max-run-duration plus LIMIT_GRACE_S, after the job's own limit has had time to save and exit 124. It
+    counts from the Job's start, so time a pod waits for a TPU node is inside it (docs/engines.md);
   - the JobSet's failure policy (JobSet's FailurePolicyRule, jobset.x-k8s.io/v1alpha2): a Job failed by the
-    pod failure policy (reason PodFailurePolicy) fails the JobSet at once (FailJobSet); any other Job failure
-    gets JobSet's default action, RestartJobSet, counted against `maxRestarts` (--max-restarts; default
+    pod failure policy (reason PodFailurePolicy) or its deadline (DeadlineExceeded) fails the JobSet at once
+    (FailJobSet), so neither exit 124 nor the deadline starts the clock again; any other Job failure gets
+    JobSet's default action, RestartJobSet, counted against `maxRestarts` (--max-restarts; default
     DEFAULT_RESTARTS with or without --spot: an on-demand node is drained for upgrades and maintenance too).
+    Each restart makes new Jobs, each with the whole deadline again, as a TPU VM's restart runs the limit again.
+xpk has no deadline flag (xpk 1.16.0 `workload create`): with --format xpk the job's own limit is the only one.
 The rule fields are the ones JobSet's own API declares (onJobFailureReasons; onJobFailureMessagePatterns only
 exists from JobSet v0.11, and xpk installs v0.10.1, so it is not used).
 
@@ -37,11 +45,12 @@ from typing import Any
 
 from runner import AcceleratorError, SpecError
 from runner.cloud.engines import (
-    COMMAND,
     CONTAINER,
     RETRY_BOUNDED,
     Options,
+    command,
     container_env,
+    deadline_s,
     dump_yaml,
 )
 from runner.cloud.submit import DEFAULT_SPOT_RESTARTS, Submission
@@ -53,7 +62,7 @@ RESTART_CODES = tuple(sorted({*XPK_RESTART_CODES, *RETRY_BOUNDED}))
 XPK_QUEUE = "multislice-queue"  # the LocalQueue xpk labels every workload with
 NAME_LIMIT = 40  # xpk's limit for a workload: pod names add "-slice-job-0-0-" and a suffix within 63
 TTL_SECONDS = 12 * 3600  # xpk's default: a finished JobSet is deleted after 12 hours
-DEFAULT_RESTARTS = DEFAULT_SPOT_RESTARTS  # JobSet restarts after exit 3, 75, 124 or a signal, --spot or not
+DEFAULT_RESTARTS = DEFAULT_SPOT_RESTARTS  # JobSet restarts after exit 3, 75 or a signal, --spot or not
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 # GKE Autopilot's own mutating webhooks, by name: their presence is how Agones (agones-dev/agones,
 # pkg/cloudproduct/gke/gke.go, Detect) tells Autopilot from Standard; the first is the name before GKE 1.26.
@@ -136,7 +145,7 @@ def pod_template(sub: Submission, host: Host) -> dict[str, Any]:
             "containers": [{
                 "name": CONTAINER,
                 "image": sub.image,
-                "command": ["bash", "-c", COMMAND],
+                "command": ["bash", "-c", command(sub)],
                 "env": [{"name": key, "value": value} for key, value in container_env(sub).items()],
                 # Root and privileged, as on a TPU VM (runner/cloud/tpu_startup.sh): libtpu opens the TPU
                 # devices; the image's own user is uid 1000.
@@ -150,6 +159,7 @@ def pod_template(sub: Submission, host: Host) -> dict[str, Any]:
 def jobset(sub: Submission, options: Options) -> dict[str, Any]:
     """The JobSet for one single-host slice."""
     host = host_of(sub)
+    deadline = deadline_s(sub)
     labels = {"runner-job": check_name(sub.name)}
     if options.queue:
         labels["kueue.x-k8s.io/queue-name"] = options.queue
@@ -168,7 +178,9 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
             "failurePolicy": {
                 "maxRestarts": max_restarts(sub, options),
                 "rules": [{"name": "FailOnNonRetryableExit", "action": "FailJobSet",
-                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+                           "onJobFailureReasons": ["PodFailurePolicy"]},
+                          {"name": "FailAtTimeLimit", "action": "FailJobSet",
+                           "onJobFailureReasons": ["DeadlineExceeded"]}],
             },
             "replicatedJobs": [{
                 "name": "slice-job",
@@ -177,6 +189,7 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
                     "parallelism": 1,
                     "completions": 1,
                     "backoffLimit": 0,
+                    **({} if deadline is None else {"activeDeadlineSeconds": deadline}),
                     "podFailurePolicy": {"rules": [
                         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
                         {"action": "FailJob", "onPodConditions": [],
@@ -195,8 +208,8 @@ def manifest_yaml(doc: dict[str, Any]) -> str:
     header = [
         f"# JobSet for runner job {name!r}: kubectl apply -f THIS_FILE (JobSet and, for the queue label, Kueue",
         "# installed; a GKE Standard cluster: the pod is privileged). A disrupted pod (preemption, drain) is",
-        "# replaced; exit 75, 124, 3 restart the JobSet up to failurePolicy.maxRestarts; 1 and 2 end it.",
-        "# The spec is base64 in RUNNER_SPEC_B64.",
+        "# replaced; exit 75 and 3 restart the JobSet up to failurePolicy.maxRestarts; 1, 2 and 124 (a time",
+        "# limit) end it, as does activeDeadlineSeconds. The spec is base64 in RUNNER_SPEC_B64.",
     ]
     return "\n".join(header) + "\n" + dump_yaml(doc)
 
@@ -224,7 +237,7 @@ def xpk_command(sub: Submission, options: Options) -> str:
         "--workload", check_name(sub.name),
         "--docker-image", sub.image, "--docker-name", CONTAINER,
         "--tpu-type", sub.tpu.name, "--num-slices", "1",
-        "--command", COMMAND,
+        "--command", command(sub),
         "--max-restarts", str(max_restarts(sub, options)),
         "--restart-on-exit-codes", ",".join(map(str, RETRY_BOUNDED)),
         *(["--spot"] if sub.spot else []),

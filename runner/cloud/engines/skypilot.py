@@ -10,7 +10,17 @@ container with --privileged on TPU VMs and runs `run:` inside it). Recovery is S
   - `max_restarts_on_errors: 0`: any other failure (1 training failed, 2 bad spec or data, 3 infrastructure)
     ends the job. Exit 3 is not retried here because SkyPilot can only retry it together with 1 and 2.
 `recover_on_exit_codes` is in SkyPilot's schema from 0.11.2 on (sky/utils/schemas.py; 0.11.0 and 0.11.1 lack
-it and their schema refuses unknown job_recovery keys), hence MIN_VERSION.
+it and their schema refuses unknown job_recovery keys), hence MIN_VERSION. Exit 124 (a time limit reached) is
+not in it, so it ends the job, as on a TPU VM.
+
+Time limits: only the job's own (`runner run ... --set train.max_duration=S --set train.stall_timeout=S`).
+SkyPilot has no deadline for a managed job on a TPU VM: its one run duration, `gcp.managed_instance_group.
+run_duration`, belongs to nodes it creates through a managed instance group, and a TPU VM is a node of its
+own kind (sky/provision/gcp/instance.py: GCPNodeType COMPUTE, MIG or TPU; SkyPilot 0.14.1, read, not run).
+
+The project: SkyPilot creates the TPU in its API server's GCP project (the active workspace's gcp.project_id,
+else its Google credentials' project: sky/clouds/gcp.py GCP.get_project_id), which no task can change, so
+`--project` is refused (runner/cloud/engines/__init__.py says how to set it).
 
 The image is pulled the way SkyPilot's "Private registries" docs say (docs/source/examples/docker-containers.rst):
   - Artifact Registry (REGION-docker.pkg.dev): SKYPILOT_DOCKER_USERNAME and _PASSWORD empty and
@@ -31,7 +41,7 @@ from typing import Any
 
 from runner import AcceleratorError, SpecError
 from runner.cloud import pricing
-from runner.cloud.engines import COMMAND, RETRY_UNBOUNDED, container_env, dump_yaml
+from runner.cloud.engines import RETRY_UNBOUNDED, command, container_env, dump_yaml
 from runner.cloud.submit import Submission
 
 INSTALL = "pip install 'tpu-job-runner[skypilot]' (the client; its API server needs skypilot[gcp])"
@@ -80,7 +90,7 @@ def task(sub: Submission, *, dry_run: bool = True) -> dict[str, Any]:
         # (as on a TPU VM: runner/cloud/tpu_startup.sh); the TPU image already runs as root, this keeps it so
         # for an image built FROM it with another USER.
         "config": {"docker": {"run_options": ["--user", "0:0"]}},
-        "run": COMMAND + "\n",
+        "run": command(sub) + "\n",
     }
     where, login = registry_login(sub.image, dry_run=dry_run)
     if where == "envs":
@@ -94,8 +104,8 @@ def task_yaml(doc: dict[str, Any]) -> str:
     header = [
         f"# SkyPilot managed job for runner job {doc['name']!r}: sky jobs launch THIS_FILE (SkyPilot >= {MIN_VERSION})",
         "# Recovery: preempted spot TPUs and exit 75 (preempted, checkpoint saved) relaunch the job;",
-        "# exits 1, 2 and 3 end it. The spec is base64 in envs.RUNNER_SPEC_B64. The TPU is created in the",
-        "# GCP project of SkyPilot's own credentials (sky check gcp).",
+        "# exits 1, 2, 3 and 124 (a time limit, enforced by the job itself) end it. The spec is base64 in",
+        "# envs.RUNNER_SPEC_B64. The TPU is created in the GCP project of SkyPilot's API server (sky check gcp).",
     ]
     if "secrets" in doc:
         header.append(f"# The registry key: sky jobs launch THIS_FILE --secret {PASSWORD}=\"$(cat KEY.json)\"")
@@ -139,9 +149,9 @@ def launch(sub: Submission, doc: dict[str, Any], emit: Callable[[str], None] = _
         raise AcceleratorError(f"SkyPilot did not take the job {sub.name!r}: {type(exc).__name__}: {exc}") from exc
     # `launch` returns as soon as the API server has queued the request; the server may still refuse it
     # (no GCP credentials, no capacity in the catalog, a controller that cannot start), so wait for it.
-    # SkyPilot has no per-task project: say so rather than drop --project without a word.
-    emit(f"SkyPilot creates the TPU in the GCP project of its own credentials (sky check gcp), not in "
-         f"--project {sub.project}")
+    # SkyPilot has no per-task project (an explicit --project is refused before this): say where it goes.
+    emit("SkyPilot creates the TPU in the GCP project of its API server's workspace or credentials "
+         "(sky check gcp shows it)")
     emit(f"SkyPilot request {request_id} (sky jobs launch {sub.name}): waiting for the jobs controller to take "
          f"it; its log: sky api logs {request_id}")
     try:

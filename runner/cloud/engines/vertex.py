@@ -12,6 +12,11 @@ after the job starts running. If true, overrides restart_job_on_worker_restart t
 `restartJobOnWorkerRestart` (it restarts the whole job when a worker restarts, which for one worker only adds
 a restart).
 
+Time limits: the job's own (`runner run ... --set train.max_duration=S --set train.stall_timeout=S`), and
+`scheduling.timeout` at --max-run-duration plus LIMIT_GRACE_S (Scheduling.timeout: "The maximum job running
+time. The default is 7 days.", aiplatform_v1 types/custom_job.py); with `--max-run-duration none` it is left
+out and Vertex's 7 days apply. Whether Vertex restarts a worker that exits 124 is Vertex's to decide (above).
+
 The machine types are Vertex AI's for training on TPU VMs
 (https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
 `cloud-tpu` machine with 8 TPU cores). Vertex's "Training with TPU accelerators" page
@@ -29,7 +34,7 @@ from typing import Any
 
 from runner import AcceleratorError, SpecError
 from runner.cloud import pricing
-from runner.cloud.engines import COMMAND, container_env
+from runner.cloud.engines import command, container_env, deadline_s
 from runner.cloud.submit import Submission
 
 API = "aiplatform.googleapis.com"
@@ -78,6 +83,9 @@ def custom_job(sub: Submission) -> dict[str, Any]:
     scheduling: dict[str, Any] = {"disableRetries": True}
     if sub.spot:
         scheduling["strategy"] = "SPOT"
+    deadline = deadline_s(sub)
+    if deadline is not None:  # aiplatform_v1 Scheduling.timeout: "The maximum job running time" (default 7 days)
+        scheduling["timeout"] = f"{deadline}s"
     return {
         "displayName": sub.name,
         "labels": {"runner-job": sub.name},
@@ -88,7 +96,7 @@ def custom_job(sub: Submission) -> dict[str, Any]:
                 "containerSpec": {
                     "imageUri": sub.image,
                     "command": ["bash", "-c"],
-                    "args": [COMMAND],
+                    "args": [command(sub)],
                     "env": [{"name": key, "value": value} for key, value in container_env(sub).items()],
                 },
             }],

@@ -1,0 +1,148 @@
+"""`runner submit` checks the cloud before it creates anything: the checks of `runner doctor --cloud`
+(runner/doctor/cloud.py) with the real clients, against the TPU API fake (which also answers the read calls
+of the checks and serves an image registry, tests/support/tpu_fake.py), the GCS emulator as the bucket and,
+for Vertex AI, the engines' fake. A failed check stops the submission with `runner doctor --cloud`'s exit
+code (3), naming each failed check and its fix, and the fakes record no create; `--no-preflight` skips the
+checks; a dry run runs them only with `--preflight`."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.doctor.cloud import parse_image
+from tests.conftest import last_json
+from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
+
+pytest_plugins = ["tests.support.cloud_fixtures"]
+
+PARENT = f"/v2/projects/{PROJECT}/locations/{ZONE}"
+CHECKS = ("cloud_credentials", "tpu_api", "tpu_type", "quota", "bucket_read", "bucket_write", "image")
+
+
+@pytest.fixture
+def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
+    for name in gcs.objects(bucket, "runs/"):
+        gcs.client().bucket(bucket).blob(name).delete()
+    return cloud_env(tpu_fake.endpoint, tmp_path, **gcs.env)
+
+
+def submit(spec: Path, env: dict[str, str], *extra: str):
+    return invoke("submit", spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
+                  *extra, env=env)
+
+
+def created(requests: list[dict]) -> list[dict]:
+    return [r for r in requests if r["method"] == "POST"]
+
+
+def lose_the_image(tpu_fake) -> None:
+    _, name, reference = parse_image(IMAGE)
+    tpu_fake.lose_image(name, reference)
+
+
+def test_a_submission_reads_what_the_doctor_reads_before_it_creates(api, tpu_fake, cloud_spec, gcs, bucket):
+    result = submit(cloud_spec, api)
+    assert result.returncode == 0, result.stderr
+    assert f"preflight: {len(CHECKS)} checks passed" in result.stderr
+    asked = [(r["method"], r["path"]) for r in tpu_fake.requests()]
+    _, name, reference = parse_image(IMAGE)
+    reads = [("GET", f"{PARENT}/nodes"), ("GET", f"{PARENT}/queuedResources"), ("GET", f"{PARENT}/acceleratorTypes"),
+             ("GET", f"/v2/{name}/manifests/{reference}")]
+    create = asked.index(("POST", f"{PARENT}/queuedResources"))
+    assert all(read in asked[:create] for read in reads), asked
+    assert last_json(result.stdout)["name"] == "mnist-cnn"
+    # The bucket check's probe object was deleted again: the run folder holds only what the submission wrote.
+    assert [n for n in gcs.objects(bucket, "runs/") if ".runner-doctor-" in n] == []
+
+
+def test_a_missing_image_stops_the_submission_and_nothing_is_created(api, tpu_fake, cloud_spec, gcs, bucket):
+    lose_the_image(tpu_fake)
+    result = submit(cloud_spec, api)
+    assert result.returncode == 3, result.stderr  # `runner doctor --cloud`'s exit for a failed cloud check
+    stderr = " ".join(result.stderr.split())
+    assert "preflight: 1 of 7 checks failed; nothing was created" in stderr
+    assert f"image: missing (404 MANIFEST_UNKNOWN): {IMAGE} is not in us-central1-docker.pkg.dev" in stderr
+    assert "fix: " in stderr and "--no-preflight skips the checks" in stderr
+    assert created(tpu_fake.requests()) == []
+    assert gcs.objects(bucket, "runs/") == []  # no job.json either
+    assert result.stdout == ""
+
+
+def test_a_data_folder_with_nothing_in_it_stops_the_submission(api, tpu_fake, cloud_spec):
+    doc = yaml.safe_load(cloud_spec.read_text())
+    doc["data"]["train"] = "gs://runner-test/data/never-uploaded/train-*.tfrecord"
+    cloud_spec.write_text(yaml.safe_dump(doc))
+    result = submit(cloud_spec, api)
+    assert result.returncode == 3, result.stderr
+    stderr = " ".join(result.stderr.split())
+    assert "bucket_read: missing: no objects under gs://runner-test/data/never-uploaded/" in stderr
+    assert "fix: runner prepare DATASET --out gs://runner-test/data/never-uploaded" in stderr
+    assert created(tpu_fake.requests()) == []
+
+
+def test_every_failed_check_is_listed_with_its_fix(api, tpu_fake, cloud_spec):
+    lose_the_image(tpu_fake)
+    doc = yaml.safe_load(cloud_spec.read_text())
+    doc["data"]["train"] = "gs://runner-test/data/never-uploaded/train-*.tfrecord"
+    cloud_spec.write_text(yaml.safe_dump(doc))
+    result = submit(cloud_spec, api)
+    assert result.returncode == 3
+    failed = [line.strip() for line in result.stderr.splitlines() if line.strip().split(":")[0] in CHECKS]
+    assert [line.split(":")[0] for line in failed] == ["bucket_read", "image"]
+    assert result.stderr.count("fix: ") == 2
+
+
+def test_no_preflight_skips_the_checks_and_submits(api, tpu_fake, cloud_spec):
+    lose_the_image(tpu_fake)
+    result = submit(cloud_spec, api, "--no-preflight")
+    assert result.returncode == 0, result.stderr
+    assert "preflight" not in result.stderr
+    paths = [r["path"] for r in tpu_fake.requests()]
+    assert f"{PARENT}/acceleratorTypes" not in paths and not any("/manifests/" in p for p in paths)
+    assert len(created(tpu_fake.requests())) == 1
+
+
+def test_a_dry_run_stays_offline_unless_preflight_is_asked_for(api, tpu_fake, cloud_spec):
+    lose_the_image(tpu_fake)
+    offline = submit(cloud_spec, api, "--dry-run")
+    assert offline.returncode == 0, offline.stderr
+    assert tpu_fake.requests() == [] and "preflight" not in offline.stderr
+    checked = submit(cloud_spec, api, "--dry-run", "--preflight")
+    assert checked.returncode == 3, checked.stderr
+    assert "image: missing" in checked.stderr and checked.stdout == ""
+    assert created(tpu_fake.requests()) == []
+
+
+def test_an_unreachable_tpu_api_stops_the_submission_before_the_create(api, tpu_fake, cloud_spec):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    result = submit(cloud_spec, {**api, "CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU": f"http://127.0.0.1:{closed}/"})
+    assert result.returncode == 3
+    stderr = " ".join(result.stderr.split())
+    assert "tpu_api: unreachable" in stderr and "CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU" in stderr
+    assert "could not reach the Cloud TPU API to create" not in stderr  # stopped before the create
+
+
+def test_an_engine_submission_runs_the_same_checks_and_its_engines_own(api, tpu_fake, engine_api, cloud_spec):
+    env = {**api, "CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM": f"{engine_api.endpoint}/"}
+    jobs_path = f"/v1/projects/{PROJECT}/locations/us-central1/customJobs"
+    before = len(engine_api.requests())
+    lose_the_image(tpu_fake)
+    refused = submit(cloud_spec, env, "--on", "vertex")
+    assert refused.returncode == 3, refused.stderr
+    assert "image: missing" in refused.stderr
+    asked = engine_api.requests()[before:]
+    assert [(r["method"], r["path"]) for r in asked] == [("GET", jobs_path)]  # the engine check; no create
+
+    tpu_fake.reset()
+    taken = submit(cloud_spec, env, "--on", "vertex")
+    assert taken.returncode == 0, taken.stderr
+    assert f"preflight: {len(CHECKS) + 1} checks passed" in taken.stderr  # + the engine check
+    assert last_json(taken.stdout)["on"] == "vertex"
+    asked = engine_api.requests()[before:]
+    assert [(r["method"], r["path"]) for r in asked][-2:] == [("GET", jobs_path), ("POST", jobs_path)]
