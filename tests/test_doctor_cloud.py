@@ -276,6 +276,19 @@ def test_gke_asks_the_clusters_api_from_kubeconfig(fake, tmp_path) -> None:
     code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
     assert code == 0 and "version v1.31.0-fake" in checks["engine"]["evidence"], checks
     assert [r["authorization"] for r in fake.requests() if r["path"] == "/version/"] == [f"Bearer {TOKEN}"]
+    assert "JobSet's API jobset.x-k8s.io/v1alpha2 is served" in checks["engine"]["evidence"]
+    # A cluster without JobSet: the install command is the action, and it names the releases it comes from.
+    fake.groups([{"name": "kueue.x-k8s.io", "versions": [{"groupVersion": "kueue.x-k8s.io/v1beta1",
+                                                          "version": "v1beta1"}]}])
+    code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
+    assert code == 3 and checks["engine"]["evidence"].startswith("missing: "), checks["engine"]
+    assert "jobset.x-k8s.io/v1alpha2 is not installed" in checks["engine"]["evidence"]
+    assert checks["engine"]["action"].startswith("kubectl apply --server-side -f https://github.com/kubernetes-sigs/"
+                                                 "jobset/releases/download/")
+    fake.groups([{"name": "jobset.x-k8s.io", "versions": [{"groupVersion": "jobset.x-k8s.io/v1alpha1",
+                                                           "version": "v1alpha1"}]}])
+    code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
+    assert code == 3 and "is only v1alpha1" in checks["engine"]["evidence"], checks["engine"]
     fake.deny("/version", 403)
     code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", env=env)
     assert code == 3 and checks["engine"]["evidence"].startswith("denied (403)")

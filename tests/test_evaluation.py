@@ -141,7 +141,7 @@ def job(folder: Path, tmp_path: Path, name: str, replicas: int, **data: object) 
         # float32: in bfloat16 (auto's choice on a CPU with avx512_bf16) a row's output depends on the batch it
         # is computed in (the kernels block the matmuls by batch size), so a near tie can flip between the
         # runner's padded batches and predict()'s, and the comparison would measure rounding, not counting.
-        "train": {"epochs": 1, "steps_per_epoch": 2, "validate_every_epoch": "validation" not in data,
+        "train": {"epochs": 1, "steps_per_epoch": 2, "validation_every": "never" if "validation" in data else 1,
                   "mixed_precision": "float32"},
         "output": {"dir": str(tmp_path / "runs"), "tensorboard": False},
     }, f"{name}.yaml")

@@ -227,8 +227,9 @@ class EpochMarks(tf.keras.callbacks.Callback):
 
 @pytest.mark.slow
 def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_path: Path) -> None:
-    """AdamW with weight decay and clipnorm, a cosine schedule with warmup, balanced class weights from the
-    manifest's label counts and a callback of the user's: trained, preempted mid-epoch, resumed, reported."""
+    """AdamW with weight decay and clipnorm, a cosine schedule with warmup, label smoothing on class-id labels,
+    balanced class weights from the manifest's label counts and a callback of the user's: trained, preempted
+    mid-epoch, resumed, reported."""
     import signal
 
     from tests.support.runs import finish, signal_in_second_epoch, start_run
@@ -247,6 +248,9 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
             "schedule": {"class_name": "CosineDecay", "config": {
                 "initial_learning_rate": 1e-4, "decay_steps": 3 * steps, "warmup_target": 0.002, "warmup_steps": 10,
             }},
+            # The built-in CNN ends in a softmax: probabilities, from_logits false.
+            "loss": {"class_name": "CategoricalCrossentropy",
+                     "config": {"from_logits": False, "label_smoothing": 0.1}},
             "class_weight": "balanced", "callbacks": ["mine.marks:EpochMarks"],
         },
     )
@@ -260,6 +264,7 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     code, out, err = finish(process)
     assert code == 75, err[-3000:]
     assert "train.class_weight balanced: 0: " in err
+    assert "the class ids are one-hot encoded to 10 classes" in err
     resumed = run_cli("run", spec, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = last_json(resumed.stdout)

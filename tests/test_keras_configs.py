@@ -72,7 +72,8 @@ def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Pa
                                                               "did you mean 'config'?"),
         ({"loss": "sparse_categorical_crossentropyy"}, "did you mean 'sparse_categorical_crossentropy'?"),
         ({"loss": {"class_name": "SparseCategoricalCrossentropy", "config": {"label_smoothing": 0.1}}},
-         "SparseCategoricalCrossentropy takes no argument 'label_smoothing'"),
+         "SparseCategoricalCrossentropy takes no label_smoothing (Keras 3.15.1): write {class_name: "
+         "CategoricalCrossentropy, config: {label_smoothing: 0.1}}; the runner one-hot encodes class-id labels"),
         ({"metrics": ["accuracy", "acuracy"]}, "train.metrics.1: 'acuracy' is not a metric name keras.metrics "
                                                "knows; did you mean 'accuracy'?"),
         ({"schedule": {"class_name": "CosineDecai", "config": {}}}, "did you mean 'CosineDecay'?"),

@@ -204,14 +204,18 @@ def test_workload_models_check_their_params_and_inputs() -> None:
 
 
 def test_plateau_settings_need_per_epoch_validation(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3}})
+    spec = write_spec(tmp_path, {"name": "w", "train": {"early_stopping_patience": 3, "validation_every": 2}})
     result = invoke("validate", spec, env=cli_env())
     assert result.returncode == 2
-    assert ("train.early_stopping_patience (3) watches val_loss: also set train.validate_every_epoch: true"
-            in result.stderr)
-    spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"validate_every_epoch": True}})
+    assert ("train.early_stopping_patience (3) watches val_loss after every epoch, but train.validation_every is 2: "
+            "set train.validation_every: 1 (or leave it auto)") in result.stderr
+    spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"validation_every": 1}})
     result = invoke("validate", spec, env=cli_env())
-    assert result.returncode == 2 and "set data.validation or data.eval" in result.stderr
+    assert result.returncode == 2
+    assert "train.validation_every needs data to validate on: set data.validation or data.eval" in result.stderr
+    spec = write_spec(tmp_path, {"name": "w", "data": {"eval": None}, "train": {"early_stopping_patience": 3}})
+    result = invoke("validate", spec, env=cli_env())
+    assert result.returncode == 2 and "train.early_stopping_patience needs data to validate on" in result.stderr
 
 
 def test_matmul_bench_spec_refuses_training_sections(tmp_path: Path) -> None:

@@ -5,11 +5,12 @@ manifest and byte checks themselves are runner/data/verify.py's).
 naming the shard (or the manifest field) and what differs, and nothing is written to the run folder: no
 spec.json, no attempt, no checkpoint rotated, no summary there (stdout still gets one).
 
-For every pattern the job reads (data.train, data.eval, and data.validation when it validates per epoch):
+For every pattern the job reads (data.train, data.eval, and data.validation unless validation is `never`):
   - the manifest is well formed (`splits`, per shard `file` and `records`, split totals that add up),
   - every file the pattern matches is listed, every listed shard it names is there, and it names whole
     splits: steps per epoch are the manifest's record count, never what happens to be on disk,
   - the labels the manifest records (`label_range`) are classes the model has (built-in classifiers),
+  - train.sample_weight names a numeric scalar feature of its schema (its values are checked as they are read),
   - data.verify: size (default) stats each shard: present, exactly its listed size (a shard emptied, cut at
     a record boundary or inside a record, or replaced); sha256 also reads every byte once and compares its
     hash, and the summary's `data_verify` reports what that cost; off skips both byte checks.
@@ -37,7 +38,7 @@ def patterns_of(spec: JobSpec) -> dict[str, str]:
     """The shard patterns the job reads, by spec key."""
     d = spec.data
     found = {"data.train": d.train, "data.eval": d.eval}
-    if spec.train.validate_every_epoch:
+    if spec.train.validates():  # auto decides from the record counts, once every split is found
         found["data.validation"] = d.validation
     return {key: pattern for key, pattern in found.items() if pattern}
 
@@ -63,6 +64,7 @@ def check_job_data(spec: JobSpec) -> JobData:
             pipeline.check_declared(spec.data.features, shards)
             check_whole_splits(shards, key)
             check_labels(spec, shards)
+            check_sample_weight(spec.train.sample_weight, shards, key)
             for shard in pipeline.listed_in(shards):
                 listed.setdefault(shard.path, shard)
         _check_sizes_listed(spec, list(listed.values()))
@@ -107,6 +109,26 @@ def check_whole_splits(shards: pipeline.Shards, key: str) -> None:
                 "steps set train.steps_per_epoch; for fewer records prepare a smaller split (`runner prepare "
                 "--limit N`) or `runner manifest` a folder that holds only those shards"
             )
+
+
+def check_sample_weight(weight: str | None, shards: pipeline.Shards, key: str) -> None:
+    """train.sample_weight's feature is in the split's schema, and a number per record: it weighs training and
+    evaluation alike, so every split the job reads must hold it."""
+    if weight is None:
+        return
+    manifest = posixpath.join(posixpath.dirname(shards.pattern), pipeline.MANIFEST)
+    feature = shards.features.get(weight)
+    if feature is None:
+        raise DataError(
+            f"train.sample_weight names {weight!r}, but {manifest} (the schema of {key}) has no such feature; it has: "
+            f"{', '.join(sorted(shards.features))}. Name one of them, or write the weights into the records (every "
+            "split the job reads: training, evaluation and validation are weighted alike)"
+        )
+    if feature.dtype not in ("int64", "float32") or tuple(feature.shape) not in ((), (1,)):
+        raise DataError(
+            f"train.sample_weight names {weight!r}, which {manifest} declares as {schema.describe(feature)}: a "
+            "sample weight is one number per record (int64 or float32, shape [] or [1]); name such a feature"
+        )
 
 
 def classes_of(spec: JobSpec) -> int | None:

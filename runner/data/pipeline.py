@@ -370,7 +370,7 @@ def steps_in(shards: Shards, batch_size: int, key: str) -> int:
     if steps == 0:
         raise DataError(
             f"{key}: {shards.records} records in {shards.pattern!r} make no full batch of "
-            f"data.global_batch_size ({batch_size}); lower the batch size or add data"
+            f"data.global_batch_size ({batch_size}); set data.global_batch_size to at most {shards.records} or add data"
         )
     return steps
 
@@ -401,7 +401,7 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
         lines = exc.message.splitlines()
         detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
         what = {"data.train": "training", "data.eval": "evaluation", "data.validation": "validation"}.get(key, key)
-        return DataError(f"corrupt {what} data in {where}: {detail}; the run stopped, checkpoints kept")
+        return DataError(f"corrupt {what} data in {where}: {detail}")
     # Evaluation batches hold exactly the records the manifest lists (make_dataset `weighted`).
     counted = re.search(
         r"expected to contain (\d+) elements but contained (only|at least) (\d+)", getattr(exc, "message", "")
@@ -420,11 +420,13 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
     lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
     reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
     reason = reason.rsplit(": ", 1)[-1]
+    if "train.sample_weight" in reason:  # the weights' own check (runner/job/inputs.py with_sample_weight)
+        return DataError(f"{key}: {reason.strip('[]. ')} in a shard matching {pattern!r}: fix the records' weights")
     where = suspect_shards(pattern)
     return DataError(
         f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
         "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
-        "or `runner prepare` for a built-in dataset; the run stopped, checkpoints kept"
+        "or `runner prepare` for a built-in dataset"
     )
 
 

@@ -112,7 +112,8 @@ _LOCAL_FAULTS = {
 
 def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
     """A StorageError naming the bucket when `exc` is TensorFlow giving up on GCS, or naming the path when a
-    disk refused a write (full, read-only, a file where a folder belongs); None for other errors."""
+    disk refused a write (full, read-only, a file where a folder belongs); None for other errors. It says nothing
+    of checkpoints: the run's closing line says what the attempt kept (runner/train/progress.py), this cannot."""
     message = str(getattr(exc, "message", exc))
     kind = type(exc).__name__
     # TensorFlow's GCS client gives up with "All N retry attempts failed" (tsl's retrying_utils); an op that
@@ -125,8 +126,7 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
         where = ", ".join(f"gs://{b}" for b in buckets) or "the storage host"
         return StorageError(
             f"storage unreachable: {where} cannot be reached from this machine ({unreachable.group(0)}: DNS or "
-            "network); check the network, a proxy (https_proxy) or the bucket's name; nothing was changed by this "
-            "attempt: run the same job again once the bucket can be reached"
+            "network); check the network, a proxy (https_proxy) or the bucket's name, then run the same job again"
         )
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
         return _gcs_no_folder(message, paths, timeout_s) or _local_fault(exc, message)
@@ -136,7 +136,7 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
     first_line = message.splitlines()[0][:300] if message else kind
     return StorageError(
         f"storage unreachable: {where} did not answer within storage.timeout_s ({timeout_s:g} s): {first_line}; "
-        "complete checkpoints are kept; run the same job again when the bucket answers"
+        "run the same job again when the bucket answers"
     )
 
 
@@ -159,7 +159,7 @@ def _gcs_no_folder(message: str, paths: Iterable[str | None], timeout_s: float) 
     bucket = split_gcs(under[0])[0]
     return StorageError(
         f"storage unreachable: gs://{bucket} did not answer within storage.timeout_s ({timeout_s:g} s): TensorFlow's "
-        f"gs:// client found no folder gs://{bucket}/{name}; complete checkpoints are kept; run the same job again "
+        f"gs:// client found no folder gs://{bucket}/{name}; run the same job again "
         f"when the bucket answers (should an object named gs://{bucket}/{name} stand where that folder belongs, "
         "delete it first)"
     )
@@ -179,8 +179,7 @@ def _local_fault(exc: BaseException, message: str) -> StorageError | None:
         path = found.group(1) if found else "the run folder"
     path = re.sub(r"\.tempstate\d+$", "", str(path))
     return StorageError(
-        f"storage fault: {path}: {os.strerror(code)}; {_LOCAL_FAULTS[code]}, then run the same job again (it "
-        "continues from its newest complete checkpoint, if one was saved)"
+        f"storage fault: {path}: {os.strerror(code)}; {_LOCAL_FAULTS[code]}, then run the same job again"
     )
 
 

@@ -1,6 +1,7 @@
 """The engine check of `runner doctor --cloud --on ENGINE`: the cheapest call of the engine's own client (Vertex
-AI: one page of custom jobs; GKE: the cluster's /version from kubeconfig; SkyPilot: `sky api info`'s health
-call). An engine whose client is not installed is a warning, "not checked", with the extra that installs it."""
+AI: one page of custom jobs; GKE: the cluster's /version from kubeconfig, then its API groups for JobSet's;
+SkyPilot: `sky api info`'s health call). An engine whose client is not installed is a warning, "not checked",
+with the extra that installs it."""
 
 from __future__ import annotations
 
@@ -62,7 +63,33 @@ def check_gke(timeout: float) -> Check:
         what = "unreachable" if unreachable(exc) else "refused" if status is None else f"refused ({status})"
         return Check("engine", "fail", f"{what}: the cluster at {host}: {reason(exc)}",
                      f"check the cluster is running and reachable from here; {get_credentials}")
-    return Check("engine", "ok", f"the Kubernetes API at {host} answered (version {version.git_version})")
+    evidence = f"the Kubernetes API at {host} answered (version {version.git_version})"
+    return _jobset_api(client, api_client, host, evidence, timeout)
+
+
+# What `runner submit --on gke` creates (runner/cloud/engines/gke.py GROUP/VERSION), and the install command from
+# JobSet's installation page (kubernetes-sigs/jobset site/content/en/docs/installation/_index.md).
+JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
+JOBSET_INSTALL = ("kubectl apply --server-side -f https://github.com/kubernetes-sigs/jobset/releases/download/"
+                  "$VERSION/manifests.yaml (VERSION: a JobSet release; xpk clusters have it installed)")
+
+
+def _jobset_api(client: Any, api_client: Any, host: str, evidence: str, timeout: float) -> Check:
+    """The cluster's API groups (GET /apis/, Kubernetes API discovery): a cluster without JobSet's CRD would
+    refuse the JobSet with a 404 only when `submit` sends it."""
+    try:
+        groups = client.ApisApi(api_client).get_api_versions(_request_timeout=timeout).groups or []
+    except Exception as exc:
+        status = status_of(exc)
+        what = "unreachable" if unreachable(exc) else f"refused ({status})"
+        return Check("engine", "fail", f"{evidence}, but its API groups were not listed: {what}: {reason(exc)}",
+                     "grant the account roles/container.developer (it lists the cluster's APIs)")
+    versions = {v.version for g in groups if g.name == JOBSET_GROUP for v in (g.versions or [])}
+    if JOBSET_VERSION not in versions:
+        found = f"only {', '.join(sorted(versions))}" if versions else "not installed"
+        return Check("engine", "fail", f"missing: {evidence}, but JobSet's API {JOBSET_GROUP}/{JOBSET_VERSION} is "
+                     f"{found}: `runner submit --on gke` creates a JobSet", JOBSET_INSTALL)
+    return Check("engine", "ok", f"{evidence}; JobSet's API {JOBSET_GROUP}/{JOBSET_VERSION} is served")
 
 
 def check_skypilot(timeout: float) -> Check:

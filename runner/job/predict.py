@@ -23,6 +23,7 @@ import tensorflow as tf
 from runner import DataError, SpecError
 from runner.data import pipeline
 from runner.device.strategy import Accelerator, resolve_accelerator
+from runner.job.inputs import evaluation_batches
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
 from runner.spec.types import JobSpec
@@ -77,10 +78,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     batch = _batch_for(spec, trained.accelerator)
     # Every record once: the last batch padded, its padding weighing 0 in the metrics and the loss.
     steps = pipeline.eval_steps(shards, batch, key)
-    dataset = pipeline.make_dataset(
-        shards, batch, spec.data.inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
-        autotune=spec.data.autotune, weighted=True,
-    )
+    dataset = evaluation_batches(spec, shards, batch, _preprocess(spec), trained.model, key)
     try:
         results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     except tf.errors.OpError as exc:

@@ -69,6 +69,7 @@ def run_job(
         _stop_if_noticed(notice, "while the job was starting")
         job.start(data.shards)  # the device, the precision, the seed and the input pipelines
         model, saver, plan = _build_and_restore(spec, attempt, job.inputs, job.precision)
+        job.inputs.encode_labels(build.label_classes(spec.train, job.inputs.train.features.get(spec.data.label), model))
         if attempt.accelerator.kind != "tpu":  # one eager batch on the host; a TPU model is checked when compiled
             build.check_first_batch(model, model.loss, job.inputs.train_ds)
         _stop_if_noticed(notice, "before training began")
@@ -239,7 +240,7 @@ def _train(
     if spec.profile:
         profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps)
     validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
-    feed = loop.Feed(inputs.train_ds, validation, spec.data.train, inputs.class_weight)
+    feed = loop.Feed(inputs.train_ds, validation, spec.data.train, inputs.class_weight, inputs.validation_every or 1)
     outcome = loop.train(
         model, saver, feed, plan, recorder, notice, attempt.phases, settings=spec.train, saving=spec.checkpoint,
         global_batch=spec.data.global_batch_size, profiler=profiler, verbose=verbose, progress_every=progress_every,

@@ -119,7 +119,8 @@ class Attempt:
             log.error("could not write the summary to %s: %s", self.run.path, exc.message.splitlines()[0])
         finally:
             self.run.close()
-            self.run.remove_if_refused()
+            if self.run.remove_if_refused():
+                summary.pop("run_dir", None)  # the closing line must not send the user to a folder that is gone
 
 
 def error_of(exc: Exception, spec: JobSpec, what: str = "training") -> RunnerError:

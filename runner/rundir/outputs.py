@@ -175,16 +175,19 @@ class RunFolder:
         nothing, and a folder this attempt made is removed again once its lease is released (see `close`)."""
         self._refused = True
 
-    def remove_if_refused(self) -> None:
-        """After `close`: removes the folder a refused start made, if it holds nothing but empty folders."""
+    def remove_if_refused(self) -> bool:
+        """After `close`: removes the folder a refused start made, if it holds nothing but empty folders; True
+        when it was removed (the attempt's summary then names no run folder)."""
         if not (self._refused and self._created) or self._lease is not None:
-            return
+            return False
         try:
             leftovers = [f for _, _, files in tf.io.gfile.walk(self.path) for f in files]
             if not leftovers:
                 tf.io.gfile.rmtree(self.path)
+                return True
         except tf.errors.OpError as exc:  # the refusal is what the user must read; this is housekeeping
             log.warning("could not remove the empty run folder %s: %s", self.path, exc)
+        return False
 
     def _completed(self, spec: JobSpec) -> dict[str, Any] | None:
         """The summary of the finished job when it trained exactly `train.epochs` (precedence 3)."""

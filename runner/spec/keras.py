@@ -111,6 +111,8 @@ class Serialized(Strict):
     def _known_arguments(self) -> Serialized:
         allowed = TABLE[_KINDS[self.kind][0]][self.class_name]
         for key, value in self.config.items():
+            if key == "label_smoothing" and self.class_name == "SparseCategoricalCrossentropy" and key not in allowed:
+                raise ValueError(_sparse_smoothing(self.config))
             if key not in allowed:
                 raise ValueError(
                     f"config: {self.class_name} takes no argument {_shown(str(key))}{did_you_mean(str(key), allowed)} "
@@ -140,6 +142,20 @@ class SerializedMetric(Serialized):
 
 class SerializedSchedule(Serialized):
     kind: ClassVar[str] = "schedule"
+
+
+def _sparse_smoothing(config: dict[str, Any]) -> str:
+    """Keras's SparseCategoricalCrossentropy has no label_smoothing (keras/src/losses/losses.py: its __init__ takes
+    from_logits, ignore_class, reduction, axis, name, dtype); CategoricalCrossentropy has, on one-hot labels, and
+    the runner one-hot encodes class-id labels for it (runner/train/build.py `label_classes`)."""
+    kept = {k: v for k, v in config.items() if k in TABLE["losses"]["CategoricalCrossentropy"]}
+    kept["label_smoothing"] = config["label_smoothing"]
+    shown = ", ".join(f"{k}: {json.dumps(v)}" for k, v in kept.items())
+    return (
+        f"config: SparseCategoricalCrossentropy takes no label_smoothing (Keras {TABLE['keras']}): write "
+        f"{{class_name: CategoricalCrossentropy, config: {{{shown}}}}}; the runner one-hot encodes class-id labels "
+        "for CategoricalCrossentropy (docs/specs.md)"
+    )
 
 
 def _check_plain(value: Any, where: str) -> None:

@@ -392,8 +392,8 @@ def _check_data(
         held = sorted(os.listdir(folder))
         near = difflib.get_close_matches(name, held, n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
-        return problem(f"no files match {name!r} in {folder}{hint} (it holds: {shown})")
+        holds = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
+        return problem(f"no files match {name!r} in {folder}{hint} (it holds: {holds})")
     if not os.path.isfile(manifest_path):
         return problem(
             f"{folder} holds {len(files)} file(s) matching {name!r} but no manifest.json: for your own TFRecords, "
@@ -407,12 +407,16 @@ def _check_data(
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return problem(
             f"{manifest_path} cannot be read as a manifest ({type(exc).__name__}: {shown(str(exc))}); write it "
-            "again with `runner prepare` or `runner manifest --force`"
+            f"again: `runner manifest {spec_path} --force` for your own TFRecords (data.features declared), "
+            f"`runner prepare DATASET --out {folder}` for a built-in dataset"
         )
     unlisted = [f for f in files if os.path.basename(f) not in shards]
     if unlisted:
-        return problem(f"{unlisted[0]} matches {name!r} but {manifest_path} does not list it; narrow the pattern "
-                       "or write the manifest again")
+        return problem(
+            f"{unlisted[0]} matches {name!r} but {manifest_path} does not list it; narrow the pattern, or write the "
+            f"manifest again: `runner manifest {spec_path} --force` for your own TFRecords (data.features "
+            f"declared), `runner prepare DATASET --out {folder}` for a built-in dataset"
+        )
     records = sum(shards[os.path.basename(f)] for f in files)
     batch = spec.data.global_batch_size
     if key == "train" and spec.train.steps_per_epoch is None and records < batch:

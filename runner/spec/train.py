@@ -16,7 +16,17 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PlainValidator, StrictBool, field_validator, model_validator
 
 from runner.spec import keras
-from runner.spec.base import INT32_MAX, LEARNING_RATE_RANGE, MAX_WAIT_S, MIN_WAIT_S, Integer, Number, Strict, bounded
+from runner.spec.base import (
+    INT32_MAX,
+    LEARNING_RATE_RANGE,
+    MAX_WAIT_S,
+    MIN_WAIT_S,
+    Integer,
+    Name,
+    Number,
+    Strict,
+    bounded,
+)
 from runner.spec.usercode import check_import_path, is_import_path
 
 
@@ -26,9 +36,24 @@ def _auto_or_steps(value: Any) -> int | str:
     raise ValueError(f"{value!r} is neither 'auto' nor a whole number of steps from 1 to {INT32_MAX:,}")
 
 
+def _validation_every(value: Any) -> int | str:
+    if value in ("auto", "never"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000:
+        return "never" if value == 0 else value
+    raise ValueError(f"{value!r} is none of auto, never, or a whole number of epochs from 0 (never) to 1,000,000")
+
+
 # The momentum the name `sgd` has always meant here (Keras's own SGD default is 0.0); `{class_name: SGD}` is
 # Keras's default, as written.
 SGD_MOMENTUM = 0.9
+
+
+# validation_every auto validates every epoch when the validation split holds at most this share of the records
+# one epoch trains. A validation step is a forward pass only (about a third of a training step's work), so at
+# this share validating costs a few percent of an epoch; the built-in jobs (10,000 eval records against 60,000
+# trained, 17%) stay without it.
+AUTO_VALIDATION_SHARE = 0.10
 
 
 ClassId = Annotated[int, Field(ge=0, le=1_000_000)]
@@ -57,10 +82,14 @@ class TrainSpec(Strict):
     metrics: tuple[keras.Metric, ...] = Field(("accuracy",), max_length=64)
     # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
     seed: Integer = Field(0, ge=0, le=2**32 - 1)
-    # Evaluate on data.validation (unset: data.eval) after every epoch; val_* metrics join each epoch's record.
-    validate_every_epoch: StrictBool = False
+    # Evaluate on data.validation (unset: data.eval) every N epochs (Keras fit's validation_freq); val_* metrics
+    # join those epochs' records. auto: every epoch when that split holds at most AUTO_VALIDATION_SHARE of the
+    # records one epoch trains (runner/job/inputs.py), else never; 0 or never: never. The older key
+    # `validate_every_epoch: true|false` still reads as 1|never.
+    validation_every: Annotated[int | Literal["auto", "never"], PlainValidator(_validation_every)] = "auto"
     # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
-    # validate_every_epoch. After a resume the count starts again from the resumed epoch.
+    # validation every epoch (validation_every 1, or auto: then on whatever the split's size). After a resume
+    # the count starts again from the resumed epoch.
     early_stopping_patience: Integer | None = Field(None, ge=1, le=1_000_000)
     # Multiply the learning rate by reduce_lr_factor once val_loss has not improved for this many epochs.
     reduce_lr_patience: Integer | None = Field(None, ge=1, le=1_000_000)
@@ -76,17 +105,69 @@ class TrainSpec(Strict):
     # Keras fit's class_weight: {class id: weight}, or `balanced` (total / (classes x count) from the manifest's
     # label_counts, as scikit-learn's "balanced"). Unset: every class weighs 1.
     class_weight: dict[ClassId, bounded(1e-6, 1e6)] | Literal["balanced"] | None = None
+    # A numeric scalar feature of the records (int64 or float32, shape [] or [1], finite, >= 0) handed to Keras as
+    # sample weights, in training and in evaluation and validation alike (docs/specs.md); it is not a model input.
+    sample_weight: Name | None = None
     # Your own Keras callbacks, `package.module:Class` (called with no arguments), run after the runner's own
     # (the finite-loss check, timing, checkpoints and preemption), so a callback of yours cannot break a save.
     callbacks: tuple[Annotated[str, Field(max_length=256)], ...] = Field((), max_length=32)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_validation_key(cls, doc: Any) -> Any:
+        """`validate_every_epoch: true|false`, the key before validation_every, keeps its meaning: 1|never."""
+        if not isinstance(doc, dict) or "validate_every_epoch" not in doc:
+            return doc
+        doc = dict(doc)
+        old = doc.pop("validate_every_epoch")
+        if "validation_every" in doc:
+            raise ValueError(
+                f"train.validate_every_epoch ({old!r}) and train.validation_every ({doc['validation_every']!r}) "
+                "both set the validation cadence: keep train.validation_every only"
+            )
+        if not isinstance(old, bool):
+            raise ValueError(
+                f"train.validate_every_epoch is {old!r}: write true or false, or use its successor "
+                "train.validation_every: N (epochs), auto or never"
+            )
+        doc["validation_every"] = 1 if old else "never"
+        return doc
 
     @model_validator(mode="after")
     def _plateau_needs_validation(self) -> TrainSpec:
         for key in ("early_stopping_patience", "reduce_lr_patience"):
             value = getattr(self, key)
-            if value is not None and not self.validate_every_epoch:
-                raise ValueError(f"train.{key} ({value}) watches val_loss: also set train.validate_every_epoch: true")
+            if value is not None and self.validation_every not in (1, "auto"):
+                raise ValueError(
+                    f"train.{key} ({value}) watches val_loss after every epoch, but train.validation_every is "
+                    f"{self.validation_every!r}: set train.validation_every: 1 (or leave it auto)"
+                )
         return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_weight(self) -> TrainSpec:
+        # Keras 3 refuses both (keras/src/trainers/data_adapters/tf_dataset_adapter.py make_class_weight_map_fn:
+        # "You cannot `class_weight` and `sample_weight` at the same time.").
+        if self.sample_weight is not None and self.class_weight is not None:
+            raise ValueError(
+                f"train.sample_weight ({self.sample_weight!r}) and train.class_weight both weigh the records, and "
+                "Keras takes one or the other: remove train.class_weight, or fold the class weights into the "
+                "feature's values"
+            )
+        return self
+
+    def validates(self) -> bool:
+        """Whether per-epoch validation may run (auto decides from the record counts when the job starts)."""
+        return self.validation_every != "never"
+
+    def needs_validation(self) -> str | None:
+        """The key that asks for validation whatever auto decides, if one does."""
+        if isinstance(self.validation_every, int):
+            return "train.validation_every"
+        for key in ("early_stopping_patience", "reduce_lr_patience"):
+            if getattr(self, key) is not None:
+                return f"train.{key}"
+        return None
 
     @model_validator(mode="after")
     def _one_learning_rate(self) -> TrainSpec:

@@ -118,7 +118,7 @@ class DataSpec(Strict):
     # (built-in datasets) or `runner manifest` (your own TFRecords).
     train: str = Field("data/mnist/train-*.tfrecord", validate_default=True)
     eval: str | None = Field("data/mnist/test-*.tfrecord", validate_default=True)
-    # Shards checked after every epoch when train.validate_every_epoch is set. Unset: the eval shards.
+    # Shards evaluated every train.validation_every epochs. Unset: the eval shards.
     validation: str | None = None
     global_batch_size: Integer = Field(1024, ge=1, le=INT32_MAX)
     shuffle_buffer: Integer = Field(10_000, ge=0, le=INT32_MAX)
@@ -340,8 +340,27 @@ class JobSpec(Strict):
             unused = [k for k in ("data", "model", "train", "checkpoint", "code") if k in self.model_fields_set]
             if unused:
                 raise ValueError(f"kind matmul_bench trains nothing: remove {', '.join(unused)}")
-        if self.train.validate_every_epoch and not (self.data.validation or self.data.eval):
-            raise ValueError("train.validate_every_epoch needs data to validate on: set data.validation or data.eval")
+        asking = self.train.needs_validation()
+        if asking and self.train.validates() and not (self.data.validation or self.data.eval):
+            raise ValueError(f"{asking} needs data to validate on: set data.validation or data.eval")
+        return self
+
+    @model_validator(mode="after")
+    def _sample_weight_is_a_record_feature(self) -> JobSpec:
+        weight, d = self.train.sample_weight, self.data
+        if weight is None:
+            return self
+        if weight == d.label or weight in d.inputs:
+            role = "data.label" if weight == d.label else "one of data.inputs"
+            raise ValueError(
+                f"train.sample_weight names {weight!r}, which is {role}: a sample weight is a feature of its own "
+                "(the model never sees it); name the feature that holds the weights"
+            )
+        if d.features is not None and weight not in d.features:
+            raise ValueError(
+                f"train.sample_weight names {weight!r}, which data.features does not declare "
+                f"(declared: {', '.join(d.features)})"
+            )
         return self
 
     @model_validator(mode="after")

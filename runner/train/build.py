@@ -25,7 +25,7 @@ from runner import SpecError, models
 from runner.data.schema import Feature
 from runner.device import precision
 from runner.spec import usercode
-from runner.spec.keras import Serialized
+from runner.spec.keras import TABLE, Serialized
 from runner.spec.train import TrainSpec
 from runner.spec.types import JobSpec
 
@@ -100,6 +100,66 @@ def _loss_or_metric(value: str | Serialized, key: str, roots: usercode.CodeRoots
     return value
 
 
+# --- class-id labels for a loss that takes one-hot labels --------------------------------------------------
+
+# Keras's CategoricalCrossentropy (the loss with label_smoothing) takes one-hot labels; records hold class ids.
+_ONE_HOT_LOSSES = ("categorical_crossentropy", "CategoricalCrossentropy")
+# Metrics written for class-id labels, and their one-hot counterparts (the same measure on one-hot labels).
+_ONE_HOT_METRICS = {
+    "SparseCategoricalAccuracy": "CategoricalAccuracy",
+    "SparseTopKCategoricalAccuracy": "TopKCategoricalAccuracy",
+    "SparseCategoricalCrossentropy": "CategoricalCrossentropy",
+}
+_ONE_HOT_METRIC_NAMES = {
+    "sparse_categorical_accuracy": "CategoricalAccuracy",
+    "sparse_top_k_categorical_accuracy": "TopKCategoricalAccuracy",
+    "sparse_categorical_crossentropy": "CategoricalCrossentropy",
+}
+
+
+def label_classes(train: TrainSpec, label: Feature | None, model: Any) -> int | None:
+    """How many classes to one-hot encode the records' labels to, or None to feed them as stored.
+
+    With train.loss CategoricalCrossentropy and labels that are class ids (an int64 scalar), the input pipeline
+    one-hot encodes them to the model's output width (runner/job/inputs.py), so label_smoothing works on class
+    ids. Keras then reads them as it reads any one-hot labels: `accuracy` resolves to CategoricalAccuracy from
+    the shapes (keras/src/trainers/compile_utils.py `get_metric`), class_weight looks up each label's argmax
+    (keras/src/trainers/data_adapters/tf_dataset_adapter.py `make_class_weight_map_fn`)."""
+    name = train.loss.class_name if isinstance(train.loss, Serialized) else train.loss
+    if name not in _ONE_HOT_LOSSES or label is None or label.dtype != "int64" or tuple(label.shape) not in ((), (1,)):
+        return None
+    try:
+        width = model.output_shape[-1]
+    except (AttributeError, TypeError, IndexError, ValueError):  # a subclassed model, several outputs
+        width = None
+    if not isinstance(width, int) or width < 2:
+        raise SpecError(
+            f"train.loss {name} takes one-hot labels and the records' labels are class ids, which the runner "
+            f"one-hot encodes to the model's output width; model {getattr(model, 'name', '?')!r} has no single "
+            f"output of 2 or more classes (its output shape: {getattr(model, 'output_shape', 'unknown')}). Use "
+            "train.loss sparse_categorical_crossentropy, or a model ending in one output per class"
+        )
+    return width
+
+
+def _for_one_hot(metric: Any, key: str) -> Any:
+    """A metric written for class-id labels, as its one-hot counterpart under the name it would have had (so the
+    summary's keys do not change); any other metric as it is."""
+    if isinstance(metric, str) and metric in _ONE_HOT_METRIC_NAMES:
+        return getattr(keras.metrics, _ONE_HOT_METRIC_NAMES[metric])(name=metric)
+    if not isinstance(metric, Serialized) or metric.class_name not in _ONE_HOT_METRICS:
+        return metric
+    counterpart = _ONE_HOT_METRICS[metric.class_name]
+    dropped = [k for k in metric.config if k not in TABLE["metrics"][counterpart]]
+    if dropped:
+        raise SpecError(
+            f"{key}: {metric.class_name} is for class-id labels, which train.loss (CategoricalCrossentropy) has "
+            f"one-hot encoded; its one-hot counterpart {counterpart} takes no {', '.join(dropped)}: remove it"
+        )
+    name = metric.config.get("name") or getattr(keras.metrics, metric.class_name)().name
+    return getattr(keras.metrics, counterpart)(**{**metric.config, "name": name})
+
+
 def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
     """The spec's value, or for `auto` 32 on a TPU (dividing checkpoint.every_steps when set) and 1 elsewhere."""
     value = spec.train.steps_per_execution
@@ -111,13 +171,19 @@ def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
     return max(n for n in range(1, 33) if every is None or every % n == 0)
 
 
-def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu") -> None:
+def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu", one_hot: bool = False) -> None:
+    """`one_hot`: the labels arrive one-hot encoded (label_classes): metrics written for class ids are compiled
+    as their one-hot counterparts."""
+    metrics = [_for_one_hot(m, "train.metrics") if one_hot else m for m in spec.train.metrics]
     model.compile(
         optimizer=make_optimizer(spec.train),
         loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),
         # Weighted: evaluation pads its last batch with records of sample weight 0 (runner/data/pipeline.py), and
-        # Keras hands sample weights only to weighted_metrics. Same names; unweighted training is unchanged.
-        weighted_metrics=[_loss_or_metric(m, "train.metrics", spec.code_roots) for m in spec.train.metrics],
+        # Keras hands sample weights (those and train.sample_weight's) only to weighted_metrics. Same names.
+        weighted_metrics=[
+            m if isinstance(m, keras.metrics.Metric) else _loss_or_metric(m, "train.metrics", spec.code_roots)
+            for m in metrics
+        ],
         steps_per_execution=steps_per_execution(spec, accelerator_kind),
     )
 
@@ -138,7 +204,8 @@ def build_compiled(
                 model = build_model(spec, features)
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
-        compile_model(model, spec, accelerator.kind)
+        one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
+        compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint

@@ -236,10 +236,13 @@ def fit(
     verbose: int = 0,
     validation: tuple[tf.data.Dataset, int] | None = None,
     class_weight: dict[int, float] | None = None,
+    validation_every: int = 1,
 ) -> None:
     """Runs `fit` leg by leg from `plan.start_step`; stops early (without error) on a preemption notice
     or when a callback (early stopping) ends training, and with Diverged when the loss is NaN or infinite.
-    `validation` is (dataset, steps), run after every epoch."""
+    `validation` is (dataset, steps), run after every `validation_every`-th epoch. Keras counts them from the
+    job's first epoch (`initial_epoch` included: keras/src/trainers/trainer.py `_should_eval`), so a resumed
+    job validates on the same epochs as one that ran through."""
     val_data, val_steps = validation if validation is not None else (None, None)
     finite = FiniteLoss()
     for initial_epoch, epochs, steps in plan.legs():
@@ -250,6 +253,7 @@ def fit(
             steps_per_epoch=steps,
             validation_data=val_data,
             validation_steps=val_steps,
+            validation_freq=validation_every,
             # A non-finite loss stops training before any other callback records or saves the step; the
             # checkpointer comes before the extra callbacks: each epoch is saved before they act on it.
             callbacks=[finite, recorder, checkpointer, *extra_callbacks],

@@ -42,13 +42,15 @@ class Outcome:
 
 @dataclasses.dataclass
 class Feed:
-    """What training reads: the training batches, the per-epoch validation (dataset, steps) if any, the
-    training pattern (named when a read fails) and the class weights (Keras fit's class_weight)."""
+    """What training reads: the training batches, the validation (dataset, steps) if any and every how many
+    epochs it runs (Keras fit's validation_freq), the training pattern (named when a read fails) and the class
+    weights (Keras fit's class_weight)."""
 
     dataset: tf.data.Dataset
     validation: tuple[tf.data.Dataset, int] | None
     pattern: str
     class_weight: dict[int, float] | None = None
+    validation_every: int = 1
 
 
 def train(
@@ -83,7 +85,7 @@ def train(
         try:
             fit.fit(
                 model, feed.dataset, plan, recorder, checkpointer, watchers, verbose=verbose,
-                validation=feed.validation, class_weight=feed.class_weight,
+                validation=feed.validation, class_weight=feed.class_weight, validation_every=feed.validation_every,
             )
             with phases.phase("checkpoint"):
                 saver.wait()  # the last checkpoint written (within the grace after a notice) before summary and export

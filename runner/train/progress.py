@@ -338,7 +338,21 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
             f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
-    return f"{status} after {epochs} in {duration(total_s)}{where} (the error follows)"
+    return f"{status} after {epochs} in {duration(total_s)}{where}{_checkpoints_kept(summary)} (the error follows)"
+
+
+def _checkpoints_kept(summary: dict[str, Any]) -> str:
+    """What a failed attempt leaves to resume from, as far as its summary knows: a checkpoint it restored or saved
+    (the run folder keeps the newest), none, or nothing said when it stopped before reading its checkpoints."""
+    if summary.get("resumed_from_step") is None:
+        return ""
+    saves = (summary.get("checkpoint_saves") or {}).get("saves", 0)
+    if summary["resumed_from_step"] > 0 or saves > 0:
+        return (
+            f"; checkpoints kept in {summary.get('run_dir')}/checkpoints: once the error is dealt with, the same "
+            "command continues from the newest"
+        )
+    return "; no checkpoint was saved"
 
 
 def _mfu(summary: dict[str, Any]) -> str:

@@ -34,6 +34,16 @@ _CUSTOM_JOBS = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/customJobs$"
 _JOBSETS = re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets$")
 
 
+JOBSET_GROUP = {"name": "jobset.x-k8s.io", "versions": [{"groupVersion": "jobset.x-k8s.io/v1alpha2",
+                                                          "version": "v1alpha2"}]}
+
+
+def api_groups(*groups: dict[str, Any]) -> dict[str, Any]:
+    """GET /apis/ as a Kubernetes API server answers it (an APIGroupList)."""
+    return {"kind": "APIGroupList", "apiVersion": "v1",
+            "groups": [{**g, "preferredVersion": g["versions"][0]} for g in groups]}
+
+
 class Engines(Recorder):
     def __init__(self) -> None:
         super().__init__()
@@ -54,6 +64,8 @@ def handle(state: Engines, method: str, path: str, body: Any) -> tuple[int, Any]
         return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-fake", "gitCommit": "fake",
                      "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24",
                      "compiler": "gc", "platform": "linux/amd64"}
+    if method == "GET" and path in ("/apis", "/apis/"):  # API discovery: JobSet's group unless a test put others
+        return 200, state.objects.get("/apis/", api_groups(JOBSET_GROUP))
     if method == "GET" and path.startswith(("/api/v1/", "/apis/")):
         if path in state.objects:
             return 200, state.objects[path]

@@ -7,6 +7,7 @@ One process answers every API at its own paths (each client is pointed at it by 
     GET /v2/projects/P/locations/Z/acceleratorTypes            the types offered in Z (POST /_fake/offer)
     GET /v1/projects/P/locations/R/customJobs                  Vertex AI: an empty list
     GET /version                                               Kubernetes: the API server's version
+    GET /apis/                                                 Kubernetes: the API groups (JobSet's; /_fake/groups)
     GET /api/health                                            SkyPilot's API server: healthy
     GET /v2/NAME/manifests/REF                                 Docker Registry HTTP API v2: a manifest with its
                                                                Docker-Content-Digest, or 404 MANIFEST_UNKNOWN
@@ -18,6 +19,7 @@ Control endpoints:
     POST /_fake/offer    {"zone": Z, "types": [...]}    what Z's acceleratorTypes list holds
     POST /_fake/deny     {"prefix": "/v2/projects", "status": 403, "reason": "SERVICE_DISABLED"}: requests whose
                          path starts with the prefix are refused (several rules may stand; {} clears them)
+    POST /_fake/groups   {"groups": [APIGroup...]}       the Kubernetes API groups from now on ([]: no JobSet)
     POST /_fake/reset    forgets requests, images, offers and denials
     GET  /_fake/requests every API request: method, path, query, body, authorization
 From a test: `with start_preflight_fake(folder) as fake:` gives `fake.endpoint`, `fake.requests()`, `fake.image()`,
@@ -35,6 +37,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from tests.support.engine_fake import JOBSET_GROUP, api_groups
 from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
 
 _TPU = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(nodes|queuedResources|acceleratorTypes)$")
@@ -54,6 +57,7 @@ class Preflight(Recorder):
         self.images: set[tuple[str, str]] = set()
         self.offers: dict[str, list[str]] = {zone: list(types) for zone, types in DEFAULT_OFFER.items()}
         self.denials: list[dict[str, Any]] = []
+        self.groups: list[dict[str, Any]] = [JOBSET_GROUP]  # the cluster's API groups (GET /apis/)
 
 
 def _google_error(code: int, status: str, message: str, reason: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -122,6 +126,8 @@ class Handler(FakeHandler):
             return 200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake", "gitCommit": "fake",
                          "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.23",
                          "compiler": "gc", "platform": "linux/amd64"}
+        if path in ("/apis", "/apis/"):  # Kubernetes API discovery
+            return 200, api_groups(*state.groups)
         if path == "/api/health":
             return 200, {"status": "healthy", "api_version": "1", "version": "0.14.1", "commit": "fake"}
         return _google_error(404, "NOT_FOUND", f"{method} {path} is not part of this fake")
@@ -134,6 +140,8 @@ class Handler(FakeHandler):
             state.offers[body["zone"]] = list(body["types"])
         elif method == "POST" and path == "/_fake/deny":
             state.denials = [] if not body else [*state.denials, body]
+        elif method == "POST" and path == "/_fake/groups":
+            state.groups = list(body["groups"])
         elif method == "POST" and path == "/_fake/reset":
             state.reset()
         else:
@@ -152,6 +160,9 @@ class PreflightFake(FakeClient):
 
     def deny(self, prefix: str, status: int = 403, reason: str | None = None) -> None:
         self.call("POST", "/_fake/deny", {"prefix": prefix, "status": status, "reason": reason})
+
+    def groups(self, groups: list[dict[str, Any]]) -> None:
+        self.call("POST", "/_fake/groups", {"groups": groups})
 
     def reset(self) -> None:
         self.call("POST", "/_fake/reset", {})
