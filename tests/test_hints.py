@@ -6,14 +6,19 @@ holds: none claims a checkpoint that is not there."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import shutil
+import subprocess
+import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 
-from tests.conftest import last_json, run_cli, write_spec
+from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 
 
@@ -243,6 +248,24 @@ def test_each_stop_of_a_run_is_followed_to_a_run_that_works(data_copy: Path, tmp
     predicted = run_cli("predict", spec, *sets, "--input", str(data_copy / "test-*.tfrecord"))
     assert predicted.returncode == 0, predicted.stderr[-3000:]
 
+    # An evaluation with no data.eval: the held-out split the message names, as written.
+    unnamed = run_cli("evaluate", spec, *sets)
+    assert unnamed.returncode == 2, unnamed.stderr[-3000:]
+    offered = shlex.split(_suggested(r"`(--set data\.eval=[^`]+)`", unnamed.stderr).group(1))
+    evaluated = run_cli("evaluate", spec, *sets, *offered)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert last_json(evaluated.stdout)["examples"] == 512
+
+    # Rows missing the channel axis: given the shape the message asks for.
+    rows = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    np.save(tmp_path / "rows.npy", rows)
+    misshapen = run_cli("predict", spec, *sets, "--input", str(tmp_path / "rows.npy"))
+    assert misshapen.returncode == 2, misshapen.stderr[-3000:]
+    shape = _suggested(r"give arrays of shape \(rows, ([\d, ]+)\)", misshapen.stderr).group(1)
+    np.save(tmp_path / "rows.npy", rows.reshape(len(rows), *map(int, shape.split(", "))))
+    reshaped = run_cli("predict", spec, *sets, "--input", str(tmp_path / "rows.npy"))
+    assert reshaped.returncode == 0, reshaped.stderr[-3000:]
+
     # A job never shrinks: both ways out, as written.
     shrunk = run_cli("run", spec, *sets, "--set", "train.epochs=1")
     assert shrunk.returncode == 2, shrunk.stderr[-3000:]
@@ -253,3 +276,312 @@ def test_each_stop_of_a_run_is_followed_to_a_run_that_works(data_copy: Path, tmp
     shorter = run_cli("run", spec, *sets, "--set", "train.epochs=1", *renamed)
     assert shorter.returncode == 0, shorter.stderr[-3000:]
     assert last_json(shorter.stdout)["final_step"] == 2 and (tmp_path / "runs" / renamed[1].split("=")[1]).is_dir()
+
+
+# --- `runner run`: a stop before any step, followed to a run of two steps ---------------------------------------
+
+
+def _tiny(folder: Path, shards: Path, **sections) -> Path:
+    """A job of two steps without evaluation, whose result at chance is expected."""
+    sections["data"] = {"eval": None, **sections.get("data", {})}
+    sections["train"] = {"allow_chance": True, **sections.get("train", {})}
+    return _job(folder, shards, **sections)
+
+
+@pytest.mark.slow
+def test_a_file_where_the_checkpoints_belong_is_moved_away_as_said(data_copy: Path, tmp_path: Path) -> None:
+    spec = _tiny(tmp_path, data_copy)
+    run_dir = tmp_path / "runs" / "hinted"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoints").write_text("a file")
+    blocked = run_cli("run", spec)
+    assert blocked.returncode == 3, blocked.stderr[-3000:]
+    path = _suggested(r"(\S+) is a file, not a folder: .*move that file away", blocked.stderr).group(1)
+    _agrees(blocked, run_dir)
+    Path(path).rename(tmp_path / "moved-away")
+    followed = run_cli("run", spec)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert last_json(followed.stdout)["final_step"] == 2 and _holds_checkpoint(run_dir)
+
+
+@pytest.mark.slow
+def test_a_batch_the_replicas_cannot_share_at_run_time_takes_a_size_offered(data_copy: Path, tmp_path: Path) -> None:
+    """`runner run` checks the batch against the replicas its strategy made (`runner validate` only knows the spec's
+    CPU devices): both sizes offered divide; the run takes the first."""
+    spec = _tiny(tmp_path, data_copy, accelerator={"cpu_devices": 2}, data={"global_batch_size": 127})
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    sizes = _suggested(r"data\.global_batch_size \(127\) must be divisible by the number of replicas \(2\): "
+                       r"set it to (\d+) or (\d+)", refused.stderr).groups()
+    assert all(int(size) % 2 == 0 for size in sizes), sizes
+    followed = run_cli("run", spec, "--set", f"data.global_batch_size={sizes[0]}")
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert last_json(followed.stdout)["final_step"] == 2
+
+
+@pytest.mark.slow
+def test_data_in_memory_that_cannot_be_honoured_runs_with_either_setting_offered(data_copy: Path, tmp_path) -> None:
+    """More records per batch than data.train holds: a pass of whole batches cannot be cut from memory; streamed,
+    batches run across passes."""
+    spec = _tiny(tmp_path, data_copy, data={"in_memory": True, "global_batch_size": 4096})
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    key, first, second = _suggested(r"cannot be honoured: .*; set (data\.in_memory): (\w+) or (\w+)",
+                                    refused.stderr).groups()
+    for setting in (first, second):
+        followed = run_cli("run", spec, "--set", f"{key}={setting}", "--set", f"name=in-memory-{setting}")
+        assert followed.returncode == 0, followed.stderr[-3000:]
+        summary = last_json(followed.stdout)
+        assert summary["final_step"] == 2 and summary["train_input"]["mode"] == "streamed", summary["train_input"]
+
+
+@pytest.mark.slow
+def test_a_run_folder_of_the_other_keras_starts_over_with_fresh_as_said(data_copy: Path, tmp_path: Path) -> None:
+    """Checkpoints written under Keras 3 do not restore under tf-keras (TF_USE_LEGACY_KERAS=1): `--fresh`, as the
+    refusal writes it, moves the folder aside and trains under tf-keras."""
+    spec = _tiny(tmp_path, data_copy)
+    assert run_cli("run", spec).returncode == 0
+    legacy = cli_env(TF_USE_LEGACY_KERAS="1")
+    refused = run_cli("run", spec, env=legacy)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "written with keras3 and this run trains with tf-keras" in refused.stderr, refused.stderr[-3000:]
+    fresh = _command(refused.stderr, "runner run --fresh")
+    followed = run_cli(*fresh[:1], spec, *fresh[1:], env=legacy)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    summary = last_json(followed.stdout)
+    assert summary["final_step"] == 2 and summary["accelerator"]["keras"].startswith("tf-keras"), summary
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "hinted"], "the old folder is kept aside"
+
+
+# --- a bucket that does not exist: created by the gcloud command named, against the emulator -------------------
+
+
+def _gcloud(text: str, gcs, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The first backticked `gcloud ...` command in `text`, run as written by the real gcloud, its Cloud Storage
+    calls sent to the emulator; the project is the one a configured gcloud carries (core/project)."""
+    words = shlex.split(_suggested(r"`(gcloud [^`]*)`", text).group(1))
+    assert shutil.which(words[0]), "gcloud is not installed on this machine"
+    env = cli_env(
+        CLOUDSDK_API_ENDPOINT_OVERRIDES_STORAGE=f"{gcs.emulator}/", CLOUDSDK_AUTH_ACCESS_TOKEN="emulator-token",
+        CLOUDSDK_CORE_CHECK_GCE_METADATA="false", CLOUDSDK_CORE_DISABLE_PROMPTS="1",
+        CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), CLOUDSDK_CORE_PROJECT="my-project",
+    )
+    return subprocess.run(words, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.slow
+def test_a_bucket_that_does_not_exist_is_created_by_the_command_named(gcs, data_copy: Path, tmp_path: Path) -> None:
+    """`runner prepare --out gs://...` and a run whose output.dir is in a missing bucket: each names the gcloud
+    command that creates it; run as written, the same command then works."""
+    env = cli_env(**gcs.env)
+    data = f"gs://hint-data-{uuid.uuid4().hex[:8]}/mnist"
+    refused = run_cli("prepare", "mnist", "--out", data, "--limit", "256", env=env)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    created = _gcloud(refused.stderr, gcs, tmp_path)
+    assert created.returncode == 0, created.stderr[-3000:]
+    prepared = run_cli("prepare", "mnist", "--out", data, "--limit", "256", env=env)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    assert "mnist/manifest.json" in gcs.objects(data.split("/")[2], "mnist/")
+
+    runs = f"gs://hint-runs-{uuid.uuid4().hex[:8]}/runs"
+    spec = _tiny(tmp_path, data_copy, output={"dir": runs})
+    refused = run_cli("run", spec, env=env)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert "(output.dir) does not exist" in refused.stderr
+    created = _gcloud(refused.stderr, gcs, tmp_path)
+    assert created.returncode == 0, created.stderr[-3000:]
+    followed = run_cli("run", spec, env=env)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "runs/hinted/summary.json" in gcs.objects(runs.split("/")[2], "runs/hinted/")
+
+
+# --- `runner prepare`: a usage error followed as written ---------------------------------------------------------
+
+
+def test_prepare_usage_errors_are_followed_as_written(tmp_path: Path) -> None:
+    """A --split that does not add up, a --label that names no column, images of several sizes without --size:
+    each refusal's example, passed as written, prepares the data."""
+    table = tmp_path / "heart.csv"
+    rows = "\n".join(f"{age},{age * 5},{'sick' if age % 2 else 'well'}" for age in range(30, 70))
+    table.write_text(f"age,chol,target\n{rows}\n")
+
+    uneven = run_cli("prepare", "csv", table, "--label", "target", "--split", "train=0.8,test=0.1",
+                     "--out", tmp_path / "split")
+    assert uneven.returncode == 2, uneven.stderr[-3000:]
+    offered = _suggested(r"they must add up to 1, e\.g\. --split (\S+)", uneven.stderr).group(1)
+    split = run_cli("prepare", "csv", table, "--label", "target", "--split", offered, "--out", tmp_path / "split")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert set(json.loads((tmp_path / "split" / "manifest.json").read_text())["splits"]) == {"train", "test"}
+
+    misnamed = run_cli("prepare", "csv", table, "--label", "Target", "--out", tmp_path / "label")
+    assert misnamed.returncode == 2, misnamed.stderr[-3000:]
+    label = _suggested(r"no column 'Target' for --label \(did you mean '(\w+)'\?\)", misnamed.stderr).group(1)
+    named = run_cli("prepare", "csv", table, "--label", label, "--out", tmp_path / "label")
+    assert named.returncode == 0, named.stderr[-3000:]
+
+    from PIL import Image
+
+    for name, size in (("horizontal", 12), ("vertical", 16)):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("L", (size, size), 40 * i).save(tmp_path / "images" / name / f"{i}.png")
+    sizes = run_cli("prepare", "images", tmp_path / "images", "--color", "grayscale", "--out", tmp_path / "pixels")
+    assert sizes.returncode == 2, sizes.stderr[-3000:]
+    size = _suggested(r"pass --size HEIGHTxWIDTH .*\(e\.g\. --size (\d+x\d+)", sizes.stderr).group(1)
+    resized = run_cli("prepare", "images", tmp_path / "images", "--color", "grayscale", "--size", size,
+                      "--out", tmp_path / "pixels")
+    assert resized.returncode == 0, resized.stderr[-3000:]
+    features = json.loads((tmp_path / "pixels" / "manifest.json").read_text())["features"]
+    assert features["image"]["shape"][:2] == [int(n) for n in size.split("x")]
+
+
+# --- a manifest that no longer describes its shards, found by the run: written again by the command named ------
+
+
+def _spec_command(text: str, starts: str, spec: Path) -> list[str]:
+    """As _command, for a command the message writes with SPEC, saying SPEC is this job's spec file."""
+    _suggested(r"SPEC:? (this|the) job's spec file", text)
+    words = shlex.split(_suggested(rf"`({re.escape(starts)}[^`]*)`", text).group(1))
+    return [str(spec) if word == "SPEC" else word for word in words[1:]]
+
+
+def _miscounted(manifest: dict) -> tuple[dict, str]:
+    manifest["splits"]["train"]["shards"][0]["records"] += 1  # and the split's total, which the run checks first
+    manifest["splits"]["train"]["records"] += 1
+    return {"data": {"in_memory": True}}, r"hold 2048 records, their manifest lists 2049"
+
+
+def _uncounted(manifest: dict) -> tuple[dict, str]:
+    for entry in manifest["splits"]["train"]["shards"]:
+        del entry["label_counts"]
+    return {"train": {"class_weight": "balanced"}}, r"balanced needs the records per class"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [_miscounted, _uncounted])
+def test_a_manifest_the_run_finds_wanting_is_written_again_as_said(damage, data_copy: Path, tmp_path: Path) -> None:
+    """Records counted otherwise than the shards hold (seen when data.train is loaded into memory), or no label
+    counts for `train.class_weight: balanced`: the manifest command the error names, run as written, mends it."""
+    path = data_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    sections, said = damage(manifest)
+    path.write_text(json.dumps(manifest))
+    sections["data"] = {"features": manifest["features"], **sections.get("data", {})}
+    spec = _tiny(tmp_path, data_copy, **sections)
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2 and re.search(said, refused.stderr), refused.stderr[-3000:]
+    written = run_cli(*_spec_command(refused.stderr, "runner manifest", spec))
+    assert written.returncode == 0, written.stderr[-3000:]
+    followed = run_cli("run", spec)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert last_json(followed.stdout)["final_step"] == 2
+
+
+# --- a benchmark whose numbers overflow ------------------------------------------------------------------------
+
+
+def test_a_matmul_chain_that_overflows_takes_either_way_offered(tmp_path: Path) -> None:
+    """A 1 x 1 "matrix" B of 1.27 overflows float16 after some tens of products: both ways out the message names
+    (the chain it gives, float32) measure a finite result."""
+    spec = write_spec(tmp_path, {
+        "name": "overflow", "kind": "matmul_bench", "accelerator": {"kind": "cpu"},
+        "matmul": {"size": 1, "chain": 100, "iterations": 1, "dtype": "float16"},
+        "output": {"dir": str(tmp_path / "runs")},
+    })
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    key, chain = _suggested(r"set (matmul\.chain) to (\d+) or less", refused.stderr).groups()
+    dtype = _suggested(r"use (matmul\.dtype) (\w+)", refused.stderr).groups()
+    for setting in (f"{key}={chain}", "=".join(dtype)):
+        followed = run_cli("run", spec, "--set", setting)
+        assert followed.returncode == 0, followed.stderr[-3000:]
+        assert math.isfinite(last_json(followed.stdout)["matmul"]["checksum"])
+
+
+# --- the verdict on a loss that never fell ----------------------------------------------------------------------
+
+
+def _epochs(*losses: float) -> list:
+    from runner.rundir.timing import EpochRecord
+
+    return [EpochRecord(i, 1.0, 4, 100.0, loss, {}) for i, loss in enumerate(losses, 1)]
+
+
+def test_the_learning_rate_is_named_only_for_a_loss_that_rose() -> None:
+    """A rate too high overshoots and the loss rises; a loss that stays flat (a constant model, labels that do not
+    fit the loss) is not helped by a lower rate, and the advice says what to check instead."""
+    from runner.train.verdict import warnings_of
+
+    [rose] = warnings_of(_epochs(2.30, 2.41, 3.9), {}, None)
+    [flat] = warnings_of(_epochs(2.3026, 2.3026, 2.3026), {}, None)
+    assert "never fell below its first epoch's" in rose and "never fell below its first epoch's" in flat
+    assert "lower train.learning_rate" in rose
+    assert "lower train.learning_rate" not in flat and "depends on weights that train" in flat
+
+
+# --- a metric for class ids under a one-hot loss ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_metric_setting_its_one_hot_counterpart_lacks_is_removed_as_said(data_copy: Path, tmp_path: Path) -> None:
+    """train.loss CategoricalCrossentropy one-hot encodes the class ids, so a Sparse metric becomes its one-hot
+    counterpart: a setting that one takes no is named, and removed from the spec file the run works."""
+    metric = {"class_name": "SparseTopKCategoricalAccuracy", "config": {"k": 3, "from_sorted_ids": False}}
+    spec = _tiny(tmp_path, data_copy, train={"loss": {"class_name": "CategoricalCrossentropy", "config": {}},
+                                             "metrics": [metric]})
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    index, setting = _suggested(r"train\.metrics\[(\d+)\]: SparseTopKCategoricalAccuracy .* takes no (\w+): remove it",
+                                refused.stderr).groups()
+    doc = yaml.safe_load(spec.read_text())
+    del doc["train"]["metrics"][int(index)]["config"][setting]
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    followed = run_cli("run", spec)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "sparse_top_k_categorical_accuracy" in last_json(followed.stdout)["epochs"][0]["metrics"]
+
+
+@pytest.mark.slow
+def test_a_record_that_cannot_be_loaded_is_named_by_the_command_said(data_copy: Path, tmp_path: Path) -> None:
+    """One image 10 bytes short in a shard swapped in after the manifest (data.verify off lets it reach the load):
+    the manifest command the error names finds that record, in that shard, as the error promises."""
+    import tensorflow as tf
+
+    shard = data_copy / "train-00003-of-00004.tfrecord"
+    records = [r.numpy() for r in tf.data.TFRecordDataset(str(shard))]
+    short = tf.train.Example.FromString(records[100])
+    short.features.feature["image"].bytes_list.value[0] = short.features.feature["image"].bytes_list.value[0][:-10]
+    records[100] = short.SerializeToString()
+    with tf.io.TFRecordWriter(str(shard)) as writer:
+        for record in records:
+            writer.write(record)
+    features = json.loads((data_copy / "manifest.json").read_text())["features"]
+    spec = _tiny(tmp_path, data_copy, data={"features": features, "in_memory": True, "verify": "off"})
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    _suggested(r"a record could not be decoded while loading it into memory .*names the record", refused.stderr)
+    named = run_cli(*_spec_command(refused.stderr, "runner manifest", spec))
+    assert named.returncode == 2, named.stderr[-3000:]
+    where = rf"{re.escape(str(shard))}: record 100\b.*\n.*feature 'image' holds 774 bytes"
+    assert re.search(where, named.stderr), named.stderr[-3000:]
+
+
+# --- what cannot be provoked on this machine: the command is checked against what it installs -------------------
+
+
+def test_the_tf_keras_install_command_names_the_tf_keras_of_this_tensorflow() -> None:
+    """tf-keras is installed here, so its absence cannot be provoked without hiding it; the command its refusal
+    prints is held to the installed pair instead: pip's own syntax, --no-deps (tf-keras requires the `tensorflow`
+    wheel, not tensorflow-cpu), and a requirement the tf-keras beside this TensorFlow meets."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    from runner.device.flavour import tf_keras_install
+
+    program, command, *flags, requirement = shlex.split(tf_keras_install())
+    assert (program, command, flags) == ("pip", "install", ["--no-deps"])
+    wanted = Requirement(requirement)
+    assert wanted.name == "tf-keras" and wanted.specifier.contains(importlib.metadata.version("tf-keras"))
+    tensorflow = importlib.metadata.version("tensorflow-cpu")
+    assert all(wanted.specifier.contains(f"{tensorflow.rsplit('.', 1)[0]}.{patch}") for patch in (0, 9))

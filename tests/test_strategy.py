@@ -160,5 +160,5 @@ def test_batch_arithmetic_for_eight_tpu_cores(caplog) -> None:
     assert per_replica_batch(96, eight_cores) == 12
     assert "per-replica batch 12 is not a multiple of 8" in caplog.text
     with pytest.raises(SpecError, match=r"data.global_batch_size \(1001\) must be divisible by the number of replicas "
-                                        r"\(8\); try 1000"):
+                                        r"\(8\): set it to 1000 or 1008"):
         per_replica_batch(1001, eight_cores)

@@ -151,8 +151,9 @@ def load(shards: pipeline.Shards, names: tuple[str, ...], key: str) -> Held:
     if records != shards.records:
         raise DataError(
             f"{key}: the shards matching {shards.pattern!r} hold {records} records, their manifest lists "
-            f"{shards.records}: the manifest does not describe these shards; run `runner manifest` (your own "
-            "records) or `runner prepare` (a built-in dataset) again"
+            f"{shards.records}: the manifest does not describe these shards; write it again: your own records with "
+            "`runner manifest SPEC --force` (SPEC: this job's spec file, data.features declared), a built-in "
+            "dataset with `runner prepare` as it was made"
         )
     return Held(columns, records, time.monotonic() - began)
 
@@ -164,8 +165,8 @@ def _load_error(exc: tf.errors.OpError, shards: pipeline.Shards, key: str) -> Da
     reason = exc.message.strip().splitlines()[0] if exc.message.strip() else type(exc).__name__
     return DataError(
         f"{key}: a record could not be decoded while loading it into memory ({reason}) in {where}; a record "
-        "does not fit data.features: run `runner manifest` again for your own records (it names the record) "
-        "or `runner prepare` for a built-in dataset"
+        "does not fit data.features: for your own records, `runner manifest SPEC --force` (SPEC: this job's spec "
+        "file) names the record and what does not fit; a built-in dataset, `runner prepare` it again"
     )
 
 

@@ -80,7 +80,8 @@ def check_job_data(spec: JobSpec) -> JobData:
             f"data.verify ({spec.data.verify}): {len(checked.problems)} of the {checked.shards} shards the job reads "
             "differ from their manifest:\n  " + "\n  ".join(checked.problems) + "\nNothing was written to the run "
             "folder. Copy the shards again from their source; if the data changed on purpose, write its manifest "
-            "again (`runner prepare` for a built-in dataset, `runner manifest --force` for your own records)"
+            "again (`runner prepare` for a built-in dataset, `runner manifest SPEC --force` for your own records; "
+            "SPEC: this job's spec file)"
         )
     if spec.data.verify != "off":
         rate = f", {checked.mb_per_s:,.0f} MB/s on {checked.threads} threads" if checked.mb_per_s else ""
@@ -203,6 +204,6 @@ def _check_sizes_listed(spec: JobSpec, listed: list[verify.Listed]) -> None:
         f"data.verify (size): {', '.join(manifests)} lists no size for {len(unsized)} of the {len(listed)} shards "
         f"(e.g. {unsized[0].where}.bytes): it was written before manifests recorded sizes. Record them once with "
         f"`runner verify {folders} --record-sizes` (it checks every shard's sha256 first), or write the manifest "
-        "again (`runner prepare`, `runner manifest --force`); or run with --set data.verify=sha256 (reads every byte) "
-        "or --set data.verify=off"
+        "again (`runner prepare`, or `runner manifest SPEC --force` with SPEC this job's spec file); or run with "
+        "--set data.verify=sha256 (reads every byte) or --set data.verify=off"
     )

@@ -156,7 +156,8 @@ def sha256_of(path: str) -> str:
 
 
 WRITE_AGAIN = (
-    "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest --force` (your own records)"
+    "write the manifest again with `runner prepare` (built-in datasets) or `runner manifest SPEC --force` (your own "
+    "records; SPEC: the job's spec file, data.features declared)"
 )
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -14,6 +14,7 @@ An explicit TF_USE_LEGACY_KERAS in the environment always wins.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 
@@ -36,6 +37,18 @@ def choose_keras(environ: dict[str, str] | None = None) -> str:
     if legacy and importlib.util.find_spec("tf_keras") is None:
         raise AcceleratorError(
             "tf-keras is needed here (multi-worker training or TF_USE_LEGACY_KERAS=1) but is not installed: "
-            "pip install --no-deps tf-keras==<your TensorFlow version>"
+            f"`{tf_keras_install()}` (tf-keras follows TensorFlow's version; --no-deps, as it would pull the "
+            "`tensorflow` wheel beside this one)"
         )
     return "tf-keras" if legacy else "keras3"
+
+
+def tf_keras_install() -> str:
+    """The pip command that adds the tf-keras matching this environment's TensorFlow wheel (cpu, tpu or plain)."""
+    for wheel in ("tensorflow-cpu", "tensorflow-tpu", "tensorflow"):
+        try:
+            major, minor = importlib.metadata.version(wheel).split(".")[:2]
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+        return f'pip install --no-deps "tf-keras~={major}.{minor}.0"'
+    return "pip install --no-deps tf-keras  # after TensorFlow: tf-keras must share its major.minor version"

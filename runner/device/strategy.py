@@ -71,8 +71,9 @@ def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
     replicas = accelerator.replicas
     if global_batch % replicas:
         raise SpecError(
-            f"data.global_batch_size ({global_batch}) must be divisible by the number of replicas ({replicas}); "
-            f"try {max(replicas, global_batch // replicas * replicas)}"
+            f"data.global_batch_size ({global_batch}) must be divisible by the number of replicas ({replicas}): "
+            f"set it to {max(replicas, global_batch // replicas * replicas)} or "
+            f"{(global_batch // replicas + 1) * replicas}"
         )
     per_replica = global_batch // replicas
     if accelerator.kind == "tpu" and per_replica % 8:

@@ -201,7 +201,8 @@ def class_weight_of(asked: dict[int, float] | str | None, shards: pipeline.Shard
         raise DataError(
             f"train.class_weight: balanced needs the records per class, which the manifest beside "
             f"{shards.pattern} does not list (label_counts): write it again with `runner prepare` (a built-in or "
-            "your own data) or `runner manifest SPEC --force`, or give the weights as {class id: weight}"
+            "your own data) or `runner manifest SPEC --force` (SPEC: this job's spec file, data.features declared), "
+            "or give the weights as {class id: weight}"
         )
     total, classes = sum(counts), len(counts)
     weights = {index: (total / (classes * n) if n else 1.0) for index, n in enumerate(counts)}

@@ -19,7 +19,7 @@ import time
 
 import tensorflow as tf
 
-from runner import Interrupted, Preempted, RunnerError
+from runner import Interrupted, Preempted, SpecError
 from runner.device.strategy import resolve_accelerator
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.spec.types import JobSpec, MatmulSpec
@@ -30,14 +30,8 @@ log = logging.getLogger(__name__)
 
 def chain_call(strategy: tf.distribute.Strategy, matmul: MatmulSpec):
     """A compiled function computing sum(A @ B @ ... @ B) on every replica, summed across replicas."""
-    dtype = tf.dtypes.as_dtype(matmul.dtype)
-    shape = (matmul.size, matmul.size)
     with strategy.scope():
-        a = tf.Variable(tf.cast(tf.random.stateless_normal(shape, seed=(0, 1)), dtype), trainable=False)
-        # B is scaled by 1/sqrt(N) so each product keeps values near 1: a float16 chain would overflow otherwise.
-        b = tf.Variable(
-            tf.cast(tf.random.stateless_normal(shape, seed=(0, 2)) / math.sqrt(matmul.size), dtype), trainable=False
-        )
+        a, b = (tf.Variable(value, trainable=False) for value in operands(matmul.size, matmul.dtype))
 
     def replica_chain() -> tf.Tensor:
         x = a.read_value()
@@ -53,6 +47,26 @@ def chain_call(strategy: tf.distribute.Strategy, matmul: MatmulSpec):
     return call
 
 
+def operands(size: int, dtype: str) -> tuple[tf.Tensor, tf.Tensor]:
+    """A and B, the same on every run and replica. B is scaled by 1/sqrt(N) so that each product keeps values
+    near 1 (a float16 chain would overflow otherwise); a B whose largest eigenvalue exceeds 1 still grows them
+    (N=1 draws 1.27), and a long enough chain overflows."""
+    shape = (size, size)
+    a = tf.random.stateless_normal(shape, seed=(0, 1))
+    b = tf.random.stateless_normal(shape, seed=(0, 2)) / math.sqrt(size)
+    return tf.cast(a, dtype), tf.cast(b, dtype)
+
+
+def finite_products(size: int, dtype: str, chain: int) -> int:
+    """How many products of the chain stay finite in `dtype` (one replica's, computed eagerly)."""
+    x, b = operands(size, dtype)
+    for done in range(chain):
+        x = tf.matmul(x, b)
+        if not bool(tf.reduce_all(tf.math.is_finite(tf.cast(x, tf.float32)))):
+            return done
+    return chain
+
+
 def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
     """Times the cold call and `iterations` warm calls; returns the summary's `matmul` block and TFLOPS."""
     flops = 2 * matmul.size**3 * matmul.chain * replicas
@@ -65,10 +79,7 @@ def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
         call().numpy()
         warm.append(time.monotonic() - began)
     if not math.isfinite(checksum):
-        raise RunnerError(
-            f"the matmul chain's result is not finite ({checksum}) in {matmul.dtype}: lower matmul.chain "
-            "or use matmul.dtype float32"
-        )
+        raise SpecError(_overflow_advice(matmul, checksum))
     warm_s = statistics.median(warm)
     return {
         "tflops": {"cold": _significant(flops / cold_s / 1e12), "warm": _significant(flops / warm_s / 1e12)},
@@ -84,6 +95,18 @@ def measure(call, matmul: MatmulSpec, replicas: int) -> dict:
             "checksum": checksum,
         },
     }
+
+
+def _overflow_advice(matmul: MatmulSpec, checksum: float) -> str:
+    finite = finite_products(matmul.size, matmul.dtype, matmul.chain)
+    said = (f"the matmul chain's result is not finite ({checksum}): in {matmul.dtype} its values overflow after "
+            f"{finite} of the {matmul.chain} products (matmul.chain) of {matmul.size} x {matmul.size} matrices")
+    ways = [f"set matmul.chain to {finite} or less"] if finite else []
+    if matmul.dtype != "float32" and finite_products(matmul.size, "float32", matmul.chain) == matmul.chain:
+        ways.append("use matmul.dtype float32")
+    if not ways:
+        ways.append("multiply fewer or larger matrices (matmul.chain, matmul.size)")
+    return f"{said}: {', or '.join(ways)}"
 
 
 def _significant(value: float, digits: int = 4) -> float:

@@ -13,6 +13,7 @@ confidently and wrongly, without an error, so a range, dtype kind or shape that 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import posixpath
 from pathlib import Path
@@ -69,10 +70,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
         raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
     pattern = input_path or spec.data.eval
     if not pattern:
-        raise SpecError(
-            "data.eval is not set: name the shards to evaluate on (e.g. --set data.eval=DIR/test-*.tfrecord) "
-            "or give rows with --input FILE.npz"
-        )
+        raise SpecError(f"data.eval is not set: {_eval_hint(spec.data.train, trained.manifest)}")
     key = "--input" if input_path else "data.eval"
     shards = pipeline.find_shards(pattern)
     batch = _batch_for(spec, trained.accelerator)
@@ -84,6 +82,19 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     except tf.errors.OpError as exc:
         raise pipeline.input_error(exc, pattern, key) or exc from None
     return Evaluated(_report(spec, trained, shards.records, results), [])
+
+
+def _eval_hint(train: str, manifest: dict) -> str:
+    """Where to evaluate: a split of data.train's manifest that data.train does not read, named as a glob."""
+    folder, read = posixpath.split(train)
+    for name, split in manifest.get("splits", {}).items():
+        files = [entry.get("file", "") for entry in split.get("shards", [])]
+        if files and all(f.startswith(f"{name}-") and not fnmatch.fnmatch(f, read) for f in files):
+            return (f"evaluate on the held-out split {name!r} of {folder}/{pipeline.MANIFEST} with "
+                    f"`--set data.eval={posixpath.join(folder, name)}-*.tfrecord`, or give rows with --input FILE.npz")
+    return (f"{folder}/{pipeline.MANIFEST} lists no split besides the one data.train reads: set data.eval to a glob "
+            "of held-out shards written like data.train's, or give rows with --input FILE.npz holding every input "
+            "and the label")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +161,10 @@ def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarra
     suffix = Path(path).suffix
     if suffix == ".npy":
         if len(inputs) != 1:
-            raise DataError(f"{path}: a .npy file holds one array, but the model takes {len(inputs)} inputs; use .npz")
+            raise DataError(
+                f"{path}: a .npy file holds one array, but the model takes {len(inputs)} inputs: give an .npz "
+                f"holding one array per input, named {', '.join(map(repr, inputs))} (numpy.savez(FILE, name=array))"
+            )
         arrays = {inputs[0]: np.load(path, allow_pickle=False)}
     elif suffix == ".npz":
         with np.load(path, allow_pickle=False) as archive:

@@ -74,7 +74,7 @@ def images_dataset(
         raise SpecError(f"--color {color!r}: one of {', '.join(CHANNELS)}")
     if store not in STORES:
         raise SpecError(f"--store {store!r}: png (encoded, smaller) or raw (decoded, faster to read)")
-    shape = parse_size(size) if size else None
+    asked = shape = parse_size(size) if size else None
     layout = _layout(folder)
     if layout is not None and split is not None:
         raise SpecError(f"{folder} holds split folders ({', '.join(layout)}); drop --split")
@@ -106,13 +106,14 @@ def images_dataset(
         for part, listed in files.items():
             images, labels = [], []
             for path, label in listed:
-                pixels = _decode(path, channels, shape)
+                pixels = _decode(path, channels, asked)  # only --size resizes; else every image must match
                 if shape is None:
                     shape = pixels.shape[:2]
                 elif pixels.shape[:2] != tuple(shape):
                     raise DataError(
                         f"{path}: {pixels.shape[0]}x{pixels.shape[1]} pixels, but the images before it are "
-                        f"{shape[0]}x{shape[1]}; pass --size HEIGHTxWIDTH to resize every image to one size"
+                        f"{shape[0]}x{shape[1]}; pass --size HEIGHTxWIDTH to resize every image to one size (e.g. "
+                        f"--size {shape[0]}x{shape[1]}, the size of the first)"
                     )
                 if part == "train" or (part == next(iter(files)) and "train" not in files):
                     low, high = min(low, int(pixels.min())), max(high, int(pixels.max()))

@@ -16,6 +16,7 @@ Images are runner/prepare/images.py's, TensorFlow Datasets folders runner/prepar
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import math
 import os
@@ -47,9 +48,22 @@ def parse_split(text: str) -> dict[str, float]:
         if not name.strip().isidentifier():
             raise SpecError(f"--split {text!r}: split name {name.strip()!r} must be a plain name such as train or test")
         fractions[name.strip()] = fraction
-    if abs(sum(fractions.values()) - 1) > 1e-6:
-        raise SpecError(f"--split {text!r}: the fractions add up to {sum(fractions.values()):g}; they must add up to 1")
+    total = sum(fractions.values())
+    if abs(total - 1) > 1e-6:
+        raise SpecError(
+            f"--split {text!r}: the fractions add up to {total:g}; they must add up to 1, "
+            f"e.g. --split {_adding_up(fractions)}"
+        )
     return fractions
+
+
+def _adding_up(fractions: dict[str, float]) -> str:
+    """The fractions made to add up to 1: the last one takes the difference, or all are scaled when it cannot."""
+    *first, last = fractions
+    rest = 1 - sum(fractions[name] for name in first)
+    fixed = {**fractions, last: rest} if rest > 1e-6 else {name: v / sum(fractions.values()) for name, v in
+                                                            fractions.items()}
+    return ",".join(f"{name}={round(value, 4):g}" for name, value in fixed.items())
 
 
 def split_rows(count: int, fractions: dict[str, float], where: str) -> dict[str, np.ndarray]:
@@ -241,15 +255,22 @@ def _numbers(cells: list[str], kind: str, path: Path, column: str) -> np.ndarray
     return values.astype(_CASTS[kind])
 
 
+def _did_you_mean(name: str, columns: list[str]) -> str:
+    close = difflib.get_close_matches(name, columns, n=1) or [c for c in columns if c.lower() == name.lower()]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: str | None = None) -> Dataset:
     """A CSV table as a Dataset (see the module docstring): one feature per column, types inferred."""
     source = Path(path)
     header, rows = _read_rows(source)
     if label not in header:
-        raise DataError(f"{source}: no column {label!r} for --label; the columns are: {', '.join(header)}")
+        raise DataError(f"{source}: no column {label!r} for --label{_did_you_mean(label, header)}; the columns "
+                        f"are: {', '.join(header)}")
     unknown = [name for name in features if name not in header]
     if unknown:
-        raise DataError(f"{source}: no column {unknown[0]!r} for --features; the columns are: {', '.join(header)}")
+        raise DataError(f"{source}: no column {unknown[0]!r} for --features{_did_you_mean(unknown[0], header)}; "
+                        f"the columns are: {', '.join(header)}")
     inputs = tuple(features) or tuple(name for name in header if name != label)
     if label in inputs:
         raise SpecError(f"--features names the label column {label!r}; the label is not an input")

@@ -142,7 +142,7 @@ class RunFolder:
             if tf.io.gfile.exists(self.checkpoints) and not tf.io.gfile.isdir(self.checkpoints):
                 raise StorageError(
                     f"{self.checkpoints} is a file, not a folder: this job's checkpoints cannot be written there; "
-                    "move that file away (or delete it) and run the job again"
+                    "move that file away, then run the same job again"
                 )
         except tf.errors.OpError as exc:
             raise self.storage_fault(exc) from None
@@ -220,7 +220,7 @@ class RunFolder:
             if not tf.io.gfile.isdir(f"gs://{bucket}"):
                 raise StorageError(
                     f"bucket gs://{bucket} (output.dir) does not exist or this machine cannot read it: "
-                    f"create it (gcloud storage buckets create gs://{bucket}) or set output.dir to another"
+                    f"create it with `gcloud storage buckets create gs://{bucket}` or set output.dir to another"
                 )
 
     def storage_fault(self, exc: tf.errors.OpError) -> StorageError:

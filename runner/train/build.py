@@ -133,11 +133,15 @@ def label_classes(train: TrainSpec, label: Feature | None, model: Any) -> int | 
     except (AttributeError, TypeError, IndexError, ValueError):  # a subclassed model, several outputs
         width = None
     if not isinstance(width, int) or width < 2:
+        # One unit is a binary or regression head, where sparse_categorical_crossentropy is as wrong; a model
+        # whose width is unknown (subclassed, several outputs) may well end in one unit per class.
+        fix = ("use train.loss binary_crossentropy for labels 0 and 1, or end the model in one output per class"
+               if width == 1 else "use train.loss sparse_categorical_crossentropy (it takes the class ids as they "
+               "are), or a model ending in one output per class")
         raise SpecError(
             f"train.loss {name} takes one-hot labels and the records' labels are class ids, which the runner "
             f"one-hot encodes to the model's output width; model {getattr(model, 'name', '?')!r} has no single "
-            f"output of 2 or more classes (its output shape: {getattr(model, 'output_shape', 'unknown')}). Use "
-            "train.loss sparse_categorical_crossentropy, or a model ending in one output per class"
+            f"output of 2 or more classes (its output shape: {getattr(model, 'output_shape', 'unknown')}): {fix}"
         )
     return width
 
@@ -174,7 +178,7 @@ def steps_per_execution(spec: JobSpec, accelerator_kind: str) -> int:
 def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cpu", one_hot: bool = False) -> None:
     """`one_hot`: the labels arrive one-hot encoded (label_classes): metrics written for class ids are compiled
     as their one-hot counterparts."""
-    metrics = [_for_one_hot(m, "train.metrics") if one_hot else m for m in spec.train.metrics]
+    metrics = [_for_one_hot(m, f"train.metrics[{i}]") if one_hot else m for i, m in enumerate(spec.train.metrics)]
     model.compile(
         optimizer=make_optimizer(spec.train),
         loss=_loss_or_metric(spec.train.loss, "train.loss", spec.code_roots),

@@ -58,6 +58,15 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
     if len(losses) >= 2 and min(losses[1:]) > losses[0] * (1 - LOSS_FELL):
         found.append(
             f"the training loss never fell below its first epoch's ({losses[0]:.4g}; last {losses[-1]:.4g}): the "
-            "model learned nothing. Lower train.learning_rate, or check the data and the loss"
+            f"model learned nothing. {_loss_advice(losses)}"
         )
     return found
+
+
+def _loss_advice(losses: list[float]) -> str:
+    """A loss that rose overshoots: the rate is the likely cause. One that stayed flat is as likely a model whose
+    output ignores its weights, labels that do not fit the loss, or too low a rate: lowering it would not help."""
+    if max(losses[1:]) > losses[0] * (1 + LOSS_FELL):
+        return "It rose: lower train.learning_rate (a step too large overshoots), or check the data and the loss"
+    return ("It stayed flat: check that the model's output depends on weights that train, that the labels fit the "
+            "loss, and that train.learning_rate is not too small to move it")

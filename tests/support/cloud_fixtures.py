@@ -25,11 +25,17 @@ from tests.support.metadata_fake import MetadataFake, start_metadata_fake
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
 
+# A session's fake lives as long as the session may (CI's bound on the whole suite), not a module's 10-15 min:
+# started by an early module, it must still answer a module that runs 20 minutes later on a loaded machine.
+# It is stopped by its PID when the session ends, and stops itself after this even if the session is killed.
+SESSION_TTL_S = 90 * 60
+
+
 def _started_once(name: str, start, folder: str):
     """A session fixture NAME: the fake `start(FOLDER)` runs, started at its first use, stopped at the end."""
 
     def fixture(tmp_path_factory) -> Iterator:
-        with start(tmp_path_factory.mktemp(folder)) as fake:
+        with start(tmp_path_factory.mktemp(folder), ttl_s=SESSION_TTL_S) as fake:
             yield fake
 
     return pytest.fixture(scope="session", name=name)(fixture)
