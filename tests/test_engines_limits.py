@@ -138,7 +138,7 @@ def test_skypilot_refuses_project_and_says_how_it_picks_one(cloud_spec):
     assert result.returncode == 2
     said = " ".join(result.stderr.split())
     assert "--project does not apply to --on skypilot" in said
-    assert "gcp.project_id" in said and "gcloud config set project PROJECT" in said
+    assert "gcp.project_id" in said and "gcloud config set project other-project" in said  # the project given
     assert result.stdout == ""
 
 

@@ -79,6 +79,12 @@ def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Pa
         ({"schedule": {"class_name": "CosineDecai", "config": {}}}, "did you mean 'CosineDecay'?"),
         ({"schedule": {"class_name": "CosineDecay", "config": {"initial_learning_rate": 1e30, "decay_steps": 9}}},
          "config.initial_learning_rate is 1e+30: a learning rate is a number from 1e-12 to 1e+12"),
+        # A rate of 0 only where a schedule starts a warmup from it or decays to it (below): never one to train at.
+        ({"schedule": {"class_name": "CosineDecay", "config": {"initial_learning_rate": 0.0, "decay_steps": 9}}},
+         "config.initial_learning_rate is 0: a learning rate is a number from 1e-12 to 1e+12"),
+        ({"schedule": {"class_name": "CosineDecay", "config": {"initial_learning_rate": 0.0, "decay_steps": 9,
+                                                               "warmup_steps": 3, "warmup_target": 0.0}}},
+         "config.warmup_target is 0: a learning rate is a number from 1e-12 to 1e+12"),
         ({"optimizer": {"class_name": "Adam", "config": {"learning_rate": COSINE}}},
          "config.learning_rate is a mapping: a config holds plain values"),
         ({"optimizer": 3}, "train.optimizer: write an optimizer name (adam) or Keras's form"),
@@ -99,6 +105,26 @@ def test_validate_refuses_what_keras_would_not_build_naming_the_line(tmp_path: P
     assert expected in result.stderr, result.stderr
     assert re.search(rf"^error: {re.escape(str(spec))}:\d+: train", result.stderr), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_warmup_from_zero_and_a_decay_to_zero_validate_as_keras_writes_them(tmp_path: Path) -> None:
+    """CosineDecay's docstring warms up from `initial_learning_rate = 0` to `warmup_target`; PolynomialDecay may end
+    at 0. Both validate, and Keras builds what validate passed."""
+    warmup = {"class_name": "CosineDecay", "config": {"initial_learning_rate": 0, "decay_steps": 100,
+                                                      "warmup_target": 0.1, "warmup_steps": 10}}
+    to_zero = {"class_name": "PolynomialDecay", "config": {"initial_learning_rate": 0.1, "decay_steps": 100,
+                                                           "end_learning_rate": 0.0}}
+    for schedule in (warmup, to_zero):
+        spec = write_spec(tmp_path, {"name": "keras_zero", "train": {"schedule": schedule}})
+        result = invoke("validate", spec, "--no-data")
+        assert result.returncode == 0, result.stderr
+    # What the run builds from it: the int 0 goes to Keras as 0.0 (Keras's CosineDecay fails on an int rate).
+    from runner.spec.types import JobSpec
+    from runner.train.build import make_optimizer
+
+    optimizer = make_optimizer(JobSpec.model_validate({"name": "keras_zero", "train": {"schedule": warmup}}).train)
+    rates = optimizer._learning_rate  # the schedule itself (Keras's `learning_rate` property is its current value)
+    assert float(rates(0)) == 0.0 and abs(float(rates(10)) - 0.1) < 1e-6
 
 
 def test_a_set_takes_keras_forms_too(tmp_path: Path) -> None:

@@ -349,7 +349,7 @@ def test_the_summary_comes_with_its_restarts_and_cost(api, tpu_fake, cloud_spec,
 @pytest.mark.parametrize(
     "flags, spec_change, message",
     [
-        (["--zone", "us-central1"], {}, "is a region; give one of its zones, e.g. us-central1-a"),
+        (["--zone", "us-central1"], {}, "is a region; give one of its zones (us-central1- and a letter)"),
         (["--zone", "central"], {}, "is not a zone name"),
         (["--image", ""], {}, "missing --image"),
         (["--image", "runner:tpu"], {}, "names no registry"),

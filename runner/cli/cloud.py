@@ -53,8 +53,8 @@ def _where(project: str | None, zone: str | None, need: bool = True) -> tuple[st
         missing = [
             text
             for text, value in (
-                ("--project (or gcloud config set project P)", project),
-                ("--zone (or gcloud config set compute/zone Z)", zone),
+                ("--project (or `gcloud config set project PROJECT`)", project),
+                ("--zone (or `gcloud config set compute/zone ZONE`)", zone),
             )
             if not value
         ]

@@ -182,8 +182,8 @@ def refuse_a_second_job(sub: submit.Submission, client=None) -> None:
     if tpu_api.get_queued_resource(previous["name"], previous["project"], previous["zone"], client) is not None:
         raise SpecError(
             f"run folder {sub.spec.run_dir} belongs to job {previous['name']!r}, whose queued resource still exists "
-            f"in {previous['zone']}: wait for it, `runner cancel {previous['name']}`, or give this job another name "
-            "(--set name=...)"
+            f"in {previous['zone']}: wait for it, `runner cancel {previous['name']} --zone {previous['zone']} "
+            f"--project {previous['project']}`, or give this job another name (`--set name={sub.spec.name}-2`)"
         )
 
 

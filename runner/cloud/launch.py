@@ -71,8 +71,10 @@ class Launched:
     job: dict[str, Any] | None = None  # the job record, for --watch
 
 
-def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given: bool) -> None:
-    engines.check_options(on, {**vm.given(), **engine.given(), "--project": project_given}, engine.options())
+def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given: bool,
+                  project: str | None = None) -> None:
+    engines.check_options(on, {**vm.given(), **engine.given(), "--project": project_given}, engine.options(),
+                          project=project)
 
 
 def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) -> list[str]:
@@ -156,7 +158,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     """Checks everything, says the price, runs `preflight` (None: no cloud checks), sends (or, with dry_run,
     prints) the request. `project_given`: --project was typed (not read from the environment). Raises
     RunnerError."""
-    _check_target(on, vm, engine, project_given)
+    _check_target(on, vm, engine, project_given, project)
     sub = submit.prepare_submission(
         spec, overrides, tpu_type=tpu_type, zone=zone or gcloud_config.default_zone(), image=image,
         project=project or gcloud_config.default_project(), spot=spot, keep=vm.keep,

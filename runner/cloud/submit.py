@@ -53,7 +53,14 @@ _EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[a-z]+")
 _IMAGE = re.compile(
     r"(?P<registry>[a-z0-9.-]+\.[a-z0-9.-]+(:\d+)?|localhost(:\d+)?)/[a-z0-9._/-]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?"
 )
-_IMAGE_EXAMPLE = "us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu"
+# What cloudbuild.yaml pushes with _BUILD_TPU=true (its defaults: _REGION us-central1, repository and image `runner`).
+_IMAGE_EXAMPLE = "{region}-docker.pkg.dev/{project}/runner/runner:tpu"
+
+
+def image_example(project: str | None, zone: str | None) -> str:
+    """The TPU image cloudbuild.yaml pushes for this project, in the zone's region (placeholders where unknown)."""
+    region = zone.rsplit("-", 1)[0] if zone and _ZONE.fullmatch(zone) else "REGION"
+    return _IMAGE_EXAMPLE.format(region=region, project=project or "PROJECT")
 # Restarts after a preemption when --max-restarts is not given: Spot capacity is preempted as a matter of
 # course; on-demand capacity is not, so there a failure is worth a look before paying for another VM.
 DEFAULT_SPOT_RESTARTS = 3
@@ -105,33 +112,30 @@ def check_zone(zone: str) -> str:
     if _ZONE.fullmatch(zone):
         return zone
     if _REGION.fullmatch(zone):
-        raise SpecError(f"--zone {zone!r} is a region; give one of its zones, e.g. {zone}-a")
+        # A region's zone letters differ (us-east1 has b, c, d; no -a), so none is guessed here.
+        raise SpecError(f"--zone {zone!r} is a region; give one of its zones ({zone}- and a letter): "
+                        "`gcloud compute tpus locations list` lists the zones with Cloud TPUs")
     raise SpecError(f"--zone {zone!r} is not a zone name; zones look like us-central1-a or europe-west4-b")
 
 
 def check_name(name: str) -> str:
     if not _RESOURCE_ID.fullmatch(name):
-        raise SpecError(
-            f"--name {name!r} cannot name a queued resource: use 1-63 lowercase letters, digits and '-', "
-            f"starting with a letter (e.g. {resource_id(name)})"
-        )
+        raise SpecError(f"--name {name!r} cannot name a queued resource: use 1-63 lowercase letters, digits and '-', "
+                        f"starting with a letter (e.g. {resource_id(name)})")
     return name
 
 
-def _check_image(image: str | None) -> str:
+def _check_image(image: str | None, example: str) -> str:
     if not image:
-        raise SpecError(
-            f"missing --image: build and push the TPU image first (docs/cloud.md), e.g. --image {_IMAGE_EXAMPLE}"
-        )
+        raise SpecError(f"missing --image: build and push the TPU image first (docs/cloud.md), e.g. --image {example}")
     if not _IMAGE.fullmatch(image):
-        raise SpecError(
-            f"--image {image!r} names no registry the TPU VM can pull from; push the image and give its full name, "
-            f"e.g. {_IMAGE_EXAMPLE}"
-        )
+        raise SpecError(f"--image {image!r} names no registry the TPU VM can pull from; push the image and give its "
+                        f"full name, e.g. --image {example}")
     return image
 
 
-def _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts) -> list[str]:
+def _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts,
+                 project: str | None = None) -> list[str]:
     problems = []
     for flag, value in (("--network", network), ("--subnetwork", subnetwork)):
         if value is not None and not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?|projects/[^ ]+", value):
@@ -140,20 +144,17 @@ def _check_flags(network, subnetwork, service_account, reservation, valid_until,
                 "projects/.../networks/NAME path)"
             )
     if service_account is not None and not _EMAIL.fullmatch(service_account):
-        problems.append(
-            f"--service-account {service_account!r} is not a service account's email, e.g. "
-            "runner@PROJECT.iam.gserviceaccount.com"
-        )
+        problems.append(f"--service-account {service_account!r} is not a service account's email, e.g. "
+                        f"runner@{project or 'PROJECT'}.iam.gserviceaccount.com")
     if reservation is not None and not _PROJECT.fullmatch(reservation):
-        problems.append(
-            f"--reservation {reservation!r} must name the project that holds the reservation "
-            "(the TPU v2 API takes any reservation of that project, as `gcloud ... --reserved` does)"
-        )
+        problems.append(f"--reservation {reservation!r} must name the project that holds the reservation "
+                        "(the TPU v2 API takes any reservation of that project, as `gcloud ... --reserved` does)")
     if valid_until is not None:
         try:
             kind, value = parse_valid_until(valid_until)
             if kind == "time" and value <= datetime.datetime.now(datetime.timezone.utc):
-                problems.append(f"--valid-until {valid_until!r} has already passed")
+                problems.append(f"--valid-until {valid_until!r} has already passed: give a later time, or how long "
+                                "to wait for capacity as a duration (e.g. --valid-until 6h)")
         except SpecError as error:
             problems.append(str(error))
     if max_restarts is not None and max_restarts < 0:
@@ -161,24 +162,36 @@ def _check_flags(network, subnetwork, service_account, reservation, valid_until,
     return problems
 
 
+def _bucket_of(spec: JobSpec) -> str:
+    """The bucket the spec already uses (output.dir first, then its data), else the placeholder BUCKET."""
+    paths = [spec.output.dir]
+    if spec.kind == "train":
+        paths += [getattr(spec.data, key) for key in ("train", "eval", "validation")]
+    found = next((storage.split_gcs(p)[0] for p in paths if p and storage.is_gcs(p)), None)
+    return found or "BUCKET"
+
+
 def _check_spec(spec: JobSpec) -> list[str]:
     """What a spec needs on a TPU VM: every path it reads or writes in a bucket."""
     problems = []
+    bucket = _bucket_of(spec)
     if not storage.is_gcs(spec.output.dir):
-        problems.append(
-            f"output.dir is {spec.output.dir!r}: a TPU VM's disk goes with the VM; write to a bucket, "
-            "e.g. --set output.dir=gs://BUCKET/runs"
-        )
+        problems.append(f"output.dir is {spec.output.dir!r}: a TPU VM's disk goes with the VM; write to a bucket, "
+                        f"e.g. --set output.dir=gs://{bucket}/runs")
     if spec.kind == "train":
         for key in ("train", "eval", "validation"):
             path = getattr(spec.data, key)
             if path and not storage.is_gcs(path):
+                folder, _, pattern = path.rpartition("/")
+                target = f"gs://{bucket}/data/{Path(folder).name or spec.name}"
                 problems.append(
-                    f"data.{key} is {path!r}: the TPU VM cannot see this machine's files; upload the data "
-                    f"(`runner prepare ... --out gs://BUCKET/data/...`) and --set data.{key}=gs://..."
+                    f"data.{key} is {path!r}: the TPU VM cannot see this machine's files; copy the folder with its "
+                    f"manifest.json to a bucket (`gcloud storage cp -r {shlex.quote(folder or '.')}/. {target}`) and "
+                    f"--set data.{key}={target}/{pattern}"
                 )
     if spec.accelerator.kind in ("cpu", "gpu"):
-        problems.append(f"accelerator.kind is {spec.accelerator.kind!r}: a TPU VM job needs 'tpu' (or 'auto')")
+        problems.append(f"accelerator.kind is {spec.accelerator.kind!r}: a TPU VM job needs 'tpu' (or 'auto'): "
+                        "--set accelerator.kind=tpu")
     for key, path in spec.import_paths.items():  # the VM runs the image: code.folder stays on this machine
         if path.partition(":")[0].split(".")[0] not in spec.code.packages:
             problems.append(
@@ -218,30 +231,27 @@ def prepare_submission(
     need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown."""
     problems: list[str] = []
     checked: dict[str, Any] = {}
+    example = image_example(project, zone)
     for key, check, value in (
         ("tpu", tpu_types.single_host_type, tpu_type),
         ("zone", check_zone, zone),
-        ("image", _check_image, image),
+        ("image", lambda text: _check_image(text, example), image),
         ("name", check_name, name),
     ):
         if value is None and key == "name":
             continue
         if value is None and key == "zone":
-            problems.append(
-                "missing --zone (and gcloud has no compute/zone): the zone to create the TPU in, "
-                "e.g. --zone us-central1-a"
-            )
+            problems.append("missing --zone (and gcloud has no compute/zone): the zone to create the TPU in, "
+                            "e.g. --zone us-central1-a")
             continue
         try:
             checked[key] = check(value)
         except SpecError as error:
             problems.append(str(error))
     if not project and need_project:
-        problems.append(
-            "missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
-            "project to create the TPU in"
-        )
-    problems += _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts)
+        problems.append("missing --project (or GOOGLE_CLOUD_PROJECT, or gcloud's core/project): the Google Cloud "
+                        "project to create the TPU in")
+    problems += _check_flags(network, subnetwork, service_account, reservation, valid_until, max_restarts, project)
     max_run_s, stall_timeout_s = parse_limits(max_run_duration, stall_timeout, problems)
     spec = load_spec(spec_path, overrides)
     if spec.accelerator.kind == "auto":
@@ -287,10 +297,8 @@ def prepare_submission(
 def check_verified(sub: Submission) -> None:
     """A TPU VM whose type and runtime no recipe has run TensorFlow on is created only with --allow-unverified."""
     if sub.unverified and not sub.allow_unverified:
-        raise SpecError(
-            f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
-            "(a TPU VM job records it in its job.json), or choose a verified type or --runtime-version"
-        )
+        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
+                        "(a TPU VM job records it in its job.json), or choose a verified type or --runtime-version")
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -65,18 +65,24 @@ def _api_error(exc: Exception, action: str, name: str, project: str, zone: str) 
     where = f"in {zone} (project {project})"
     # The REST transport maps HTTP 409 to Conflict; the body's ALREADY_EXISTS says which conflict it is.
     if isinstance(exc, api.AlreadyExists) or (isinstance(exc, api.Conflict) and "already exists" in str(exc.message)):
+        # Another --name alone would not do: the job's run folder (from its job name) still belongs to the
+        # live queued resource, and jobs.refuse_a_second_job refuses that.
+        at = f"--zone {zone} --project {project}"
         return SpecError(
-            f"a queued resource {name!r} already exists {where}: see `runner status {name} --zone {zone}`, "
-            f"free the name with `runner cancel {name} --zone {zone}`, or pick another with --name"
+            f"a queued resource {name!r} already exists {where}: see `runner status {name} {at}`, "
+            f"free the name with `runner cancel {name} {at}`, or submit this as another job, with its own run "
+            f"folder (`--set name={name}-2`)"
         )
     if isinstance(exc, api.NotFound):
         return SpecError(
             f"no queued resource {name!r} {where}: it was never submitted there, or its job ended and it was "
             f"deleted (read the job's output with `runner logs {name}`)"
         )
-    if isinstance(exc, (api.PermissionDenied, api.Unauthenticated)):
+    # The REST transport maps HTTP 403 and 401 to Forbidden and Unauthorized (gRPC's codes to the other two).
+    if isinstance(exc, (api.PermissionDenied, api.Unauthenticated, api.Forbidden, api.Unauthorized)):
         return TpuApiError(f"the Cloud TPU API refused to {action} {name!r} {where}: {exc.message}; check the "
-                           "credentials and that the TPU API is enabled (gcloud services enable tpu.googleapis.com)")
+                           "credentials (`runner doctor --cloud` names the fix) and that the TPU API is enabled "
+                           f"(`gcloud services enable tpu.googleapis.com --project {project}`)")
     if isinstance(exc, api.GoogleAPICallError):
         return TpuApiError(f"the Cloud TPU API failed to {action} {name!r} {where}: {exc.code} {exc.message}")
     return TpuApiError(f"could not reach the Cloud TPU API to {action} {name!r}: {type(exc).__name__}: {exc}")

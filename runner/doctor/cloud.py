@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from runner.doctor.answers import bounded, reason, status_of, unreachable
+from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
 from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
 from runner.spec.types import JobSpec
@@ -120,11 +120,9 @@ def check_credentials(project_flag: str | None, environ: dict[str, str],
                      "GOOGLE_CLOUD_PROJECT, gcloud's core/project is set", "gcloud config set project PROJECT_ID "
                      "(or pass --project)"), None
     evidence = f"credentials from {source}; project {project} (from {where})"
-    action = ""
-    if where == "GOOGLE_CLOUD_PROJECT":  # `runner submit` reads --project, else gcloud's configuration only
-        action = f"pass --project {project} to `runner submit` too: it does not read GOOGLE_CLOUD_PROJECT"
+    # `runner submit` reads the project from the same places (--project, GOOGLE_CLOUD_PROJECT, gcloud's).
     access = Access(credentials, credentials.token, project)
-    return Check("cloud_credentials", "ok", evidence, action, data={"project": project, "source": where}), access
+    return Check("cloud_credentials", "ok", evidence, data={"project": project, "source": where}), access
 
 
 # --- the Cloud TPU API ------------------------------------------------------------------------
@@ -199,7 +197,8 @@ def _storage_client(access: Access):
     return storage.Client(project=access.project, credentials=access.credentials)
 
 
-def _storage_refusal(name: str, url: str, exc: BaseException, bucket: str, role: str) -> Check:
+def _storage_refusal(name: str, url: str, exc: BaseException, bucket: str, role: str, where: str) -> Check:
+    """`where`: the TPU's region, where a missing bucket belongs (reads across regions are billed)."""
     status = status_of(exc)
     grant = (f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=user:EMAIL --role={role} "
              "(and the same for the TPU VM's service account)")
@@ -209,11 +208,11 @@ def _storage_refusal(name: str, url: str, exc: BaseException, bucket: str, role:
         return Check(name, "fail", f"denied ({status}): {url}: {reason(exc)}", grant)
     if status == 404:
         return Check(name, "fail", f"missing: bucket gs://{bucket} does not exist ({reason(exc)})",
-                     f"gcloud storage buckets create gs://{bucket} --location=REGION")
+                     f"gcloud storage buckets create gs://{bucket} --location={where}")
     return Check(name, "fail", f"{url}: {reason(exc)}", grant)
 
 
-def check_bucket_read(access: Access, pattern: str, timeout: float) -> Check:
+def check_bucket_read(access: Access, pattern: str, timeout: float, where: str = "REGION") -> Check:
     """data.train's folder lists at least one object."""
     from runner.data.storage import split_gcs
 
@@ -225,14 +224,14 @@ def check_bucket_read(access: Access, pattern: str, timeout: float) -> Check:
                                                    timeout=timeout, retry=None)
         names = [blob.name for blob in blobs]
     except Exception as exc:
-        return _storage_refusal("bucket_read", folder, exc, bucket, "roles/storage.objectViewer")
+        return _storage_refusal("bucket_read", folder, exc, bucket, "roles/storage.objectViewer", where)
     if not names:
         return Check("bucket_read", "fail", f"missing: no objects under {folder}/ (data.train {pattern})",
                      f"runner prepare DATASET --out {folder}, or fix data.train")
     return Check("bucket_read", "ok", f"present: {folder}/ lists {names[0]}{' ...' if len(names) > 1 else ''}")
 
 
-def check_bucket_write(access: Access, output_dir: str, timeout: float) -> Check:
+def check_bucket_write(access: Access, output_dir: str, timeout: float, where: str = "REGION") -> Check:
     """A probe object written under output.dir, read back and deleted (checkpoint rotation deletes too)."""
     from runner.data.storage import split_gcs
 
@@ -246,7 +245,7 @@ def check_bucket_write(access: Access, output_dir: str, timeout: float) -> Check
         back = blob.download_as_bytes(timeout=timeout, retry=None)
         blob.delete(timeout=timeout, retry=None)
     except Exception as exc:
-        return _storage_refusal("bucket_write", url, exc, bucket, "roles/storage.objectAdmin")
+        return _storage_refusal("bucket_write", url, exc, bucket, "roles/storage.objectAdmin", where)
     if back != payload:
         return Check("bucket_write", "fail", f"{url} read back {len(back)} bytes, not the {len(payload)} written",
                      "check what sits between this machine and the bucket (a proxy, a mirror)")
@@ -264,6 +263,30 @@ def parse_image(image: str) -> tuple[str, str, str]:
     return match["host"], match["name"], match["digest"] or match["tag"] or "latest"
 
 
+_ARTIFACT_REGISTRY = re.compile(r"^(?P<region>[a-z0-9-]+)-docker\.pkg\.dev$")
+
+
+def push_action(host: str, name: str, reference: str) -> str:
+    """How to make `host/name:reference` exist: cloudbuild.yaml's TPU variant pushes
+    ${_REGION}-docker.pkg.dev/${_PROJECT}/${_REPOSITORY}/${_IMAGE}:tpu and :tpu-$SHORT_SHA, so its substitutions
+    are read off the image's own name; for a tag it does not make, the tag it makes is named instead."""
+    where = _ARTIFACT_REGISTRY.match(host)
+    parts = name.split("/")
+    if not where or len(parts) != 3:
+        return (f"push it to {host}/{name}:{reference} yourself: cloudbuild.yaml pushes only to Artifact Registry, "
+                "as REGION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:tpu (docs/image.md)")
+    project, repository, image = parts
+    tagged = re.fullmatch(r"tpu-([0-9a-f]{7,40})", reference)
+    sha = tagged.group(1) if tagged else "$(git rev-parse --short HEAD)"
+    build = ("gcloud builds submit --config cloudbuild.yaml "
+             f"--project={project} --substitutions=SHORT_SHA={sha},_BUILD_TPU=true,"
+             f"_REGION={where['region']},_PROJECT={project},_REPOSITORY={repository},_IMAGE={image} .")
+    if reference == "tpu" or tagged:
+        return f"build and push it: {build}"
+    return (f"cloudbuild.yaml tags the TPU image :tpu and :tpu-SHORT_SHA, never :{reference}: build and push it "
+            f"({build}) and pass --image {host}/{name}:tpu")
+
+
 def check_image(access: Access, image: str, environ: dict[str, str], timeout: float) -> Check:
     """GET /v2/NAME/manifests/REF with the access token as a Bearer token, as Artifact Registry's docs do it."""
     try:
@@ -273,14 +296,17 @@ def check_image(access: Access, image: str, environ: dict[str, str], timeout: fl
     override = environ.get(REGISTRY_ENV, "").rstrip("/")
     if not override and not _GOOGLE_REGISTRY.match(host):
         return Check("image", "warn", f"not checked: {host} is not Artifact Registry (*-docker.pkg.dev) or gcr.io",
-                     "check it with `docker manifest inspect IMAGE` using the TPU VM's credentials")
+                     f"check it with `docker manifest inspect {image}` using the TPU VM's credentials")
     url = f"{override or 'https://' + host}/v2/{name}/manifests/{reference}"
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {access.token}",
                                                    "Accept": _MANIFEST_TYPES})
-    reader = (f"gcloud artifacts repositories add-iam-policy-binding REPOSITORY --location=REGION "
-              f"--member=user:EMAIL --role=roles/artifactregistry.reader --project={access.project}")
-    push = ("build and push it: gcloud builds submit --config cloudbuild.yaml "
-            "--substitutions=SHORT_SHA=$(git rev-parse --short HEAD),_BUILD_TPU=true .")
+    registry = _ARTIFACT_REGISTRY.match(host)
+    repository, holder = ((name.split("/")[1], name.split("/")[0]) if registry and name.count("/") == 2 else
+                          ("REPOSITORY", access.project))
+    reader = (f"gcloud artifacts repositories add-iam-policy-binding {repository} "
+              f"--location={registry['region'] if registry else 'REGION'} --member=user:EMAIL "
+              f"--role=roles/artifactregistry.reader --project={holder}")
+    push = push_action(host, name, reference)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             digest = answer.headers.get("Docker-Content-Digest") or "?"
@@ -296,7 +322,7 @@ def check_image(access: Access, image: str, environ: dict[str, str], timeout: fl
         if exc.code in (401, 403):
             return Check("image", "fail", f"denied ({exc.code} {codes}): {host} refused these credentials for "
                          f"{image}", f"{reader} (Artifact Registry API: gcloud services enable "
-                         f"artifactregistry.googleapis.com)")
+                         f"artifactregistry.googleapis.com --project {holder})")
         return Check("image", "fail", f"{host} answered {exc.code} ({codes}) for {image}", push)
     except (OSError, urllib.error.URLError) as exc:
         return Check("image", "fail", f"unreachable: {url.split('/v2/')[0]}: {getattr(exc, 'reason', exc)}",
@@ -363,7 +389,8 @@ def preflight(
                              ("bucket_write", "output.dir", check_bucket_write)):
         path = _spec_path(spec, key)
         if path is not None and path.startswith("gs://"):
-            found.append(bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout)))
+            found.append(bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout,
+                                                                                       region(zone))))
         elif spec is None or path is None:
             found.append(Check(name, "ok", f"not checked: {'no SPEC' if spec is None else key + ' is not set'}"))
         else:  # `runner submit` refuses it too, before any call

@@ -6,6 +6,7 @@ with the extra that installs it."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,9 @@ def check_vertex(make_client: Callable[[str], Any], project: str, zone: str, tim
                          "check DNS, the network and CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM if set")
         return Check("engine", "fail", f"{'denied' if status in (401, 403) else 'refused'} ({status}): Vertex AI "
                      f"would not list the custom jobs of {parent}: {reason(exc)}",
-                     f"gcloud services enable aiplatform.googleapis.com --project {project}; grant the "
-                     "account roles/aiplatform.user")
+                     f"gcloud services enable aiplatform.googleapis.com --project {project}; if it is enabled, "
+                     f"grant the account Vertex AI's user role: gcloud projects add-iam-policy-binding {project} "
+                     "--member=user:EMAIL --role=roles/aiplatform.user")
     return Check("engine", "ok", f"Vertex AI answered a list of the custom jobs of {parent}")
 
 
@@ -48,7 +50,9 @@ def check_gke(timeout: float) -> Check:
         return _not_installed("Kubernetes", "pip install 'tpu-job-runner[gke]'")
     get_credentials = "gcloud container clusters get-credentials CLUSTER --location LOCATION"
     try:
-        api_client = config.new_client_from_config()  # KUBECONFIG honoured, as `runner submit --on gke` does
+        # KUBECONFIG read now: the client reads it once, when it is first imported (kube_config.py's
+        # KUBE_CONFIG_DEFAULT_LOCATION); a list of files (a:b) is merged by the client as kubectl does.
+        api_client = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
     except Exception as exc:
         return Check("engine", "fail", f"missing: no Kubernetes cluster in kubeconfig: {reason(exc)}",
                      f"{get_credentials} (or set KUBECONFIG)")
@@ -70,8 +74,9 @@ def check_gke(timeout: float) -> Check:
 # What `runner submit --on gke` creates (runner/cloud/engines/gke.py GROUP/VERSION), and the install command from
 # JobSet's installation page (kubernetes-sigs/jobset site/content/en/docs/installation/_index.md).
 JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
+JOBSET_RELEASE = "v0.10.1"  # the release xpk installs (runner/cloud/engines/gke.py); xpk clusters have it
 JOBSET_INSTALL = ("kubectl apply --server-side -f https://github.com/kubernetes-sigs/jobset/releases/download/"
-                  "$VERSION/manifests.yaml (VERSION: a JobSet release; xpk clusters have it installed)")
+                  f"{JOBSET_RELEASE}/manifests.yaml")
 
 
 def _jobset_api(client: Any, api_client: Any, host: str, evidence: str, timeout: float) -> Check:

@@ -120,12 +120,16 @@ class Serialized(Strict):
                 )
             _check_plain(value, f"config.{key}")
             if key in _RATE_KEYS and value is not None:
-                check_learning_rate(value, f"config.{key}")
+                check_learning_rate(value, f"config.{key}", zero_ok=_may_be_zero(key, self.config))
         return self
 
     def to_keras(self) -> dict[str, Any]:
-        """What Keras's deserialization reads (a fresh dict: Keras rewrites the one it is given)."""
-        return {"class_name": self.class_name, "config": dict(self.config)}
+        """What Keras's deserialization reads (a fresh dict: Keras rewrites the one it is given). A rate written
+        as a whole number (`initial_learning_rate: 0`, as CosineDecay's docstring writes its warmup) goes as a
+        float: Keras's CosineDecay multiplies it with float tensors and fails on an int ("cannot compute Mul")."""
+        config = {key: float(value) if key in _RATE_KEYS and type(value) is int else value
+                  for key, value in self.config.items()}
+        return {"class_name": self.class_name, "config": config}
 
 
 class SerializedOptimizer(Serialized):
@@ -178,10 +182,19 @@ def _check_plain(value: Any, where: str) -> None:
         raise ValueError(f"{where} is a {type(value).__name__}: use a number, text, true/false or a list")
 
 
-def check_learning_rate(value: Any, where: str) -> float:
+def _may_be_zero(key: str, config: dict[str, Any]) -> bool:
+    """A rate a schedule may start or end at without training at it: a warmup from 0 (`initial_learning_rate`
+    beside `warmup_target`, as the warmup example of CosineDecay's docstring writes it: keras/src/optimizers/
+    schedules/learning_rate_schedule.py) or a decay to 0 (`end_learning_rate`)."""
+    return key == "end_learning_rate" or (key == "initial_learning_rate" and config.get("warmup_target") is not None)
+
+
+def check_learning_rate(value: Any, where: str, zero_ok: bool = False) -> float:
     low, high = LEARNING_RATE_RANGE
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where} is {_shown(str(value))}: a learning rate is a number from {low:g} to {high:g}")
+    if zero_ok and value == 0:
+        return value
     if not (math.isfinite(value) and low <= value <= high):
         raise ValueError(f"{where} is {value:g}: a learning rate is a number from {low:g} to {high:g}")
     return value

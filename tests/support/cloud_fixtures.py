@@ -24,7 +24,6 @@ from tests.support.engine_fake import start_engine_fake
 from tests.support.metadata_fake import MetadataFake, start_metadata_fake
 from tests.support.tpu_fake import TpuFake, start_tpu_fake
 
-
 # A session's fake lives as long as the session may (CI's bound on the whole suite), not a module's 10-15 min:
 # started by an early module, it must still answer a module that runs 20 minutes later on a loaded machine.
 # It is stopped by its PID when the session ends, and stops itself after this even if the session is killed.

@@ -17,8 +17,14 @@ registry's {"errors": [{"code", "message"}]}.
 Control endpoints:
     POST /_fake/images   {"name": N, "reference": R}     the registry holds N:R from now on
     POST /_fake/offer    {"zone": Z, "types": [...]}    what Z's acceleratorTypes list holds
-    POST /_fake/deny     {"prefix": "/v2/projects", "status": 403, "reason": "SERVICE_DISABLED"}: requests whose
-                         path starts with the prefix are refused (several rules may stand; {} clears them)
+    POST /v1/projects/P/services/S:enable, /v1/projects/P/services:batchEnable
+                                                               Service Usage (`gcloud services enable`, its
+                                                               endpoint CLOUDSDK_API_ENDPOINT_OVERRIDES_SERVICEUSAGE):
+                                                               a done operation; the SERVICE_DISABLED denials
+                                                               whose "service" is S are lifted
+    POST /_fake/deny     {"prefix": "/v2/projects", "status": 403, "reason": "SERVICE_DISABLED", "service": S}:
+                         requests whose path starts with the prefix are refused (several rules may stand; {}
+                         clears them)
     POST /_fake/groups   {"groups": [APIGroup...]}       the Kubernetes API groups from now on ([]: no JobSet)
     POST /_fake/reset    forgets requests, images, offers and denials
     GET  /_fake/requests every API request: method, path, query, body, authorization
@@ -43,6 +49,7 @@ from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, 
 _TPU = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(nodes|queuedResources|acceleratorTypes)$")
 _VERTEX = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/customJobs$")
 _MANIFEST = re.compile(r"^/v2/(.+)/manifests/([^/]+)$")
+_ENABLE = re.compile(r"^/v1/projects/([^/]+)/services(?:/([^/:]+))?:(enable|batchEnable)$")
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 DEFAULT_OFFER = {"us-central1-a": ["v2-8", "v3-8", "v5litepod-1", "v5litepod-4", "v5litepod-8"]}
 
@@ -106,6 +113,15 @@ class Handler(FakeHandler):
         self.extra_headers, self.text_type = {}, "text/plain"  # one handler serves a keep-alive connection
         if path.startswith("/_fake/"):
             return self._control(method, path, body or {})
+        if method == "POST" and (match := _ENABLE.match(path)):
+            project, service, _ = match.groups()
+            enabled = [service] if service else list((body or {}).get("serviceIds", []))
+            state.denials = [rule for rule in state.denials if not (
+                rule.get("reason") == "SERVICE_DISABLED" and rule.get("service") in enabled)]
+            return 200, {"name": "operations/noop.DONE_OPERATION", "done": True,
+                         "response": {"@type": "type.googleapis.com/google.api.serviceusage.v1.EnableServiceResponse",
+                                      "service": {"name": f"projects/{project}/services/{enabled[0]}",
+                                                  "state": "ENABLED"}}}
         for rule in state.denials:
             if path.startswith(rule["prefix"]):
                 return _denied(path, rule)
@@ -158,8 +174,8 @@ class PreflightFake(FakeClient):
     def offer(self, zone: str, types: list[str]) -> None:
         self.call("POST", "/_fake/offer", {"zone": zone, "types": types})
 
-    def deny(self, prefix: str, status: int = 403, reason: str | None = None) -> None:
-        self.call("POST", "/_fake/deny", {"prefix": prefix, "status": status, "reason": reason})
+    def deny(self, prefix: str, status: int = 403, reason: str | None = None, service: str | None = None) -> None:
+        self.call("POST", "/_fake/deny", {"prefix": prefix, "status": status, "reason": reason, "service": service})
 
     def groups(self, groups: list[dict[str, Any]]) -> None:
         self.call("POST", "/_fake/groups", {"groups": groups})

@@ -101,16 +101,20 @@ class Options:
     max_restarts: int | None = None
 
 
-def check_options(on: str, given: dict[str, bool], options: Options) -> None:
-    """A flag the chosen target would not use is an error, never silently dropped."""
+def check_options(on: str, given: dict[str, bool], options: Options, project: str | None = None) -> None:
+    """A flag the chosen target would not use is an error, never silently dropped. `project`: --project's value,
+    named in the advice where one is given."""
     if on not in TARGETS:
         raise SpecError(f"--on {on!r}: choose one of {', '.join(TARGETS)}")
     problems = []
     for flag, used in given.items():
         if used and on not in FLAG_TARGETS[flag]:
             why = _WHY.get(flag, {}).get(on)
-            problems.append(f"{flag} does not apply to --on {on}" + (f": {why}" if why else
-                            f" (only to --on {' or '.join(FLAG_TARGETS[flag])})"))
+            if why and project:
+                why = why.replace("set project PROJECT", f"set project {project}")
+            problems.append(f"{flag} does not apply to --on {on}" + (
+                f": {why}" + ("" if f"Drop {flag}" in why else f"; drop {flag}") if why else
+                f" (only to --on {' or '.join(FLAG_TARGETS[flag])}): drop {flag}"))
     if options.output_format not in ("manifest", "xpk"):
         problems.append(f"--format {options.output_format!r}: choose manifest or xpk")
     if problems:

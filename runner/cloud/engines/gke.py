@@ -40,6 +40,7 @@ type or nowhere, and NODE_POOL says how to make one. --format xpk is refused for
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from typing import Any
 
@@ -74,6 +75,11 @@ POD_SECURITY = "pod-security.kubernetes.io/enforce"  # the namespace label of Ku
 NODE_POOL = ("gcloud container node-pools create NAME --cluster CLUSTER --location LOCATION "
              "--node-locations {zone} --machine-type {machine} --num-nodes 1{spot}")
 INSTALL = "pip install 'tpu-job-runner[gke]'   (or: pip install kubernetes)"
+# JobSet's installation page (kubernetes-sigs/jobset site/content/en/docs/installation/_index.md) installs a release
+# with this command; v0.10.1 is the release xpk installs (above).
+JOBSET_RELEASE = "v0.10.1"
+JOBSET_INSTALL = ("kubectl apply --server-side -f https://github.com/kubernetes-sigs/jobset/releases/download/"
+                  f"{JOBSET_RELEASE}/manifests.yaml")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,10 +291,11 @@ def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
                         "and `kubectl apply -f` it") from None
     name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
     try:
-        config.load_kube_config()
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # now, not when the client was imported
     except Exception as exc:  # no kubeconfig, or no current context
         raise AcceleratorError(f"no Kubernetes cluster to send JobSet {name!r} to: {exc}; run `gcloud container "
-                               "clusters get-credentials CLUSTER` (or set KUBECONFIG)") from exc
+                               f"clusters get-credentials CLUSTER --location LOCATION --project {sub.project}` "
+                               "(or set KUBECONFIG)") from exc
     try:
         preflight(client.ApiClient(), namespace)
     except SpecError:
@@ -302,10 +309,11 @@ def apply(sub: Submission, manifest: dict[str, Any]) -> dict[str, Any]:
     except ApiException as exc:
         if exc.status == 409:
             raise SpecError(f"a JobSet {name!r} already exists in namespace {namespace!r}: delete it "
-                            f"(kubectl delete jobset {name} -n {namespace}) or give another --name") from None
+                            f"(`kubectl delete jobset {name} -n {namespace}`) or give another --name "
+                            f"(e.g. --name {name}-2)") from None
         if exc.status == 404:
             raise AcceleratorError(f"the cluster has no JobSet API ({GROUP}/{VERSION}): install JobSet "
-                                   "(xpk cluster create does) before submitting") from None
+                                   f"(`{JOBSET_INSTALL}`; xpk cluster create does) before submitting") from None
         raise AcceleratorError(f"the cluster refused JobSet {name!r}: {exc.status} {exc.reason}: {exc.body}") from None
     except Exception as exc:
         raise AcceleratorError(f"could not reach the cluster to create JobSet {name!r}: "

@@ -155,10 +155,10 @@ def create(sub: Submission, client=None) -> dict[str, Any]:
         created = client.create_custom_job(parent=parent(sub), custom_job=job, retry=None, timeout=_CALL_TIMEOUT_S)
     except api.InvalidArgument as exc:
         raise SpecError(f"Vertex AI refused the CustomJob {sub.name!r} {where}: {exc.message}") from None
-    except (api.PermissionDenied, api.Unauthenticated) as exc:
+    except (api.PermissionDenied, api.Unauthenticated, api.Forbidden, api.Unauthorized) as exc:  # gRPC, REST
         raise VertexApiError(f"Vertex AI refused to create {sub.name!r} {where}: {exc.message}; check the "
-                             "credentials and that the API is enabled (gcloud services enable "
-                             f"{API})") from None
+                             "credentials (`runner doctor --cloud --on vertex` names the fix) and that the API is "
+                             f"enabled (`gcloud services enable {API} --project {sub.project}`)") from None
     except api.GoogleAPICallError as exc:
         raise VertexApiError(f"Vertex AI failed to create {sub.name!r} {where}: {exc.code} {exc.message}") from None
     except Exception as exc:
