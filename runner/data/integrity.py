@@ -28,10 +28,10 @@ import tensorflow as tf
 
 from runner import DataError, RunnerError, models
 from runner.data import pipeline, schema, storage, verify
+from runner.spec.columns import columns_problem
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
-
 
 
 def patterns_of(spec: JobSpec) -> dict[str, str]:
@@ -62,6 +62,10 @@ def check_job_data(spec: JobSpec) -> JobData:
         for key, pattern in patterns.items():
             shards = found[key] = pipeline.find_shards(pattern, key)
             pipeline.check_declared(spec.data.features, shards)
+            columns = columns_problem(spec.data, shards.manifest, posixpath.join(
+                posixpath.dirname(shards.pattern), pipeline.MANIFEST), spec.train.sample_weight)
+            if columns:
+                raise DataError(f"{key}: {columns}")
             check_whole_splits(shards, key)
             check_labels(spec, shards)
             check_sample_weight(spec.train.sample_weight, shards, key)

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from runner import SpecError
+from runner.spec.columns import columns_problem
 from runner.spec.keras import NAME_TAG, SERIALIZED_TAG
 from runner.spec.types import DataSpec, JobSpec
 from runner.spec.usercode import check_defined, find_code
@@ -294,6 +295,11 @@ class Preflight:
     code: dict[str, str]  # spec key -> the file its import path loads from
 
 
+# The arguments `runner run` calls each spec key's function with (usercode.load_callable's callers).
+CALLED_WITH = {"model.name": ("params", "features", "inputs"), "data.preprocess": ("features",),
+               "train.loss": ("y_true", "y_pred"), "train.metrics": ("y_true", "y_pred")}
+
+
 def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, data: bool = True) -> Preflight:
     """Loads the spec (SpecError as load_spec) and checks, importing nothing: every import path's module
     inside the spec's code roots and its attribute in the module's source, and (unless `data` is False: the
@@ -305,7 +311,7 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, 
         key_path = tuple(re.sub(r"\[\d+\]$", "", key).split("."))
         try:
             found = find_code(import_path, key, spec.code_roots)
-            check_defined(found, key)
+            check_defined(found, key, CALLED_WITH.get(re.sub(r"\[\d+\]$", "", key)))
             code[key] = found.origin
         except SpecError as exc:
             problems.append(f"{source.where(key_path)}: {exc}")
@@ -410,6 +416,9 @@ def _check_data(
             f"again: `runner manifest {spec_path} --force` for your own TFRecords (data.features declared), "
             f"`runner prepare DATASET --out {folder}` for a built-in dataset"
         )
+    columns = columns_problem(spec.data, manifest, manifest_path, spec.train.sample_weight) if key == "train" else None
+    if columns:
+        return problem(columns, about=("data", "inputs" if columns.startswith("data.inputs") else "label"))
     unlisted = [f for f in files if os.path.basename(f) not in shards]
     if unlisted:
         return problem(

@@ -253,10 +253,11 @@ def check_package_is_yours(top: str) -> None:
         raise ValueError(_third_party_reason(top, distribution))
 
 
-def check_defined(found: Found, key: str) -> None:
+def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = None) -> None:
     """Reads (never runs) the module's source and refuses an attribute it does not define, naming the closest
-    one. A module that can define names at import time in ways the source does not show (`from x import *`,
-    a module `__getattr__`), or that is not Python source, is left to the import."""
+    one, or (given the `arguments` the runner calls it with) a function defined at the module's top level
+    whose parameters cannot take them. A module that can define names at import time in ways the source does
+    not show (`from x import *`, a module `__getattr__`), or that is not Python source, is left to the import."""
     attribute = found.path.partition(":")[2]
     origin = found.origin
     if not origin.endswith(".py") or not os.path.isfile(origin):
@@ -280,6 +281,10 @@ def check_defined(found: Found, key: str) -> None:
         else:
             names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
     if "__getattr__" in names or attribute in names:
+        functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+        defined = [n for n in tree.body if isinstance(n, functions) and n.name == attribute]
+        if arguments is not None and len(defined) == 1 and not defined[0].decorator_list:
+            _check_parameters(defined[0], found.path, key, arguments)
         return
     close = difflib.get_close_matches(attribute, sorted(names), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -287,6 +292,29 @@ def check_defined(found: Found, key: str) -> None:
     raise SpecError(
         f"{key}: module {module_name!r} ({origin}) has no attribute {attribute!r}{hint} "
         f"(it defines: {', '.join(sorted(public)) or 'no public functions or classes'})"
+    )
+
+
+def _check_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, path: str, key: str,
+                      arguments: tuple[str, ...]) -> None:
+    """What `inspect.signature(f).bind(*arguments)` will say at run time (load_callable), read from the
+    source: enough positional parameters, not too many without defaults, no keyword-only one without one."""
+    spec = node.args
+    positional = [*spec.posonlyargs, *spec.args]
+    required = len(positional) - len(spec.defaults)
+    kw_required = [a.arg for a, d in zip(spec.kwonlyargs, spec.kw_defaults, strict=True) if d is None]
+    if len(arguments) > len(positional) and spec.vararg is None:
+        why = "too many positional arguments"
+    elif len(arguments) < required:
+        why = f"missing a required argument: {positional[len(arguments)].arg!r}"
+    elif kw_required:
+        why = f"missing a required keyword-only argument: {kw_required[0]!r}"
+    else:
+        return
+    name = path.partition(":")[2]
+    raise SpecError(
+        f"{key}: {path!r} has signature {name}({ast.unparse(spec)}), but the runner calls it as "
+        f"{name}({', '.join(arguments)}) ({why})"
     )
 
 

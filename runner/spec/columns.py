@@ -1,0 +1,51 @@
+"""The spec's columns against the data's manifest, without TensorFlow: every name in `data.inputs` and
+`data.label` must be a feature of the records. A spec that leaves them at their defaults (`[image]`, `label`)
+on data of another form would otherwise validate and then fail inside the input pipeline; `runner validate`
+(runner/spec/load.py) and `runner run` (runner/data/integrity.py) both refuse it here, naming the manifest's
+own features and, where the manifest records them (`runner prepare` does), its inputs and label as the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from runner.spec.types import DataSpec
+
+
+def columns_problem(data: DataSpec, manifest: Mapping[str, Any], manifest_path: str,
+                    sample_weight: str | None = None) -> str | None:
+    """What is wrong with data.inputs / data.label for the records `manifest` describes, or None."""
+    features = manifest.get("features")
+    if not isinstance(features, Mapping) or not features:
+        return None  # an old manifest without a schema: the spec's data.features, checked elsewhere, say it
+    has = ", ".join(features)
+    problems, fixes = [], []
+    for key, names in (("inputs", list(data.inputs)), ("label", [data.label])):
+        missing = [name for name in names if name not in features]
+        if not missing:
+            continue
+        how = "" if key in data.model_fields_set else " (the default)"
+        written = f"[{', '.join(names)}]" if key == "inputs" else repr(names[0])
+        problems.append(f"data.{key} is {written}{how}, but {manifest_path} has no feature "
+                        f"{', '.join(map(repr, missing))} (its features: {has})")
+        fix = _manifest_says(key, manifest, features, sample_weight)
+        if fix:
+            fixes.append(f"data.{key}: {fix}")
+    if not problems:
+        return None
+    advice = (f"; the manifest records which: set {' and '.join(fixes)} in the spec" if fixes else
+              "; name the features the model reads in data.inputs and the label in data.label")
+    return "; ".join(problems) + advice
+
+
+def _manifest_says(key: str, manifest: Mapping[str, Any], features: Mapping[str, Any],
+                   sample_weight: str | None) -> str | None:
+    """The manifest's own `inputs` or `label` (what `runner prepare` wrote), as YAML, when its features hold it;
+    a feature the spec uses as train.sample_weight is not an input."""
+    value = manifest.get(key)
+    if key == "label":
+        return value if isinstance(value, str) and value in features else None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in features for v in value):
+        return None
+    inputs = [name for name in value if name != sample_weight and name != manifest.get("label")]
+    return f"[{', '.join(inputs)}]" if inputs else None
