@@ -26,20 +26,28 @@ def _keras() -> Any:
     return tf.keras
 
 
-def _image_input(features: dict[str, Any], inputs: tuple[str, ...]) -> tuple[Any, Any]:
+# The image models' pixels: 0..PIXEL_MAX as the records hold them, divided by `pixel_max` inside the model.
+PIXEL_MAX = 255
+
+
+def _image_input(features: dict[str, Any], inputs: tuple[str, ...], pixel_max: float) -> tuple[Any, Any]:
+    if isinstance(pixel_max, bool) or not isinstance(pixel_max, (int, float)) or not pixel_max > 0:
+        raise SpecError(f"model.params.pixel_max: {pixel_max!r} is not a positive number (255 for 0..255 pixels, "
+                        "1 for pixels already scaled to 0..1)")
     keras = _keras()
     (name,) = inputs
     inp = keras.Input(shape=features[name].shape, name=name)
     # Pixels arrive as float32 in 0..255; rescaling inside the model keeps predict() on raw images honest.
-    return inp, keras.layers.Rescaling(1.0 / 255)(inp)
+    # `pixel_max: 1` takes images already scaled to 0..1 (runner/spec/columns.py refuses the mismatch).
+    return inp, keras.layers.Rescaling(1.0 / pixel_max)(inp)
 
 
 def mnist_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The Basic CNN of the classic Colab TPU MNIST example."""
-    params = _params(params, {"classes": 10}, "mnist_cnn")
+    params = _params(params, {"classes": 10, "pixel_max": PIXEL_MAX}, "mnist_cnn")
     keras = _keras()
     layers = keras.layers
-    inp, x = _image_input(features, inputs)
+    inp, x = _image_input(features, inputs, params["pixel_max"])
     x = layers.Conv2D(64, 2, padding="same", activation="relu")(x)
     x = layers.MaxPooling2D(2)(x)
     x = layers.Dropout(0.3)(x)
@@ -75,10 +83,10 @@ def _one_input(features: dict[str, Any], inputs: tuple[str, ...], dtype: str, ra
 
 def cifar10_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The CIFAR-10 CNN of the classic Colab TPU example: (BatchNorm, Conv x2, pool, dropout) x2, Dense 512."""
-    p = _params(params, {"classes": 10}, "cifar10_cnn")
+    p = _params(params, {"classes": 10, "pixel_max": PIXEL_MAX}, "cifar10_cnn")
     keras = _keras()
     layers = keras.layers
-    inp, x = _image_input(features, inputs)
+    inp, x = _image_input(features, inputs, p["pixel_max"])
     for filters in (32, 64):
         x = layers.BatchNormalization()(x)
         x = layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
@@ -146,11 +154,13 @@ class BuiltinModel:
     # this project's CPUs only, so listed for "cpu": a TPU computes them in bfloat16. (A job whose data, not its
     # model, loses accuracy says float32 in its own spec: jobs/fashion_mnist_cnn.yaml.)
     float32_under_auto: dict[str, str] = dataclasses.field(default_factory=dict)
+    # An image model: the default of its `pixel_max` param (it divides its input by it inside).
+    pixel_max: float | None = None
 
 
 BUILTIN: dict[str, BuiltinModel] = {
-    "mnist_cnn": BuiltinModel(mnist_cnn, classes=10),
-    "cifar10_cnn": BuiltinModel(cifar10_cnn, classes=10),
+    "mnist_cnn": BuiltinModel(mnist_cnn, classes=10, pixel_max=PIXEL_MAX),
+    "cifar10_cnn": BuiltinModel(cifar10_cnn, classes=10, pixel_max=PIXEL_MAX),
     "imdb_lstm": BuiltinModel(imdb_lstm, float32_under_auto={
         "cpu": "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
     }),
@@ -174,6 +184,15 @@ def classes_of(model_name: str, params: dict[str, Any]) -> int | None:
         return None
     classes = params.get("classes", known.classes)
     return classes if isinstance(classes, int) and not isinstance(classes, bool) else None
+
+
+def pixel_max_of(model_name: str, params: dict[str, Any]) -> float | None:
+    """The largest pixel value a built-in image model expects (its `pixel_max` param), None for other models."""
+    known = BUILTIN.get(model_name)
+    if known is None or known.pixel_max is None:
+        return None
+    value = params.get("pixel_max", known.pixel_max)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def build(model_name: str, params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:

@@ -2,14 +2,18 @@
 `data.label` must be a feature of the records. A spec that leaves them at their defaults (`[image]`, `label`)
 on data of another form would otherwise validate and then fail inside the input pipeline; `runner validate`
 (runner/spec/load.py) and `runner run` (runner/data/integrity.py) both refuse it here, naming the manifest's
-own features and, where the manifest records them (`runner prepare` does), its inputs and label as the fix."""
+own features and, where the manifest records them (`runner prepare` does), its inputs and label as the fix.
+
+The same two places refuse pixels on another scale than a built-in image model divides by (`pixels_problem`):
+0..1 images under a model that divides by 255 train without an error, on values 255 times too small."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from runner.spec.types import DataSpec
+from runner import models
+from runner.spec.types import DataSpec, ModelSpec
 
 
 def columns_problem(data: DataSpec, manifest: Mapping[str, Any], manifest_path: str,
@@ -49,3 +53,30 @@ def _manifest_says(key: str, manifest: Mapping[str, Any], features: Mapping[str,
         return None
     inputs = [name for name in value if name != sample_weight and name != manifest.get("label")]
     return f"[{', '.join(inputs)}]" if inputs else None
+
+
+def pixels_problem(model: ModelSpec, data: DataSpec, manifest: Mapping[str, Any], manifest_path: str) -> str | None:
+    """What is wrong with the scale of the pixels `manifest` records (its `value_ranges`) for a built-in image
+    model, or None. Values a factor of 2 or more beyond the model's `pixel_max`, or at most 1 under a
+    `pixel_max` above 2, are another scale; data.preprocess may rescale them, so it is not judged then."""
+    expected = models.pixel_max_of(model.name, dict(model.params))
+    ranges = manifest.get("value_ranges")
+    if expected is None or data.preprocess or len(data.inputs) != 1 or not isinstance(ranges, Mapping):
+        return None
+    name = data.inputs[0]
+    found = ranges.get(name)
+    if not isinstance(found, Mapping) or not all(isinstance(found.get(k), (int, float)) for k in ("min", "max")):
+        return None
+    low, high = float(found["min"]), float(found["max"])
+    largest = max(abs(low), abs(high))
+    if 0 < largest <= 1.0 < expected / 2:
+        fix = "set `model.params.pixel_max: 1` (the images are already scaled), or prepare them as 0..255 pixels"
+    elif largest > 2 * expected:
+        fix = f"set `model.params.pixel_max: {255 if largest <= 255 else largest:g}` (the records' scale)"
+    else:
+        return None
+    return (
+        f"model {model.name} divides its input {name!r} by {expected:g} (model.params.pixel_max) and expects pixels "
+        f"0..{expected:g}, but {manifest_path} records {found.get('dtype', '?')} values {low:g}..{high:g} "
+        f"(value_ranges): it would train without an error on values of another scale and learn little; {fix}"
+    )

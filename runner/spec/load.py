@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from runner import SpecError
-from runner.spec.columns import columns_problem
+from runner.spec.columns import columns_problem, pixels_problem
 from runner.spec.keras import NAME_TAG, SERIALIZED_TAG
 from runner.spec.types import DataSpec, JobSpec
 from runner.spec.usercode import check_defined, find_code
@@ -419,6 +419,9 @@ def _check_data(
     columns = columns_problem(spec.data, manifest, manifest_path, spec.train.sample_weight) if key == "train" else None
     if columns:
         return problem(columns, about=("data", "inputs" if columns.startswith("data.inputs") else "label"))
+    pixels = pixels_problem(spec.model, spec.data, manifest, manifest_path)
+    if pixels:
+        return problem(pixels, about=("model", "params"))
     unlisted = [f for f in files if os.path.basename(f) not in shards]
     if unlisted:
         return problem(
