@@ -200,7 +200,7 @@ def test_a_worker_that_cannot_read_its_number_runs_as_worker_0_of_its_single_hos
 def test_the_preemption_notice_ends_the_job_with_75_which_is_recorded_and_the_slice_freed(vm):
     sub = vm.submission(spot=True)
     process, env = vm.boot(sub, job="sleep:60:0", background=True)
-    pid_file = Path(env["FAKE_STATE"]) / "job_runs"
+    pid_file = Path(env["FAKE_STATE"]) / "job_listening"  # the job's SIGTERM handler is in place
     deadline = time.monotonic() + 60
     while vm.record(sub, "worker-0.started.json") is None or not pid_file.exists():
         assert time.monotonic() < deadline and process.poll() is None, process.communicate()

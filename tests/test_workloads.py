@@ -42,13 +42,15 @@ def prepared(tmp_path_factory):
 
 
 def run_job(job: str, data: Path, out: Path, *overrides: str) -> dict:
-    """Runs jobs/<job>.yaml on the prepared folder for two short epochs; returns the summary."""
+    """Runs jobs/<job>.yaml on the prepared folder for two short epochs; returns the summary (status
+    succeeded, with `warnings` when the six steps left the loss where it was)."""
     sets = [
         f"output.dir={out}",
         f"data.train={data}/train-*.tfrecord",
         f"data.eval={data}/test-*.tfrecord",
         "train.epochs=2",
         "train.steps_per_epoch=3",
+        "train.allow_chance=true",  # six steps check the pipeline, not learning: a loss may rise in them
         *overrides,
     ]
     result = run_cli("run", REPO / "jobs" / f"{job}.yaml", *(a for s in sets for a in ("--set", s)))

@@ -43,8 +43,9 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
         try:
             parse = tf.function(examples_to_inputs, input_signature=[_RECORDS]).get_concrete_function()
         except Exception as exc:  # a preprocess that needs what a record without its label lacks
+            cause = _first_cause(exc)
             log.warning("saved_model: no %s endpoint: data.preprocess could not be traced on the input features "
-                        "alone (%s: %s)", SERVE_EXAMPLES, type(exc).__name__, str(exc).splitlines()[0])
+                        "alone (%s: %s)", SERVE_EXAMPLES, type(cause).__name__, (str(cause).splitlines() or [""])[0])
     if parse is None:
         model.export(path, **_quiet(model.export))
         return [SERVE]
@@ -59,6 +60,17 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
     )
     archive.write_out(path, **_quiet(archive.write_out))
     return [SERVE, SERVE_EXAMPLES]
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """The exception that started a chain: autograph's error handling can itself fail (an IndexError was seen)
+    while handling the preprocess's own error (a KeyError for the label), and the first is the one to name."""
+    for _ in range(16):
+        earlier = exc.__cause__ or exc.__context__
+        if earlier is None:
+            break
+        exc = earlier
+    return exc
 
 
 def _quiet(method: Callable) -> dict[str, Any]:

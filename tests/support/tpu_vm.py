@@ -12,6 +12,7 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                          exit:N      prints two lines and exits N (0 also writes a succeeded
                                                      summary.json for the spec's epochs into the run folder)
                                          sleep:S:N   the same after S seconds; SIGTERM meanwhile: exit 75
+                                                     (FAKE_STATE/job_listening: the handler is in place)
                                          hold:N      the same once the test calls `release(env)` (at most
                                                      300 s); SIGTERM meanwhile: exit 75
                                          hang        a job that never ends and ignores SIGTERM (300 s at most):
@@ -358,6 +359,7 @@ def fake_docker(args: list[str]) -> int:
     emit(f"epoch 1/2: training ({behaviour})\n")
     if kind in ("sleep", "hold"):
         signal.signal(signal.SIGTERM, lambda *_: (emit("preemption notice: saved, exit 75\n"), os._exit(75)))
+        (Path(os.environ["FAKE_STATE"]) / "job_listening").touch()  # a SIGTERM from now on is the notice
     if kind == "sleep":
         time.sleep(float(values[0]))
     if kind == "hold":
