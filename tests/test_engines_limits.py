@@ -114,20 +114,36 @@ def test_the_default_limits_are_the_tpu_vms(cloud_spec):
 
 
 def test_skypilot_creates_an_unverified_tpu_vm_only_when_allowed(cloud_spec):
-    refused = submit(cloud_spec, "--on", "skypilot", "--dry-run", tpu_type="v6e-8")
+    # Refused before SkyPilot is called (an API server would be needed to get further).
+    refused = submit(cloud_spec, "--on", "skypilot", tpu_type="v6e-8", allow=False)
     assert refused.returncode == 2 and "is unverified" in refused.stderr and "--allow-unverified" in refused.stderr
     assert refused.stdout == ""
+    shown = submit(cloud_spec, "--on", "skypilot", "--dry-run", tpu_type="v6e-8", allow=False)
+    assert shown.returncode == 0 and "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
     allowed = yaml.safe_load(dry(cloud_spec, "skypilot", "--allow-unverified", tpu_type="v6e-8"))
     assert allowed["resources"]["accelerators"] == "tpu-v6e-8"
 
 
 @pytest.mark.parametrize("target", ["gke", "vertex"])
-def test_engines_that_choose_the_hosts_software_refuse_allow_unverified_and_say_why(cloud_spec, target):
-    result = submit(cloud_spec, "--on", target, "--allow-unverified", "--dry-run")
-    assert result.returncode == 2
-    said = " ".join(result.stderr.split())
-    assert f"--allow-unverified does not apply to --on {target}" in said and "there is nothing to allow" in said
-    assert result.stdout == ""
+def test_engines_that_choose_the_hosts_software_judge_the_image_on_the_generation(cloud_spec, target):
+    """GKE and Vertex AI pick the host's software (no runtime to judge), but the image's tensorflow-tpu 2.19.1
+    on v5e has no recipe there either: refused without --allow-unverified, shown by a dry run, sent with it."""
+    refused = submit(cloud_spec, "--on", target, allow=False)
+    assert refused.returncode == 2, refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert "the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod is unverified" in said
+    assert "Give --allow-unverified to submit it anyway" in said and refused.stdout == ""
+    shown = submit(cloud_spec, "--on", target, "--dry-run", allow=False)
+    assert shown.returncode == 0 and shown.stdout, shown.stderr
+    assert "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
+    allowed = submit(cloud_spec, "--on", target, "--dry-run")
+    assert "unverified: " in allowed.stderr and "allowed by --allow-unverified" in allowed.stderr
+
+
+def test_gke_on_v5p_has_a_recipe_for_the_image_and_says_nothing_unverified(cloud_spec):
+    shown = submit(cloud_spec, "--on", "gke", "--dry-run", tpu_type="v5p-8", allow=False)
+    assert shown.returncode == 0, shown.stderr
+    assert "unverified" not in shown.stderr
 
 
 # --- SkyPilot and the project -----------------------------------------------------------------------

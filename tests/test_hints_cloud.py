@@ -86,10 +86,12 @@ def gcloud_parses(engine_api, tmp_path: Path):
 
 
 def _submit(spec: Path, env: dict[str, str], *args: str, tpu_type: str | None = "v5litepod-8", where: bool = True,
-            image: str | None = IMAGE) -> subprocess.CompletedProcess:
+            image: str | None = IMAGE, allow: bool = True) -> subprocess.CompletedProcess:
+    """`runner submit`; `allow`: with --allow-unverified (v5litepod-8 runs the image unverified, docs/tpu.md)."""
     argv = ["submit", spec, *(["--tpu-type", tpu_type] if tpu_type else [])]
     argv += ["--zone", ZONE, "--project", PROJECT] if where else []
     argv += ["--image", image] if image else []
+    argv += ["--allow-unverified"] if allow and "--allow-unverified" not in args else []
     return invoke(*argv, *args, env=env)
 
 
@@ -184,15 +186,21 @@ def test_a_tpu_type_refused_takes_the_type_the_message_offers(typed, pattern, cl
 
 
 def test_an_unverified_type_or_runtime_is_allowed_or_moved_to_the_runtime_with_a_recipe(cloud_spec, tmp_path) -> None:
+    """Refused before any call (offline here); followed, the dry run says it is allowed or no longer unverified."""
     env = _offline(tmp_path)
-    said = _refused(_submit(cloud_spec, env, "--dry-run", tpu_type="v6e-8"))
-    allow = _said(r"Give (--allow-unverified) to create it anyway", said).group(1)
-    _works(_submit(cloud_spec, env, "--dry-run", allow, tpu_type="v6e-8"))
+    said = _refused(_submit(cloud_spec, env, "--no-preflight", tpu_type="v6e-8", allow=False))
+    allow = _said(r"Give (--allow-unverified) to submit it anyway", said).group(1)
+    followed = invoke("submit", cloud_spec, "--tpu-type", "v6e-8", "--zone", ZONE, "--project", PROJECT, "--image",
+                      IMAGE, "--dry-run", allow, env=env)
+    _works(followed)
+    assert "allowed by --allow-unverified" in followed.stderr
 
     runtime = ["--runtime-version", "tpu-vm-tf-2.18.0-pjrt"]
-    said = _refused(_submit(cloud_spec, env, "--dry-run", *runtime))
-    recipe = _said(r"the v5litepod runtime with a recipe is (\S+) \(", said).group(1)
-    _works(_submit(cloud_spec, env, "--dry-run", "--runtime-version", recipe))
+    said = _refused(_submit(cloud_spec, env, "--no-preflight", *runtime, tpu_type="v5p-8", allow=False))
+    recipe = _said(r"the v5p runtime with a recipe is (\S+) \(", said).group(1)
+    followed = _submit(cloud_spec, env, "--dry-run", "--runtime-version", recipe, tpu_type="v5p-8", allow=False)
+    _works(followed)
+    assert "unverified" not in followed.stderr, followed.stderr
 
 
 @pytest.mark.parametrize("flag, typed, pattern", [
@@ -216,7 +224,7 @@ def test_a_duration_or_time_refused_takes_the_form_offered(flag, typed, pattern,
 
 
 @pytest.mark.parametrize("on, extra", [
-    ("skypilot", ["--keep"]), ("vertex", ["--max-restarts", "2"]), ("gke", ["--allow-unverified"]),
+    ("skypilot", ["--keep"]), ("vertex", ["--max-restarts", "2"]), ("gke", ["--runtime-version", "v2-alpha-tpuv5"]),
     ("vertex", ["--queue", "team-a"]), ("tpu-vm", ["--namespace", "ml"]),
 ])
 def test_a_flag_an_engine_does_not_take_is_dropped_as_said(on, extra, cloud_spec, tmp_path) -> None:
@@ -320,8 +328,9 @@ def test_a_jobset_of_the_same_name_is_deleted_by_the_kubectl_line_or_renamed(clo
     pytest.importorskip("kubernetes")
     env = _kubeconfig(engine_api.endpoint, tmp_path)
     ns = ["--on", "gke", "--namespace", "hints", "--no-preflight"]
+    # Its own process: the kubernetes client reads KUBECONFIG once, when it is imported.
     gke = ["submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-           *ns]  # its own process: the kubernetes client reads KUBECONFIG once, when it is imported
+           "--allow-unverified", *ns]
     _works(run_cli(*gke, "--name", "twice", env=env))
     said = _refused(run_cli(*gke, "--name", "twice", env=env))
     _kubectl_parses(_said(r"\(`(kubectl delete jobset twice -n hints)`\)", said).group(1), env)
@@ -614,7 +623,7 @@ def test_no_kubeconfig_names_the_get_credentials_command_for_the_project(gcloud_
     pytest.importorskip("kubernetes")
     env = _offline(tmp_path, KUBECONFIG=str(tmp_path / "no-kubeconfig"))
     said = _refused(run_cli("submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
-                            "--image", IMAGE, "--on", "gke", "--no-preflight", env=env), code=3)
+                            "--image", IMAGE, "--on", "gke", "--no-preflight", "--allow-unverified", env=env), code=3)
     command = _said(r"run `(gcloud container clusters get-credentials [^`]+)`", said).group(1)
     assert command.endswith(f"--project {PROJECT}")
     gcloud_parses(command)  # CLUSTER and LOCATION: the user's cluster, which the runner cannot know

@@ -48,8 +48,9 @@ def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
 
 
 def submit_job(spec: Path, env: dict[str, str], *extra: str, tpu_type: str = "v5litepod-8"):
+    allow = [] if "--allow-unverified" in extra else ["--allow-unverified"]  # v5e: the image is unverified there
     return invoke("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-                  *extra, env=env)
+                  *allow, *extra, env=env)
 
 
 def sent_script(tpu_fake) -> str:
@@ -187,7 +188,9 @@ def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu
     assert (f"price: v5litepod-8 = 8 chips x ${price.usd:g} per chip-hour on demand in us-central1 = "
             f"${8 * price.usd:.2f} per hour (source: {price.source}; read {price.date})") in dry.stderr
     assert "limit: stops after 24 h (at most $230.40 of TPU time); stall timeout: 30 min" in dry.stderr
-    assert "unverified" not in dry.stderr, "v5e on v2-alpha-tpuv5-lite has Google's TensorFlow release test"
+    # v5e's runtime has Google's TensorFlow 2.18 release test; the image's tensorflow-tpu 2.19.1 has no recipe there.
+    assert ("unverified: the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod is unverified"
+            in dry.stderr), dry.stderr
     spot = submit_job(cloud_spec, api, "--dry-run", "--spot", "--max-run-duration", "none")
     assert f"x ${pricing.price_per_chip_hour('v5litepod-8', ZONE, spot=True).usd:g} per chip-hour Spot" in spot.stderr
     assert "limit: no wall-clock limit" in spot.stderr
@@ -215,14 +218,17 @@ def test_a_bucket_that_does_not_answer_leaves_no_estimate_but_the_price(api, clo
 
 
 def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu_fake, gcs, cloud_spec):
-    refused = submit_job(cloud_spec, api, "--dry-run", tpu_type="v6e-8")
+    refused = invoke("submit", cloud_spec, "--tpu-type", "v6e-8", "--zone", ZONE, "--project", PROJECT, "--image",
+                     IMAGE, "--no-preflight", env=api)
     assert refused.returncode == 2
     assert "v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt is unverified" in refused.stderr
     assert "--allow-unverified" in refused.stderr and "price: v6e-8 = 8 chips" in refused.stderr
     assert tpu_fake.requests() == []
 
-    other = submit_job(cloud_spec, api, "--dry-run", "--runtime-version", "tpu-ubuntu2204-base")
+    other = invoke("submit", cloud_spec, "--tpu-type", "v5p-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
+                   "--no-preflight", "--runtime-version", "tpu-ubuntu2204-base", env=api)
     assert other.returncode == 2 and "no Google source names it for TensorFlow" in other.stderr
+    assert tpu_fake.requests() == []
 
     allowed = submit_job(cloud_spec, api, "--allow-unverified", tpu_type="v6e-8")
     assert allowed.returncode == 0, allowed.stderr
@@ -230,6 +236,26 @@ def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu
     job = json.loads(gcs.read(BUCKET, f"{RUN_DIR}/job.json"))
     assert job["request"]["allow_unverified"] is True and "unverified" in job["request"]["unverified"]
     assert job["request"]["runtime_version"] == "tpu-vm-tf-2.18.0-pjrt"
+
+
+def test_the_v5e_dry_run_prints_the_price_and_unverified_and_the_real_submission_needs_the_flag(
+        api, tpu_fake, gcs, cloud_spec):
+    """The README's cheapest single host: Google's release test covers its runtime (TensorFlow 2.18 on the VM),
+    nothing covers the image's tensorflow-tpu 2.19.1 on it (docs/tpu.md)."""
+    argv = ["submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE]
+    shown = invoke(*argv, "--dry-run", env=api)
+    assert shown.returncode == 0, shown.stderr
+    assert "v5litepod-8 = 8 chips x $1.2 per chip-hour on demand in us-central1 = $9.60 per hour" in shown.stderr
+    assert "unverified: the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod" in shown.stderr
+    assert "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
+    assert "gcloud compute tpus queued-resources create" in shown.stdout, "the request is still shown"
+    refused = invoke(*argv, "--no-preflight", env=api)
+    assert refused.returncode == 2 and "Give --allow-unverified to submit it anyway" in refused.stderr
+    assert tpu_fake.requests() == [], "nothing was created"
+    verified = invoke("submit", cloud_spec, "--tpu-type", "v5p-8", "--zone", ZONE, "--project", PROJECT, "--image",
+                      IMAGE, "--dry-run", env=api)
+    assert verified.returncode == 0 and "unverified" not in verified.stderr, verified.stderr
+
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -265,6 +291,23 @@ def test_every_runtime_row_has_its_source_and_docs_tpu_md_shows_the_same_table()
             assert ("**unverified**" in line) == (not row.recipe), line
     v6e = tpu_types.parse_tpu_type("v6e-8")
     assert tpu_types.unverified_reason(v6e) and "no v6e runtime has one" in tpu_types.unverified_reason(v6e)
+
+
+def test_the_image_per_generation_follows_the_pin_and_docs_tpu_md_shows_the_same_table():
+    """The image's tensorflow-tpu is the lock's pin; docs/tpu.md marks exactly the generations without a recipe
+    for it; a generation with one is judged only by its runtime."""
+    repo = Path(__file__).parents[1]
+    pinned = [line for line in (repo / "requirements-tpu.lock").read_text().splitlines()
+              if line.startswith("tensorflow_tpu==")]
+    assert pinned == [f"tensorflow_tpu=={tpu_types.IMAGE_TENSORFLOW}"]
+    table = (repo / "docs/tpu.md").read_text().split("## The image's TensorFlow per generation", 1)[1]
+    for generation in tpu_types.GENERATIONS:
+        line = next(x for x in table.splitlines() if x.startswith("| ") and generation in x.split("|")[1])
+        assert ("**unverified**" in line) == (generation not in tpu_types.IMAGE_RECIPES), line
+    assert tpu_types.unverified_reason(tpu_types.parse_tpu_type("v5p-8")) is None
+    v5e = tpu_types.parse_tpu_type("v5litepod-8")
+    assert "tensorflow-tpu 2.19.1" in tpu_types.unverified_reason(v5e, vm=False)
+    assert tpu_types.unverified_reason(tpu_types.parse_tpu_type("v6e-8"), vm=False) is None
 
 
 # --- byte-identical, all flags ---------------------------------------------------------------------------

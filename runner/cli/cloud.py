@@ -153,8 +153,9 @@ MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; 
                                     "own deadline is 10 min later (docs/engines.md).", "--max-run-duration")]
 StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (at least 10s; `none`: "
                                           "never). Default 30m. Every target.", "--stall-timeout")]
-AllowUnverified = Annotated[bool, _opt("Create a TPU type and runtime no recipe has run TensorFlow on (docs/tpu.md); "
-                                       "tpu-vm (recorded in job.json) and skypilot.", "--allow-unverified")]
+AllowUnverified = Annotated[bool, _opt("Submit a job no recipe covers (docs/tpu.md): the image's tensorflow-tpu on "
+                                       "v5e, v4, v3, v2; a runtime no recipe runs TensorFlow on (v6e). Recorded in "
+                                       "job.json (tpu-vm).", "--allow-unverified")]
 Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner doctor --cloud` does: credentials, "
                                         "project, TPU API and type, engine, buckets, image; a failed check stops "
                                         "with exit 3 and nothing is created. Default: on; off with --dry-run "

@@ -96,10 +96,6 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
     lines.append(
         f"limit: {limit}; stall timeout: " + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s))
     )
-    if sub.unverified:
-        lines.append(
-            f"unverified: {sub.unverified}" + ("; allowed by --allow-unverified" if sub.allow_unverified else "")
-        )
     estimate = remaining_estimate(sub, previous, price.usd)
     if estimate:
         lines.append(estimate)
@@ -163,18 +159,23 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
         spec, overrides, tpu_type=tpu_type, zone=zone or gcloud_config.default_zone(), image=image,
         project=project or gcloud_config.default_project(), spot=spot, keep=vm.keep,
         need_project=on != "skypilot",  # SkyPilot's API server picks the project (engines.FLAG_TARGETS)
+        creates_vm=on in ("tpu-vm", "skypilot"),  # GKE and Vertex AI choose the host's software
         runtime_version=vm.runtime_version, name=name, max_restarts=vm.max_restarts, network=vm.network,
         subnetwork=vm.subnetwork, service_account=vm.service_account, reservation=vm.reservation,
         valid_until=vm.valid_until, submission_id=submission_id, max_run_duration=vm.max_run_duration,
         stall_timeout=vm.stall_timeout, allow_unverified=vm.allow_unverified,
     )
     check = None if preflight is None else (lambda: preflight(sub, on))
+    unverified = submit.unverified_line(sub, dry_run)
     if on != "tpu-vm":
+        if unverified:
+            say(unverified)
         text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
         return Launched(text=text if sent is None else "", doc=sent)
-    for line in price_lines(sub, _previous_run(sub, say)):
+    for line in [*price_lines(sub, _previous_run(sub, say)), *([unverified] if unverified else [])]:
         say(line)
-    submit.check_verified(sub)
+    if not dry_run:
+        submit.check_verified(sub)
     if check is not None:
         check()
     if dry_run:

@@ -224,11 +224,13 @@ def prepare_submission(
     stall_timeout: str | None = None,
     allow_unverified: bool = False,
     need_project: bool = True,
+    creates_vm: bool = True,
 ) -> Submission:
     """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing.
 
     max_run_duration / stall_timeout: a duration, `none`, or None for the defaults (24h, 30m).
-    need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown."""
+    need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown.
+    creates_vm: a TPU VM is created with the runtime version (tpu-vm, SkyPilot), so its recipe is judged too."""
     problems: list[str] = []
     checked: dict[str, Any] = {}
     example = image_example(project, zone)
@@ -289,16 +291,30 @@ def prepare_submission(
         valid_until=valid_until_text(valid_until) if valid_until else None,
         max_run_s=max_run_s,
         stall_timeout_s=stall_timeout_s,
-        unverified=tpu_types.unverified_reason(tpu, runtime_version),
+        unverified=tpu_types.unverified_reason(tpu, runtime_version, vm=creates_vm),
         allow_unverified=allow_unverified,
     )
 
 
 def check_verified(sub: Submission) -> None:
-    """A TPU VM whose type and runtime no recipe has run TensorFlow on is created only with --allow-unverified."""
+    """A job no recipe covers (the image's TensorFlow on the generation, a TPU VM's runtime) is submitted only
+    with --allow-unverified."""
     if sub.unverified and not sub.allow_unverified:
-        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to create it anyway "
-                        "(a TPU VM job records it in its job.json), or choose a verified type or --runtime-version")
+        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to submit it anyway "
+                        "(a TPU VM job records it in its job.json), or choose a verified type (v5p-8) or "
+                        "--runtime-version")
+
+
+def unverified_line(sub: Submission, dry_run: bool) -> str | None:
+    """What `submit` prints about a job no recipe covers: always, a dry run included (which shows the request
+    and says that the real submission needs --allow-unverified)."""
+    if not sub.unverified:
+        return None
+    if sub.allow_unverified:
+        return f"unverified: {sub.unverified}; allowed by --allow-unverified"
+    if dry_run:
+        return f"unverified: {sub.unverified}; without --dry-run, submit refuses it unless --allow-unverified"
+    return None  # check_verified refuses it, in the same words
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -18,8 +18,10 @@ The TPU VM software ("runtime version") of each generation is taken from a Googl
 each row of RUNTIMES says which (docs/tpu.md shows the same table). A row is a *recipe* when its source creates
 that generation with that runtime and runs TensorFlow on it; every other combination, the default of a
 generation without a recipe (v6e) included, is **unverified**: `runner submit` says so and needs
-`--allow-unverified`. The image brings its own TensorFlow and libtpu, so the VM needs only the OS, the TPU
-driver and Docker. Nothing here ran on a TPU. This module imports no cloud client and no TensorFlow.
+`--allow-unverified`. The image's own TensorFlow is judged apart (IMAGE_RECIPES): a runtime recipe ran
+TensorFlow 2.18 on the VM, not the image's 2.19.1. The image brings its own TensorFlow and libtpu, so the VM
+needs only the OS, the TPU driver and Docker. Nothing here ran on a TPU. This module imports no cloud client
+and no TensorFlow.
 """
 
 from __future__ import annotations
@@ -120,6 +122,34 @@ RUNTIMES: dict[str, tuple[Runtime, ...]] = {
 }
 
 
+# The TPU image's TensorFlow (Dockerfile tf-tpu stage, requirements-tpu.lock; tests check the pin) on each
+# generation: a recipe where a source runs that tensorflow-tpu on that generation. Google's release test above
+# runs tensorflow-tpu 2.18.0 on the VM; the one source that runs 2.19.1 is Keras's TensorFlow TPU example, for
+# v5p and v6e. So this axis is apart from the runtime's: v5e, v4, v3 and v2 have a runtime recipe (for 2.18)
+# and none for the image's 2.19.1.
+IMAGE_TENSORFLOW = "2.19.1"
+_KERAS_TF_EXAMPLE = (
+    "Keras's \"DistributedEmbedding using TPU SparseCore and TensorFlow\" "
+    "(https://keras.io/keras_rs/examples/distributed_embedding_tf, 2025-09-02): `pip install "
+    "tensorflow-tpu==2.19.1`, PJRT, Keras 3 fit under TPUStrategy; \"It needs to be run on TPU v5p or v6e\""
+)
+IMAGE_RECIPES: dict[str, str] = {"v5p": _KERAS_TF_EXAMPLE, "v6e": _KERAS_TF_EXAMPLE}
+
+
+def image_unverified_reason(tpu: TpuType) -> str | None:
+    """Why the runner's TPU image (tensorflow-tpu IMAGE_TENSORFLOW) on this generation is unverified, or None
+    when a recipe runs that TensorFlow there."""
+    if tpu.generation in IMAGE_RECIPES:
+        return None
+    with_recipe = ", ".join(g for g in GENERATIONS if g in IMAGE_RECIPES)
+    return (
+        f"the runner's TPU image (tensorflow-tpu {IMAGE_TENSORFLOW}, Keras 3) on {tpu.generation} is unverified: "
+        f"no recipe runs tensorflow-tpu {IMAGE_TENSORFLOW} on {tpu.generation} (the one that runs it, Keras's "
+        f"TensorFlow TPU example, names v5p or v6e; Google's release test runs TensorFlow 2.18 there); "
+        f"generations with a recipe for the image: {with_recipe} ({DOCS})"
+    )
+
+
 def runtime_of(tpu: TpuType, runtime_version: str | None = None) -> tuple[str, Runtime | None]:
     """The runtime version to create `tpu` with (the generation's default unless given) and its row in
     RUNTIMES, or None when no Google source names it for TensorFlow on that generation."""
@@ -127,7 +157,16 @@ def runtime_of(tpu: TpuType, runtime_version: str | None = None) -> tuple[str, R
     return version, next((r for r in RUNTIMES[tpu.generation] if r.version == version), None)
 
 
-def unverified_reason(tpu: TpuType, runtime_version: str | None = None) -> str | None:
+def unverified_reason(tpu: TpuType, runtime_version: str | None = None, *, vm: bool = True) -> str | None:
+    """Why the job on this type is unverified, or None when recipes cover it: the runner's image on the
+    generation and, when `vm` (a TPU VM created with this runtime: --on tpu-vm, skypilot), TensorFlow on that
+    runtime. GKE and Vertex AI choose the host's software themselves: only the image is judged there."""
+    reasons = [runtime_unverified_reason(tpu, runtime_version) if vm else None, image_unverified_reason(tpu)]
+    found = [reason for reason in reasons if reason]
+    return "; and ".join(found) if found else None
+
+
+def runtime_unverified_reason(tpu: TpuType, runtime_version: str | None = None) -> str | None:
     """Why TensorFlow on this type and runtime is unverified (no recipe ran it), or None when a recipe did."""
     version, row = runtime_of(tpu, runtime_version)
     if row is not None and row.recipe:

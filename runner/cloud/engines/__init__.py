@@ -61,9 +61,10 @@ FLAG_TARGETS = {
     "--runtime-version": ("tpu-vm", "skypilot"),
     "--max-restarts": ("tpu-vm", "gke"),
     "--max-run-duration": TARGETS, "--stall-timeout": TARGETS,
-    # What tpu_types verifies is TensorFlow on a TPU type *and its TPU VM runtime*: SkyPilot creates a TPU VM
-    # with the runtime given (accelerator_args.runtime_version), GKE and Vertex AI choose the host's software.
-    "--allow-unverified": ("tpu-vm", "skypilot"),
+    # What tpu_types verifies is the image's TensorFlow on a generation (every target) and TensorFlow on a
+    # TPU VM runtime: SkyPilot creates a TPU VM with the runtime given (accelerator_args.runtime_version), GKE
+    # and Vertex AI choose the host's software (only the image is judged there).
+    "--allow-unverified": TARGETS,
     "--project": ("tpu-vm", "gke", "vertex"),
     "--queue": ("gke",), "--namespace": ("gke",), "--cluster": ("gke",), "--format": ("gke",),
 }
@@ -71,11 +72,6 @@ _WHY = {
     "--max-restarts": {"skypilot": "SkyPilot relaunches a preempted job (and exit 75) without limit and never "
                                    "retries exits 1, 2, 3 and 124",
                        "vertex": "Vertex AI restarts a preempted worker itself and has no restart count"},
-    "--allow-unverified": {
-        engine: f"{name} picks the TPU host's software itself (there is no --runtime-version), and what "
-                "runner verifies is TensorFlow on a TPU VM runtime (docs/tpu.md): there is nothing to allow; "
-                "the TPU types it refuses are refused by the engine's own rules (docs/engines.md)"
-        for engine, name in (("gke", "GKE"), ("vertex", "Vertex AI"))},
     # SkyPilot 0.14.1, sky/clouds/gcp.py GCP.get_project_id: the workspace's gcp.project_id (API server config),
     # else google.auth.default()'s project; a task's `config:` may set only the keys of
     # sky/skylet/constants.py OVERRIDEABLE_CONFIG_KEYS_IN_TASK, and neither gcp.project_id nor workspaces is one.
@@ -177,11 +173,12 @@ def submit(on: str, sub: Submission, options: Options, *, dry_run: bool,
     `preflight` runs once the engine's document is made (every check without a call has passed) and before
     anything is sent; it raises to stop the submission."""
     refuse_multi_host(sub)
+    if not dry_run:
+        check_verified(sub)  # the image's TensorFlow on the generation, and SkyPilot's TPU VM runtime
     check = preflight or (lambda: None)
     if on == "skypilot":
         from runner.cloud.engines import skypilot
 
-        check_verified(sub)  # a TPU VM with sub.runtime_version, as on --on tpu-vm
         task = skypilot.task(sub, dry_run=dry_run)
         check()
         return (skypilot.task_yaml(task), None) if dry_run else ("", skypilot.launch(sub, task))
