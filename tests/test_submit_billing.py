@@ -157,6 +157,35 @@ def test_a_container_that_hangs_is_killed_at_the_limit_and_the_slice_deleted(api
 
 
 @pytest.mark.host
+def test_a_pull_that_never_answers_is_bounded_and_the_slice_deleted(api, tpu_fake, metadata_fake, gcs, cloud_spec,
+                                                                   tmp_path):
+    sub = last_json(submit_job(cloud_spec, api).stdout)["submission"]
+    env, took = boot(tpu_fake, metadata_fake, gcs, tmp_path, "exit:0", FAKE_PULL="hang", RUNNER_PULL_TIMEOUT_S="1",
+                     RUNNER_PULL_FOR_S="3")
+    assert took < 60, "a registry that never answers did not keep the VM"
+    assert job_runs(env) == []
+    record = exit_record(gcs, sub)
+    assert (record["exit_code"], record["ran"], record["delete"]) == (3, False, "requested")
+    assert "cannot pull" in record["reason"]
+    assert "docker pull did not finish in 1 s" in worker_log(gcs, sub)
+    assert len(deletes(tpu_fake)) == 1
+
+
+@pytest.mark.host
+def test_a_doctor_that_never_returns_is_stopped_and_the_job_still_runs_and_frees_the_slice(
+        api, tpu_fake, metadata_fake, gcs, cloud_spec, tmp_path):
+    sub = last_json(submit_job(cloud_spec, api).stdout)["submission"]
+    env, took = boot(tpu_fake, metadata_fake, gcs, tmp_path, "exit:0", FAKE_DOCTOR="hang", RUNNER_DOCTOR_TIMEOUT_S="1")
+    assert took < 60
+    assert any(c.startswith("docker rm -f runner-mnist-cnn-") and c.endswith("-doctor") for c in calls(env))
+    assert len(job_runs(env)) == 1, "the job runs without the doctor's report"
+    assert "runner doctor did not finish in 1 s: stopped" in worker_log(gcs, sub)
+    record = exit_record(gcs, sub)
+    assert (record["exit_code"], record["ran"], record["delete"]) == (0, True, "requested")
+    assert len(deletes(tpu_fake)) == 1
+
+
+@pytest.mark.host
 def test_a_stalled_job_stops_with_124_is_not_run_again_and_the_slice_goes(api, tpu_fake, metadata_fake, gcs,
                                                                          cloud_spec, tmp_path):
     sub = last_json(submit_job(cloud_spec, api, "--stall-timeout", "10s").stdout)["submission"]

@@ -18,6 +18,9 @@
 #      retrying with backoff for up to RUNNER_DELETE_FOR_S (10 min), and writes the outcome into the exit
 #      record ("delete": requested | failed: still billing | kept | ...), which `runner status` shows.
 # Every path that runs no job still does 5 and 6, and says why in the log. SUB is this submission's id.
+# Every call that waits on the network, the registry or a container is bounded in time (`bounded`): the image
+# pull (RUNNER_PULL_TIMEOUT_S per attempt, RUNNER_PULL_FOR_S in all), the doctor (RUNNER_DOCTOR_TIMEOUT_S),
+# each gcloud call; the job itself by its wall-clock limit. A hang anywhere still ends in 5 and 6.
 # Nothing here relaunches a job: after exit 124 (a time limit or a stall) or any other end, the slice goes.
 set -uo pipefail
 
@@ -27,6 +30,13 @@ metadata() {
 }
 stamp() { date -u +%Y-%m-%dT%H:%M:%SZ; }
 started="$(stamp)"
+# LIMIT COMMAND...: COMMAND, ended with TERM after LIMIT seconds (KILL 10 s later); its exit code, 124 if it
+# timed out.
+bounded() {
+  local limit="$1"
+  shift
+  timeout --kill-after=10 "$limit" "$@"
+}
 
 # The metadata server can be slow to answer right after boot: retry, and never guess the number.
 worker=""
@@ -52,7 +62,7 @@ workdir="${RUNNER_WORKDIR:-/var/lib/runner/$RUNNER_NAME/$RUNNER_SUBMISSION}"
 logs="$RUNNER_RUN_DIR/logs/$RUNNER_SUBMISSION"
 log="$workdir/worker-$worker.log"
 mkdir -p "$workdir"
-upload() { gcloud storage cp --quiet "$log" "$logs/worker-$worker.log" >/dev/null 2>&1 || true; }
+upload() { bounded 120 gcloud storage cp --quiet "$log" "$logs/worker-$worker.log" >/dev/null 2>&1 || true; }
 say() { echo "runner-startup: $(stamp) $*" | tee -a "$log"; }
 
 # The exit record a watcher and `runner logs` read: CODE RAN(true|false) REASON (no quotes in REASON). It is
@@ -67,7 +77,7 @@ write_exit_record() {
     "$RUNNER_TPU_TYPE" "$RUNNER_SPOT" "$RUNNER_USD_PER_CHIP_HOUR" "${RUNNER_MAX_RUN_S:-}" "${RUNNER_STALL_TIMEOUT_S:-}" \
     "$delete_outcome" "$delete_attempts" >"$workdir/exit.json"
   for attempt in 1 2 3; do
-    gcloud storage cp --quiet "$workdir/exit.json" "$logs/worker-$worker.exit.json" >/dev/null 2>&1 && return 0
+    bounded 120 gcloud storage cp --quiet "$workdir/exit.json" "$logs/worker-$worker.exit.json" >/dev/null 2>&1 && return 0
     sleep 2
   done
   say "could not copy the exit record to $logs/worker-$worker.exit.json"
@@ -98,7 +108,7 @@ delete_slice() {
   local wait_s="${RUNNER_DELETE_RETRY_S:-10}" began=$SECONDS
   while true; do
     delete_attempts=$((delete_attempts + 1))
-    if answer="$(gcloud compute tpus queued-resources delete "$RUNNER_NAME" --project "$RUNNER_PROJECT" \
+    if answer="$(bounded 330 gcloud compute tpus queued-resources delete "$RUNNER_NAME" --project "$RUNNER_PROJECT" \
       --zone "$RUNNER_ZONE" --force --quiet --async 2>&1)"; then
       printf '%s\n' "$answer" >>"$log"
       delete_outcome="requested"
@@ -138,7 +148,7 @@ if [ "$known_worker" != 1 ]; then
 fi
 
 # A startup script runs again at every boot: a submission that already ran on this worker is not run twice.
-if gcloud storage ls "$logs/worker-$worker.exit.json" >/dev/null 2>&1; then
+if bounded 120 gcloud storage ls "$logs/worker-$worker.exit.json" >/dev/null 2>&1; then
   say "submission $RUNNER_SUBMISSION already ran on worker $worker ($logs/worker-$worker.exit.json): not running it again after a reboot"
   release "submission $RUNNER_SUBMISSION had already ended"
   exit 0
@@ -149,7 +159,7 @@ fi
 if [ -n "${RUNNER_EPOCHS:-}" ]; then
   if ! command -v python3 >/dev/null; then
     say "python3 is missing on this VM: the job itself will check whether it is complete"
-  elif summary="$(gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null)" &&
+  elif summary="$(bounded 120 gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null)" &&
     printf '%s' "$summary" | python3 -c 'import json, sys
 s = json.load(sys.stdin)
 sys.exit(0 if s.get("status") == "succeeded" and int(s.get("train_epochs") or 0) >= int(sys.argv[1]) else 1)' "$RUNNER_EPOCHS" 2>/dev/null; then
@@ -176,23 +186,32 @@ registry="${RUNNER_IMAGE%%/*}"
 case "$registry" in
   *-docker.pkg.dev | gcr.io | *.gcr.io)
     if helper="$(command -v docker-credential-gcloud)"; then
-      gcloud auth configure-docker "$registry" --quiet >>"$log" 2>&1
+      bounded 120 gcloud auth configure-docker "$registry" --quiet >>"$log" 2>&1
       say "registry $registry: docker uses gcloud's credential helper ($helper)"
     else
       say "registry $registry: docker-credential-gcloud is not on PATH; logging docker in with the VM's access token"
-      gcloud auth print-access-token 2>>"$log" | docker login -u oauth2accesstoken --password-stdin "https://$registry" >>"$log" 2>&1 ||
+      bounded 60 gcloud auth print-access-token 2>>"$log" |
+        bounded 60 docker login -u oauth2accesstoken --password-stdin "https://$registry" >>"$log" 2>&1 ||
         say "docker login to $registry failed: the pull below will say why"
     fi
     ;;
 esac
 pulled=1
+pull_began=$SECONDS
 for attempt in 1 2 3 4 5; do
-  if docker pull "$RUNNER_IMAGE" >>"$log" 2>&1; then pulled=0; break; fi
-  say "docker pull failed (attempt $attempt of 5)"
+  bounded "${RUNNER_PULL_TIMEOUT_S:-900}" docker pull "$RUNNER_IMAGE" >>"$log" 2>&1
+  answer=$?
+  if [ "$answer" = 0 ]; then pulled=0; break; fi
+  if [ "$answer" = 124 ] || [ "$answer" = 137 ]; then
+    say "docker pull did not finish in ${RUNNER_PULL_TIMEOUT_S:-900} s (attempt $attempt of 5): stopped"
+  else
+    say "docker pull failed (attempt $attempt of 5)"
+  fi
+  [ $((SECONDS - pull_began)) -lt "${RUNNER_PULL_FOR_S:-1800}" ] || break
   [ "$attempt" = 5 ] || sleep $((attempt * ${RUNNER_PULL_RETRY_S:-10}))
 done
 if [ "$pulled" != 0 ]; then
-  end_without_job 3 "cannot pull $RUNNER_IMAGE (5 attempts; the log above has docker's answer): ran nothing"
+  end_without_job 3 "cannot pull $RUNNER_IMAGE ($attempt attempts in $((SECONDS - pull_began)) s; the log above has docker's answer): ran nothing"
 fi
 
 # libtpu's lockfile (/tmp/libtpu_lockfile) lives in the container's own /tmp, which every `docker run --rm`
@@ -207,21 +226,30 @@ doctor_args=(doctor --json --save /job/spec.yaml)
 # The doctor's report is kept beside the summary; the job runs either way (a failing check names the cause
 # in the log before the job meets it). It also tries Cloud Logging: docker refuses to start a container
 # (exit 125) when its log driver cannot reach Cloud Logging, and then the job logs to the bucket only.
-docker run "${doctor[@]}" "${cloud_logging[@]}" "${labels[@]}" --name "$container-doctor" "$RUNNER_IMAGE" "${doctor_args[@]}" >>"$log" 2>&1
-checked=$?
+# A doctor that does not finish in RUNNER_DOCTOR_TIMEOUT_S is stopped (its container removed) and the job runs.
+run_doctor() {
+  bounded "${RUNNER_DOCTOR_TIMEOUT_S:-600}" docker run "${doctor[@]}" "$@" "${labels[@]}" --name "$container-doctor" \
+    "$RUNNER_IMAGE" "${doctor_args[@]}" >>"$log" 2>&1
+  checked=$?
+  if [ "$checked" = 124 ] || [ "$checked" = 137 ]; then
+    bounded 60 docker rm -f "$container-doctor" >>"$log" 2>&1 || true
+    say "runner doctor did not finish in ${RUNNER_DOCTOR_TIMEOUT_S:-600} s: stopped; the job runs without its report"
+  fi
+}
+run_doctor "${cloud_logging[@]}"
 log_driver=gcplogs
 if [ "$checked" = 125 ]; then
   say "docker could not start a container with the gcplogs log driver (Cloud Logging: the VM needs the logging.write scope and roles/logging.logWriter); the log goes to the bucket only"
   cloud_logging=()
   log_driver=json-file
-  docker run "${doctor[@]}" "${labels[@]}" --name "$container-doctor" "$RUNNER_IMAGE" "${doctor_args[@]}" >>"$log" 2>&1
-  checked=$?
+  run_doctor
 fi
-[ "$checked" = 0 ] || say "runner doctor reported a failing check (exit $checked); see doctor.json in the run folder"
+[ "$checked" = 0 ] || [ "$checked" = 124 ] || [ "$checked" = 137 ] ||
+  say "runner doctor reported a failing check (exit $checked); see doctor.json in the run folder"
 
 printf '{"worker": %s, "submission": "%s", "started_at": "%s", "log_driver": "%s", "container": "%s"}\n' \
   "$worker_json" "$RUNNER_SUBMISSION" "$(stamp)" "$log_driver" "$container" >"$workdir/started.json"
-gcloud storage cp --quiet "$workdir/started.json" "$logs/worker-$worker.started.json" >/dev/null 2>&1 || true
+bounded 120 gcloud storage cp --quiet "$workdir/started.json" "$logs/worker-$worker.started.json" >/dev/null 2>&1 || true
 say "starting the job in container $container (log driver $log_driver)"
 (while sleep "${RUNNER_UPLOAD_EVERY_S:-30}"; do upload; done) </dev/null >/dev/null 2>&1 &
 uploader=$!
@@ -245,11 +273,11 @@ code=$?
 kill "$uploader" 2>/dev/null
 reason="the job exited with code $code"
 if [ -n "${RUNNER_MAX_RUN_S:-}" ] && [ $((SECONDS - job_began)) -ge "$deadline_s" ] && { [ "$code" = 124 ] || [ "$code" = 137 ]; }; then
-  docker rm -f "$container" >>"$log" 2>&1 || true
+  bounded 60 docker rm -f "$container" >>"$log" 2>&1 || true
   code=124
   reason="the job was killed at its wall-clock limit: still running ${RUNNER_LIMIT_GRACE_S:-600} s after --max-run-duration (${RUNNER_MAX_RUN_S} s); exit 124"
 elif [ "$code" = 124 ]; then
-  stopped="$(gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get("status", ""))' 2>/dev/null)"
+  stopped="$(bounded 120 gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get("status", ""))' 2>/dev/null)"
   reason="the job stopped itself with exit 124 (summary status: ${stopped:-unknown}; time_limit: --max-run-duration, stalled: --stall-timeout); not run again"
 fi
 say "job exited with code $code"

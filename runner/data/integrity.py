@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from runner import DataError, RunnerError, models
 from runner.data import pipeline, schema, storage, verify
-from runner.spec.columns import columns_problem, pixels_problem
+from runner.spec.columns import class_weight_problem, columns_problem, pixels_problem
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ def check_job_data(spec: JobSpec) -> JobData:
             manifest_path = posixpath.join(posixpath.dirname(shards.pattern), pipeline.MANIFEST)
             columns = columns_problem(spec.data, shards.manifest, manifest_path, spec.train.sample_weight)
             columns = columns or pixels_problem(spec.model, spec.data, shards.manifest, manifest_path)
+            if key == "data.train":
+                columns = columns or class_weight_problem(spec.train.class_weight, shards.manifest, manifest_path)
             if columns:
                 raise DataError(f"{key}: {columns}")
             check_whole_splits(shards, key)

@@ -80,3 +80,26 @@ def pixels_problem(model: ModelSpec, data: DataSpec, manifest: Mapping[str, Any]
         f"0..{expected:g}, but {manifest_path} records {found.get('dtype', '?')} values {low:g}..{high:g} "
         f"(value_ranges): it would train without an error on values of another scale and learn little; {fix}"
     )
+
+
+def class_weight_problem(class_weight: Mapping[int, float] | str | None, manifest: Mapping[str, Any],
+                         manifest_path: str) -> str | None:
+    """What is wrong with train.class_weight for the labels `manifest` records (each shard's `label_range`), or
+    None. Keras fit looks each label up in a table of the weights of class 0 up to the highest key: a label
+    beyond it fails inside the input pipeline, and a missing id between fails before training (Keras 3) or is
+    refused by tf-keras. So every class id from 0 to the highest label needs its weight."""
+    if not isinstance(class_weight, Mapping) or not class_weight:
+        return None
+    highs = [entry["label_range"][1] for split in (manifest.get("splits") or {}).values() if isinstance(split, Mapping)
+             for entry in split.get("shards") or () if isinstance(entry, Mapping)
+             and isinstance(entry.get("label_range"), list) and len(entry["label_range"]) == 2]
+    highest = max([h for h in highs if isinstance(h, int)] + [max(class_weight)])
+    missing = [c for c in range(highest + 1) if c not in class_weight]
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:12])) + (", ..." if len(missing) > 12 else "")
+    labels = f"the labels run up to {highest} ({manifest_path}, label_range)" if highs else \
+        f"its highest key is {max(class_weight)}"
+    return (f"train.class_weight gives weights for classes {', '.join(map(str, sorted(class_weight)))}, but "
+            f"{labels}: Keras needs a weight for every class id from 0 up; add {shown} (1.0 leaves a class "
+            "as it is), or set train.class_weight: balanced")

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from runner import SpecError
-from runner.spec.columns import columns_problem, pixels_problem
+from runner.spec.columns import class_weight_problem, columns_problem, pixels_problem
 from runner.spec.keras import NAME_TAG, SERIALIZED_TAG
 from runner.spec.types import DataSpec, JobSpec
 from runner.spec.usercode import check_defined, find_code
@@ -422,6 +422,9 @@ def _check_data(
     pixels = pixels_problem(spec.model, spec.data, manifest, manifest_path)
     if pixels:
         return problem(pixels, about=("model", "params"))
+    weights = class_weight_problem(spec.train.class_weight, manifest, manifest_path) if key == "train" else None
+    if weights:
+        return problem(weights, about=("train", "class_weight"))
     unlisted = [f for f in files if os.path.basename(f) not in shards]
     if unlisted:
         return problem(

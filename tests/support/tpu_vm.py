@@ -5,8 +5,8 @@ for `docker` and `gcloud` that record every call.
     run_startup_script(script, env)                                                   -> runs it like a boot
 
 The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
-  docker pull | login                  recorded; FAKE_PULL=fail makes every pull fail
-  docker run ... IMAGE doctor ...      prints a doctor line, exits FAKE_DOCTOR_EXIT (0)
+  docker pull | login                  recorded; FAKE_PULL=fail makes every pull fail, =hang never answer
+  docker run ... IMAGE doctor ...      prints a doctor line, exits FAKE_DOCTOR_EXIT (0); FAKE_DOCTOR=hang: never
   docker run ... IMAGE run /job/X      the job, by the next entry of FAKE_JOB (comma separated, one per
                                        job run, the last repeats; the count is kept in FAKE_STATE):
                                          exit:N      prints two lines and exits N (0 also writes a succeeded
@@ -309,6 +309,8 @@ def fake_docker(args: list[str]) -> int:
     if not args:
         return 1
     if args[0] == "pull":
+        if os.environ.get("FAKE_PULL") == "hang":  # a registry that never answers
+            time.sleep(300)
         return 1 if os.environ.get("FAKE_PULL") == "fail" else 0
     if args[0] == "login":
         sys.stdin.read()
@@ -333,6 +335,9 @@ def fake_docker(args: list[str]) -> int:
             sink.write(line)
 
     if command[:1] == ["doctor"]:
+        if os.environ.get("FAKE_DOCTOR") == "hang":  # a TPU start that never returns
+            emit("doctor: starting the TPU (hang)\n")
+            time.sleep(300)
         emit('{"doctor": "fake", "ok": true}\n')
         return int(os.environ.get("FAKE_DOCTOR_EXIT", "0"))
     mounts = dict(v.rsplit(":", 2)[:2] if v.count(":") >= 2 else v.split(":", 1) for v in options.get("-v", []))
