@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -142,6 +143,22 @@ def test_a_time_limit_saves_and_the_next_attempt_reports_every_epoch(mnist_job, 
     assert attempts == [(1, 1, True), (2, 1, False), (2, 2, False)], attempts
     assert sum(e["steps"] for e in summary["epochs"]) == 12
     assert summary["timing"]["steady_epoch_s"] is not None
+
+
+def test_a_job_that_hangs_before_its_first_step_is_ended_by_the_stall_guard(mnist_job, tmp_path: Path) -> None:
+    """train.stall_timeout watches the whole job, not only fit: here a data.preprocess that blocks for 60 s
+    while the input pipeline is built (a bucket that never answers, a TPU start that never returns, would do the
+    same) ends with exit 124 after about the timeout, naming what it was doing."""
+    (tmp_path / "slow.py").write_text("import time\n\n\ndef hang(batch):\n    time.sleep(60)\n    return batch\n")
+    spec = mnist_job("hangs", data={"preprocess": "slow:hang", "eval": None},
+                     train={"epochs": 1, "steps_per_epoch": 2, "stall_timeout": 10}, output={"tensorboard": False})
+    began = time.monotonic()
+    stopped = run_cli("run", spec, timeout=120)
+    took = time.monotonic() - began
+    assert stopped.returncode == 124, stopped.stderr[-3000:]
+    assert took < 50, f"the guard waited {took:.0f} s for a 10 s stall timeout"
+    assert re.search(r"stalled: nothing progressed for \d+ s since data_init began \(train\.stall_timeout 10 s\)",
+                     stopped.stderr), stopped.stderr[-2000:]
 
 
 def test_the_exit_codes_table_in_the_readme_names_every_code_the_runner_uses() -> None:

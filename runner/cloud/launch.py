@@ -102,6 +102,17 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
     return lines
 
 
+def unverified_line(sub: submit.Submission, dry_run: bool) -> str | None:
+    """What `submit` prints about a job no recipe covers: always, a dry run included (which shows the request
+    and says that the real submission needs --allow-unverified)."""
+    if not sub.unverified:
+        return None
+    if sub.allow_unverified:
+        return f"unverified: {sub.unverified}; allowed by --allow-unverified"
+    if dry_run:
+        return f"unverified: {sub.unverified}; without --dry-run, submit refuses it unless --allow-unverified"
+    return None  # check_verified refuses it, in the same words
+
 def _hours(seconds: int) -> str:
     return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds} s"
 
@@ -166,7 +177,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
         stall_timeout=vm.stall_timeout, allow_unverified=vm.allow_unverified,
     )
     check = None if preflight is None else (lambda: preflight(sub, on))
-    unverified = submit.unverified_line(sub, dry_run)
+    unverified = unverified_line(sub, dry_run)
     if on != "tpu-vm":
         if unverified:
             say(unverified)

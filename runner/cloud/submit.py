@@ -15,9 +15,8 @@ stops after --stall-timeout (default 30m) without progress; the job enforces bot
 train.max_duration=S --set train.stall_timeout=S` on its `runner run` line: it saves and exits 124) and the
 startup script kills the container a grace period after the limit, then deletes the slice as after any end.
 
-`--dry-run` prints the request and a bash script sending the same request with gcloud, and sends nothing.
-The API client honours gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN, so both
-can be pointed at the same endpoint. google-cloud-tpu is imported only when a request is built or sent.
+`--dry-run` prints the request and a bash script sending it with gcloud, and sends nothing. The client honours
+gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN (google-cloud-tpu, imported late).
 """
 
 from __future__ import annotations
@@ -229,8 +228,8 @@ def prepare_submission(
     """Checks every flag and the spec; raises SpecError listing all problems. Sends nothing.
 
     max_run_duration / stall_timeout: a duration, `none`, or None for the defaults (24h, 30m).
-    need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown.
-    creates_vm: a TPU VM is created with the runtime version (tpu-vm, SkyPilot), so its recipe is judged too."""
+    need_project: False where the engine picks the project itself (SkyPilot); `project` is then "" if unknown;
+    creates_vm: a TPU VM is made with the runtime version (tpu-vm, SkyPilot), so its recipe is judged too."""
     problems: list[str] = []
     checked: dict[str, Any] = {}
     example = image_example(project, zone)
@@ -297,24 +296,11 @@ def prepare_submission(
 
 
 def check_verified(sub: Submission) -> None:
-    """A job no recipe covers (the image's TensorFlow on the generation, a TPU VM's runtime) is submitted only
-    with --allow-unverified."""
+    """A job no recipe covers (tpu_types.unverified_reason) is submitted only with --allow-unverified."""
     if sub.unverified and not sub.allow_unverified:
-        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to submit it anyway "
-                        "(a TPU VM job records it in its job.json), or choose a verified type (v5p-8) or "
-                        "--runtime-version")
+        raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to submit it anyway (a TPU VM "
+                        "job records it in its job.json), or choose a verified type (v5p-8) or --runtime-version")
 
-
-def unverified_line(sub: Submission, dry_run: bool) -> str | None:
-    """What `submit` prints about a job no recipe covers: always, a dry run included (which shows the request
-    and says that the real submission needs --allow-unverified)."""
-    if not sub.unverified:
-        return None
-    if sub.allow_unverified:
-        return f"unverified: {sub.unverified}; allowed by --allow-unverified"
-    if dry_run:
-        return f"unverified: {sub.unverified}; without --dry-run, submit refuses it unless --allow-unverified"
-    return None  # check_verified refuses it, in the same words
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -23,7 +23,7 @@ from runner.job.inputs import Inputs, make_inputs
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
-from runner.train import build, fit, flops, loop, observe, progress, verdict
+from runner.train import build, fit, flops, limits, loop, observe, progress, verdict
 from runner.train.preemption import EarlyNotice, PreemptionNotice
 from runner.train.saver import Saver
 
@@ -48,6 +48,21 @@ def run_job(
 
         return matmul.run_bench(spec, spec_loaded_at=spec_loaded_at, early_notice=early_notice)
     attempt = Attempt.begin(spec, spec_loaded_at)
+    # From here to the summary, a job that makes no progress for train.stall_timeout ends with exit 124: a hang
+    # before training (the data, the TPU start, a restore) or after it bills as much as one inside it.
+    stall = limits.StallGuard(spec.train.stall_timeout) if spec.train.stall_timeout else None
+    if stall:
+        attempt.phases.watch = stall.beat
+        stall.start()
+    try:
+        return _run(spec, attempt, stall, verbose, early_notice, progress_every)
+    finally:
+        if stall:
+            stall.stop()
+
+
+def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbose: int,
+         early_notice: EarlyNotice | None, progress_every: float | None) -> JobResult:
     try:
         with attempt.phases.phase("data_init"):  # before the run folder is touched: bad data leaves it as it was
             data = integrity.check_job_data(spec)
@@ -74,8 +89,8 @@ def run_job(
             build.check_first_batch(model, model.loss, job.inputs.train_ds)
         _stop_if_noticed(notice, "before training began")
         training = True
-        _train(spec, attempt, model, saver, job.inputs, plan, job.recorder, notice, verbose, progress_every)
-        job.metrics = _evaluate(spec, attempt, model, job.inputs, verbose)
+        _train(spec, attempt, model, saver, job.inputs, plan, job.recorder, notice, verbose, progress_every, stall)
+        job.metrics = _evaluate(spec, attempt, model, job.inputs, verbose, stall)
         warnings = verdict.warnings_of(job.epochs(), job.metrics, verdict.classes_of_output(model.output_shape))
         _export(spec, attempt, model, job.inputs)
         status = _judge(spec, attempt, warnings)
@@ -234,6 +249,7 @@ def _build_and_restore(
 def _train(
     spec: JobSpec, attempt: Attempt, model: keras.Model, saver: Saver, inputs: Inputs, plan: fit.Plan,
     recorder: fit.Recorder, notice: PreemptionNotice, verbose: int, progress_every: float | None,
+    stall: limits.StallGuard | None = None,
 ) -> None:
     """Trains the plan (runner/train/loop.py) and records how it ended; raises what stopped it."""
     profiler = None
@@ -244,7 +260,7 @@ def _train(
     outcome = loop.train(
         model, saver, feed, plan, recorder, notice, attempt.phases, settings=spec.train, saving=spec.checkpoint,
         global_batch=spec.data.global_batch_size, profiler=profiler, verbose=verbose, progress_every=progress_every,
-        callbacks=inputs.callbacks,
+        callbacks=inputs.callbacks, stall=stall,
     )
     facts, step = attempt.facts, outcome.final_step
     facts.checkpoint_saves, facts.profile = outcome.checkpoint_saves, outcome.profile
@@ -273,13 +289,15 @@ def _train(
     facts.final_learning_rate = outcome.final_learning_rate
 
 
-def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs, verbose: int) -> dict:
+def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs, verbose: int,
+              stall: limits.StallGuard | None = None) -> dict:
     """Metrics on every record of data.eval after training ({} when the spec names no eval shards)."""
     if inputs.eval is None:
         return {}
     with attempt.phases.phase("eval"):
         try:
-            results = model.evaluate(inputs.eval.dataset, steps=inputs.eval.steps, return_dict=True, verbose=verbose)
+            results = model.evaluate(inputs.eval.dataset, steps=inputs.eval.steps, return_dict=True, verbose=verbose,
+                                     callbacks=[stall] if stall else None)
         except tf.errors.OpError as exc:
             raise pipeline.input_error(exc, spec.data.eval, "data.eval") or exc from None
     metrics = {k: float(v) for k, v in results.items()}

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # 2: adds import_s, run_folder_s, unaccounted_s, input wait, per-epoch checkpoint_s and input_wait_s;
@@ -40,14 +40,20 @@ class Phases:
     def __init__(self, start: float | None = None):
         self.start = time.monotonic() if start is None else start
         self.seconds: dict[str, float] = {}
+        # Told of every phase that begins or ends ("build began"): the stall guard counts that as progress.
+        self.watch: Callable[[str], None] | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         began = time.monotonic()
+        if self.watch:
+            self.watch(f"{name} began")
         try:
             yield
         finally:
             self.add(name, time.monotonic() - began)
+            if self.watch:
+                self.watch(f"{name} ended")
 
     def add(self, name: str, seconds: float) -> None:
         if name not in PHASES:

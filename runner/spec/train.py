@@ -97,7 +97,8 @@ class TrainSpec(Strict):
     # Wall-clock limit in seconds from the process start: at it the job saves, stops with status time_limit and
     # exits 124 (runner/train/limits.py). Unset: none. `runner submit` sets it (--max-run-duration).
     max_duration: Number | None = Field(None, ge=1, le=366 * 86400)
-    # Seconds without a finished step after which the process exits 124 (the newest checkpoint kept). Unset: none.
+    # Seconds without progress (no phase of the job begun or ended, no step finished: runner/train/limits.py) after
+    # which the process exits 124 (the newest checkpoint kept). Unset: none.
     stall_timeout: Number | None = Field(None, ge=10, le=7 * 86400)
     # A finished run whose metric is at chance (or whose loss never fell below its first epoch's) ends as
     # learned_nothing, exit 4; true keeps such a run `succeeded` (with the warning in its summary).

@@ -39,23 +39,38 @@ class TimeLimit(keras.callbacks.Callback):
 
 
 class StallGuard(keras.callbacks.Callback):
-    """Ends the process (exit 124) when no training or validation step has finished for `timeout` seconds.
+    """Ends the process (exit 124) when the job makes no progress for `timeout` seconds.
 
-    Watched from a thread: a stalled step never returns to Python, so no callback could act on it. The first
-    step's compilation counts as a step in progress: set the timeout above the longest compile you expect."""
+    From `start` (run_job calls it as the job begins) to `stop`, progress is each phase of the job beginning or
+    ending (reading the data, the accelerator, building, restoring, evaluating, exporting: the job's Phases
+    call `beat`) and, as a Keras callback in training and evaluation, each step. Watched from a thread: a
+    stalled step never returns to Python, so no callback could act on it. The first step's compilation counts
+    as a step in progress: set the timeout above the longest compile (or data check) you expect."""
 
     def __init__(self, timeout: float):
         super().__init__()
         self.timeout = timeout
         self._last = time.monotonic()
+        self._what = "the job's start"
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self._last = time.monotonic()
+    def start(self) -> None:
+        self.beat("the job's start")
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, daemon=True, name="stall-guard")
             self._thread.start()
+
+    def beat(self, what: str) -> None:
+        """Progress: `what` happened (named in the message if nothing follows it)."""
+        self._last, self._what = time.monotonic(), what
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.start()
+        self.beat("training began (the first step compiles)")
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self.beat("evaluation began")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._last = time.monotonic()
@@ -74,8 +89,8 @@ class StallGuard(keras.callbacks.Callback):
             idle = time.monotonic() - self._last
             if idle >= self.timeout:
                 exit_now(
-                    f"stalled: no training step finished for {idle:.0f} s (train.stall_timeout {self.timeout:g} s); "
-                    f"exiting {EXIT_TIME_LIMIT}. The newest complete checkpoint is kept: run the same job again to "
-                    "continue from it",
+                    f"stalled: nothing progressed for {idle:.0f} s since {self._what} (train.stall_timeout "
+                    f"{self.timeout:g} s); exiting {EXIT_TIME_LIMIT}. The newest complete checkpoint is kept: run the "
+                    "same job again to continue from it",
                     EXIT_TIME_LIMIT,
                 )

@@ -57,10 +57,11 @@ def train(
     model: keras.Model, saver: Saver, feed: Feed, plan: fit.Plan, recorder: fit.Recorder, notice: PreemptionNotice,
     phases: Phases, *, settings: TrainSpec, saving: CheckpointSpec, global_batch: int,
     profiler: observe.ProfileWindow | None = None, verbose: int = 0, progress_every: float | None = None,
-    callbacks: list[keras.callbacks.Callback] = (),
+    callbacks: list[keras.callbacks.Callback] = (), stall: limits.StallGuard | None = None,
 ) -> Outcome:
     """Trains the plan; never raises for what ends training (see Outcome), so its bookkeeping always arrives.
-    `callbacks`: the user's own (train.callbacks), run after every callback of the runner's."""
+    `callbacks`: the user's own (train.callbacks), run after every callback of the runner's. `stall`: the job's
+    stall guard (train.stall_timeout), started and stopped by the job, which it watches beyond training."""
 
     def save(step: int) -> None:
         with phases.phase("checkpoint"):
@@ -73,7 +74,6 @@ def train(
     )
     checkpointer = fit.Checkpointer(save, saving.every_steps, notice)
     limit = limits.TimeLimit(settings.max_duration, notice) if settings.max_duration else None
-    stall = limits.StallGuard(settings.stall_timeout) if settings.stall_timeout else None
     shown = progress.for_training(
         steps_per_epoch=plan.steps_per_epoch, epochs=plan.epochs, start_step=plan.start_step,
         global_batch=global_batch, every_s=progress_every,
@@ -101,8 +101,6 @@ def train(
             if saver.pending:  # training stopped by an error: the write in flight still completes (or is logged)
                 with phases.phase("checkpoint"):
                     saver.wait_after_error()
-            if stall:
-                stall.stop()
             outcome.checkpoint_saves = saver.to_dict()
             shown.close()
             if profiler:
