@@ -218,3 +218,29 @@ def test_label_smoothing_on_class_ids_trains_and_reports_the_smoothed_loss(mnist
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     expected = {k: v for k, v in metrics.items() if k != "examples"}
     assert last_json(evaluated.stdout)["metrics"] == pytest.approx(expected)
+
+
+# --- class weights as Keras writes them ------------------------------------------------------------------------
+
+
+def test_class_weight_takes_integer_keys_and_every_class_must_have_one(mnist_job, tmp_path: Path) -> None:
+    """`class_weight: {0: 1.0, 1: 2.0}` is how Keras users write it. Keras looks each label up in a table of
+    the weights of class 0 up: a map that leaves a class out used to fail inside the input pipeline with an
+    error that blamed the records; validate and run now name the classes to add (exit 2, no run folder)."""
+    from tests.support.cli import invoke
+
+    partial = mnist_job("weights", train={"epochs": 1, "steps_per_epoch": 2, "allow_chance": True,
+                                          "class_weight": {0: 1.0, 2: 2.0}}, output={"tensorboard": False})
+    assert "  class_weight:\n    0: 1.0\n" in partial.read_text(), "integer keys, as YAML writes them"
+    refused = invoke("validate", partial)
+    assert refused.returncode == 2, refused.stderr
+    assert "train.class_weight gives weights for classes 0, 2, but the labels run up to 9" in refused.stderr
+    assert "add 1, 3, 4, 5, 6, 7, 8, 9" in refused.stderr
+    ran = run_cli("run", partial)
+    assert ran.returncode == 2 and "add 1, 3, 4" in last_json(ran.stdout)["error"], ran.stderr[-2000:]
+    assert not (tmp_path / "runs" / "weights").exists()
+
+    every = "{" + ", ".join(f"{c}: {2.0 if c == 3 else 1.0}" for c in range(10)) + "}"
+    trained = run_cli("run", partial, "--set", f"train.class_weight={every}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert last_json(trained.stdout)["status"] == "succeeded"

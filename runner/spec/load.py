@@ -35,7 +35,7 @@ from runner.spec.columns import class_weight_problem, columns_problem, pixels_pr
 from runner.spec.keras import NAME_TAG, SERIALIZED_TAG
 from runner.spec.types import DataSpec, JobSpec
 from runner.spec.usercode import check_defined, find_code
-from runner.spec.yaml_lines import MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
+from runner.spec.yaml_lines import INT_KEYED, MAX_BYTES, MAX_DEPTH, key_lines, parse_yaml, shown
 
 MAX_OVERRIDES = 256
 MAX_OVERRIDE_CHARS = 64 << 10
@@ -96,7 +96,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not raw.strip():
         return key, ""
     try:
-        value, node = parse_yaml(raw)
+        value, node = parse_yaml(raw, int_keys=key.rsplit(".", 1)[-1] in INT_KEYED)
     except SpecError as exc:
         raise SpecError(f"--set {shown(text)}: the value is not usable YAML ({exc.message})") from None
     _check_read_whole(raw, value, node, text)

@@ -23,9 +23,18 @@ MAX_DEPTH = 20
 MAX_VALUES = 5_000
 
 
+# Keys whose mapping takes integer keys as Keras writes them: class_weight maps class ids to weights.
+INT_KEYED = frozenset({"class_weight"})
+
+
 class _Loader(yaml.CSafeLoader):
-    """libyaml's safe loader; keys must be plain scalars and unique, no binary, integers of sane length, and
-    any other failure while building a value becomes a SpecError at that value's line."""
+    """libyaml's safe loader; keys must be plain scalars and unique (integers only under INT_KEYED), no binary,
+    integers of sane length, and any other failure while building a value becomes a SpecError at that value's
+    line."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.int_key_nodes: set[int] = set()  # ids of the mappings whose keys may be integers
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -38,7 +47,8 @@ class _Loader(yaml.CSafeLoader):
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
+    int_keys = id(node) in loader.int_key_nodes
+    for key_node, value_node in node.value:
         if not isinstance(key_node, yaml.ScalarNode):
             kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
             raise SpecError(f"a key must be a plain name, not a {kind} (`? [a, b]` keys mean nothing in a job spec)",
@@ -46,7 +56,11 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue  # `<<: *defaults`, merged by construct_mapping
         key = loader.construct_object(key_node, deep=True)
-        if not isinstance(key, str):
+        if key in INT_KEYED and isinstance(value_node, yaml.MappingNode):
+            loader.int_key_nodes.add(id(value_node))
+        if int_keys and type(key) is int:
+            pass
+        elif not isinstance(key, str):
             raise SpecError(f"the key {shown(key_node.value)} reads as {_yaml_type(key)} in YAML, not as a name; "
                             "quote it if you mean the word", line=_line(key_node))
         if key in seen:
@@ -148,8 +162,9 @@ def _check_expansion(root: yaml.Node) -> None:
     measure(root, 1)
 
 
-def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+def parse_yaml(text: str, int_keys: bool = False) -> tuple[Any, yaml.Node | None]:
     """The YAML text as Python values and its node tree (for key lines), within the module's bounds.
+    `int_keys`: the text is the value of an INT_KEYED key (`--set train.class_weight={0: 1, 1: 3}`).
 
     Raises SpecError carrying the line (no file: the caller knows where the text came from)."""
     try:
@@ -158,6 +173,8 @@ def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
         node = loader.get_single_node()
         if node is None:
             return None, None
+        if int_keys and isinstance(node, yaml.MappingNode):
+            loader.int_key_nodes.add(id(node))
         _check_expansion(node)
         try:
             return loader.construct_document(node), node
