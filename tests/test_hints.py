@@ -517,6 +517,20 @@ def test_the_learning_rate_is_named_only_for_a_loss_that_rose() -> None:
     assert "never fell below its first epoch's" in rose and "never fell below its first epoch's" in flat
     assert "lower train.learning_rate" in rose
     assert "lower train.learning_rate" not in flat and "depends on weights that train" in flat
+    # A rate far too small (1e-12) leaves the loss where it was, give or take the noise of other batches: that
+    # small rise is not the overshoot a lower rate would cure.
+    [noise] = warnings_of(_epochs(2.3050, 2.3120, 2.3090), {}, None)
+    assert "lower train.learning_rate" not in noise and "not too small to move it" in noise
+
+
+def test_an_accuracy_below_chance_is_no_success_either() -> None:
+    """A loss option out of its range (label_smoothing 50) trained to accuracy 0.0097 for 10 classes, far below
+    chance, and once counted as a success: it is learned nothing too."""
+    from runner.train.verdict import warnings_of
+
+    [below] = warnings_of([], {"accuracy": 0.0097}, 10)
+    assert "accuracy 0.0097 is below chance for 10 classes" in below
+    assert warnings_of([], {"accuracy": 0.5}, 10) == []
 
 
 # --- a metric for class ids under a one-hot loss ----------------------------------------------------------------

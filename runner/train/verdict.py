@@ -2,7 +2,7 @@
 
 Two signs, each a warning with its numbers (the summary's `warnings`):
   - an accuracy within 2 points of chance (1 / classes; the classes read from the model's output: its last
-    dimension, or 2 for a single sigmoid output);
+    dimension, or 2 for a single sigmoid output), or below it: worse than guessing is not learning either;
   - a training loss that never fell below its first epoch's by 0.1% (at least two epochs trained).
 """
 
@@ -17,6 +17,8 @@ from runner.rundir.timing import EpochRecord
 CHANCE_MARGIN = 0.02
 # A loss that fell by less than this share of its first epoch's did not fall (float noise is not learning).
 LOSS_FELL = 1e-3
+# A loss that rose by more than this share rose (a rate too large); less is the noise of a loss that stayed.
+LOSS_ROSE = 0.05
 
 
 def classes_of_output(output_shape: Any) -> int | None:
@@ -45,11 +47,12 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
     if scored and classes and classes > 1:
         key, value = scored
         chance = 1 / classes
-        if abs(value - chance) <= CHANCE_MARGIN:
+        if value <= chance + CHANCE_MARGIN:
+            where = "at chance" if value >= chance - CHANCE_MARGIN else "below chance"
             found.append(
-                f"{key} {value:.4f} is at chance for {classes} classes ({chance:.4f} +- {CHANCE_MARGIN:.2f}): the "
-                "model learned nothing. Check that the loss fits the model's output (from_logits), the labels and "
-                "the learning rate"
+                f"{key} {value:.4f} is {where} for {classes} classes ({chance:.4f} +- {CHANCE_MARGIN:.2f}): the "
+                "model learned nothing. Check that the loss fits the model's output (from_logits) and its options "
+                "(label_smoothing between 0 and 1), the labels and the learning rate"
             )
     # Whole epochs only: a cut-short epoch, or the rest of one finished by a resumed attempt, averages its
     # loss over another part of the data and the training.
@@ -66,7 +69,7 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
 def _loss_advice(losses: list[float]) -> str:
     """A loss that rose overshoots: the rate is the likely cause. One that stayed flat is as likely a model whose
     output ignores its weights, labels that do not fit the loss, or too low a rate: lowering it would not help."""
-    if max(losses[1:]) > losses[0] * (1 + LOSS_FELL):
+    if max(losses[1:]) > losses[0] * (1 + LOSS_ROSE):
         return "It rose: lower train.learning_rate (a step too large overshoots), or check the data and the loss"
     return ("It stayed flat: check that the model's output depends on weights that train, that the labels fit the "
             "loss, and that train.learning_rate is not too small to move it")
