@@ -96,6 +96,16 @@ def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Pa
          "config wins; remove train.learning_rate"),
         ({"optimizer": ADAMW, "schedule": COSINE}, "train.optimizer's config sets learning_rate (0.001) and "
                                                    "train.schedule (CosineDecay) replaces it"),
+        # Out of its range a Keras argument trains without an error and means nothing: label_smoothing 50 gave a
+        # loss of -218 and an accuracy far below chance.
+        ({"loss": {"class_name": "CategoricalCrossentropy", "config": {"label_smoothing": 50}}},
+         "config.label_smoothing is 50: Keras takes it in [0, 1]"),
+        ({"optimizer": {"class_name": "Adam", "config": {"clipnorm": -1.0}}},
+         "config.clipnorm is -1: Keras takes it in (0, 1e+12]"),
+        ({"optimizer": {"class_name": "SGD", "config": {"momentum": 1.5}}}, "config.momentum is 1.5"),
+        # PyYAML (YAML 1.1) reads 1e-4 without a dot as text: Keras would get a string and fail mid-training.
+        ({"optimizer": {"class_name": "AdamW", "config": {"weight_decay": "1e-4"}}},
+         "config.weight_decay is the text '1e-4': YAML reads it as text, not a number; write 1.0e-4"),
     ],
 )
 def test_validate_refuses_what_keras_would_not_build_naming_the_line(tmp_path: Path, train: dict, expected: str):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -119,6 +120,7 @@ class Serialized(Strict):
                     f"(it takes: {', '.join(allowed)})"
                 )
             _check_plain(value, f"config.{key}")
+            _check_number(key, value)
             if key in _RATE_KEYS and value is not None:
                 check_learning_rate(value, f"config.{key}", zero_ok=_may_be_zero(key, self.config))
         return self
@@ -180,6 +182,36 @@ def _check_plain(value: Any, where: str) -> None:
         raise ValueError(f"{where} holds {bad}: remove it")
     elif value is not None and not isinstance(value, (str, int, float, bool)):
         raise ValueError(f"{where} is a {type(value).__name__}: use a number, text, true/false or a list")
+
+
+# Arguments of Keras's optimizers, losses, metrics and schedules whose values have a range (Keras's docstrings:
+# label_smoothing "Float in [0, 1]", the Adam family's betas and momentum "a float value" of an average, a clip
+# norm that must clip). Out of range they train without an error and mean nothing: label_smoothing 50 gave a
+# loss of -218. (low, high, whether low itself is allowed.)
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "label_smoothing": (0.0, 1.0, True), "momentum": (0.0, 1.0, True), "ema_momentum": (0.0, 1.0, True),
+    "beta_1": (0.0, 1.0, True), "beta_2": (0.0, 1.0, True), "rho": (0.0, 1.0, True), "alpha": (0.0, 1.0, True),
+    "weight_decay": (0.0, 1e6, True), "clipnorm": (0.0, 1e12, False), "clipvalue": (0.0, 1e12, False),
+    "global_clipnorm": (0.0, 1e12, False), "epsilon": (0.0, 1.0, False), "decay_rate": (0.0, 1e6, False),
+}
+# A number YAML 1.1 (PyYAML) reads as text: 1e-4 without a dot, or 1_000 kept whole, would reach Keras as a string.
+_NUMBER_AS_TEXT = re.compile(r"[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _check_number(key: str, value: Any) -> None:
+    """A config value that YAML read as text but is a number, or a number out of its argument's range."""
+    if isinstance(value, str) and _NUMBER_AS_TEXT.fullmatch(value.strip()) and key not in ("name", "dtype"):
+        mantissa, _, exponent = value.strip().lower().partition("e")
+        fixed = f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else value.strip().replace("_", "")
+        raise ValueError(f"config.{key} is the text {_shown(value)}: YAML reads it as text, not a number; write "
+                         f"{fixed}")
+    if key not in _RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high, low_ok = _RANGES[key]
+    if not (low < value <= high or (low_ok and value == low)):
+        shown = f"[{low:g}, {high:g}]" if low_ok else f"({low:g}, {high:g}]"
+        raise ValueError(f"config.{key} is {value:g}: Keras takes it in {shown}; out of it, training runs and means "
+                         "nothing")
 
 
 def _may_be_zero(key: str, config: dict[str, Any]) -> bool:
