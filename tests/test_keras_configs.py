@@ -155,3 +155,33 @@ def test_optimizer_identity_is_the_keras_class() -> None:
     assert [optimizer_identity(JobSpec.model_validate({"train": {"optimizer": o}}).train)
             for o in ("adam", "sgd", "rmsprop", "adamw", ADAMW, {"class_name": "sgd"})] == [
         "Adam", "SGD", "RMSprop", "AdamW", "AdamW", "SGD"]
+
+
+def test_optimizer_identity_names_the_settings_that_add_slots() -> None:
+    from runner.spec.types import JobSpec
+
+    def identity(optimizer: dict) -> str:
+        return optimizer_identity(JobSpec.model_validate({"train": {"optimizer": optimizer}}).train)
+
+    assert identity({"class_name": "Adam", "config": {"use_ema": True, "ema_momentum": 0.999}}) == "Adam+use_ema"
+    assert identity({"class_name": "Adam", "config": {"amsgrad": True}}) == "Adam+amsgrad"
+    assert identity({"class_name": "SGD", "config": {"momentum": 0.9}}) == "SGD+momentum"
+    assert identity({"class_name": "SGD", "config": {"momentum": 0.0}}) == "SGD"
+    assert identity({"class_name": "Adam", "config": {"use_ema": False, "clipnorm": 1.0}}) == "Adam"
+
+
+@pytest.mark.slow
+def test_switching_on_ema_at_a_resume_is_refused_naming_both(mnist_job) -> None:
+    """An exponential moving average switched on for a resumed run started from zeros and replaced the trained
+    weights at the end: a model at chance, exit 0. The run folder pins it with the optimizer's class."""
+    from tests.conftest import last_json, run_cli
+
+    adam = {"class_name": "Adam", "config": {"learning_rate": 0.01}}
+    spec = mnist_job("ema", train={"epochs": 1, "steps_per_epoch": 2, "allow_chance": True, "optimizer": adam},
+                     output={"tensorboard": False})
+    assert run_cli("run", spec).returncode == 0
+    ema = json.dumps({"class_name": "Adam", "config": {"learning_rate": 0.01, "use_ema": True}})
+    refused = run_cli("run", spec, "--set", "train.epochs=2", "--set", f"train.optimizer={ema}")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    error = last_json(refused.stdout)["error"]
+    assert "Adam" in error and "Adam+use_ema" in error, error
