@@ -294,6 +294,30 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     assert 0 < rates[-1] < rates[-2] <= 0.002, rates
 
 
+def test_a_user_callback_that_raises_leaves_a_true_account_of_what_was_saved(mnist_job, tmp_path: Path) -> None:
+    """A callback of the user's that raises in epoch 2 ends the run (exit 1), after epoch 1's checkpoint: the
+    summary and the closing line say that checkpoint exists, and the next run resumes from it."""
+    package = tmp_path / "code" / "boom"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "cb.py").write_text(
+        "import tensorflow as tf\n\n\nclass Boom(tf.keras.callbacks.Callback):\n"
+        "    def on_epoch_begin(self, epoch, logs=None):\n"
+        "        if epoch == 1:\n            raise RuntimeError('boom in epoch 2')\n")
+    spec = mnist_job("boom", code={"folder": str(tmp_path / "code")}, data={"eval": None},
+                     train={"epochs": 2, "steps_per_epoch": 3, "allow_chance": True, "callbacks": ["boom.cb:Boom"]},
+                     output={"tensorboard": False})
+    failed = run_cli("run", spec)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    summary = last_json(failed.stdout)
+    assert "boom in epoch 2" in summary["error"]
+    assert summary["final_step"] == 3 and summary["checkpoint_saves"], summary
+    assert "no checkpoint was saved" not in failed.stderr, failed.stderr[-2000:]
+    again = run_cli("run", spec, "--set", "train.callbacks=[]")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert last_json(again.stdout)["resumed_from_step"] == 3
+
+
 @pytest.mark.slow
 def test_an_output_dir_that_is_a_file_says_what_to_move_and_promises_no_checkpoint(mnist_job, tmp_path: Path) -> None:
     in_the_way = tmp_path / "outputs"

@@ -264,6 +264,8 @@ def _train(
     )
     facts, step = attempt.facts, outcome.final_step
     facts.checkpoint_saves, facts.profile = outcome.checkpoint_saves, outcome.profile
+    if outcome.error is not None and not isinstance(outcome.error, Diverged):
+        facts.final_step = step  # what was trained and saved before the error still counts
     if isinstance(outcome.error, Diverged):
         raise _diverged(outcome.error, spec, attempt) from None
     if outcome.error is not None:

@@ -28,7 +28,8 @@ keras = tf.keras
 class Outcome:
     """How an attempt's training ended. `stopped`: None when it ran its plan (or early stopping ended it);
     "preempted" or "interrupted" after a notice, "time_limit" at train.max_duration; each after a save.
-    `error`: Diverged, or the input or storage fault that ended it (the saves were still waited for)."""
+    `error`: Diverged, the input or storage fault, or any other error (a user callback's) that ended it; the saves
+    were still waited for, and `final_step` and `checkpoint_saves` say what was kept."""
 
     final_step: int | None = None
     stopped: str | None = None
@@ -96,6 +97,8 @@ def train(
         except Diverged as exc:
             with phases.phase("checkpoint"):
                 saver.wait_after_error()  # the newest complete checkpoint is then the one named
+            outcome.error = exc
+        except Exception as exc:  # a user callback or the model's own code: what was saved before it still counts
             outcome.error = exc
         finally:
             if saver.pending:  # training stopped by an error: the write in flight still completes (or is logged)
