@@ -144,6 +144,10 @@ def test_gke_on_v5p_has_a_recipe_for_the_image_and_says_nothing_unverified(cloud
     shown = submit(cloud_spec, "--on", "gke", "--dry-run", tpu_type="v5p-8", allow=False)
     assert shown.returncode == 0, shown.stderr
     assert "unverified" not in shown.stderr
+    # v6e: Keras's example names it, Google's Vertex AI page says TensorFlow is not supported there: unverified on
+    # GKE as on a TPU VM.
+    v6e = submit(cloud_spec, "--on", "gke", tpu_type="v6e-8", allow=False)
+    assert v6e.returncode == 2 and "TensorFlow is no longer supported" in v6e.stderr, v6e.stderr
 
 
 # --- SkyPilot and the project -----------------------------------------------------------------------

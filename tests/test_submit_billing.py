@@ -336,7 +336,8 @@ def test_the_image_per_generation_follows_the_pin_and_docs_tpu_md_shows_the_same
     assert tpu_types.unverified_reason(tpu_types.parse_tpu_type("v5p-8")) is None
     v5e = tpu_types.parse_tpu_type("v5litepod-8")
     assert "tensorflow-tpu 2.19.1" in tpu_types.unverified_reason(v5e, vm=False)
-    assert tpu_types.unverified_reason(tpu_types.parse_tpu_type("v6e-8"), vm=False) is None
+    v6e = tpu_types.unverified_reason(tpu_types.parse_tpu_type("v6e-8"), vm=False)  # GKE, Vertex: the image alone
+    assert v6e and "TensorFlow is no longer supported" in v6e
 
 
 # --- byte-identical, all flags ---------------------------------------------------------------------------

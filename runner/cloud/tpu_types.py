@@ -125,15 +125,19 @@ RUNTIMES: dict[str, tuple[Runtime, ...]] = {
 # The TPU image's TensorFlow (Dockerfile tf-tpu stage, requirements-tpu.lock; tests check the pin) on each
 # generation: a recipe where a source runs that tensorflow-tpu on that generation. Google's release test above
 # runs tensorflow-tpu 2.18.0 on the VM; the one source that runs 2.19.1 is Keras's TensorFlow TPU example, for
-# v5p and v6e. So this axis is apart from the runtime's: v5e, v4, v3 and v2 have a runtime recipe (for 2.18)
-# and none for the image's 2.19.1.
+# v5p and v6e (v6e stays unverified: Google's pages disagree on it). So this axis is apart from the runtime's:
+# v5e, v4, v3 and v2 have a runtime recipe (for 2.18) and none for the image's 2.19.1.
 IMAGE_TENSORFLOW = "2.19.1"
 _KERAS_TF_EXAMPLE = (
     "Keras's \"DistributedEmbedding using TPU SparseCore and TensorFlow\" "
     "(https://keras.io/keras_rs/examples/distributed_embedding_tf, 2025-09-02): `pip install "
     "tensorflow-tpu==2.19.1`, PJRT, Keras 3 fit under TPUStrategy; \"It needs to be run on TPU v5p or v6e\""
 )
-IMAGE_RECIPES: dict[str, str] = {"v5p": _KERAS_TF_EXAMPLE, "v6e": _KERAS_TF_EXAMPLE}
+IMAGE_RECIPES: dict[str, str] = {"v5p": _KERAS_TF_EXAMPLE}
+# Keras's example names v6e too, but Google's own pages disagree on TensorFlow there (RUNTIMES' v6e note): the
+# image on v6e is unverified on every target, GKE's and Vertex AI's hosts included.
+_V6E = ("Keras's TensorFlow TPU example names v5p or v6e, but Vertex AI's TPU training page says \"Starting with "
+        "TPU v6e, TensorFlow is no longer supported\" and no Google test runs TensorFlow on v6e")
 
 
 def image_unverified_reason(tpu: TpuType) -> str | None:
@@ -142,11 +146,12 @@ def image_unverified_reason(tpu: TpuType) -> str | None:
     if tpu.generation in IMAGE_RECIPES:
         return None
     with_recipe = ", ".join(g for g in GENERATIONS if g in IMAGE_RECIPES)
+    why = _V6E if tpu.generation == "v6e" else (
+        f"no recipe runs tensorflow-tpu {IMAGE_TENSORFLOW} on {tpu.generation} (the one that runs it, Keras's "
+        "TensorFlow TPU example, names v5p or v6e; Google's release test runs TensorFlow 2.18 there)")
     return (
         f"the runner's TPU image (tensorflow-tpu {IMAGE_TENSORFLOW}, Keras 3) on {tpu.generation} is unverified: "
-        f"no recipe runs tensorflow-tpu {IMAGE_TENSORFLOW} on {tpu.generation} (the one that runs it, Keras's "
-        f"TensorFlow TPU example, names v5p or v6e; Google's release test runs TensorFlow 2.18 there); "
-        f"generations with a recipe for the image: {with_recipe} ({DOCS})"
+        f"{why}; generations with a recipe for the image: {with_recipe} ({DOCS})"
     )
 
 
