@@ -44,7 +44,7 @@ def _image_input(features: dict[str, Any], inputs: tuple[str, ...], pixel_max: f
 
 def mnist_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The Basic CNN of the classic Colab TPU MNIST example."""
-    params = _params(params, {"classes": 10, "pixel_max": PIXEL_MAX}, "mnist_cnn")
+    params = _params(params, "mnist_cnn")
     keras = _keras()
     layers = keras.layers
     inp, x = _image_input(features, inputs, params["pixel_max"])
@@ -62,14 +62,24 @@ def mnist_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[st
     return keras.Model(inp, out, name="mnist_cnn")
 
 
-def _params(params: dict[str, Any], defaults: dict[str, Any], model: str) -> dict[str, Any]:
-    """The model's params over its defaults; an unknown key is an error, never a silently ignored typo."""
+def _params(params: dict[str, Any], model: str) -> dict[str, Any]:
+    """The model's params over its defaults (BUILTIN); an unknown key is an error, never an ignored typo."""
+    problem = params_problem(model, params)
+    if problem:
+        raise SpecError(f"model.params: {problem}")
+    return {**BUILTIN[model].params, **params}
+
+
+def params_problem(model: str, params: dict[str, Any]) -> str | None:
+    """What is wrong with `params` for the built-in `model` (an unknown param, with did-you-mean), or None;
+    spec validation asks it without TensorFlow."""
+    defaults = BUILTIN[model].params
     unknown = sorted(set(params) - set(defaults))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], defaults, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise SpecError(f"model.params: {model} has no param {unknown[0]!r}{hint} (it takes: {', '.join(defaults)})")
-    return {**defaults, **params}
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], defaults, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{model} has no param {unknown[0]!r}{hint} (it takes: {', '.join(defaults)})"
 
 
 def _one_input(features: dict[str, Any], inputs: tuple[str, ...], dtype: str, rank: int, model: str, what: str) -> Any:
@@ -83,7 +93,7 @@ def _one_input(features: dict[str, Any], inputs: tuple[str, ...], dtype: str, ra
 
 def cifar10_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The CIFAR-10 CNN of the classic Colab TPU example: (BatchNorm, Conv x2, pool, dropout) x2, Dense 512."""
-    p = _params(params, {"classes": 10, "pixel_max": PIXEL_MAX}, "cifar10_cnn")
+    p = _params(params, "cifar10_cnn")
     keras = _keras()
     layers = keras.layers
     inp, x = _image_input(features, inputs, p["pixel_max"])
@@ -102,7 +112,7 @@ def cifar10_cnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[
 
 def imdb_lstm(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
     """The IMDB sentiment LSTM: word ids -> Embedding(15000, 32) -> LSTM(100) -> probability of positive."""
-    p = _params(params, {"vocab_size": 15000, "embedding_dim": 32, "units": 100}, "imdb_lstm")
+    p = _params(params, "imdb_lstm")
     keras = _keras()
     layers = keras.layers
     inp = _one_input(features, inputs, "int64", 1, "imdb_lstm", "token ids [length] (runner prepare imdb)")
@@ -122,7 +132,7 @@ def weather_rnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[
     With `target_feature` (the target's column among the inputs, manifest `preprocessing.target_index`)
     the network predicts the change from the last hour, starting out as the persistence forecast.
     """
-    p = _params(params, {"cell": "gru", "units": 64, "dropout": 0.0, "target_feature": None}, "weather_rnn")
+    p = _params(params, "weather_rnn")
     if p["cell"] not in _RNN_CELLS:
         raise SpecError(f"model.params.cell: {p['cell']!r} is not one of {', '.join(_RNN_CELLS)}")
     inp = _one_input(features, inputs, "float32", 2, "weather_rnn", "[window, features] (runner prepare weather)")
@@ -146,6 +156,8 @@ class BuiltinModel:
     """What is known about one built-in model."""
 
     build: Callable[[dict[str, Any], dict[str, Any], tuple[str, ...]], Any]
+    # Its params (model.params) and their defaults: the build function takes these and no other.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The default of its `classes` param for a classifier (labels 0 .. classes - 1); None for other models.
     classes: int | None = None
     # Device kinds where `auto` precision keeps it in float32, with the reason measured side by side
@@ -159,12 +171,14 @@ class BuiltinModel:
 
 
 BUILTIN: dict[str, BuiltinModel] = {
-    "mnist_cnn": BuiltinModel(mnist_cnn, classes=10, pixel_max=PIXEL_MAX),
-    "cifar10_cnn": BuiltinModel(cifar10_cnn, classes=10, pixel_max=PIXEL_MAX),
-    "imdb_lstm": BuiltinModel(imdb_lstm, float32_under_auto={
+    "mnist_cnn": BuiltinModel(mnist_cnn, {"classes": 10, "pixel_max": PIXEL_MAX}, classes=10, pixel_max=PIXEL_MAX),
+    "cifar10_cnn": BuiltinModel(cifar10_cnn, {"classes": 10, "pixel_max": PIXEL_MAX}, classes=10,
+                                pixel_max=PIXEL_MAX),
+    "imdb_lstm": BuiltinModel(imdb_lstm, {"vocab_size": 15000, "embedding_dim": 32, "units": 100}, float32_under_auto={
         "cpu": "bfloat16 ran its LSTM 20% slower than float32 on a CPU, 0.46 points less accurate",
     }),
-    "weather_rnn": BuiltinModel(weather_rnn, float32_under_auto={
+    "weather_rnn": BuiltinModel(weather_rnn, {"cell": "gru", "units": 64, "dropout": 0.0, "target_feature": None},
+                                float32_under_auto={
         "cpu": "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
     }),
 }

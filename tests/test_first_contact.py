@@ -69,8 +69,14 @@ def test_a_run_that_learned_nothing_is_not_a_success(mnist_job, tmp_path: Path) 
 
 @pytest.mark.slow
 def test_a_start_refused_by_the_run_leaves_no_run_folder(mnist_job, tmp_path: Path) -> None:
-    """A built-in model's unknown param is found when the model is built, after the run folder was opened."""
+    """A built-in model's unknown param is known without TensorFlow: `validate` names its line, `run` refuses it
+    before anything is made (it once passed validate and was found only when the model was built)."""
+    from tests.support.cli import invoke
+
     spec = mnist_job("typo", model={"name": "mnist_cnn", "params": {"clases": 10}})
+    validated = invoke("validate", spec, "--no-data")
+    assert validated.returncode == 2 and re.search(r"typo\.yaml:\d+: model\.params: mnist_cnn has no param 'clases'",
+                                                   validated.stderr), validated.stderr
     result = run_cli("run", spec)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "has no param 'clases'; did you mean 'classes'?" in result.stderr

@@ -225,7 +225,8 @@ def test_a_pipe_or_device_is_refused_without_reading_it(tmp_path: Path) -> None:
         ("model.params=" + "[" * 100 + "]" * 100, "nested more than 20 levels deep"),
         ("model.params=" + _alias_bomb().split("a0: ", 1)[1].replace("\n    ", ", ").replace(": &", "_: &"),
          "the value is not usable YAML"),
-        ("model.params={a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]}", None),
+        ("model.params={classes: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], pixel_max: [*a, *a, *a, *a, *a, *a, *a, *a, *a, "
+         "*a]}", None),
         ("train.seed=" + "9" * 5000, "an integer of 5,000 characters"),
         ("train.seed=" + "1" * 70_000, "characters; a --set is at most"),
         ("train.seed=true", "train.seed: Input should be a valid integer, not true/false"),
@@ -300,7 +301,7 @@ def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override:
          ["", "a[1]", "r*", "r?", "s3://b/r", "gs://", "a\x00b"]),
         ("output.tensorboard", [True], [0, "on"]),
         ("profile.steps", [1, 1000], [0, 1001]),
-        ("model.params", [{}, {"a": [1, {"b": None}]}], [{"a": ".inf"}, {"a": {1: 2}}]),
+        ("model.params", [{}, {"classes": [1, {"b": None}]}], [{"classes": ".inf"}, {"classes": {1: 2}}, {"a": 1}]),
         ("code.packages", [[], ["fashionnet"]], [["os"], ["runner"], ["a-b"], "fashionnet", ["setuptools"],
                                                   ["numpy"]]),
     ],

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from runner.models import MODEL_NAMES
+from runner.models import MODEL_NAMES, params_problem
 from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
 from runner.spec.paths import refuse_glob_characters, resolve_path
 from runner.spec.train import CheckpointSpec, TrainSpec
@@ -224,6 +224,17 @@ class ModelSpec(Strict):
                 f"unknown built-in model {value!r}{hint} (built in: {', '.join(MODEL_NAMES)}; "
                 "your own: `package.module:function`)"
             )
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _builtin_params(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # A built-in model's params are known without TensorFlow: a typo is refused here, with its line. (`name`
+        # is declared first, so it is validated first.)
+        name = info.data.get("name")
+        problem = params_problem(name, value) if name in MODEL_NAMES else None
+        if problem:
+            raise ValueError(problem)
         return value
 
 
