@@ -71,7 +71,9 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
         "model: runs/m/model.keras"
     )
     failed = {**summary, "status": "failed", "epochs": [], "metrics": {}, "timing": {"total_s": 9.0}}
-    assert closing_line(failed) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
+    assert closing_line(failed) == "failed before training began, in 9 s; run folder: runs/m (the error follows)"
+    midway = {**failed, "final_step": 40}  # failed inside the first epoch, after 40 steps
+    assert closing_line(midway) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
     bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b",
              "tflops": {"cold": 0.01, "warm": 0.0712}, "timing": {"total_s": 3.0}, "epochs": []}
     assert closing_line(bench) == "succeeded: matmul benchmark, 0.0712 TFLOPS warm in 3 s; summary: runs/b/summary.json"

@@ -338,7 +338,9 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
             f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
-    return f"{status} after {epochs} in {duration(total_s)}{where}{_checkpoints_kept(summary)} (the error follows)"
+    # A refusal at start (a spec or data error) trained nothing: "after 0 of 4 epochs" would suggest it did.
+    when = "before training began," if not records and not summary.get("final_step") else f"after {epochs}"
+    return f"{status} {when} in {duration(total_s)}{where}{_checkpoints_kept(summary)} (the error follows)"
 
 
 def _checkpoints_kept(summary: dict[str, Any]) -> str:
