@@ -229,22 +229,20 @@ class TrainSpec(Strict):
         return serialized
 
 
-# Optimizer settings that add variables to a checkpoint (Keras 3 optimizers' build: use_ema keeps an average of
-# every weight, amsgrad a second moment's maximum, a non-zero SGD momentum a velocity per weight). Turned on at a
-# resume, the new variables would start from zeros: use_ema switched on for a resumed run ended at a loss of
-# ln(classes), a model at chance, exit 0. So the run folder pins them with the class.
-_SLOT_SETTINGS = ("use_ema", "amsgrad", "momentum")
+# Optimizer settings whose variables a checkpoint must hold to mean what it says. use_ema keeps an average of every
+# weight and puts it in the weights' place when training ends: switched on at a resume it starts from zeros, and a
+# resumed run ended at a loss of ln(classes), a model at chance, exit 0. So the run folder pins it with the class.
+# (A momentum or amsgrad switched on starts its buffers from zeros, as a new optimizer does: no harm, not pinned.)
+_SLOT_SETTINGS = ("use_ema",)
 
 
 def optimizer_identity(train: TrainSpec) -> str:
     """The optimizer's Keras class (`Adam`, `SGD`, `AdamW`) and the settings that add slots (`Adam+use_ema`):
     what a checkpoint's optimizer variables mean, so a run folder pins it; its learning rate, schedule and
     other settings may change between attempts."""
-    if isinstance(train.optimizer, str):
-        return keras.optimizer_class(train.optimizer)
-    config = train.optimizer.config
-    extra = [key for key in _SLOT_SETTINGS if config.get(key) not in (None, False, 0, 0.0)]
-    return "+".join([train.optimizer.class_name, *extra])
+    serialized = train.optimizer_for_keras()  # a name's implied settings too (`sgd` has a momentum)
+    extra = [key for key in _SLOT_SETTINGS if serialized["config"].get(key) not in (None, False, 0, 0.0)]
+    return "+".join([serialized["class_name"], *extra])
 
 
 class CheckpointSpec(Strict):
