@@ -6,6 +6,7 @@ nothing published."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -281,7 +282,35 @@ def _ragged_csv(tmp_path: Path) -> tuple[Path, list[str], str]:
 
 def _nan_csv_label(tmp_path: Path) -> tuple[Path, list[str], str]:
     (tmp_path / "nan.csv").write_text("a,label\n1,0.5\n2,NaN\n3,1.5\n")
-    return tmp_path / "nan.csv", ["csv", "--label", "label"], "nan.csv:3: label 'label' is 'NaN'"
+    return tmp_path / "nan.csv", ["csv", "--label", "label"], "nan.csv:3: label 'label' is missing ('NaN')"
+
+
+def _outcomes(replaced: dict[int, str]) -> str:
+    """A table of 100 records (ages, a decimal, a text label), the records at the lines given (the header is
+    line 1) replaced by the text given."""
+    rng = np.random.default_rng(5)
+    rows = [f"{rng.integers(20, 90)},{rng.uniform(100, 300):.1f},{rng.choice(['good', 'bad'])}" for _ in range(100)]
+    for line, row in replaced.items():
+        rows[line - 2] = row
+    return "age,chol,outcome\n" + "\n".join(rows) + "\n"
+
+
+def _nan_text_label(tmp_path: Path) -> tuple[Path, list[str], str]:
+    # A text label with one 'NaN': it was a third class, 'NaN', exit 0.
+    (tmp_path / "bad.csv").write_text(_outcomes({91: "52,180.5,NaN"}))
+    return tmp_path / "bad.csv", ["csv", "--label", "outcome"], "bad.csv:91: label 'outcome' is missing ('NaN')"
+
+
+def _na_among_whole_numbers(tmp_path: Path) -> tuple[Path, list[str], str]:
+    # One 'NA' among ages: it made the ages a category of ids in string order, exit 0.
+    (tmp_path / "bad.csv").write_text(_outcomes({42: "NA,180.5,good"}))
+    return tmp_path / "bad.csv", ["csv", "--label", "outcome"], "bad.csv:42: column 'age' is missing ('NA')"
+
+
+def _na_in_a_category(tmp_path: Path) -> tuple[Path, list[str], str]:
+    # A blank line and a quoted line break before it: the line named is the one an editor shows.
+    (tmp_path / "heart.csv").write_text('age,thal,target\n63,fixed,1\n\n67,"normal\n",0\n37,NA,1\n41,None,0\n')
+    return tmp_path / "heart.csv", ["csv", "--label", "target"], "heart.csv:6: column 'thal' is missing ('NA')"
 
 
 def _broken_image(tmp_path: Path) -> tuple[Path, list[str], str]:
@@ -290,7 +319,8 @@ def _broken_image(tmp_path: Path) -> tuple[Path, list[str], str]:
     return tmp_path / "pics", ["images"], "vertical/2.png: not a readable image"
 
 
-@pytest.mark.parametrize("bad", [_bad_arrays, _nan_label, _ragged_csv, _nan_csv_label, _broken_image])
+@pytest.mark.parametrize("bad", [_bad_arrays, _nan_label, _ragged_csv, _nan_csv_label, _nan_text_label,
+                                 _na_among_whole_numbers, _na_in_a_category, _broken_image])
 def test_a_bad_input_stops_with_exit_2_naming_it_and_publishes_nothing(bad, tmp_path: Path) -> None:
     location, (form, *flags), named = bad(tmp_path)
     out = tmp_path / "data"
@@ -298,6 +328,33 @@ def test_a_bad_input_stops_with_exit_2_naming_it_and_publishes_nothing(bad, tmp_
     assert result.returncode == 2, result.stderr[-3000:]
     assert named in result.stderr
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
+@pytest.mark.parametrize("marker", sorted(own.MISSING))
+@pytest.mark.parametrize("column", ["age", "thal", "target"])
+def test_every_missing_marker_stops_a_number_a_category_or_a_label_column(column, marker, tmp_path: Path) -> None:
+    rows = [["63", "fixed", "sick"], ["67", "normal", "well"], ["37", "reversible", "sick"], ["41", "normal", "well"]]
+    rows[2][["age", "thal", "target"].index(column)] = f" {marker} "  # spaces around a cell are stripped
+    table = tmp_path / "heart.csv"
+    table.write_text("age,thal,target\n" + "".join(",".join(row) + "\n" for row in rows))
+    what = "label" if column == "target" else "column"
+    held = "empty" if marker == "" else f"missing ({marker!r})"
+    with pytest.raises(DataError, match=rf"heart.csv:4: {what} '{column}' is {re.escape(held)}; .* drop the row") as e:
+        own.csv_dataset(str(table), "target")
+    assert e.value.exit_code == 2
+
+
+def test_words_like_the_missing_markers_are_values_and_columns_without_gaps_keep_their_kind(tmp_path: Path) -> None:
+    # Only the exact markers are missing: 'none', 'Na' (sodium) and 'NONE' are words; a column not used may have gaps.
+    table = tmp_path / "mixed.csv"
+    table.write_text("age,smoker,ion,notes,target\n63,none,Na,,1.5\n67,daily,K,NA,2.5\n37,NONE,Na,x,0.5\n"
+                     "41,daily,Ca,,3\n")
+    dataset = own.csv_dataset(str(table), "target", ("age", "smoker", "ion"), split="train=0.5,test=0.5")
+    assert {name: f.dtype for name, f in dataset.features.items()} == {
+        "age": "int64", "smoker": "int64", "ion": "int64", "target": "float32"}
+    assert dataset.preprocessing["vocabularies"] == {"smoker": ["NONE", "daily", "none"], "ion": ["Ca", "K", "Na"]}
+    ages = np.concatenate([split["age"] for split in dataset.splits.values()])
+    assert sorted(ages.tolist()) == [37, 41, 63, 67] and dataset.class_names == ()
 
 
 def test_a_failed_prepare_leaves_the_published_dataset_whole_and_a_new_one_replaces_it(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@
     csv     a table with a header row. Each column becomes one feature of shape []: whole numbers int64,
             other numbers float32, anything else a category stored as an int64 id into a vocabulary kept
             in the manifest (`preprocessing.vocabularies`). A text label becomes class ids with
-            `class_names`; a number label stays a number (a regression target is float32).
+            `class_names`; a number label stays a number (a regression target is float32). A missing
+            value (MISSING: empty, NA, NaN, null, ...) in a column used is refused, never made a number
+            or a category.
 
 A problem stops the run before anything is written (runner/prepare/shards.py publishes only a whole
 dataset) and names the file and the key, row or column: DataError, exit 2.
@@ -193,7 +195,9 @@ def _same_length(table: dict[str, np.ndarray], source: Path, part: str | None = 
 # --- CSV ------------------------------------------------------------------------------------------
 
 
-def _read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+def _read_rows(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """The header, the records and each record's first line in the file (blank lines and quoted line breaks
+    make it other than the record's number + 2, and an error must name the line the user opens)."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
@@ -208,22 +212,58 @@ def _read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     header = [name.strip() for name in header]
     if len(set(header)) != len(header) or not all(header):
         raise DataError(f"{path}:1: the header names every column once ({', '.join(map(repr, header))})")
-    rows = []
+    rows, lines = [], []
+    end = reader.line_num  # the header's last line
     try:
         for row in reader:
+            start, end = end + 1, reader.line_num
             if not row:
                 continue  # a blank line
             if len(row) != len(header):
                 raise DataError(
-                    f"{path}:{reader.line_num}: {len(row)} fields, the header has {len(header)}; "
+                    f"{path}:{start}: {len(row)} fields, the header has {len(header)}; "
                     "fix that row (a comma inside a value needs quotes)"
                 )
             rows.append(row)
+            lines.append(start)
     except csv.Error as exc:
         raise DataError(f"{path}:{reader.line_num}: {exc}") from None
     if not rows:
         raise DataError(f"{path} holds a header and no records")
-    return header, rows
+    return header, rows, lines
+
+
+# The cells that say "no value": pandas' default na_values for read_csv, exact and case-sensitive, compared
+# after the cell's spaces are stripped. Tables written by pandas (NaN as ''), R ('NA'), spreadsheets ('#N/A')
+# and databases ('NULL') mark a gap so. Not one is a number, and as a category it would teach a model that "no
+# value" is a class (or, in a label, be one): so a missing cell stops the run instead (_refuse_missing).
+MISSING = frozenset({
+    "", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+    "NA", "NULL", "NaN", "None", "n/a", "nan", "null",
+})
+
+
+def _refuse_missing(cells: list[str], lines: list[int], path: Path, column: str, is_label: bool) -> None:
+    """Stops at a column's first missing cell, naming its line, what it holds and how to fill it in."""
+    missing = [i for i, cell in enumerate(cells) if cell in MISSING]
+    if not missing:
+        return
+    first = missing[0]
+    held = "empty" if cells[first] == "" else f"missing ({cells[first]!r})"
+    present = [cell for cell in cells if cell not in MISSING]
+    if is_label:
+        fix = "every record needs a label: fill it in or drop the row"
+    elif present and _column_kind(present) == "category":
+        fix = "fill in a value (a word such as 'unknown' if a gap means something) or drop the row"
+    else:
+        fix = "fill in a number or drop the row"
+    more = f" ({len(missing)} rows of this column are, lines {_some(lines[i] for i in missing)})" if missing[1:] else ""
+    raise DataError(f"{path}:{lines[first]}: {'label' if is_label else 'column'} {column!r} is {held}{more}; {fix}")
+
+
+def _some(numbers, shown: int = 5) -> str:
+    numbers = list(numbers)
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
 
 
 def _column_kind(cells: list[str]) -> str:
@@ -242,15 +282,15 @@ def _column_kind(cells: list[str]) -> str:
     return "category"
 
 
-def _numbers(cells: list[str], kind: str, path: Path, column: str) -> np.ndarray:
+def _numbers(cells: list[str], kind: str, lines: list[int], path: Path, column: str) -> np.ndarray:
     values = np.array([float(c) for c in cells] if kind == "float32" else [int(c) for c in cells])
     if kind == "float32":
         bad = ~np.isfinite(values)
         if bad.any():
-            line = int(np.argmax(bad)) + 2  # the header is line 1
+            first = int(np.argmax(bad))
             raise DataError(
-                f"{path}:{line}: column {column!r} is {cells[line - 2]!r}; numbers must be finite: fill or drop "
-                f"that row ({int(bad.sum())} rows of this column are NaN or infinite)"
+                f"{path}:{lines[first]}: column {column!r} is {cells[first]!r}; numbers must be finite: fill or "
+                f"drop that row ({int(bad.sum())} rows of this column are NaN or infinite)"
             )
     return values.astype(_CASTS[kind])
 
@@ -263,7 +303,7 @@ def _did_you_mean(name: str, columns: list[str]) -> str:
 def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: str | None = None) -> Dataset:
     """A CSV table as a Dataset (see the module docstring): one feature per column, types inferred."""
     source = Path(path)
-    header, rows = _read_rows(source)
+    header, rows, lines = _read_rows(source)
     if label not in header:
         raise DataError(f"{source}: no column {label!r} for --label{_did_you_mean(label, header)}; the columns "
                         f"are: {', '.join(header)}")
@@ -280,18 +320,14 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
     vocabularies: dict[str, list[str]] = {}
     class_names: tuple[str, ...] = ()
     for name, cells in columns.items():
-        empty = [i for i, cell in enumerate(cells) if cell == ""]
-        kind = _column_kind([c for c in cells if c != ""])
+        # Before the kind: one 'NA' would make a column of ages a category, a 'NaN' label a class.
+        _refuse_missing(cells, lines, source, name, name == label)
+        kind = _column_kind(cells)
         if name == label and kind == "float32":
-            nan = [i for i, cell in enumerate(cells) if cell and not math.isfinite(float(cell))]
+            nan = [i for i, cell in enumerate(cells) if not math.isfinite(float(cell))]
             if nan:
-                raise DataError(f"{source}:{nan[0] + 2}: label {label!r} is {cells[nan[0]]!r}; every label must be "
-                                "a finite number or a class name: fix or drop that row")
-        if empty and (kind != "category" or name == label):
-            what = "label" if name == label else "column"
-            raise DataError(
-                f"{source}:{empty[0] + 2}: {what} {name!r} is empty ({len(empty)} rows are); fill or drop those rows"
-            )
+                raise DataError(f"{source}:{lines[nan[0]]}: label {label!r} is {cells[nan[0]]!r}; every label must "
+                                "be a finite number or a class name: fix or drop that row")
         if kind == "category":
             vocabulary = sorted(set(cells))
             index = {word: i for i, word in enumerate(vocabulary)}
@@ -302,7 +338,7 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
             else:
                 vocabularies[name] = vocabulary
         else:
-            values[name] = _numbers(cells, kind, source, name)
+            values[name] = _numbers(cells, kind, lines, source, name)
             kinds[name] = Feature(kind, ())
     chosen = split_rows(len(rows), parse_split(split or DEFAULT_SPLIT), str(source))
     splits = {part: {name: column[at] for name, column in values.items()} for part, at in chosen.items()}
