@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -173,20 +174,54 @@ def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(
     assert dry.returncode == 0, dry.stderr
     assert tpu_fake.requests() == []
 
-    script = tmp_path / "launch.sh"
-    script.write_text(dry.stdout)
-    sent_by_gcloud = subprocess.run(
-        ["bash", str(script)], capture_output=True, text=True, timeout=120, env=api, cwd=tmp_path
-    )
-    assert sent_by_gcloud.returncode == 0, sent_by_gcloud.stderr
+    by_gcloud, by_runner = sent_by_gcloud_then_runner(dry.stdout, api, tpu_fake, cloud_spec, tmp_path, flags)
+    assert by_gcloud["path"] == by_runner["path"]
+    assert by_gcloud["query"]["queuedResourceId"] == by_runner["query"]["queuedResourceId"]
+    assert as_proto(by_gcloud["body"]) == as_proto(by_runner["body"])
+    # the proto comparison reads a time's instant only: the text sent must be gcloud's too
+    assert by_gcloud["body"].get("queueingPolicy") == by_runner["body"].get("queueingPolicy")
+
+
+def sent_by_gcloud_then_runner(script: str, api, tpu_fake, cloud_spec, tmp_path: Path,
+                               flags: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The create request a gcloud script sends to the fake, then the one `runner submit FLAGS` sends (with the
+    submission id gcloud's startup script carries, so that the two can be the same)."""
+    launch = tmp_path / "launch.sh"
+    launch.write_text(script)
+    sent = subprocess.run(["bash", str(launch)], capture_output=True, text=True, timeout=120, env=api, cwd=tmp_path)
+    assert sent.returncode == 0, sent.stderr
     [by_gcloud] = creates(tpu_fake.requests())
 
     tpu_fake.reset()
     same_id = setting(the_script(by_gcloud["body"]), "RUNNER_SUBMISSION")
     assert submit(cloud_spec, api, *flags, "--submission-id", same_id).returncode == 0
     [by_runner] = creates(tpu_fake.requests())
-    assert by_gcloud["path"] == by_runner["path"]
-    assert by_gcloud["query"]["queuedResourceId"] == by_runner["query"]["queuedResourceId"]
+    return by_gcloud, by_runner
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("given, sent", [
+    ("2031-01-01T00:00:00Z", "2031-01-01T00:00:00.000Z"),
+    ("2031-01-01T00:00:00.123456789+05:30", "2031-01-01T00:00:00.123+05:30"),
+    ("2031-01-01T00:00-08:00", "2031-01-01T00:00:00.000-08:00"),
+])
+def test_a_valid_until_time_is_sent_as_the_text_the_real_gcloud_sends(api, tpu_fake, cloud_spec, tmp_path, given,
+                                                                      sent):
+    """Byte for byte, not only the same instant: gcloud keeps the offset and writes whole milliseconds, which the
+    client's proto Timestamp (UTC, fraction trimmed: 2030-12-31T18:30:00.123Z) cannot. gcloud gets the text as
+    typed, in the dry run's script in place of the text runner shows."""
+    assert GCLOUD, "gcloud is not installed on this machine"
+    flags = ("--valid-until", given)
+    dry = submit(cloud_spec, api, *flags, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f'"validUntilTime": "{sent}"' in dry.stdout, "the request shown is the one sent"
+    shown = f"--valid-until-time={sent}"
+    assert shown in dry.stdout
+    typed = dry.stdout.replace(shown, f"--valid-until-time={shlex.quote(given)}")
+
+    by_gcloud, by_runner = sent_by_gcloud_then_runner(typed, api, tpu_fake, cloud_spec, tmp_path, flags)
+    assert by_gcloud["body"]["queueingPolicy"] == {"validUntilTime": sent}
+    assert by_runner["body"]["queueingPolicy"] == {"validUntilTime": sent}
     assert as_proto(by_gcloud["body"]) == as_proto(by_runner["body"])
 
 

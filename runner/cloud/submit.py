@@ -358,7 +358,6 @@ def build_request(sub: Submission):
     """The QueuedResource to create: one node, this job's startup script and labels, the chosen network,
     service account, reservation and valid-until bound."""
     from google.cloud import tpu_v2
-    from google.protobuf import duration_pb2, timestamp_pb2
 
     network = tpu_v2.NetworkConfig(network=sub.network or "default", enable_external_ips=True)
     if sub.subnetwork:
@@ -381,23 +380,22 @@ def build_request(sub: Submission):
     if sub.reservation:
         # What `gcloud ... --reservation-host-project` (and --reserved, for the job's own project) sends.
         request.reservation_name = f"projects/{sub.reservation}/locations/{sub.zone}/reservations/-"
-    if sub.valid_until:
+    if sub.valid_until:  # a time as its instant: the body carries gcloud's text for it (request_json)
         kind, value = parse_valid_until(sub.valid_until)
-        policy = tpu_v2.QueuedResource.QueueingPolicy()
-        if kind == "duration":
-            policy.valid_until_duration = duration_pb2.Duration(seconds=value)
-        else:  # whole milliseconds, as parsed: what gcloud sends for the same text
-            stamp = timestamp_pb2.Timestamp()
-            stamp.FromDatetime(value.astimezone(datetime.timezone.utc).replace(tzinfo=None))
-            policy.valid_until_time = stamp
-        request.queueing_policy = policy
+        policy = ({"valid_until_duration": datetime.timedelta(seconds=value)} if kind == "duration"
+                  else {"valid_until_time": value})
+        request.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(**policy)
     return request
 
 
 def request_json(sub: Submission) -> dict[str, Any]:
+    """The body `submit` POSTs (build_request's JSON, enums as integers), validUntilTime as gcloud sends it."""
     from google.cloud import tpu_v2
 
-    return json.loads(tpu_v2.QueuedResource.to_json(build_request(sub), including_default_value_fields=False))
+    body = json.loads(tpu_v2.QueuedResource.to_json(build_request(sub), always_print_fields_with_no_presence=False))
+    if "validUntilTime" in body.get("queueingPolicy", {}):
+        body["queueingPolicy"]["validUntilTime"] = valid_until_text(str(sub.valid_until))
+    return body
 
 
 def gcloud_script(sub: Submission) -> str:

@@ -8,6 +8,7 @@ google-cloud-tpu is imported only when a call is made.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -15,8 +16,8 @@ from runner import AcceleratorError, RunnerError, SpecError
 from runner.cloud.submit import (
     SCOPE,
     Submission,
-    build_request,
     check_zone,
+    request_json,
     settings_of,
 )
 
@@ -92,14 +93,31 @@ def _full_name(name: str, project: str, zone: str) -> str:
     return f"projects/{project}/locations/{check_zone(zone)}/queuedResources/{name}"
 
 
+def _post_create(sub: Submission, client) -> str:
+    """POSTs the create request as the client's REST transport would (its session, so its credentials, and its
+    endpoint; the same URL, query and a bounded timeout), but with request_json's body: the client would write
+    validUntilTime from a proto Timestamp (UTC, fraction trimmed: `...T18:30:00.123Z`), gcloud writes the time as
+    given, in whole milliseconds (`...T00:00:00.123+05:30`); this sends gcloud's text. Returns the operation's name."""
+    from google.api_core import exceptions as api
+
+    transport = client.transport  # a TpuRestTransport (make_client): `_host` has the scheme, `_session` is authorized
+    response = transport._session.post(
+        f"{transport._host}/v2/{sub.parent}/queuedResources",
+        params={"queuedResourceId": sub.name, "$alt": "json;enum-encoding=int"},
+        data=json.dumps(request_json(sub), indent=2),
+        headers={"Content-Type": "application/json"},
+        timeout=_CALL_TIMEOUT_S,
+    )
+    if response.status_code >= 400:
+        raise api.from_http_response(response)
+    return response.json()["name"]
+
+
 def create(sub: Submission, client=None) -> dict[str, Any]:
     """Sends the create request; returns what was asked for and the operation that tracks it."""
     client = client or make_client()
     try:
-        operation = client.create_queued_resource(
-            parent=sub.parent, queued_resource_id=sub.name, queued_resource=build_request(sub),
-            retry=None, timeout=_CALL_TIMEOUT_S,
-        )
+        operation = _post_create(sub, client)
     except Exception as exc:  # every failure of the call becomes an error the CLI can print
         raise _api_error(exc, "create", sub.name, sub.project, sub.zone) from exc
     return {
@@ -112,7 +130,7 @@ def create(sub: Submission, client=None) -> dict[str, Any]:
         "max_restarts": sub.max_restarts,
         "image": sub.image,
         "run_dir": sub.spec.run_dir,
-        "operation": operation.operation.name,
+        "operation": operation,
     }
 
 
