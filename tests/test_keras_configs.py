@@ -103,6 +103,14 @@ def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Pa
         ({"optimizer": {"class_name": "Adam", "config": {"clipnorm": -1.0}}},
          "config.clipnorm is -1: Keras takes it in (0, 1e+12]"),
         ({"optimizer": {"class_name": "SGD", "config": {"momentum": 1.5}}}, "config.momentum is 1.5"),
+        # F1: a name too short for a ratio is offered by its prefix; the metric, as Keras's default, gives one score
+        # per class (the summary holds numbers), and takes one-hot labels: each ran and failed after an epoch.
+        ({"metrics": ["acc", "f1"]}, "'f1' is not a metric name keras.metrics knows; did you mean"),
+        ({"metrics": ["f1_score"], "loss": "categorical_crossentropy"},
+         "f1_score gives one score per class unless it averages them: write {class_name: F1Score, config: "
+         "{average: macro}}"),
+        ({"metrics": [{"class_name": "F1Score", "config": {"average": "macro"}}]},
+         "F1Score takes one-hot labels, and with train.loss sparse_categorical_crossentropy the class ids reach"),
         # PyYAML (YAML 1.1) reads 1e-4 without a dot as text: Keras would get a string and fail mid-training.
         ({"optimizer": {"class_name": "AdamW", "config": {"weight_decay": "1e-4"}}},
          "config.weight_decay is the text '1e-4': YAML reads it as text, not a number; write 1.0e-4"),

@@ -42,6 +42,8 @@ def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:
     """'; did you mean 'x'?' for the closest choice (case aside), else ''."""
     lowered = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.6)
+    # A short name typed for a longer one (`f1` for `f1_score`) is too far for a ratio, close as a prefix.
+    close = close or sorted((c for c in lowered if len(value) >= 2 and c.startswith(value.lower())), key=len)[:1]
     return f"; did you mean {lowered[close[0]]!r}?" if close else ""
 
 

@@ -146,6 +146,30 @@ class TrainSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _f_scores_need_one_hot_labels(self) -> TrainSpec:
+        # Keras's F1Score and FBetaScore take 2D labels (keras/src/metrics/f_score_metrics.py: "FBetaScore expects
+        # 2D inputs"); the runner's class ids are one per record, one-hot encoded only for CategoricalCrossentropy.
+        # Run as written, each failed after the first epoch's steps, leaving a run folder.
+        loss = self.loss.class_name if isinstance(self.loss, keras.Serialized) else self.loss
+        for metric in self.metrics:
+            name = metric.class_name if isinstance(metric, keras.Serialized) else metric
+            average = metric.config.get("average") if isinstance(metric, keras.Serialized) else None
+            if name in _F_SCORES and average not in ("micro", "macro", "weighted"):
+                # Keras's default (average None) is one score per class: not one number a summary can hold.
+                raise ValueError(
+                    f"train.metrics: {name} gives one score per class unless it averages them: write "
+                    f"{{class_name: {'F1Score' if name == 'f1_score' else name}, config: {{average: macro}}}} "
+                    "(or micro, weighted)"
+                )
+            if name in _F_SCORES and loss not in ("categorical_crossentropy", "CategoricalCrossentropy"):
+                raise ValueError(
+                    f"train.metrics: {name} takes one-hot labels, and with train.loss {loss} the class ids reach "
+                    "Keras one per record: set train.loss: categorical_crossentropy (the runner one-hot encodes the "
+                    "class ids for it; for two classes end the model in a softmax of 2), or remove the metric"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _one_kind_of_weight(self) -> TrainSpec:
         # Keras 3 refuses both (keras/src/trainers/data_adapters/tf_dataset_adapter.py make_class_weight_map_fn:
         # "You cannot `class_weight` and `sample_weight` at the same time.").
@@ -227,6 +251,9 @@ class TrainSpec(Strict):
             serialized = self.optimizer.to_keras()
             serialized["config"].setdefault("learning_rate", self.learning_rate)
         return serialized
+
+
+_F_SCORES = ("f1_score", "F1Score", "FBetaScore")
 
 
 # Optimizer settings whose variables a checkpoint must hold to mean what it says. use_ema keeps an average of every
