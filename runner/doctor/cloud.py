@@ -392,7 +392,10 @@ def preflight(
             found.append(bounded(name, timeout, lambda check=check, path=path: check(access, path, timeout,
                                                                                        region(zone))))
         elif spec is None or path is None:
-            found.append(Check(name, "ok", f"not checked: {'no SPEC' if spec is None else key + ' is not set'}"))
+            # Not checked is not a pass: the bucket a job will use is unknown here.
+            found.append(Check(name, "warn", f"not checked: {'no SPEC' if spec is None else key + ' is not set'}",
+                               "runner doctor --cloud SPEC (the job's spec) checks the buckets it names" if spec is None
+                               else f"set {key} to a gs:// path in the spec"))
         else:  # `runner submit` refuses it too, before any call
             found.append(Check(name, "fail", f"{key} is {path!r}, not a gs:// path: a TPU VM sees neither this "
                                "machine's files nor its own disk once it is gone", f"--set {key}=gs://BUCKET/..."))
