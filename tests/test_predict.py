@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -222,3 +223,9 @@ def test_the_value_check_knows_pixels_token_ids_and_standardised_floats() -> Non
     assert "fractional values 0.5..2 (float64); the model was trained on whole int64" in check(
         np.array([0.5, 2.0]), ids)
     assert "holds <U3 values" in check(np.array(["cat"]), ids)
+    # Each --scale offered is one that passes when followed; fractional pixels are named as that, not as a scale.
+    noisy = check(np.array([0.3, 128.6, 255.3]), pixels)
+    assert "fractional values 0.3..255.3" in noisy and "round them" in noisy and "--scale" not in noisy
+    doubled = check(np.array([0, 510], np.int64), {"dtype": "uint8", "min": 0, "max": 255})
+    factor = float(re.search(r"`--scale ([\d.e-]+)`", doubled).group(1))
+    assert check(np.array([0, 510], np.int64) * factor, {"dtype": "uint8", "min": 0, "max": 255}) is None

@@ -246,6 +246,15 @@ def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: 
     given_low, given_high = float(np.min(array)), float(np.max(array))
     given = f"{given_low:g}..{given_high:g} ({array.dtype})"
     integer = dtype.kind in "iu"
+    # Fractional values for whole-number training data (0.3..255.3 for uint8 pixels) first: no --scale mends
+    # them, and a factor offered for their range would only lead to this refusal after it.
+    whole = 0 < max(abs(given_low), abs(given_high)) and abs(given_high) > 1.0  # 0..1 is a scale, checked below
+    if integer and whole and array.dtype.kind == "f" and not np.allclose(array, np.rint(array), rtol=0, atol=1e-3):
+        raise DataError(
+            f"{what} holds fractional values {given}; the model was trained on whole {dtype} values "
+            f"{low:g}..{high:g} ({where}): round them (numpy.rint) or give {dtype} values as the training data "
+            f"holds them; {skip}"
+        )
     span = max(high - low, 1e-12)
     outside = given_high < low or given_low > high  # no overlap at all
     outside |= given_high > high + span or given_low < low - span  # far beyond the training range
@@ -253,7 +262,8 @@ def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: 
         # Token ids and categories: one never seen in training is wrong (an id past the vocabulary reads as
         # zeros on a TPU). uint8 pixels only need the type's own range: a split need not hold both 0 and 255.
         bounds = (np.iinfo(dtype).min, np.iinfo(dtype).max) if dtype == np.uint8 else (low, high)
-        outside |= given_low < bounds[0] or given_high > bounds[1]
+        slack = 1e-6 * max(1.0, abs(bounds[1]))  # a factor's last digit, not a value out of range
+        outside |= given_low < bounds[0] - slack or given_high > bounds[1] + slack
     # Far inside: 0..1 given to a model trained on 0..255 (the values overlap, yet mean something else).
     magnitude, trained_magnitude = max(abs(given_low), abs(given_high)), max(abs(low), abs(high))
     shrunk = 0 < magnitude <= 1.0 and trained_magnitude > 2.0
@@ -261,7 +271,9 @@ def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: 
         fix = "give values as the training data holds them"
         if given_low >= 0 and low >= 0 and given_high > 0 and high > 0:
             factor = float(round(high)) if shrunk else high / given_high  # 0..1 pixels come from 0..255 ones
-            fix = f"`--scale {factor:.6g}` multiplies these to {given_low * factor:g}..{given_high * factor:g}"
+            factor = float(f"{factor:.6g}")  # as printed: the factor a user types is the one checked
+            if given_high * factor <= high * (1 + 1e-6) and given_low * factor >= low - span:
+                fix = f"`--scale {factor:g}` multiplies these to {given_low * factor:g}..{given_high * factor:g}"
         raise DataError(
             f"{what} holds values {given}, but the model was trained on {low:g}..{high:g} ({where}): it would "
             f"answer without an error, and wrongly. {fix[0].upper() + fix[1:]} (scaling belongs inside the "
