@@ -339,3 +339,20 @@ def test_an_output_dir_that_is_a_file_says_what_to_move_and_promises_no_checkpoi
     again = run_cli("run", spec, "--set", "train.allow_chance=true")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (in_the_way / "blocked" / "model.keras").exists()
+
+
+
+def test_a_file_where_the_run_folder_belongs_names_the_move_that_works(mnist_job, tmp_path: Path) -> None:
+    spec = mnist_job("taken", train={"epochs": 1, "steps_per_epoch": 2, "allow_chance": True},
+                     output={"tensorboard": False})
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "taken").write_text("a file where the run folder belongs")
+    result = run_cli("run", spec)
+    assert result.returncode == 3, result.stderr[-3000:]
+    move = re.search(r"`(mv \S+ \S+)`", result.stderr)
+    assert move and "a file stands where the job's run folder belongs" in result.stderr, result.stderr[-2000:]
+    source, target = move.group(1).split()[1:]
+    Path(source).rename(target)  # the message's fix, as written
+    again = run_cli("run", spec)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert Path(target).read_text() == "a file where the run folder belongs", "nothing of the user's is lost"

@@ -318,3 +318,13 @@ class Uploader:
         if isinstance(exc, api_exceptions.Forbidden):
             return StorageError(f"{target}: permission denied; the account needs storage.objects.create on gs://{bucket}")
         return StorageError(f"{target}: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def is_file(path: str) -> bool:
+    """Whether `path` (local or gs://) is a file, not a folder; False when it cannot be told."""
+    import tensorflow as tf  # this module is read before TensorFlow loads (configure_tensorflow)
+
+    try:
+        return tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path)
+    except tf.errors.OpError:
+        return False

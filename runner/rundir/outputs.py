@@ -8,8 +8,8 @@
     model.keras          the trained model, written once the job succeeds
 
 Resume precedence, when a job name is run again (docs/resume.md tells what each exit leaves behind):
-  1. The folder cannot be used (a read-only or full disk, a file where `checkpoints/` belongs, a bucket
-     that does not exist): exit 3 naming the path, nothing written.
+  1. The folder cannot be used (a read-only or full disk, a file where it or `checkpoints/` belongs, a
+     bucket that does not exist): exit 3 naming the path and what to do, nothing written.
   2. Another run holds the folder's lease: refused (exit 2), naming the holder and since when. A stale
      lease (its process gone from this host, or not renewed within its expiry) is taken over and logged.
      Of a multi-worker run only the chief (worker 0) takes the lease.
@@ -226,9 +226,11 @@ class RunFolder:
     def storage_fault(self, exc: tf.errors.OpError) -> StorageError:
         timeout_s = self._spec.storage.timeout_s if self._spec else storage.DEFAULT_TIMEOUT_S
         first_line = exc.message.splitlines()[0] if exc.message else type(exc).__name__
+        if storage.is_file(self.path):  # a file where the run folder belongs: TensorFlow says only "could not find"
+            first_line = (f"a file stands where the job's run folder belongs; move it away (e.g. `mv {self.path} "
+                          f"{self.path}.moved`), or give the job another name (`--set name=...`)")
         return storage.storage_error(exc, [self.path], timeout_s) or StorageError(
-            f"cannot use the run folder {self.path}: {first_line}"
-        )
+            f"cannot use the run folder {self.path}: {first_line}")
 
     def remove_leftovers(self) -> list[str]:
         """Removes what a save cut short left in checkpoints/ (precedence 4); returns the names removed."""
