@@ -111,9 +111,6 @@ def test_validate_accepts_keras_serialized_forms_without_tensorflow(tmp_path: Pa
          "{average: macro}}"),
         ({"metrics": [{"class_name": "F1Score", "config": {"average": "macro"}}]},
          "F1Score takes one-hot labels, and with train.loss sparse_categorical_crossentropy the class ids reach"),
-        # PyYAML (YAML 1.1) reads 1e-4 without a dot as text: Keras would get a string and fail mid-training.
-        ({"optimizer": {"class_name": "AdamW", "config": {"weight_decay": "1e-4"}}},
-         "config.weight_decay is the text '1e-4': YAML reads it as text, not a number; write 1.0e-4"),
     ],
 )
 def test_validate_refuses_what_keras_would_not_build_naming_the_line(tmp_path: Path, train: dict, expected: str):
@@ -192,3 +189,41 @@ def test_switching_on_ema_at_a_resume_is_refused_naming_both(mnist_job) -> None:
     assert refused.returncode == 2, refused.stderr[-3000:]
     error = last_json(refused.stdout)["error"]
     assert "Adam" in error and "Adam+use_ema" in error, error
+
+
+def test_what_keras_serialize_writes_validates_as_it_is(tmp_path: Path) -> None:
+    """keras.*.serialize's output (module and registered_name beside class_name and config, every argument,
+    epsilon as json.dumps writes it: 1e-07, a float in YAML 1.2 and JSON, text in YAML 1.1) is the form a Keras
+    user has; pasted into a spec it validates, and the spec's dump keeps only class_name and config."""
+    probe = (
+        "import json, keras\n"
+        "print(json.dumps({'optimizer': keras.optimizers.serialize(keras.optimizers.AdamW(weight_decay=0.01)),"
+        " 'loss': keras.losses.serialize(keras.losses.SparseCategoricalCrossentropy()),"
+        " 'metrics': [keras.metrics.serialize(keras.metrics.SparseCategoricalAccuracy())]}))\n"
+    )
+    serialized = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                           timeout=120, check=True).stdout.splitlines()[-1])
+    assert serialized["optimizer"]["module"] == "keras.optimizers" and "1e-07" in json.dumps(serialized)
+    spec = tmp_path / "pasted.yaml"
+    spec.write_text("name: pasted\ntrain:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in serialized.items()))
+    result = invoke("validate", spec, "--no-data", "--show")
+    assert result.returncode == 0, result.stderr
+    optimizer = json.loads(result.stdout)["train"]["optimizer"]
+    assert set(optimizer) == {"class_name", "config"} and optimizer["config"]["epsilon"] == 1e-07
+    custom = dict(serialized["optimizer"], module="mypkg.optim")
+    spec.write_text(f"name: pasted\ntrain:\n  optimizer: {json.dumps(custom)}\n")
+    refused = invoke("validate", spec, "--no-data")
+    assert refused.returncode == 2 and "'mypkg.optim' is not one of Keras's modules" in refused.stderr
+
+
+def test_1e_minus_4_is_a_number_and_quoted_it_is_refused_as_text(tmp_path: Path) -> None:
+    """YAML 1.1 (libyaml) reads 1e-4, without a dot, as text; Keras got a string and failed mid-training. The
+    spec reads it as YAML 1.2 and JSON do, a number; written quoted, it is text, refused with the number to write."""
+    spec = tmp_path / "decay.yaml"
+    spec.write_text("name: decay\ntrain:\n  optimizer: {class_name: AdamW, config: {weight_decay: 1e-4}}\n")
+    shown = invoke("validate", spec, "--no-data", "--show")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["train"]["optimizer"]["config"]["weight_decay"] == 1e-4
+    spec.write_text("name: decay\ntrain:\n  optimizer: {class_name: AdamW, config: {weight_decay: '1e-4'}}\n")
+    refused = invoke("validate", spec, "--no-data")
+    assert refused.returncode == 2 and "config.weight_decay is the text '1e-4'" in refused.stderr

@@ -96,6 +96,27 @@ class Serialized(Strict):
     kind: ClassVar[str]
     class_name: str = Field(max_length=128)
     config: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    # What keras.*.serialize writes beside them (`{"module": "keras.optimizers", ..., "registered_name": null}`),
+    # so its output pastes as it is; a Keras module and no registered (custom) class only. Not kept in dumps:
+    # they say nothing the class name does not.
+    module: str | None = Field(None, max_length=128, exclude=True)
+    registered_name: str | None = Field(None, max_length=128, exclude=True)
+
+    @field_validator("module")
+    @classmethod
+    def _keras_module(cls, value: str | None) -> str | None:
+        if value is not None and value.split(".")[0] != "keras":
+            raise ValueError(f"{_shown(value)} is not one of Keras's modules: the runner builds Keras's own "
+                             "classes from a spec; your own class goes in by import path (docs/specs.md)")
+        return value
+
+    @field_validator("registered_name")
+    @classmethod
+    def _not_registered(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(f"{_shown(value)} is a class registered with Keras by your code, which a spec cannot "
+                             "import this way: name your own object by import path (docs/specs.md)")
+        return value
 
     @field_validator("class_name")
     @classmethod
@@ -196,7 +217,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "weight_decay": (0.0, 1e6, True), "clipnorm": (0.0, 1e12, False), "clipvalue": (0.0, 1e12, False),
     "global_clipnorm": (0.0, 1e12, False), "epsilon": (0.0, 1.0, False), "decay_rate": (0.0, 1e6, False),
 }
-# A number YAML 1.1 (PyYAML) reads as text: 1e-4 without a dot, or 1_000 kept whole, would reach Keras as a string.
+# A number written as text (quoted, or a form no YAML reads as a number) would reach Keras as a string.
 _NUMBER_AS_TEXT = re.compile(r"[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -205,8 +226,7 @@ def _check_number(key: str, value: Any) -> None:
     if isinstance(value, str) and _NUMBER_AS_TEXT.fullmatch(value.strip()) and key not in ("name", "dtype"):
         mantissa, _, exponent = value.strip().lower().partition("e")
         fixed = f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else value.strip().replace("_", "")
-        raise ValueError(f"config.{key} is the text {_shown(value)}: YAML reads it as text, not a number; write "
-                         f"{fixed}")
+        raise ValueError(f"config.{key} is the text {_shown(value)}, not a number: write {fixed}, unquoted")
     if key not in _RANGES or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     low, high, low_ok = _RANGES[key]

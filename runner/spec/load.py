@@ -229,7 +229,12 @@ class Source:
         if texts:
             return f"--set {shown(texts[-1])}"
         line = _line_for(self.lines, key_path)
-        return f"{self.path}:{line}" if line else str(self.path)
+        if line:
+            return f"{self.path}:{line}"
+        # A key missing beside one a --set gave (`--set train.schedule.config.x=1`: schedule's class_name).
+        parent = key_path[:-1]
+        texts = [o for p, o in self.overridden.items() if parent and p[: len(parent)] == parent]
+        return f"--set {shown(texts[-1])}" if texts else str(self.path)
 
 
 def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[JobSpec, Source]:

@@ -11,6 +11,7 @@ such as 2024-13-45) becomes a SpecError at that value's line.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -89,6 +90,11 @@ def _refuse_binary(loader: _Loader, node: yaml.ScalarNode) -> None:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Loader.add_constructor("tag:yaml.org,2002:binary", _refuse_binary)
+# A number with an exponent and no dot (1e-4, 1e-07 as json.dumps writes it) is a float in YAML 1.2 and JSON,
+# but text in YAML 1.1, which libyaml follows: read it as the number it is (Keras's serialized configs, pasted,
+# are full of them; as text they failed inside Keras mid-training).
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 
 
 def _line(node: yaml.Node | yaml.Event) -> int:
