@@ -109,7 +109,7 @@ def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluatio
     import shutil
 
     from runner import DataError
-    from runner.data import pipeline
+    from runner.data import faults, pipeline
 
     folder = tmp_path / "data"
     shutil.copytree(uneven_mnist, folder)
@@ -121,7 +121,7 @@ def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluatio
     dataset = pipeline.make_dataset(shards, BATCH, ("image",), "label", training=False, weighted=True)
     with pytest.raises(tf.errors.FailedPreconditionError) as raised:
         list(dataset)
-    error = pipeline.input_error(raised.value, str(shards.pattern), "data.eval")
+    error = faults.input_error(raised.value, str(shards.pattern), "data.eval")
     assert isinstance(error, DataError)
     assert f"hold only {VAL_RECORDS} records, their manifest lists {VAL_RECORDS + 1}" in str(error)
 

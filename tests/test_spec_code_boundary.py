@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, last_json, run_cli, write_spec
+from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 
 SPAWN = "setuptools._distutils.spawn:spawn"
@@ -122,3 +122,125 @@ def test_the_boundary_is_documented_as_a_guard_against_accidents() -> None:
     section = text.split("## A job spec is code", 1)[1].split("\n## ", 1)[0]
     for needed in ("accident", "not", "symlink", "site-packages", "code.packages", "third-party"):
         assert needed in section, needed
+
+
+# --- code.packages: a package of yours, not one an installer took from a package index -----------------------
+
+# Installed in the venv by `make venv` (requirements-data.txt, requirements-engines.txt), none a requirement of the
+# runner: only their installer's record (no direct_url.json) says they are not the user's.
+INDEX_PACKAGES = ["tf_keras", "foolbox", "uv", "scattertext"]
+
+
+def installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.parametrize("package", INDEX_PACKAGES)
+def test_validate_refuses_a_package_installed_from_an_index_without_importing_it(tmp_path: Path, package: str) -> None:
+    import sys
+
+    if not installed(package):
+        pytest.skip(f"{package} is not installed here (make venv installs it)")
+    before = package in sys.modules
+    spec = write_spec(tmp_path, {"name": "index", "model": {"name": f"{package}.models:build"},
+                                 "code": {"packages": [package]}})
+    result = invoke("validate", spec, "--no-data")
+    assert result.returncode == 2, result.stderr
+    assert re.search(rf"^error: {re.escape(str(spec))}:\d+: code\.packages: code\.packages lists '{package}', the "
+                     rf"distribution '[^']+' [^ ]+ in {re.escape(str(SITE_PACKAGES))}, installed by \w+ from a package "
+                     r"index \(no direct_url.json\): third-party code, not yours", result.stderr, re.M), result.stderr
+    assert "Install your own package from its folder (`pip install --no-deps PATH`" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert before or package not in sys.modules  # found, never imported
+
+
+def test_run_refuses_a_package_installed_from_an_index(mnist_job) -> None:
+    if not installed("foolbox"):
+        pytest.skip("foolbox is not installed here (make venv installs it)")
+    job = mnist_job("index", model={"name": "foolbox.models:build"}, code={"packages": ["foolbox"]},
+                    data={"eval": None})
+    result = run_cli("run", job, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(rf"{re.escape(str(job))}:\d+: code\.packages: code\.packages lists 'foolbox', the distribution "
+                     r"'foolbox' .* from a package index", result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def own_package(root: Path, name: str) -> Path:
+    """A package of the user's own, as a source folder with a pyproject.toml; returns the folder."""
+    source = root / "source"
+    (source / name).mkdir(parents=True)
+    (source / name / "__init__.py").write_text("")
+    (source / name / "models.py").write_text("def build(params, features, inputs):\n    return None\n")
+    (source / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "{name}"\nversion = "0.1"\n'
+    )
+    return source
+
+
+@pytest.fixture(scope="module")
+def pip_installed(tmp_path_factory) -> tuple[str, Path, Path]:
+    """A package of the user's own, pip-installed from its folder into a --target folder (never into the venv),
+    as examples/fashion/Dockerfile installs fashionnet: its dist-info holds pip's direct_url.json. Returns the
+    package name, its source folder and the target folder."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("own_package")
+    name = "boundary_own_pkg"
+    source = own_package(root, name)
+    target = root / "target"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
+         "--disable-pip-version-check", "--quiet", "--target", str(target), str(source)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert pip.returncode == 0, pip.stderr
+    (record,) = target.glob(f"{name}-*.dist-info/direct_url.json")
+    assert '"file://' in record.read_text()
+    return name, source, target
+
+
+def test_a_package_of_yours_installed_from_its_folder_or_on_pythonpath_is_listed(
+    pip_installed, tmp_path: Path, monkeypatch
+) -> None:
+    import sys
+
+    name, source, target = pip_installed
+    spec = write_spec(tmp_path, {"name": "own", "model": {"name": f"{name}.models:build"},
+                                 "code": {"packages": [name]}})
+    # Installed from its folder: direct_url.json says so.
+    monkeypatch.syspath_prepend(str(target))
+    accepted = invoke("validate", spec, "--no-data")
+    assert accepted.returncode == 0, accepted.stderr
+    assert f"code: model.name {name}.models:build is {target}/{name}/models.py" in accepted.stderr
+    # Its source folder on PYTHONPATH (the build's .egg-info beside it is no installer's record).
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(target)])
+    monkeypatch.syspath_prepend(str(source))
+    assert list(source.glob("*.egg-info")), "the build leaves its metadata in the source folder"
+    on_path = invoke("validate", spec, "--no-data")
+    assert on_path.returncode == 0, on_path.stderr
+    assert f"code: model.name {name}.models:build is {source}/{name}/models.py" in on_path.stderr
+    assert name not in sys.modules
+
+
+def test_the_same_package_installed_from_an_index_is_refused_even_on_pythonpath(pip_installed, tmp_path: Path) -> None:
+    """What `pip install --target DIR NAME` from an index leaves: pip's INSTALLER record, no direct_url.json."""
+    import shutil
+
+    name, _, target = pip_installed
+    index = tmp_path / "index_target"
+    shutil.copytree(target, index)
+    for record in index.glob("*.dist-info/direct_url.json"):
+        record.unlink()
+    spec = write_spec(tmp_path, {"name": "own", "model": {"name": f"{name}.models:build"},
+                                 "code": {"packages": [name]}})
+    for command in (["validate", spec, "--no-data"], ["run", spec]):
+        result = run_cli(*command, env=cli_env(PYTHONPATH=str(index)), timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert (f"code.packages lists '{name}', the distribution '{name.replace('_', '-')}' 0.1 in {index}, "
+                "installed by pip from a package index") in result.stderr, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr

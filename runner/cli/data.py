@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -183,16 +184,22 @@ def verify(
     * `runner verify gs://my-bucket/mnist`
     """
     setup_logging(debug)
+    folder = folder.rstrip("/") or "/"
+    if "://" not in folder and os.path.exists(folder) and not os.path.isdir(folder):
+        raise fail(not_a_dataset_folder(folder, local=True), debug)  # before TensorFlow loads: at once
     configure_tensorflow(DEFAULT_TIMEOUT_S)
     load_tensorflow(debug)
+    import tensorflow as tf
+
     from runner.data import pipeline
     from runner.data.storage import storage_error
 
-    folder = folder.rstrip("/")
     try:
         checked, manifest = pipeline.verify_folder(folder)
-    except RunnerError as error:
-        raise fail(error, debug) from None
+    except RunnerError as exc:
+        # A bucket object given for the folder: its manifest.json is not found.
+        given_a_file = "://" in folder and tf.io.gfile.exists(folder) and not tf.io.gfile.isdir(folder)
+        raise fail(not_a_dataset_folder(folder, local=False) if given_a_file else exc, debug) from None
     except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
         error = storage_error(exc, [folder], DEFAULT_TIMEOUT_S)
         if error is None:
@@ -226,6 +233,64 @@ def verify(
         f"({'sha256' if unsized and not record_sizes else 'size and sha256'}): {checked.shards} shards, "
         f"{checked.bytes / 1e6:,.1f} MB in {checked.seconds:.2f} s, {rate} on {checked.threads} threads"
     )
+
+
+def not_a_dataset_folder(path: str, local: bool) -> SpecError:
+    """The usage error for `runner verify PATH` given a file where the dataset folder goes: the folder to give
+    instead (that of a manifest or a shard, or the folders a job spec's data patterns point into)."""
+    import posixpath
+
+    from runner.data.pipeline import MANIFEST
+
+    said = (f"{path} is a file, not a dataset folder: `runner verify` takes the folder that holds {MANIFEST} and "
+            "the shards it lists")
+    name = posixpath.basename(path)
+    parent = posixpath.dirname(path) or "."
+    if name == MANIFEST:
+        return SpecError(f"{said}; this is that manifest: `runner verify {parent}`")
+    if name.endswith(".tfrecord") or ".tfrecord-" in name:
+        return SpecError(f"{said}; this is a shard: `runner verify {parent}` checks it with the others")
+    read = _spec_data_folders(path) if local else None
+    if read is None:
+        return SpecError(f"{said} (written by `runner prepare` or `runner manifest`)")
+    if not read:
+        return SpecError(f"{said}; this is a job spec, and it names no data folder (data.train, data.eval)")
+    pointed = "; ".join(f"{' and '.join(keys)} point{'s' if len(keys) == 1 else ''} into {where}"
+                        for where, keys in read.items())
+    commands = ", ".join(f"`runner verify {where}`" for where in read)
+    return SpecError(f"{said}; this is a job spec, whose {pointed}: {commands}")
+
+
+def _spec_data_folders(path: str) -> dict[str, list[str]] | None:
+    """folder -> the data keys of the job spec at `path` whose patterns point into it; None when `path` is not
+    a job spec. Its patterns as the runner resolves them; from the YAML as written if the spec does not load."""
+    import posixpath
+
+    from runner.spec.load import load_spec
+    from runner.spec.types import JobSpec
+    from runner.spec.yaml_lines import MAX_BYTES, parse_yaml
+
+    keys = ("train", "eval", "validation")
+    try:
+        with open(path, "rb") as handle:
+            doc, _ = parse_yaml(handle.read(MAX_BYTES + 1).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RunnerError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not set(doc) & set(JobSpec.model_fields):
+        return None
+    try:
+        data = load_spec(path).data
+        patterns = {k: getattr(data, k) for k in keys}
+    except (RunnerError, ValueError, TypeError):
+        data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+        base = os.path.dirname(os.path.abspath(path))
+        patterns = {k: v if "://" in v or os.path.isabs(v) else os.path.normpath(os.path.join(base, v))
+                    for k, v in data.items() if k in keys and isinstance(v, str)}
+    folders: dict[str, list[str]] = {}
+    for key, pattern in patterns.items():
+        if pattern:
+            folders.setdefault(posixpath.dirname(pattern) or ".", []).append(f"data.{key}")
+    return folders
 
 
 @app.command()

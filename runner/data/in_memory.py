@@ -35,7 +35,7 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import pipeline, schema
+from runner.data import faults, pipeline, schema
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,10 @@ def load(shards: pipeline.Shards, names: tuple[str, ...], key: str) -> Held:
 
 
 def _load_error(exc: tf.errors.OpError, shards: pipeline.Shards, key: str) -> DataError:
-    if isinstance(exc, tf.errors.DataLossError):  # a damaged record: data.input_error names the shard
-        return pipeline.input_error(exc, shards.pattern, key)
-    where = pipeline.suspect_shards(shards.pattern)
-    reason = exc.message.strip().splitlines()[0] if exc.message.strip() else type(exc).__name__
+    if isinstance(exc, tf.errors.DataLossError):  # a damaged record: faults.input_error names the shard
+        return faults.input_error(exc, shards.pattern, key)
+    where = faults.suspect_shards(shards.pattern)
+    reason = faults.tf_reason(exc.message) if exc.message.strip() else type(exc).__name__  # no TF wrapping
     return DataError(
         f"{key}: a record could not be decoded while loading it into memory ({reason}) in {where}; a record "
         "does not fit data.features: for your own records, `runner manifest SPEC --force` (SPEC: this job's spec "

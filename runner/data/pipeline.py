@@ -14,7 +14,6 @@ import dataclasses
 import fnmatch
 import json
 import posixpath
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -382,58 +381,3 @@ def split_of(pattern: str, manifest: dict[str, Any]) -> str | None:
         if any(fnmatch.fnmatch(e["file"], base) for e in info["shards"]):
             return split
     return None
-
-
-# --- naming the shard behind an input error ----------------------------------------------------
-
-
-def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
-    """The DataError for a TensorFlow error that came out of the input pipeline of `key` (data.train,
-    data.eval, data.validation: shards matching `pattern`), naming the shards that differ from their
-    manifest; None for an error that did not come from the input."""
-    if isinstance(exc, tf.errors.DataLossError):
-        bad = corrupt_shards(pattern)
-        where = (
-            "; ".join(bad) if bad
-            else f"a shard matching {pattern!r} (all match the manifest: re-run `runner prepare`)"
-        )
-        # Keras wraps the reader's error in "Graph execution error:" and a stack: keep the line about the record.
-        lines = exc.message.splitlines()
-        detail = next((line.strip() for line in lines if "record" in line.lower()), lines[0] if lines else "")
-        what = {"data.train": "training", "data.eval": "evaluation", "data.validation": "validation"}.get(key, key)
-        return DataError(f"corrupt {what} data in {where}: {detail}")
-    # Evaluation batches hold exactly the records the manifest lists (make_dataset `weighted`).
-    counted = re.search(
-        r"expected to contain (\d+) elements but contained (only|at least) (\d+)", getattr(exc, "message", "")
-    )
-    if isinstance(exc, tf.errors.FailedPreconditionError) and counted:
-        listed, how, found = counted.groups()
-        return DataError(
-            f"{key}: the shards matching {pattern!r} hold {how} {found} records, their manifest lists {listed}: "
-            "the manifest does not describe these shards; run `runner manifest` (your own records) or "
-            "`runner prepare` (a built-in dataset) again"
-        )
-    # Keras tags the input iterator's op: only such errors are about a batch that could not be decoded.
-    if not isinstance(exc, tf.errors.InvalidArgumentError) or "IteratorGetNext" not in exc.message:
-        return None
-    # TensorFlow's line ends "...transformation with iterator: Iterator::Root::ParallelMapV2: <the reason>."
-    lines = [line.strip() for line in exc.message.splitlines() if line.strip() and not line.strip().startswith("[[")]
-    reason = next((line for line in lines if "transformation with iterator" in line), lines[-1] if lines else "")
-    reason = reason.rsplit(": ", 1)[-1]
-    if "train.sample_weight" in reason:  # the weights' own check (runner/job/inputs.py with_sample_weight)
-        return DataError(f"{key}: {reason.strip('[]. ')} in a shard matching {pattern!r}: fix the records' weights")
-    where = suspect_shards(pattern)
-    return DataError(
-        f"{key}: a batch could not be decoded ({reason}) in {where}; a record does not fit data.features, or "
-        "data.preprocess failed on it: run `runner manifest` again for your own records (it names the record) "
-        "or `runner prepare` for a built-in dataset"
-    )
-
-
-def suspect_shards(pattern: str) -> str:
-    """Where a record that could not be decoded came from: the shards that differ from their manifest, when
-    some do, else any shard the pattern matches."""
-    changed = corrupt_shards(pattern)
-    if changed:
-        return f"shards that differ from their manifest: {'; '.join(changed)}"
-    return f"a shard matching {pattern!r}"

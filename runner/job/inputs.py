@@ -167,7 +167,7 @@ def with_sample_weight(dataset: tf.data.Dataset, inputs: tuple[str, ...], weight
     """Batches decoded with train.sample_weight's feature among the inputs, as (inputs, label, weight): the
     feature leaves the inputs and weighs each record; an evaluation batch's padding weight (0 for padding,
     runner/data/pipeline.py) is multiplied in. A negative or non-finite weight stops the read (a DataError
-    naming the shards, exit 2: runner/data/pipeline.py `input_error`)."""
+    naming the shards, exit 2: runner/data/faults.py `input_error`)."""
 
     def split(features: dict[str, tf.Tensor], label: tf.Tensor, *padding: tf.Tensor):
         weights = tf.reshape(tf.cast(features[weight], tf.float32), [-1])

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import pipeline
+from runner.data import faults, pipeline
 from runner.device.strategy import Accelerator, resolve_accelerator
 from runner.job.inputs import evaluation_batches
 from runner.rundir.outputs import RunFolder
@@ -80,7 +80,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     try:
         results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     except tf.errors.OpError as exc:
-        raise pipeline.input_error(exc, pattern, key) or exc from None
+        raise faults.input_error(exc, pattern, key) or exc from None
     return Evaluated(_report(spec, trained, shards.records, results), [])
 
 

@@ -16,7 +16,7 @@ import time
 import tensorflow as tf
 
 from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
-from runner.data import integrity, pipeline
+from runner.data import faults, integrity, pipeline
 from runner.device import host, peak, precision
 from runner.device.strategy import per_replica_batch, resolve_accelerator
 from runner.job.inputs import Inputs, make_inputs
@@ -301,7 +301,7 @@ def _evaluate(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Input
             results = model.evaluate(inputs.eval.dataset, steps=inputs.eval.steps, return_dict=True, verbose=verbose,
                                      callbacks=[stall] if stall else None)
         except tf.errors.OpError as exc:
-            raise pipeline.input_error(exc, spec.data.eval, "data.eval") or exc from None
+            raise faults.input_error(exc, spec.data.eval, "data.eval") or exc from None
     metrics = {k: float(v) for k, v in results.items()}
     metrics["examples"] = inputs.eval.records
     log.info("eval: %s", ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))

@@ -30,13 +30,13 @@ from pydantic import (
 
 from runner.models import MODEL_NAMES, params_problem
 from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
+from runner.spec.packages import check_package_is_yours
 from runner.spec.paths import refuse_glob_characters, resolve_path
 from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.spec.usercode import (
     IDENTIFIER,
     CodeRoots,
     check_import_path,
-    check_package_is_yours,
     is_import_path,
     system_folder_problem,
 )

@@ -13,8 +13,10 @@ module), not against a hostile spec author, who can write any Python into their 
 on real paths, after symlinks and relative paths are resolved: a code folder inside site-packages or the
 standard library, or above either (`/`, a project holding its .venv), is refused, since every installed module
 would then be "in the code folder"; so is a module of the code folder that resolves into them through a symlink,
-and a `code.packages` entry naming a third-party package the runner's own environment installs (setuptools,
-keras, numpy, ...).
+and a `code.packages` entry naming third-party code (package_problem): a package the runner's own environment
+installs (setuptools, keras, numpy, ...) or any other an installer took from a package index (no PEP 610
+direct_url.json: tf_keras, foolbox, ...). A package of the user's own is installed from its folder or a checkout,
+or found outside site-packages (PYTHONPATH).
 
 `check_import_path` checks the form at spec load; `find_code` finds the module inside those roots without
 importing or running anything (`runner validate`, with `check_defined` reading the module's source for the
@@ -28,7 +30,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -36,9 +37,7 @@ import inspect
 import os
 import pkgutil
 import re
-import site
 import sys
-import sysconfig
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
@@ -46,6 +45,7 @@ from typing import Any
 
 from runner import SpecError
 from runner.models import MODEL_NAMES
+from runner.spec.packages import inside, installed_spec, package_problem, system_folders
 
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 IMPORT_PATH = re.compile(rf"{IDENTIFIER}(\.{IDENTIFIER})*:{IDENTIFIER}")
@@ -96,39 +96,15 @@ def check_import_path(value: str) -> str:
     return value
 
 
-# Third-party packages a spec may list in code.packages, each with why it is trusted. None is: a library's
-# functions are reached through a module of your own that imports it (one line), which keeps what a spec can
-# call readable in the spec's own code (docs/specs.md, "A job spec is code").
-TRUSTED_PACKAGES: dict[str, str] = {}
-# Installed with every environment, though no requirement names them.
-_BUILD_TOOLS = ("pip", "setuptools", "wheel")
-
-
-@functools.lru_cache(maxsize=1)
-def system_folders() -> tuple[str, ...]:
-    """The real paths of the standard library and of every site-packages folder Python imports from."""
-    paths = sysconfig.get_paths()
-    found = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
-    found += site.getsitepackages() if hasattr(site, "getsitepackages") else []
-    found.append(site.getusersitepackages())
-    found += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")]
-    # Deepest first: a folder is named by the most specific one it lies in.
-    return tuple(sorted({os.path.realpath(p) for p in found if p and os.path.isdir(p)}, key=len, reverse=True))
-
-
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def system_folder_problem(folder: str) -> str | None:
     """Why `folder` cannot be a code folder (it is inside, or holds, the standard library or site-packages;
     judged on its real path), or None."""
     real = os.path.realpath(folder)
     shown = folder if real == folder else f"{folder} (really {real})"
     for system in system_folders():
-        if _inside(real, system):
+        if inside(real, system):
             return f"the code folder {shown} is inside {system}, where installed modules live"
-        if _inside(system, real):
+        if inside(system, real):
             return f"the code folder {shown} holds {system}, where installed modules live"
     return None
 
@@ -136,44 +112,7 @@ def system_folder_problem(folder: str) -> str | None:
 def _forbidden_target(real: str) -> str | None:
     """The installed-code folder (or the runner's own package) a module's real path lies in, or None."""
     runner_package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    return next((f for f in (*system_folders(), runner_package) if _inside(real, f)), None)
-
-
-@functools.lru_cache(maxsize=1)
-def _runner_environment() -> frozenset[str]:
-    """Normalized names of the distributions the runner's environment brings: its requirements with every
-    extra, followed through theirs, and the build tools every environment has."""
-    seen: set[str] = set()
-    todo = ["tpu-job-runner", *_BUILD_TOOLS]
-    while todo:
-        name = _normalized(todo.pop())
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            requires = importlib.metadata.distribution(name).requires or []
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        todo += [m.group(0) for r in requires if (m := re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r))]
-    return frozenset(seen - {"tpu-job-runner"})
-
-
-@functools.lru_cache(maxsize=1)
-def _providers() -> dict[str, list[str]]:
-    return importlib.metadata.packages_distributions()
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def third_party(top: str) -> str | None:
-    """The distribution of the runner's environment that provides the top-level module `top`, or None (a
-    package of the user's own, or nothing installed)."""
-    if top in TRUSTED_PACKAGES:
-        return None
-    providers = _providers().get(top, [])
-    return next((d for d in providers if _normalized(d) in _runner_environment()), None)
+    return next((f for f in (*system_folders(), runner_package) if inside(real, f)), None)
 
 
 def find_code(path: str, key: str, roots: CodeRoots) -> Found:
@@ -192,7 +131,7 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
     importlib.invalidate_caches()  # modules written since the last look (a test, an editor) are seen
     folder = roots.folder
     spec = PathFinder.find_spec(top, [folder]) if os.path.isdir(folder) else None
-    installed = _installed_spec(top)
+    installed = installed_spec(top)
     in_folder = spec is not None
     if in_folder:
         if problem := system_folder_problem(folder):
@@ -203,12 +142,13 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
                 "which Python imports first; rename your module"
             )
     elif top in roots.packages:
-        if (distribution := third_party(top)) is not None:
-            raise refuse(_third_party_reason(top, distribution))
+        if (problem := package_problem(top)) is not None:
+            raise refuse(problem)
         if installed is None:
             raise refuse(
-                f"code.packages lists {top!r}, but it is not installed here: pip install it, or add the folder "
-                f"holding it to PYTHONPATH (searched: {_search_path()})"
+                f"code.packages lists {top!r}, but it is not installed here: install your package from its folder "
+                f"(`pip install --no-deps PATH`), or add the folder holding it to PYTHONPATH "
+                f"(searched: {_search_path()})"
             )
         spec = installed
     else:
@@ -237,20 +177,6 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
                     f"{target}: the code folder holds your own modules, not links to installed ones"
                 )
     return Found(path, _location(spec), top_location, in_folder)
-
-
-def _third_party_reason(top: str, distribution: str) -> str:
-    return (
-        f"code.packages lists {top!r}, the third-party distribution {distribution!r} of the runner's own "
-        "environment, not a package of yours: import it from a module of your own in code.folder and name that "
-        "module's function instead"
-    )
-
-
-def check_package_is_yours(top: str) -> None:
-    """ValueError (for the spec loader) when `top` is a third-party package of the runner's environment."""
-    if (distribution := third_party(top)) is not None:
-        raise ValueError(_third_party_reason(top, distribution))
 
 
 def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = None) -> None:
@@ -332,14 +258,6 @@ def _outside_roots(top: str, folder: str, installed: ModuleSpec | None) -> str:
     if installed is not None:
         reason += f" ({top!r} is installed at {_location(installed)}: list it only if it is your own code)"
     return reason
-
-
-def _installed_spec(top: str) -> ModuleSpec | None:
-    """The spec Python's own import system would use for the top-level name; finding it runs no module code."""
-    try:
-        return importlib.util.find_spec(top)
-    except (ImportError, ValueError, AttributeError):
-        return None
 
 
 def _location(spec: ModuleSpec) -> str:

@@ -14,7 +14,7 @@ import time
 import tensorflow as tf
 
 from runner import Diverged
-from runner.data import pipeline
+from runner.data import faults
 from runner.rundir.timing import Phases
 from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.train import build, fit, limits, observe, progress
@@ -93,7 +93,7 @@ def train(
             if checkpointer.saved_after_notice_s is not None:
                 checkpointer.saved_after_notice_s = notice.seconds_since()
         except tf.errors.OpError as exc:
-            outcome.error = pipeline.input_error(exc, feed.pattern, "data.train") or exc
+            outcome.error = faults.input_error(exc, feed.pattern, "data.train") or exc
         except Diverged as exc:
             with phases.phase("checkpoint"):
                 saver.wait_after_error()  # the newest complete checkpoint is then the one named
