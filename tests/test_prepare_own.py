@@ -313,6 +313,12 @@ def _na_in_a_category(tmp_path: Path) -> tuple[Path, list[str], str]:
     return tmp_path / "heart.csv", ["csv", "--label", "target"], "heart.csv:6: column 'thal' is missing ('NA')"
 
 
+def _id_beyond_int64(tmp_path: Path) -> tuple[Path, list[str], str]:
+    # A 20-digit id: numpy cannot hold it as int64, and the conversion crashed with a traceback.
+    (tmp_path / "ids.csv").write_text("id,x,y\n12345678901234567890,1.0,a\n2,2.0,b\n3,1.5,a\n4,2.5,b\n")
+    return tmp_path / "ids.csv", ["csv", "--label", "y"], "ids.csv:2: column 'id' is 12345678901234567890, beyond"
+
+
 def _broken_image(tmp_path: Path) -> tuple[Path, list[str], str]:
     _line_images(tmp_path / "pics", 4, 12, seed=2)
     (tmp_path / "pics" / "vertical" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
@@ -320,7 +326,7 @@ def _broken_image(tmp_path: Path) -> tuple[Path, list[str], str]:
 
 
 @pytest.mark.parametrize("bad", [_bad_arrays, _nan_label, _ragged_csv, _nan_csv_label, _nan_text_label,
-                                 _na_among_whole_numbers, _na_in_a_category, _broken_image])
+                                 _na_among_whole_numbers, _na_in_a_category, _id_beyond_int64, _broken_image])
 def test_a_bad_input_stops_with_exit_2_naming_it_and_publishes_nothing(bad, tmp_path: Path) -> None:
     location, (form, *flags), named = bad(tmp_path)
     out = tmp_path / "data"

@@ -282,7 +282,17 @@ def _column_kind(cells: list[str]) -> str:
     return "category"
 
 
+_INT64 = np.iinfo(np.int64)
+
+
 def _numbers(cells: list[str], kind: str, lines: list[int], path: Path, column: str) -> np.ndarray:
+    if kind != "float32":  # a 20-digit id is a whole number numpy cannot hold as int64
+        wide = next((i for i, c in enumerate(cells) if not _INT64.min <= int(c) <= _INT64.max), None)
+        if wide is not None:
+            raise DataError(
+                f"{path}:{lines[wide]}: column {column!r} is {cells[wide]}, beyond a 64-bit integer: an identifier "
+                "is no number to learn from; leave the column out (--features names the ones to keep)"
+            )
     values = np.array([float(c) for c in cells] if kind == "float32" else [int(c) for c in cells])
     if kind == "float32":
         bad = ~np.isfinite(values)
