@@ -2,7 +2,8 @@
 
 Two signs, each a warning with its numbers (the summary's `warnings`):
   - an accuracy within 2 points of chance (1 / classes; the classes read from the model's output: its last
-    dimension, or 2 for a single sigmoid output), or below it: worse than guessing is not learning either;
+    dimension, or 2 for a single sigmoid output), or under half of chance: far worse than guessing is not
+    learning either (a loss option out of range does that; a few steps' noise around chance does not);
   - a training loss that never fell below its first epoch's by 0.1% (at least two epochs trained).
 """
 
@@ -47,8 +48,8 @@ def warnings_of(epochs: Sequence[EpochRecord], metrics: dict[str, Any], classes:
     if scored and classes and classes > 1:
         key, value = scored
         chance = 1 / classes
-        if value <= chance + CHANCE_MARGIN:
-            where = "at chance" if value >= chance - CHANCE_MARGIN else "below chance"
+        if chance - CHANCE_MARGIN <= value <= chance + CHANCE_MARGIN or value < chance / 2:
+            where = "at chance" if value >= chance - CHANCE_MARGIN else "far below chance"
             found.append(
                 f"{key} {value:.4f} is {where} for {classes} classes ({chance:.4f} +- {CHANCE_MARGIN:.2f}): the "
                 "model learned nothing. Check that the loss fits the model's output (from_logits) and its options "
