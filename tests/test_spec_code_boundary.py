@@ -141,8 +141,7 @@ def installed(name: str) -> bool:
 def test_validate_refuses_a_package_installed_from_an_index_without_importing_it(tmp_path: Path, package: str) -> None:
     import sys
 
-    if not installed(package):
-        pytest.skip(f"{package} is not installed here (make venv installs it)")
+    assert installed(package), f"{package} is missing: `make test` installs it with the venv"
     before = package in sys.modules
     spec = write_spec(tmp_path, {"name": "index", "model": {"name": f"{package}.models:build"},
                                  "code": {"packages": [package]}})
@@ -157,8 +156,7 @@ def test_validate_refuses_a_package_installed_from_an_index_without_importing_it
 
 
 def test_run_refuses_a_package_installed_from_an_index(mnist_job) -> None:
-    if not installed("foolbox"):
-        pytest.skip("foolbox is not installed here (make venv installs it)")
+    assert installed("foolbox"), "foolbox is missing: `make test` installs it with the venv (requirements-data.txt)"
     job = mnist_job("index", model={"name": "foolbox.models:build"}, code={"packages": ["foolbox"]},
                     data={"eval": None})
     result = run_cli("run", job, timeout=300)
