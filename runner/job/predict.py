@@ -24,6 +24,7 @@ import tensorflow as tf
 from runner import DataError, SpecError
 from runner.data import faults, pipeline
 from runner.device.strategy import Accelerator, resolve_accelerator
+from runner.job import checkpoints
 from runner.job.inputs import evaluation_batches
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
@@ -53,7 +54,7 @@ def load_trained(spec: JobSpec) -> Trained:
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
     model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
-    step = build.restore(checkpoint, latest)
+    step = checkpoints.restore(run, model, checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
     return Trained(model, accelerator, latest, step, shards.features, shards.manifest, manifest_path)

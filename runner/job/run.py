@@ -12,6 +12,7 @@ import logging
 import os
 import posixpath
 import time
+from typing import Any
 
 import tensorflow as tf
 
@@ -19,13 +20,13 @@ from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, 
 from runner.data import faults, integrity, pipeline
 from runner.device import host, peak, precision
 from runner.device.strategy import per_replica_batch, resolve_accelerator
+from runner.job import checkpoints
 from runner.job.inputs import Inputs, make_inputs
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
 from runner.train import build, fit, flops, limits, loop, observe, progress, verdict
 from runner.train.preemption import EarlyNotice, PreemptionNotice
-from runner.train.saver import Saver
 
 log = logging.getLogger(__name__)
 keras = tf.keras
@@ -222,7 +223,7 @@ def _open(attempt: Attempt) -> dict | None:
 
 def _build_and_restore(
     spec: JobSpec, attempt: Attempt, inputs: Inputs, chosen: precision.Precision
-) -> tuple[keras.Model, Saver, fit.Plan]:
+) -> tuple[keras.Model, Any, fit.Plan]:
     """The model built under the strategy, restored from the newest complete checkpoint if there is one, and
     the saver that writes its checkpoints into the run folder."""
     accelerator, facts = attempt.accelerator, attempt.facts
@@ -237,17 +238,18 @@ def _build_and_restore(
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:
-            plan.start_step = build.restore(checkpoint, latest)
+            plan.start_step = checkpoints.restore(attempt.run, model, checkpoint, latest, spec.checkpoint.keep)
             log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
     facts.resumed_from_step = plan.start_step
-    manager = attempt.run.checkpoint_manager(checkpoint, spec.checkpoint.keep, accelerator.worker_index)
-    # In the background on one worker (runner/train/saver.py): training waits only for the copy of the weights.
-    saver = Saver(manager, checkpoint, asynchronous=accelerator.workers == 1)
+    # In the background on one worker: training waits only for the copy of the weights.
+    saver = checkpoints.saver(
+        attempt.run, model, checkpoint, spec.checkpoint.keep, accelerator.worker_index, accelerator.workers
+    )
     return model, saver, plan
 
 
 def _train(
-    spec: JobSpec, attempt: Attempt, model: keras.Model, saver: Saver, inputs: Inputs, plan: fit.Plan,
+    spec: JobSpec, attempt: Attempt, model: keras.Model, saver: Any, inputs: Inputs, plan: fit.Plan,
     recorder: fit.Recorder, notice: PreemptionNotice, verbose: int, progress_every: float | None,
     stall: limits.StallGuard | None = None,
 ) -> None:

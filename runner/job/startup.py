@@ -3,7 +3,10 @@ read these settings once, while they load, so a command calls `before_tensorflow
 
 1. the gs:// client's retries and timeouts from `storage.timeout_s` (runner/data/storage.py);
 2. the Keras flavour: tf-keras when several workers train (runner/device/flavour.py);
-3. the TPU device API (PJRT or stream executor) for the TPU the job would try (runner/device/tpu_env.py).
+3. the backend Keras computes with, KERAS_BACKEND (runner/device/backend.py): `import tensorflow` imports
+   Keras, so this is the one place it can be set;
+4. under TensorFlow, the TPU device API (PJRT or stream executor) for the TPU the job would try
+   (runner/device/tpu_env.py).
 Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads.
 
 This module must never import TensorFlow itself.
@@ -17,6 +20,7 @@ import sys
 import tempfile
 
 from runner.data.storage import configure_tensorflow
+from runner.device import backend
 from runner.device.flavour import choose_keras
 from runner.device.tpu_env import prepare_tpu_env
 from runner.spec.types import JobSpec
@@ -28,7 +32,10 @@ def before_tensorflow(spec: JobSpec) -> None:
     Raises AcceleratorError when the Keras flavour the job needs is not installed."""
     configure_tensorflow(spec.storage.timeout_s)
     choose_keras()
-    prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
+    chosen = backend.choose(spec.accelerator)
+    backend.apply(chosen, spec.accelerator)
+    if chosen.name == "tensorflow":
+        prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
 
 
 # What TensorFlow's C++ start-up writes to stderr before its log level applies: absl's warning about logging

@@ -71,7 +71,8 @@ import tensorflow as tf
 
 from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
-from runner.rundir import serving
+from runner.device import backend
+from runner.rundir import orbax_store, serving
 from runner.rundir.lease import Lease
 from runner.rundir.pins import (
     FINGERPRINT,
@@ -404,8 +405,15 @@ class RunFolder:
         return _Checkpoints(self, checkpoint, self.checkpoints, max_to_keep=keep, checkpoint_name="ckpt")
 
     def latest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint in the run folder (every worker restores from the chief's)."""
+        """The newest complete checkpoint in the run folder (every worker restores from the chief's), in the
+        format of the backend this process computes with (runner/device/backend.py)."""
+        if backend.active().name == "jax":
+            return orbax_store.latest_in(self.checkpoints) if tf.io.gfile.isdir(self.checkpoints) else None
         return tf.train.latest_checkpoint(self.checkpoints)
+
+    def orbax_store(self, model: Any, keep: int) -> orbax_store.OrbaxStore:
+        """The JAX backend's checkpoint store over checkpoints/ (spec.json written with its first save)."""
+        return orbax_store.OrbaxStore(self.checkpoints, model, keep, before_save=self._before_save)
 
     def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:
         """Writes model.keras whole-or-nothing, then saved_model/ (runner/rundir/serving.py: `examples_to_inputs`
@@ -434,7 +442,7 @@ class RunFolder:
 
 def _step_of(checkpoint: str) -> int | None:
     match = re.search(r"ckpt-(\d+)$", checkpoint)
-    return int(match.group(1)) if match else None
+    return int(match.group(1)) if match else orbax_store.step_of(checkpoint)
 
 
 class _Checkpoints(tf.train.CheckpointManager):

@@ -53,11 +53,20 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
     archive.track(model)
     # The model's inputs are what the parser produces, with the batch dimension left open.
     inputs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parse.structured_outputs)
-    archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs]))
-    archive.add_endpoint(
-        SERVE_EXAMPLES,
-        tf.function(lambda examples: model(examples_to_inputs(examples), training=False), input_signature=[_RECORDS]),
-    )
+    if tf.keras.backend.backend() == "jax":
+        # Keras converts a JAX model's call to TensorFlow (jax2tf) when handed the plain function; the parser,
+        # TensorFlow already, then calls that converted endpoint.
+        serve = archive.add_endpoint(SERVE, lambda x: model(x, training=False), input_signature=[inputs])
+        examples = tf.function(lambda records: serve(examples_to_inputs(records)), input_signature=[_RECORDS])
+        examples.get_concrete_function()
+        archive.add_endpoint(SERVE_EXAMPLES, examples)
+    else:
+        archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs]))
+        archive.add_endpoint(
+            SERVE_EXAMPLES,
+            tf.function(lambda records: model(examples_to_inputs(records), training=False),
+                        input_signature=[_RECORDS]),
+        )
     archive.write_out(path, **_quiet(archive.write_out))
     return [SERVE, SERVE_EXAMPLES]
 

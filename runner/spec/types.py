@@ -46,6 +46,8 @@ from runner.spec.usercode import (
 
 class AcceleratorSpec(Strict):
     kind: Literal["auto", "tpu", "gpu", "cpu"] = "auto"
+    # The engine Keras computes with: auto is JAX on a TPU and TensorFlow elsewhere (runner/device/backend.py).
+    backend: Literal["auto", "tensorflow", "jax"] = "auto"
     # A TPU VM is "local"; a named TPU is its name; a remote TPU node is "grpc://host:8470".
     # Unset: TPU_NAME, then COLAB_TPU_ADDR, then "local" when /dev/accel* or /dev/vfio exist.
     tpu: Name | None = None
@@ -60,6 +62,15 @@ class AcceleratorSpec(Strict):
         if value is not None and (not value.strip() or invisible_character(value)):
             raise ValueError(f"{value!r} is not a TPU name: write local, a TPU's name, or grpc://HOST:8470")
         return value
+
+    @model_validator(mode="after")
+    def _tpu_runs_jax(self) -> AcceleratorSpec:
+        if self.kind == "tpu" and self.backend == "tensorflow":
+            raise ValueError(
+                "kind tpu with backend tensorflow: TensorFlow's TPU engine is retired (no TPU runtime after 2.18, "
+                "none on TPU7x; the TPU image carries JAX: docs/tpu.md); set backend: jax (or auto)"
+            )
+        return self
 
 
 class FeatureSpec(Strict):

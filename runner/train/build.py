@@ -194,9 +194,10 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
 
 def build_compiled(
     spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None
-) -> tuple[keras.Model, tf.train.Checkpoint]:
-    """The spec's model, built and compiled under the accelerator's strategy, and the checkpoint object that
-    saves and restores its weights, optimizer state and step (training, evaluation and prediction share it).
+) -> tuple[keras.Model, tf.train.Checkpoint | None]:
+    """The spec's model, built and compiled under the accelerator's strategy, and (under TensorFlow) the
+    checkpoint object that saves and restores its weights, optimizer state and step; under JAX the run
+    folder's Orbax store reads the model itself (runner/rundir/orbax_store.py), and this is None.
 
     `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
@@ -211,27 +212,38 @@ def build_compiled(
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
+        if keras.backend.backend() != "tensorflow":
+            return model, None
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint
 
 
 def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
-    """Restores a checkpoint (weights, optimizer slots, step); returns the optimizer step it was saved at.
+    """Restores a TensorFlow checkpoint (weights, optimizer slots, step); returns the step it was saved at."""
+    return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
+
+
+def keeping_rate(optimizer: Any, restore: Callable[[], Any]) -> int:
+    """Runs `restore` (of either backend's store); returns the optimizer step the checkpoint was saved at.
 
     The learning rate stays the spec's: Keras keeps a constant rate in a variable the checkpoint restores, so
     without this a resumed run would go on at the rate it was saved with (a rate lowered by ReduceLROnPlateau
     included) whatever the spec now says. A schedule is no variable: it continues from the restored step."""
-    optimizer = checkpoint.optimizer
     rate = None if _has_schedule(optimizer) else to_float(optimizer.learning_rate)
-    checkpoint.restore(path).expect_partial()
+    restore()
     if rate is not None:
         optimizer.learning_rate = rate
-    return int(optimizer.iterations.numpy())
+    return int(to_float(optimizer.iterations))
 
 
 def to_float(value: Any) -> float:
-    """A scalar variable or tensor as a float, under Keras 3 and tf-keras alike (tf-keras has no keras.ops)."""
-    return float(np.asarray(tf.convert_to_tensor(value)))
+    """A scalar variable or tensor as a float, under either backend and tf-keras (which has no keras.ops)."""
+    if hasattr(value, "value") and not isinstance(value, tf.Variable):  # a Keras 3 variable (JAX holds an array)
+        value = value.value
+    try:
+        return float(np.asarray(value))
+    except (TypeError, ValueError):
+        return float(np.asarray(tf.convert_to_tensor(value)))
 
 
 def _has_schedule(optimizer: Any) -> bool:

@@ -1,0 +1,96 @@
+"""Which engine Keras computes with, decided once before Keras is imported: the backend seam's first half.
+
+`accelerator.backend`:
+  - `jax`: Keras 3 on JAX. The engine Google supports on Cloud TPUs today (`pip install "jax[tpu]"`, one
+    process per host; TensorFlow has no TPU runtime after 2.18 and none on TPU7x: docs/tpu.md cites both).
+  - `tensorflow`: Keras 3 on TensorFlow (with oneDNN on the CPU).
+  - `auto`: JAX when the job points at a TPU (`accelerator.kind: tpu`, or a TPU named by the spec, $TPU_NAME,
+    $COLAB_TPU_ADDR or this host's TPU device files); TensorFlow otherwise. On the CPU TensorFlow is measured
+    several times faster than XLA (benchmarks/RESULTS.md, "Backends"); on a GPU it is kept until measured
+    otherwise (no GPU is reachable where this was measured).
+Under either backend the input pipeline is tf.data on the host: under JAX, TensorFlow never touches an
+accelerator (the TPU image carries tensorflow-cpu). Keras reads KERAS_BACKEND once, when it is first imported,
+so `apply` runs before anything imports Keras or TensorFlow (runner/job/startup.py); a Keras already imported
+with another backend is refused rather than silently used.
+
+This module must never import TensorFlow, JAX or Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import MutableMapping
+
+from runner import AcceleratorError
+from runner.device import host
+from runner.spec.types import AcceleratorSpec
+
+BACKENDS = ("tensorflow", "jax")
+
+# The figure `auto`'s CPU choice rests on (benchmarks/backends.py; benchmarks/RESULTS.md, "Backends").
+CPU_REASON = "auto on a cpu: TensorFlow with oneDNN ran the MNIST CNN several times faster than XLA here"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The engine a job computes with, and why."""
+
+    name: str  # tensorflow | jax
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "reason": self.reason}
+
+
+def choose(spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = None) -> Backend:
+    """The backend for `spec` (the order is in the module docstring)."""
+    environ = os.environ if environ is None else environ
+    if spec.backend != "auto":
+        return Backend(spec.backend, f"accelerator.backend: {spec.backend}")
+    if spec.kind == "tpu":
+        return Backend("jax", "auto on a TPU: Keras 3 on JAX, the engine Cloud TPUs run today")
+    target = host.tpu_target(spec.tpu, environ) if spec.kind == "auto" else None
+    if target is not None:
+        return Backend("jax", f"auto: a TPU is indicated ({target}): Keras 3 on JAX, the engine Cloud TPUs run today")
+    if spec.kind == "gpu":
+        return Backend("tensorflow", "auto on a gpu: TensorFlow (JAX on GPUs is not measured here)")
+    return Backend("tensorflow", CPU_REASON)
+
+
+def apply(backend: Backend, spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = None) -> None:
+    """Sets what Keras and JAX read when they load: KERAS_BACKEND; under JAX on the CPU the number of host
+    devices (`accelerator.cpu_devices`), and TensorFlow kept off every accelerator."""
+    global _applied
+    environ = os.environ if environ is None else environ
+    loaded = sys.modules.get("keras")
+    if loaded is not None:
+        current = loaded.backend.backend()
+        if current != backend.name:
+            raise AcceleratorError(
+                f"Keras was imported with the {current} backend before the job chose {backend.name} "
+                f"({backend.reason}): set KERAS_BACKEND={backend.name} before starting Python, or "
+                f"accelerator.backend: {current}"
+            )
+    environ["KERAS_BACKEND"] = backend.name
+    _applied = backend
+    if backend.name != "jax":
+        return
+    if spec.kind in ("auto", "cpu") and spec.cpu_devices > 1:
+        environ.setdefault("JAX_NUM_CPU_DEVICES", str(spec.cpu_devices))
+    if spec.kind == "cpu":
+        environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+_applied: Backend | None = None
+
+
+def active(environ: MutableMapping[str, str] | None = None) -> Backend:
+    """The backend this process computes with: as `apply` set it, else as KERAS_BACKEND says (a library
+    caller that skipped `apply`; Keras's own default is TensorFlow)."""
+    if _applied is not None:
+        return _applied
+    environ = os.environ if environ is None else environ
+    name = environ.get("KERAS_BACKEND", "tensorflow")
+    return Backend(name, f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default")

@@ -1,0 +1,88 @@
+"""The devices of a job that computes with JAX: the backend seam's JAX side of runner/device/strategy.py.
+
+JAX finds its own devices: on a Cloud TPU VM `jax.devices()` initialises libtpu (the `jax[tpu]` extra installs
+it), on the CPU it lists `accelerator.cpu_devices` host devices (JAX_NUM_CPU_DEVICES, set before JAX loaded:
+runner/device/backend.py). Several devices train data-parallel through Keras's own
+`keras.distribution.DataParallel` (variables replicated, the batch split on its first axis), set as Keras's
+global distribution so that `fit`, `evaluate` and `predict` all use it. TensorFlow stays on the host for
+tf.data: it is told to see no GPU. Every step that can wait on a device is bounded by `accelerator.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import tensorflow as tf
+
+from runner import AcceleratorError
+from runner.device import host
+from runner.device.bounded import Bounded
+from runner.device.strategy import Accelerator
+from runner.spec.types import AcceleratorSpec
+
+log = logging.getLogger(__name__)
+
+
+def _devices(platform: str, timeout_s: float) -> list:
+    import jax
+
+    def listed() -> list:
+        try:
+            return jax.devices(platform)
+        except RuntimeError:  # "Unknown backend" / "Backend 'tpu' failed to initialize": none of that kind here
+            return []
+
+    try:
+        return Bounded(f"jax.devices({platform!r})", listed).result(timeout_s)
+    except TimeoutError:
+        raise AcceleratorError(
+            f"JAX did not list its {platform} devices within accelerator.timeout_s ({timeout_s:g} s): on a TPU VM "
+            f"check that no other process holds the TPU ({host.LIBTPU_LOCKFILE}; `runner doctor` tells) and that "
+            "the container runs with --privileged --net=host"
+        ) from None
+
+
+def resolve(spec: AcceleratorSpec, environ: Mapping[str, str]) -> Accelerator:
+    """The devices for `spec` under JAX: a TPU when asked or indicated, else GPUs (`auto`, `gpu`), else the CPU."""
+    tf.config.set_visible_devices([], "GPU")  # tf.data only: the accelerator is JAX's
+    if spec.kind in ("auto", "tpu"):
+        target = host.tpu_target(spec.tpu, environ)
+        tpus = _devices("tpu", spec.timeout_s) if target is not None or spec.kind == "tpu" else []
+        if tpus:
+            return _accelerator("tpu", tpus)
+        if spec.kind == "tpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'tpu' but JAX finds no TPU: run on a Cloud TPU VM (or a GKE TPU node) with "
+                "the TPU image (jax[tpu] and its libtpu: docs/image.md), its container started with --privileged "
+                "--net=host; `runner doctor` checks each of these"
+            )
+        if target is not None:
+            log.warning("no TPU, falling back: %s is indicated but JAX lists no TPU device", target)
+    if spec.kind in ("auto", "gpu"):
+        gpus = _devices("gpu", spec.timeout_s)
+        if gpus:
+            return _accelerator("gpu", gpus)
+        if spec.kind == "gpu":
+            raise AcceleratorError(
+                "accelerator.kind is 'gpu' but JAX sees no GPU: install jax[cuda12] in the image and run the "
+                "container with --gpus all, or use accelerator.backend: tensorflow"
+            )
+    cpus = _devices("cpu", spec.timeout_s)
+    if len(cpus) != spec.cpu_devices:
+        raise AcceleratorError(
+            f"accelerator.cpu_devices is {spec.cpu_devices} but JAX lists {len(cpus)} CPU device(s): JAX was loaded "
+            "before the runner set JAX_NUM_CPU_DEVICES; start the job with `runner run`"
+        )
+    return _accelerator("cpu", cpus[: spec.cpu_devices])
+
+
+def _accelerator(kind: str, devices: list) -> Accelerator:
+    import keras
+
+    if len(devices) > 1:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        detail = f"DataParallel over {len(devices)} {kind} devices ({devices[0].device_kind})"
+    else:
+        detail = f"one {kind} device ({devices[0].device_kind})"
+    return Accelerator(tf.distribute.get_strategy(), kind, len(devices), detail=detail)
