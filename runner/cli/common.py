@@ -46,7 +46,7 @@ def setup_logging(debug: bool) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.INFO)
-    for noisy in ("absl", "tensorflow", "h5py", "urllib3", "google", "matplotlib", "PIL"):
+    for noisy in ("absl", "tensorflow", "h5py", "urllib3", "google", "matplotlib", "PIL", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)
 
 

@@ -86,3 +86,14 @@ def _accelerator(kind: str, devices: list) -> Accelerator:
     else:
         detail = f"one {kind} device ({devices[0].device_kind})"
     return Accelerator(tf.distribute.get_strategy(), kind, len(devices), detail=detail)
+
+
+def use_compile_cache(folder: str) -> None:
+    """Keeps XLA's compiled programs in `folder` (the run folder's `jax_cache/`, local or gs://): a resumed or
+    relaunched job loads what it already compiled instead of compiling again (its first step shows it)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", folder)
+    # Every program, however quick its compile: on a TPU the train step's compile is what a relaunch pays for.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -50,6 +50,7 @@ def load_trained(spec: JobSpec) -> Trained:
     run = RunFolder(spec.run_dir)
     latest = run.latest_checkpoint()
     if latest is None:
+        run.check_backend()  # checkpoints of the other backend are invisible to this one: named, not "none"
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)

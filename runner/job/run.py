@@ -141,6 +141,11 @@ class _Job:
         spec, attempt = self.spec, self.attempt
         with attempt.phases.phase("strategy"):
             attempt.accelerator = resolve_accelerator(spec.accelerator)
+        if attempt.accelerator.backend.name == "jax":
+            from runner.device import jax_devices
+
+            attempt.facts.compile_cache = attempt.run.file("jax_cache")
+            jax_devices.use_compile_cache(attempt.facts.compile_cache)
         per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
         self.precision = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
         self.precision.apply()

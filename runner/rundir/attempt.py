@@ -56,6 +56,7 @@ class Facts:
     warnings: list | None = None
     model: Any = None
     tensorboard: str | None = None
+    compile_cache: str | None = None  # JAX's persistent compilation cache (runner/device/jax_devices.py)
     # The matmul benchmark's results, at the summary's top level.
     bench: dict | None = None
 

@@ -75,6 +75,7 @@ class OrbaxStore:
         self._before_save = before_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, step_prefix=PREFIX, enable_async_checkpointing=True, create=True,
+            cleanup_tmp_directories=True,  # the leftovers of a save cut short (resume precedence 4)
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -119,8 +120,10 @@ class OrbaxStore:
         variables = _variables(self._model)
         saved = self._manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
         _check_layout(saved, _layout(variables), path)
+        # Restored as host arrays, then assigned: the variables keep the placement a fresh model's have, so the
+        # train step compiled (and cached in jax_cache/) for a fresh start is the one a resume finds.
         target = {
-            part: {f"{i:05d}": _abstract(v) for i, v in enumerate(found)} for part, found in variables.items()
+            part: {f"{i:05d}": np.asarray(v.value) for i, v in enumerate(found)} for part, found in variables.items()
         }
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         for part, found in variables.items():
@@ -130,13 +133,6 @@ class OrbaxStore:
 
     def close(self) -> None:
         self._manager.close()
-
-
-def _abstract(variable: Any) -> Any:
-    import jax
-
-    value = variable.value
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=getattr(value, "sharding", None))
 
 
 def _check_layout(saved: dict[str, list], now: dict[str, list], path: str) -> None:

@@ -75,6 +75,7 @@ from runner.device import backend
 from runner.rundir import orbax_store, serving
 from runner.rundir.lease import Lease
 from runner.rundir.pins import (
+    BACKEND,
     FINGERPRINT,
     FLAVOUR,
     PINNED_KEYS,
@@ -270,6 +271,7 @@ class RunFolder:
         self._pin = {**spec.to_dict(), "pinned": now}
         latest = self.latest_checkpoint()
         if latest is None:
+            self.check_backend()  # checkpoints of the other backend are invisible to this one
             return  # nothing pinned yet: a failed start never locks the job name
         self._check_pinned(spec, now, latest)
         step = _step_of(latest)
@@ -292,7 +294,7 @@ class RunFolder:
         self._check_software(spec, before, now)
         # A fingerprint not known on either side (older folders; data no longer readable) is not compared.
         known = [
-            key for key in now if key in before and key not in (FLAVOUR, TENSORFLOW)
+            key for key in now if key in before and key not in (FLAVOUR, TENSORFLOW, BACKEND)
             and (key != FINGERPRINT or None not in (before[key], now[key]))
         ]
         changed = [f"{key}: {show(before[key])} -> {show(now[key])}" for key in known if before[key] != now[key]]
@@ -314,8 +316,23 @@ class RunFolder:
                 "`runner run --fresh` (the folder is moved aside, not deleted)"
             )
 
+    def check_backend(self) -> None:
+        """Refuses a run folder whose checkpoints another backend wrote (precedence 5)."""
+        previous = self.read_json("spec.json")
+        if previous is None or not tf.io.gfile.isdir(self.checkpoints) or not tf.io.gfile.listdir(self.checkpoints):
+            return
+        wrote, runs = (previous.get("pinned") or {}).get(BACKEND, "tensorflow"), backend.active()
+        if wrote != runs.name:
+            self._refuse(
+                f"{self.path}'s checkpoints were written under the {wrote} backend and this run computes with "
+                f"{runs.name} ({runs.reason}): a checkpoint of one does not restore under the other. "
+                f"Resume it with `--set accelerator.backend={wrote}`, or start this job over with `runner run "
+                "--fresh` (the folder is moved aside, not deleted)"
+            )
+
     def _check_software(self, spec: JobSpec, before: dict[str, Any], now: dict[str, Any]) -> None:
         """The Keras flavour must be the one that wrote the checkpoints; TensorFlow the same or newer."""
+        self.check_backend()
         wrote, runs = before.get(FLAVOUR), now[FLAVOUR]
         if wrote and wrote != runs:
             where = {"tf-keras": "TF_USE_LEGACY_KERAS=1 with tf-keras installed (the TPU image has it)",

@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from runner.data import pipeline
-from runner.device import flavour
+from runner.device import backend, flavour
 from runner.spec.train import optimizer_identity
 from runner.spec.types import JobSpec
 
@@ -33,6 +33,9 @@ FINGERPRINT = "data.fingerprint"
 # under Keras 3 (ValueError, measured), so the flavour must match; TensorFlow reads checkpoints an older
 # TensorFlow wrote, not the other way round, so its version may only rise.
 FLAVOUR, TENSORFLOW = "keras.flavour", "tensorflow.version"
+# The backend that wrote them (runner/device/backend.py): TensorFlow checkpoints and Orbax's are different
+# formats of different variable sets. Folders written before backends were chosen are TensorFlow's.
+BACKEND = "keras.backend"
 
 
 def data_fingerprint(shards: pipeline.Shards) -> str:
@@ -53,7 +56,7 @@ def pinned(spec: JobSpec, fingerprint: str | None) -> dict[str, Any]:
     doc["train"]["optimizer_class"] = optimizer_identity(spec.train)  # its slots are in the checkpoints
     return {
         **{key: dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint,
-        FLAVOUR: flavour.active(), TENSORFLOW: tf.__version__,
+        FLAVOUR: flavour.active(), TENSORFLOW: tf.__version__, BACKEND: backend.active().name,
     }
 
 

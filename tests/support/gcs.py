@@ -133,6 +133,8 @@ class Gcs:
             "NO_GCE_CHECK": "true",
             "GCS_STAT_CACHE_MAX_AGE": "0",
             "STORAGE_EMULATOR_HOST": self.api,
+            # Orbax writes a JAX run's arrays through TensorStore's own GCS client, which has an endpoint setting.
+            "TENSORSTORE_GCS_HTTP_URL": self.api,
         }
 
     def client(self):
