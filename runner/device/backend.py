@@ -93,4 +93,5 @@ def active(environ: MutableMapping[str, str] | None = None) -> Backend:
         return _applied
     environ = os.environ if environ is None else environ
     name = environ.get("KERAS_BACKEND", "tensorflow")
-    return Backend(name, f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default")
+    why = f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default"
+    return Backend(name, why)

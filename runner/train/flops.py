@@ -84,7 +84,8 @@ def _lowered_forward(model: Any, batch: int) -> tuple[float | None, str]:
     import jax
 
     try:
-        specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype.as_numpy_dtype), _input_specs(model, batch))
+        structs = _input_specs(model, batch)
+        specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype.as_numpy_dtype), structs)
         trainable = [v.value for v in model.trainable_variables]
         other = [v.value for v in model.non_trainable_variables]
 
