@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from runner import AcceleratorError
 from runner.device import host
+from runner.device.accelerator import Accelerator
 from runner.device.bounded import Bounded
-from runner.device.strategy import Accelerator
 from runner.spec.types import AcceleratorSpec
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ Every TPU step runs under `accelerator.timeout_s`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import os
 import socket
@@ -28,45 +27,12 @@ import tensorflow as tf
 
 from runner import AcceleratorError, SpecError
 from runner.device import backend, host
+from runner.device.accelerator import Accelerator
 from runner.device.bounded import Bounded
-from runner.device.tpu_env import TpuRuntime, applied_tpu_env, apply_tpu_env
+from runner.device.tpu_env import applied_tpu_env, apply_tpu_env
 from runner.spec.types import AcceleratorSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    """What the job runs on: handed to data, training and the summary."""
-
-    strategy: tf.distribute.Strategy
-    kind: str  # tpu | gpu | cpu
-    replicas: int
-    workers: int = 1
-    worker_index: int = 0
-    detail: str = ""
-    tpu_runtime: TpuRuntime | None = None  # the TPU device API and its settings (runner/device/tpu_env.py)
-    backend: backend.Backend = backend.Backend("tensorflow", "Keras's default")
-
-    @property
-    def is_chief(self) -> bool:
-        return self.worker_index == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        legacy = os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
-        return {
-            "kind": self.kind,
-            "backend": self.backend.to_dict(),
-            "replicas": self.replicas,
-            "workers": self.workers,
-            "detail": self.detail,
-            "tensorflow": tf.__version__,
-            "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
-            **({"jax": _version("jax")} if self.backend.name == "jax" else {}),
-            # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
-            "allocator": host.allocator_in_use()[0],
-            "tpu_runtime": self.tpu_runtime.to_dict() if self.tpu_runtime else None,
-        }
 
 
 def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
@@ -82,13 +48,6 @@ def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
     if accelerator.kind == "tpu" and per_replica % 8:
         log.warning("per-replica batch %d is not a multiple of 8: TPU cores pad it (128 per core is best)", per_replica)
     return per_replica
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def tpu_target(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> str | None:

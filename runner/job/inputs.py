@@ -15,7 +15,7 @@ import tensorflow as tf
 from runner import DataError, SpecError
 from runner.data import in_memory, integrity, pipeline
 from runner.device import host
-from runner.device.strategy import Accelerator
+from runner.device.accelerator import Accelerator
 from runner.rundir.attempt import Facts
 from runner.spec import usercode
 from runner.spec.train import AUTO_VALIDATION_SHARE, TrainSpec

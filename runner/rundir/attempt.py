@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from runner import PROCESS_START, RunnerError
 from runner.data import storage
-from runner.device.strategy import Accelerator
+from runner.device.accelerator import Accelerator
 from runner.rundir.outputs import RunFolder
 from runner.rundir.timing import EpochRecord, Phases, build_summary
 from runner.spec.types import JobSpec

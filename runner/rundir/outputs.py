@@ -3,7 +3,8 @@
     lease.json           held by the run in progress (runner/rundir/lease.py); gone when no run is in progress
     spec.json            the resolved spec, written with the first checkpoint of an attempt; its `pinned`
                          part is what the checkpoints mean
-    checkpoints/         tf.train.CheckpointManager files (`ckpt-<step>`), the newest `keep` kept
+    checkpoints/         the newest `keep` checkpoints: tf.train.CheckpointManager's `ckpt-<step>` files, or
+                         Orbax's `ckpt_<step>/` folders under JAX (runner/rundir/orbax_store.py)
     summary.json         the latest attempt's summary; attempts/<n>.json keeps each attempt's own
     model.keras          the trained model, written once the job succeeds
 
@@ -80,11 +81,12 @@ from runner.rundir.pins import (
     FLAVOUR,
     PINNED_KEYS,
     TENSORFLOW,
+    backend_problem,
     data_fingerprint,
     dotted,
     pinned,
     show,
-    version,
+    software_problem,
 )
 from runner.rundir.timing import completion
 from runner.spec.types import JobSpec
@@ -128,7 +130,6 @@ class RunFolder:
             handle.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
         tf.io.gfile.rename(partial, path, overwrite=True)
 
-    # --- opening and closing an attempt ----------------------------------------------------------
 
     def open(self, spec: JobSpec, worker_index: int = 0) -> dict[str, Any] | None:
         """Opens an attempt (precedence 1-4): the folder usable, the lease taken (chief only), a finished
@@ -262,7 +263,6 @@ class RunFolder:
             )
         return leftovers
 
-    # --- the checkpoints' meaning ------------------------------------------------------------------
 
     def check_checkpoints(self, spec: JobSpec, train: pipeline.Shards, steps_per_epoch: int) -> None:
         """Refuses (precedence 5) a spec that differs from what this folder's checkpoints were made with, or
@@ -316,40 +316,18 @@ class RunFolder:
                 "`runner run --fresh` (the folder is moved aside, not deleted)"
             )
 
-    def check_backend(self) -> None:
-        """Refuses a run folder whose checkpoints another backend wrote (precedence 5)."""
+    def check_backend(self) -> None:  # precedence 5: checkpoints another backend wrote
         previous = self.read_json("spec.json")
         if previous is None or not tf.io.gfile.isdir(self.checkpoints) or not tf.io.gfile.listdir(self.checkpoints):
             return
-        wrote, runs = (previous.get("pinned") or {}).get(BACKEND, "tensorflow"), backend.active()
-        if wrote != runs.name:
-            self._refuse(
-                f"{self.path}'s checkpoints were written under the {wrote} backend and this run computes with "
-                f"{runs.name} ({runs.reason}): a checkpoint of one does not restore under the other. "
-                f"Resume it with `--set accelerator.backend={wrote}`, or start this job over with `runner run "
-                "--fresh` (the folder is moved aside, not deleted)"
-            )
+        if problem := backend_problem(self.path, previous):
+            self._refuse(problem)
 
     def _check_software(self, spec: JobSpec, before: dict[str, Any], now: dict[str, Any]) -> None:
-        """The Keras flavour must be the one that wrote the checkpoints; TensorFlow the same or newer."""
+        """The backend and Keras flavour must be the ones that wrote the checkpoints; TensorFlow the same or newer."""
         self.check_backend()
-        wrote, runs = before.get(FLAVOUR), now[FLAVOUR]
-        if wrote and wrote != runs:
-            where = {"tf-keras": "TF_USE_LEGACY_KERAS=1 with tf-keras installed (the TPU image has it)",
-                     "keras3": "Keras 3, TensorFlow's default (unset TF_USE_LEGACY_KERAS)"}
-            self._refuse(
-                f"{self.path}'s checkpoints were written with {wrote} and this run trains with {runs}: a "
-                f"checkpoint of one does not restore under the other. Resume it with {where[wrote]}, or start "
-                "this job over with `runner run --fresh` (the folder is moved aside, not deleted)"
-            )
-        older = before.get(TENSORFLOW)
-        if older and version(now[TENSORFLOW]) < version(older):
-            self._refuse(
-                f"{self.path}'s checkpoints were written by TensorFlow {older} and this run has {now[TENSORFLOW]}: "
-                "TensorFlow reads checkpoints of older versions, not newer ones. Resume it where TensorFlow is "
-                f"{older} or newer (the CPU image has 2.21, the TPU image 2.19: docs/image.md), or start over "
-                "with `runner run --fresh`"
-            )
+        if problem := software_problem(self.path, before, now):
+            self._refuse(problem)
 
     def _refuse(self, message: str) -> None:
         self._refused = True
@@ -369,7 +347,6 @@ class RunFolder:
             self.write_json("spec.json", self._pin)
         self._pin_written = True
 
-    # --- writing -----------------------------------------------------------------------------------
 
     def next_attempt(self) -> int:
         folder = self.file("attempts")
@@ -422,14 +399,12 @@ class RunFolder:
         return _Checkpoints(self, checkpoint, self.checkpoints, max_to_keep=keep, checkpoint_name="ckpt")
 
     def latest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint in the run folder (every worker restores from the chief's), in the
-        format of the backend this process computes with (runner/device/backend.py)."""
+        """The newest complete checkpoint (every worker restores from the chief's), of this process's backend."""
         if backend.active().name == "jax":
             return orbax_store.latest_in(self.checkpoints) if tf.io.gfile.isdir(self.checkpoints) else None
         return tf.train.latest_checkpoint(self.checkpoints)
 
-    def orbax_store(self, model: Any, keep: int) -> orbax_store.OrbaxStore:
-        """The JAX backend's checkpoint store over checkpoints/ (spec.json written with its first save)."""
+    def orbax_store(self, model: Any, keep: int) -> orbax_store.OrbaxStore:  # spec.json with its first save
         return orbax_store.OrbaxStore(self.checkpoints, model, keep, before_save=self._before_save)
 
     def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:

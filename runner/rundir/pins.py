@@ -74,3 +74,37 @@ def show(value: Any) -> str:
     if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
         return value[:12]
     return repr(value)
+
+
+def backend_problem(path: str, previous: dict[str, Any]) -> str | None:
+    """Why checkpoints that `previous` (spec.json) pins cannot be resumed by this process's backend, or None."""
+    wrote, runs = (previous.get("pinned") or {}).get(BACKEND, "tensorflow"), backend.active()
+    if wrote == runs.name:
+        return None
+    return (
+        f"{path}'s checkpoints were written under the {wrote} backend and this run computes with {runs.name} "
+        f"({runs.reason}): a checkpoint of one does not restore under the other. Resume it with "
+        f"`--set accelerator.backend={wrote}`, or start this job over with `runner run --fresh` (the folder is "
+        "moved aside, not deleted)"
+    )
+
+
+def software_problem(path: str, before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why checkpoints written with `before`'s Keras flavour or TensorFlow cannot be restored by `now`'s, or None."""
+    wrote, runs = before.get(FLAVOUR), now[FLAVOUR]
+    if wrote and wrote != runs:
+        where = {"tf-keras": "TF_USE_LEGACY_KERAS=1 with tf-keras installed",
+                 "keras3": "Keras 3, TensorFlow's default (unset TF_USE_LEGACY_KERAS)"}
+        return (
+            f"{path}'s checkpoints were written with {wrote} and this run trains with {runs}: a checkpoint of one "
+            f"does not restore under the other. Resume it with {where[wrote]}, or start this job over with "
+            "`runner run --fresh` (the folder is moved aside, not deleted)"
+        )
+    older = before.get(TENSORFLOW)
+    if older and version(now[TENSORFLOW]) < version(older):
+        return (
+            f"{path}'s checkpoints were written by TensorFlow {older} and this run has {now[TENSORFLOW]}: "
+            "TensorFlow reads checkpoints of older versions, not newer ones. Resume it where TensorFlow is "
+            f"{older} or newer (docs/image.md), or start over with `runner run --fresh`"
+        )
+    return None

@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from runner.device.strategy import Accelerator
+from runner.device.accelerator import Accelerator
 from runner.rundir.timing import EpochRecord
 
 log = logging.getLogger(__name__)
