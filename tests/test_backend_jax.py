@@ -86,7 +86,7 @@ def test_keras_already_loaded_with_another_backend_is_refused_not_used():
     )
     env = {k: v for k, v in cli_env().items() if k != "KERAS_BACKEND"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=120)
+                            timeout=600)
     assert "refused: Keras was imported with the tensorflow backend" in result.stdout, result.stderr[-2000:]
 
 
@@ -247,3 +247,39 @@ def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mn
     summary = last_json(again.stdout)
     assert summary["resumed_from_step"] == 3 and summary["final_step"] == 6
     assert "runs/jax-gcs/checkpoints/ckpt_6/commit_success.txt" in gcs.objects(bucket, "runs/jax-gcs/")
+
+
+@pytest.mark.slow
+def test_a_model_that_calls_tensorflow_is_refused_under_jax_before_training(mnist_job, tmp_path):
+    (tmp_path / "tfmodel.py").write_text(
+        "import keras\n"
+        "import tensorflow as tf\n\n\n"
+        "class Scale(keras.layers.Layer):\n"
+        "    def call(self, x):\n"
+        "        return tf.math.multiply(x, 1.0 / 255)\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    y = keras.layers.Dense(10, activation='softmax')(keras.layers.Flatten()(Scale()(x)))\n"
+        "    return keras.Model(x, y)\n"
+    )
+    spec = jax_job(mnist_job, "tf-inside", model={"name": "tfmodel:build"})
+    result = run_cli("run", spec, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "model.name 'tfmodel:build' cannot run under the jax backend" in result.stderr
+    assert "keras.ops" in result.stderr and "accelerator.backend: tensorflow" in result.stderr
+    assert "before training began" in result.stderr
+
+
+@pytest.mark.slow
+def test_matmul_bench_under_jax_multiplies_the_same_chain_as_under_tensorflow(tmp_path):
+    runs = {}
+    for name in ("tensorflow", "jax"):
+        result = run_cli("run", REPO / "jobs" / "matmul_bench.yaml", "--set", f"accelerator.backend={name}",
+                         "--set", "matmul.size=128", "--set", "accelerator.cpu_devices=2", "--set",
+                         f"output.dir={tmp_path}", "--set", f"name=mm-{name}", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = last_json(result.stdout)
+    assert runs["jax"]["accelerator"]["backend"]["name"] == "jax"
+    assert runs["jax"]["matmul"]["replicas"] == runs["tensorflow"]["matmul"]["replicas"] == 2
+    assert runs["jax"]["matmul"]["checksum"] == pytest.approx(runs["tensorflow"]["matmul"]["checksum"], rel=1e-3)
+    assert runs["jax"]["tflops"]["warm"] > 0

@@ -97,3 +97,33 @@ def use_compile_cache(folder: str) -> None:
     # Every program, however quick its compile: on a TPU the train step's compile is what a relaunch pays for.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def check_traceable(model, name: str) -> None:
+    """SpecError (exit 2) before training when JAX cannot trace the model's forward pass: a model that calls
+    TensorFlow (`tf.*`) inside `call` trains under TensorFlow only. Tracing is shapes only: nothing compiles."""
+    import jax
+
+    from runner import SpecError
+
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a subclassed model never called: its first step tells instead
+        return
+    if not inputs:
+        return
+    specs = [jax.ShapeDtypeStruct((2, *t.shape[1:]), t.dtype) for t in inputs]
+    specs = specs[0] if len(specs) == 1 else specs
+    trainable = [v.value for v in model.trainable_variables]
+    other = [v.value for v in model.non_trainable_variables]
+    try:
+        jax.eval_shape(lambda t, o, x: model.stateless_call(t, o, x, training=True)[0], trainable, other, specs)
+    except Exception as exc:  # whatever JAX met while tracing the user's code
+        first = (str(exc).strip().splitlines() or [""])[-1 if "tf.Tensor" not in str(exc) else 0][:300]
+        tensorflow = "tf.Tensor" in str(exc) or "tensorflow" in type(exc).__module__
+        why = ("it calls TensorFlow inside the model, which JAX cannot trace: write it with keras.ops (and keras "
+               "layers), or train it with accelerator.backend: tensorflow" if tensorflow else
+               "fix the model's code, or train it with accelerator.backend: tensorflow")
+        raise SpecError(
+            f"model.name {name!r} cannot run under the jax backend ({type(exc).__name__}: {first}): {why}"
+        ) from exc

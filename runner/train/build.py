@@ -212,7 +212,10 @@ def build_compiled(
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
-        if keras.backend.backend() != "tensorflow":
+        if keras.backend.backend() == "jax":
+            from runner.device import jax_devices
+
+            jax_devices.check_traceable(model, spec.model.name)
             return model, None
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint
