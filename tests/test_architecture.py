@@ -197,3 +197,17 @@ def test_docs_draw_the_layers_this_file_enforces() -> None:
     assert drawn, "README.md has no diagram of the layers"
     assert sorted(drawn.group(1).split(",")) == sorted(LAYERS[RANK["cloud"]])
     assert "tests/test_architecture.py" in readme and "docs/architecture.md" in readme
+
+
+# The training core's modules that need nothing of TensorFlow but Keras: they take Keras from
+# runner/device/flavour.py (Keras 3 on the job's backend), so a JAX job's training loop is TensorFlow-free there.
+KERAS_ONLY_MODULES = ("runner.train.progress", "runner.train.limits", "runner.train.preemption",
+                      "runner.train.verdict", "runner.device.backend", "runner.rundir.orbax_store")
+
+
+@pytest.mark.parametrize("module", KERAS_ONLY_MODULES)
+def test_the_backend_seam_keeps_tensorflow_out_of_modules_that_need_only_keras(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {name for name in imported if name.split(".")[0] in ("tensorflow", "tf_keras")}

@@ -52,3 +52,16 @@ def tf_keras_install() -> str:
             continue
         return f'pip install --no-deps "tf-keras~={major}.{minor}.0"'
     return "pip install --no-deps tf-keras  # after TensorFlow: tf-keras must share its major.minor version"
+
+
+def keras_module():
+    """The Keras module the job trains with: `keras` (Keras 3, on the backend runner/device/backend.py chose), or
+    `tf_keras` when `choose_keras` picked it. Core modules take Keras from here, not from `tf.keras`, so those
+    that need nothing else of TensorFlow do not import it."""
+    if active() == "tf-keras":
+        import tf_keras
+
+        return tf_keras
+    import keras
+
+    return keras

@@ -14,12 +14,11 @@ import logging
 import threading
 import time
 
-import tensorflow as tf
-
 from runner import EXIT_TIME_LIMIT, PROCESS_START
+from runner.device.flavour import keras_module
 from runner.train.preemption import PreemptionNotice, exit_now
 
-keras = tf.keras
+keras = keras_module()
 log = logging.getLogger(__name__)
 
 

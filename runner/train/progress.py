@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any, TextIO
 
-import tensorflow as tf
+from runner.device.flavour import keras_module
 
-keras = tf.keras
+keras = keras_module()
 log = logging.getLogger(__name__)
 
 DEFAULT_EVERY_S = 30.0
