@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from runner.device import tpus
 from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
 from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
@@ -173,12 +174,14 @@ def check_tpu_type(client: Any, access: Access, zone: str, tpu_type: str, timeou
     if tpu_type in offered:
         return Check("tpu_type", "ok", f"present: {zone} offers {tpu_type} ({len(offered)} types offered there)",
                      data=data)
-    generation = tpu_type.split("-")[0]
-    near = [t for t in offered if t.split("-")[0] == generation] or offered
+    facts = tpus.generation_of(tpu_type)
+    listed = f"; the TPU table lists {', '.join(facts.zones)}" if facts else ""
+    generation = tpus.generation_name(tpu_type)
+    near = [t for t in offered if tpus.generation_name(t) == generation] or offered
     return Check("tpu_type", "fail", f"missing: {zone} does not offer {tpu_type}; it offers "
                  f"{', '.join(near[:12]) or 'no TPU type at all'}{' ...' if len(near) > 12 else ''}",
                  f"pick a zone that offers it (gcloud compute tpus accelerator-types list --zone=ZONE "
-                 f"--project={access.project}) or a type {zone} offers", data=data)
+                 f"--project={access.project}{listed}) or a type {zone} offers", data=data)
 
 
 def quota_check(tpu_type: str, zone: str) -> Check:
