@@ -86,8 +86,8 @@ def gcloud_parses(engine_api, tmp_path: Path):
 
 
 def _submit(spec: Path, env: dict[str, str], *args: str, tpu_type: str | None = "v5litepod-8", where: bool = True,
-            image: str | None = IMAGE, allow: bool = True) -> subprocess.CompletedProcess:
-    """`runner submit`; `allow`: with --allow-unverified (v5litepod-8 runs the image unverified, docs/tpu.md)."""
+            image: str | None = IMAGE, allow: bool = False) -> subprocess.CompletedProcess:
+    """`runner submit`; `allow`: with --allow-unverified (a --runtime-version no source names, docs/tpu.md)."""
     argv = ["submit", spec, *(["--tpu-type", tpu_type] if tpu_type else [])]
     argv += ["--zone", ZONE, "--project", PROJECT] if where else []
     argv += ["--image", image] if image else []
@@ -623,7 +623,7 @@ def test_no_kubeconfig_names_the_get_credentials_command_for_the_project(gcloud_
     pytest.importorskip("kubernetes")
     env = _offline(tmp_path, KUBECONFIG=str(tmp_path / "no-kubeconfig"))
     said = _refused(run_cli("submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
-                            "--image", IMAGE, "--on", "gke", "--no-preflight", "--allow-unverified", env=env), code=3)
+                            "--image", IMAGE, "--on", "gke", "--no-preflight", env=env), code=3)
     command = _said(r"run `(gcloud container clusters get-credentials [^`]+)`", said).group(1)
     assert command.endswith(f"--project {PROJECT}")
     gcloud_parses(command)  # CLUSTER and LOCATION: the user's cluster, which the runner cannot know
