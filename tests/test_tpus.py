@@ -164,3 +164,17 @@ def test_tpu7x_is_refused_off_gke_with_the_reason(cloud_spec, on) -> None:
     assert f"--tpu-type tpu7x-8 cannot run --on {'vertex' if on == 'vertex' else 'tpu-vm or skypilot'}" in said
     assert ("run it with --on gke" in said) if on != "vertex" else ("GKE or Compute Engine" in said)
 
+
+
+def test_docs_tpu_md_shows_the_tables_runtimes_peaks_and_zones_source() -> None:
+    doc = (REPO / "docs" / "tpu.md").read_text()
+    for name, generation in GENERATIONS.items():
+        row = next((line for line in doc.splitlines() if line.startswith(f"| {name} | ")), None)
+        assert row is not None, f"docs/tpu.md has no row for {name}"
+        version = generation.runtime("jax")[0]
+        assert (f"`{version}`" if version else "none: no Cloud TPU API") in row, row
+        assert ", ".join(generation.single_host_types()) in row, row
+        peak = generation.peak
+        assert (f"{peak[0]} ({peak[1]})" if peak else "none in the table") in row, row
+        assert ("no list price" in row) == bool(generation.no_price), row
+    assert "006059e0f18a" in doc and f"read {TABLE['zones_read']}" in doc
