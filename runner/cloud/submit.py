@@ -200,20 +200,6 @@ def _check_spec(spec: JobSpec) -> list[str]:
     return problems
 
 
-def _check_tpu_where(tpu: tpu_types.TpuType, zone: str | None, creates_vm: bool) -> list[str]:
-    """The zone offers the type (runner/device/tpus.json), and a TPU VM can be made of it where one is made."""
-    checks = [lambda: tpu_types.check_zone_offers(tpu, zone)] if zone else []
-    if creates_vm:
-        checks.insert(0, lambda: tpu_types.refuse_on(tpu, "tpu_vm"))
-    problems = []
-    for check in checks:
-        try:
-            check()
-        except SpecError as error:
-            problems.append(str(error))
-    return problems
-
-
 def prepare_submission(
     spec_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -283,7 +269,7 @@ def prepare_submission(
         except SpecError as error:
             problems.append(f"{flag} {given!r} is outside what the job accepts: {error}")
     if "tpu" in checked:
-        problems += _check_tpu_where(checked["tpu"], checked.get("zone"), creates_vm)
+        problems += tpu_types.where_problems(checked["tpu"], checked.get("zone"), creates_vm)
     if problems:
         raise SpecError("cannot submit:\n  " + "\n  ".join(problems))
     tpu = checked["tpu"]

@@ -18,7 +18,7 @@ from runner import SpecError
 from runner.device.tpus import TpuType, generations, parse_tpu_type, single_host_types
 
 __all__ = ["DOCS", "TpuType", "check_zone_offers", "parse_tpu_type", "refuse_multi_host", "refuse_on",
-           "runtime_of", "single_host_type", "unverified_reason"]
+           "runtime_of", "single_host_type", "single_host_types", "unverified_reason", "where_problems"]
 
 DOCS = "docs/tpu.md"
 BACKEND = "jax"  # what the runner's TPU image runs (docs/image.md)
@@ -57,6 +57,21 @@ def check_zone_offers(tpu: TpuType, zone: str) -> None:
     raise SpecError(f"--zone {zone} does not offer {tpu.name}: {tpu.generation}'s single-host types are offered in "
                     f"{', '.join(facts.zones)} (source: {facts.zones_source}); pick one of those, or check "
                     f"`gcloud compute tpus accelerator-types list --zone={zone}` if the table is out of date")
+
+
+def where_problems(tpu: TpuType, zone: str | None, creates_vm: bool) -> list[str]:
+    """What `runner submit` refuses about where the type would run: a zone that does not offer it, and a TPU VM
+    of a generation that has none (`creates_vm`: --on tpu-vm and skypilot)."""
+    checks = [lambda: check_zone_offers(tpu, zone)] if zone else []
+    if creates_vm:
+        checks.insert(0, lambda: refuse_on(tpu, "tpu_vm"))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except SpecError as error:
+            problems.append(str(error))
+    return problems
 
 
 def refuse_multi_host(tpu_type: str) -> None:
