@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -91,31 +90,33 @@ def test_every_reader_takes_its_facts_from_the_table() -> None:
     assert tpu_env.device_api_of("v9-8") == ("v9", "unknown")
 
 
+def _names_as_data(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every constant in `names` that stands in a tuple, list, set, dict key or comparison."""
+    found = []
+    for node in ast.walk(tree):
+        parts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else (
+            node.keys if isinstance(node, ast.Dict) else
+            node.comparators if isinstance(node, ast.Compare) else [])
+        found += [(part.lineno, part.value) for part in parts
+                  if isinstance(part, ast.Constant) and part.value in names]
+    return found
+
+
+NAMES = set(GENERATIONS) | {alias for g in GENERATIONS.values() for alias in g.row["aliases"]}
+
+
 def test_the_generation_is_parsed_in_one_place() -> None:
-    """No module but runner/device/tpus.py spells a generation's name as data (a list, a set, a dict key or a
-    comparison): a second copy of the names drifts from the table."""
-    names = set(GENERATIONS) | {alias for g in GENERATIONS.values() for alias in g.row["aliases"]}
-    offences = []
-    for path in sorted((REPO / "runner").rglob("*.py")):
-        if path.name == "tpus.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            parts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else (
-                node.keys if isinstance(node, ast.Dict) else
-                node.comparators if isinstance(node, ast.Compare) else [])
-            for part in parts:
-                if isinstance(part, ast.Constant) and part.value in names:
-                    offences.append(f"{path.relative_to(REPO)}:{part.lineno} {part.value!r}")
+    """No module but runner/device/tpus.py spells a generation's name as data: a second copy of the names
+    drifts from the table."""
+    offences = [f"{path.relative_to(REPO)}:{line} {name!r}"
+                for path in sorted((REPO / "runner").rglob("*.py")) if path.name != "tpus.py"
+                for line, name in _names_as_data(ast.parse(path.read_text()), NAMES)]
     assert offences == []
 
 
-def test_the_finder_sees_a_second_copy(tmp_path: Path) -> None:
-    """The test above reads constants in tuples, dict keys and comparisons, the forms the old copies took."""
-    tree = ast.parse('A = ("v5p", "v6e")\nB = {"trillium": "v6e"}\nif g == "v4":\n    pass\n')
-    seen = [c.value for n in ast.walk(tree) for c in (
-        getattr(n, "elts", None) or getattr(n, "keys", None) or getattr(n, "comparators", None) or [])
-        if isinstance(c, ast.Constant)]
-    assert seen == ["v5p", "v6e", "trillium", "v4"]
+def test_the_finder_sees_the_forms_the_old_copies_took() -> None:
+    source = 'A = ("v5p", "v6e")\nB = {"trillium": "v6e"}\nif g == "v4":\n    pass\nC = "v5e-8 in prose"\n'
+    assert [name for _, name in _names_as_data(ast.parse(source), NAMES)] == ["v5p", "v6e", "trillium", "v4"]
 
 
 # --- zones --------------------------------------------------------------------------------------------

@@ -112,8 +112,8 @@ def runtime_line(sub: submit.Submission) -> str:
 
 
 def unverified_line(sub: submit.Submission, dry_run: bool) -> str | None:
-    """What `submit` prints about a job no recipe covers: always, a dry run included (which shows the request
-    and says that the real submission needs --allow-unverified)."""
+    """What `submit` prints about a runtime version no source names: always, a dry run included (which shows the
+    request and says that the real submission needs --allow-unverified)."""
     if not sub.unverified:
         return None
     if sub.allow_unverified:
@@ -188,7 +188,8 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     check = None if preflight is None else (lambda: preflight(sub, on))
     unverified = unverified_line(sub, dry_run)
     if on != "tpu-vm":
-        for line in [*price_lines(sub)[:1], *([unverified] if unverified else [])]:
+        vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
+        for line in [*vm_runtime, *price_lines(sub)[:1], *([unverified] if unverified else [])]:
             say(line)
         text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
         return Launched(text=text if sent is None else "", doc=sent)
