@@ -326,7 +326,7 @@ def test_every_multi_host_type_is_refused_with_what_works_and_why(tpu_type, chip
 
 
 def test_the_single_host_types_pass_and_are_the_ones_listed() -> None:
-    assert ", ".join(single_host_types()) == f"tpu7x-8, {SINGLE_HOST}"
+    assert ", ".join(single_host_types()) == f"{SINGLE_HOST}, tpu7x-8"
     for name in single_host_types():
         refuse_multi_host(name)
         assert parse_tpu_type(name).hosts == 1

@@ -106,7 +106,8 @@ class Generation:
 
 @lru_cache(maxsize=1)
 def generations() -> dict[str, Generation]:
-    """Every generation by the name the API uses, newest first."""
+    """Every generation by the name the API uses, in the table's order (generally available ones newest first,
+    then TPU7x, whose access goes through the account team)."""
     return {row["name"]: Generation(row) for row in table()["generations"]}
 
 
@@ -168,5 +169,5 @@ def parse_tpu_type(text: str) -> TpuType:
 
 
 def single_host_types() -> list[str]:
-    """Every type that fits on one host, newest generation first."""
+    """Every type that fits on one host, in the table's order."""
     return [name for generation in generations().values() for name in generation.single_host_types()]
