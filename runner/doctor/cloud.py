@@ -378,9 +378,16 @@ def preflight(
     if access is None:
         return found + [Check(name, "fail", _NOT_RUN, "fix cloud_credentials first") for name in names]
 
-    client = clients.tpu()
-    found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
-    found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
+    facts = tpus.generation_of(tpu_type)
+    no_api = facts.refusal("tpu_vm") if facts else None
+    if no_api:  # TPU7x: GKE's node pools hold it; the Cloud TPU API does not know it
+        found += [Check(name, "warn", f"not checked: {tpu_type} is not in the Cloud TPU API: {no_api}",
+                        "check the cluster's TPU node pool: gcloud container node-pools list --cluster CLUSTER "
+                        f"--location {region(zone)}") for name in ("tpu_api", "tpu_type")]
+    else:
+        client = clients.tpu()
+        found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
+        found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
     found.append(quota_check(tpu_type, zone))
     if on == "vertex":
         found.append(bounded("engine", timeout, lambda: check_vertex(clients.vertex, access.project, zone, timeout)))
