@@ -300,6 +300,19 @@ def test_gke_asks_the_clusters_api_from_kubeconfig(fake, tmp_path) -> None:
     assert code == 3 and checks["engine"]["evidence"].startswith("unreachable")
 
 
+
+def test_tpu7x_on_gke_is_not_asked_of_the_cloud_tpu_api_which_does_not_know_it(fake, tmp_path) -> None:
+    env = environment(tmp_path, fake.endpoint)
+    kubeconfig(tmp_path / "kubeconfig", fake.endpoint)
+    code, checks = cloud_doctor("--image", IMAGE, "--on", "gke", "--tpu-type", "tpu7x-8", "--zone", "us-central1-c",
+                                env=env)
+    assert code == 0, checks
+    for name in ("tpu_api", "tpu_type"):
+        assert checks[name]["status"] == "warn", checks[name]
+        assert "not in the Cloud TPU API" in checks[name]["evidence"]
+        assert "gcloud container node-pools list" in checks[name]["action"]
+    assert not [r for r in fake.requests() if "/locations/" in r["path"]], "the Cloud TPU API was not asked"
+
 def test_skypilot_asks_its_api_servers_health_and_an_absent_client_is_not_checked(fake, tmp_path) -> None:
     env = environment(tmp_path, fake.endpoint, HOME=str(tmp_path))
     code, checks = cloud_doctor("--image", IMAGE, "--on", "skypilot", env=env, child=True)

@@ -94,7 +94,7 @@ def test_skypilot_task_is_read_by_skypilots_own_loader(cloud_spec):
     # configure-docker` for it on the VM (sky/provision/docker_utils.py), with the VM's own service account.
     assert resources.docker_login_config == DockerLoginConfig("", "", "us-central1-docker.pkg.dev")
     assert resources.accelerators == {"tpu-v5litepod-8": 1}
-    assert resources.accelerator_args["runtime_version"] == tpu_types.parse_tpu_type("v5litepod-8").runtime_version
+    assert resources.accelerator_args["runtime_version"] == "v2-alpha-tpuv5-lite"  # Google's, for JAX on v5e
     assert resources.use_spot and resources.zone == ZONE
     assert list(resources.image_id.values()) == [f"docker:{IMAGE}"]
     # SkyPilot's client lets unknown job_recovery keys through to its server: check them against its schema here.
@@ -202,16 +202,18 @@ def test_vertex_request_parses_strictly_into_the_custom_job_proto(cloud_spec):
     assert job.job_spec.base_output_directory.output_uri_prefix == "gs://runner-test/runs/mnist_cnn"
 
 
-def test_vertex_refuses_v6e_where_it_does_not_run_tensorflow(cloud_spec):
+def test_vertex_refuses_v6e_whose_machine_types_the_table_does_not_hold(cloud_spec):
     result = submit(cloud_spec, "--on", "vertex", "--dry-run", tpu_type="v6e-4")
     assert result.returncode == 2
-    assert "Vertex AI does not support TensorFlow from TPU v6e on" in " ".join(result.stderr.split())
+    said = " ".join(result.stderr.split())
+    assert "--tpu-type v6e-4 cannot run --on vertex: the Vertex AI machine types for v6e are not in this table" in said
+    assert "pick one of v5litepod-1, v5litepod-4, v5litepod-8, v3-8, v2-8" in said and result.stdout == ""
 
 
 def test_vertex_refuses_v5p_which_its_tpu_training_page_does_not_name(cloud_spec):
     result = submit(cloud_spec, "--on", "vertex", "--dry-run", tpu_type="v5p-8")
     assert result.returncode == 2
-    assert "names TPU v2, v3 and v5e, not v5p" in " ".join(result.stderr.split())
+    assert "names TPU v2, v3, v5e and v6e, not v5p" in " ".join(result.stderr.split())
 
 
 def dockerfile_user(accelerator: str) -> str:

@@ -1,4 +1,4 @@
-"""The time limits, the unverified TPU types and the project on the engines (`runner submit --on skypilot|gke|
+"""The time limits, the unverified runtime versions and the project on the engines (`runner submit --on skypilot|gke|
 vertex`), checked with each engine's own code, offline: SkyPilot's task loader and config constants, the JobSet
 schema (tests/data/jobset_v1alpha2.schema.json) and kubernetes-validate for the Job, aiplatform_v1's CustomJob.
 
@@ -113,41 +113,37 @@ def test_the_default_limits_are_the_tpu_vms(cloud_spec):
 # --- unverified types ---------------------------------------------------------------------------------
 
 
-def test_skypilot_creates_an_unverified_tpu_vm_only_when_allowed(cloud_spec):
+def test_skypilot_creates_a_tpu_vm_on_an_unverified_runtime_only_when_allowed(cloud_spec):
     # Refused before SkyPilot is called (an API server would be needed to get further).
-    refused = submit(cloud_spec, "--on", "skypilot", tpu_type="v6e-8", allow=False)
+    tf_runtime = ("--runtime-version", "tpu-vm-tf-2.18.0-pjrt")
+    refused = submit(cloud_spec, "--on", "skypilot", *tf_runtime, tpu_type="v6e-8")
     assert refused.returncode == 2 and "is unverified" in refused.stderr and "--allow-unverified" in refused.stderr
     assert refused.stdout == ""
-    shown = submit(cloud_spec, "--on", "skypilot", "--dry-run", tpu_type="v6e-8", allow=False)
+    shown = submit(cloud_spec, "--on", "skypilot", "--dry-run", *tf_runtime, tpu_type="v6e-8")
     assert shown.returncode == 0 and "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
-    allowed = yaml.safe_load(dry(cloud_spec, "skypilot", "--allow-unverified", tpu_type="v6e-8"))
-    assert allowed["resources"]["accelerators"] == "tpu-v6e-8"
+    allowed = yaml.safe_load(dry(cloud_spec, "skypilot", "--allow-unverified", *tf_runtime, tpu_type="v6e-8"))
+    assert allowed["resources"]["accelerator_args"]["runtime_version"] == "tpu-vm-tf-2.18.0-pjrt"
+    named = yaml.safe_load(dry(cloud_spec, "skypilot", tpu_type="v6e-8"))
+    assert named["resources"]["accelerator_args"]["runtime_version"] == "v2-alpha-tpuv6e"
 
 
 @pytest.mark.parametrize("target", ["gke", "vertex"])
-def test_engines_that_choose_the_hosts_software_judge_the_image_on_the_generation(cloud_spec, target):
-    """GKE and Vertex AI pick the host's software (no runtime to judge), but the image's tensorflow-tpu 2.19.1
-    on v5e has no recipe there either: refused without --allow-unverified, shown by a dry run, sent with it."""
-    refused = submit(cloud_spec, "--on", target, allow=False)
-    assert refused.returncode == 2, refused.stderr
-    said = " ".join(refused.stderr.split())
-    assert "the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod is unverified" in said
-    assert "Give --allow-unverified to submit it anyway" in said and refused.stdout == ""
-    shown = submit(cloud_spec, "--on", target, "--dry-run", allow=False)
+def test_engines_that_choose_the_hosts_software_take_no_allow_unverified(cloud_spec, target):
+    """GKE and Vertex AI pick the host's software: there is no runtime version to judge, and the flag that
+    allows an unverified one is refused there rather than dropped."""
+    shown = submit(cloud_spec, "--on", target, "--dry-run")
     assert shown.returncode == 0 and shown.stdout, shown.stderr
-    assert "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
-    allowed = submit(cloud_spec, "--on", target, "--dry-run")
-    assert "unverified: " in allowed.stderr and "allowed by --allow-unverified" in allowed.stderr
+    assert "unverified" not in shown.stderr and "price: v5litepod-8 = 8 chips" in shown.stderr
+    refused = submit(cloud_spec, "--on", target, "--dry-run", "--allow-unverified")
+    assert refused.returncode == 2
+    assert f"--allow-unverified does not apply to --on {target}" in " ".join(refused.stderr.split())
 
 
-def test_gke_on_v5p_has_a_recipe_for_the_image_and_says_nothing_unverified(cloud_spec):
-    shown = submit(cloud_spec, "--on", "gke", "--dry-run", tpu_type="v5p-8", allow=False)
-    assert shown.returncode == 0, shown.stderr
-    assert "unverified" not in shown.stderr
-    # v6e: Keras's example names it, Google's Vertex AI page says TensorFlow is not supported there: unverified on
-    # GKE as on a TPU VM.
-    v6e = submit(cloud_spec, "--on", "gke", tpu_type="v6e-8", allow=False)
-    assert v6e.returncode == 2 and "TensorFlow is no longer supported" in v6e.stderr, v6e.stderr
+def test_gke_runs_v5p_and_v6e_with_nothing_unverified(cloud_spec):
+    for tpu_type in ("v5p-8", "v6e-8"):
+        shown = submit(cloud_spec, "--on", "gke", "--dry-run", tpu_type=tpu_type)
+        assert shown.returncode == 0, shown.stderr
+        assert "unverified" not in shown.stderr and f"price: {tpu_type} = " in shown.stderr
 
 
 # --- SkyPilot and the project -----------------------------------------------------------------------

@@ -86,8 +86,8 @@ def gcloud_parses(engine_api, tmp_path: Path):
 
 
 def _submit(spec: Path, env: dict[str, str], *args: str, tpu_type: str | None = "v5litepod-8", where: bool = True,
-            image: str | None = IMAGE, allow: bool = True) -> subprocess.CompletedProcess:
-    """`runner submit`; `allow`: with --allow-unverified (v5litepod-8 runs the image unverified, docs/tpu.md)."""
+            image: str | None = IMAGE, allow: bool = False) -> subprocess.CompletedProcess:
+    """`runner submit`; `allow`: with --allow-unverified (a --runtime-version no source names, docs/tpu.md)."""
     argv = ["submit", spec, *(["--tpu-type", tpu_type] if tpu_type else [])]
     argv += ["--zone", ZONE, "--project", PROJECT] if where else []
     argv += ["--image", image] if image else []
@@ -182,25 +182,42 @@ def test_a_tpu_type_refused_takes_the_type_the_message_offers(typed, pattern, cl
     said = _refused(_submit(cloud_spec, env, "--dry-run", tpu_type=typed))
     offered = _said(pattern, said).group(1)
     offered = offered if "-" in offered else f"v5litepod-{offered}"
-    _works(_submit(cloud_spec, env, "--dry-run", "--allow-unverified", tpu_type=offered))
+    _works(_following_the_zone(cloud_spec, env, offered))
 
 
-def test_an_unverified_type_or_runtime_is_allowed_or_moved_to_the_runtime_with_a_recipe(cloud_spec, tmp_path) -> None:
+def _following_the_zone(spec: Path, env: dict[str, str], tpu_type: str, *args: str) -> subprocess.CompletedProcess:
+    """A dry run of `tpu_type`; where the zone does not offer it (v4 is only in us-central2), again in the first
+    zone the refusal offers."""
+    result = _submit(spec, env, "--dry-run", *args, tpu_type=tpu_type)
+    if result.returncode == 2 and "does not offer" in result.stderr:
+        zone = _said(rf"--zone {ZONE} does not offer {tpu_type}: .*? offered in ([\w-]+)", result.stderr).group(1)
+        result = _submit(spec, env, "--dry-run", *args, "--zone", zone, tpu_type=tpu_type)
+    return result
+
+
+@pytest.mark.parametrize("tpu_type, zone", [("v5p-8", "us-west1-c"), ("v6e-8", "us-central1-q")])
+def test_a_zone_refused_takes_a_zone_the_message_offers(tpu_type, zone, cloud_spec, tmp_path) -> None:
+    env = _offline(tmp_path)
+    said = _refused(_submit(cloud_spec, env, "--dry-run", "--zone", zone, tpu_type=tpu_type))
+    offered = _said(rf"does not offer {tpu_type}: .*? offered in ([\w-]+),", said).group(1)
+    _works(_submit(cloud_spec, env, "--dry-run", "--zone", offered, tpu_type=tpu_type))
+
+
+def test_an_unverified_runtime_is_allowed_or_dropped_for_the_one_google_names(cloud_spec, tmp_path) -> None:
     """Refused before any call (offline here); followed, the dry run says it is allowed or no longer unverified."""
     env = _offline(tmp_path)
-    said = _refused(_submit(cloud_spec, env, "--no-preflight", tpu_type="v6e-8", allow=False))
+    runtime = ["--runtime-version", "tpu-vm-tf-2.18.0-pjrt"]
+    said = _refused(_submit(cloud_spec, env, "--no-preflight", *runtime, tpu_type="v6e-8"))
     allow = _said(r"Give (--allow-unverified) to submit it anyway", said).group(1)
-    followed = invoke("submit", cloud_spec, "--tpu-type", "v6e-8", "--zone", ZONE, "--project", PROJECT, "--image",
-                      IMAGE, "--dry-run", allow, env=env)
+    followed = _submit(cloud_spec, env, "--dry-run", *runtime, allow, tpu_type="v6e-8")
     _works(followed)
     assert "allowed by --allow-unverified" in followed.stderr
 
-    runtime = ["--runtime-version", "tpu-vm-tf-2.18.0-pjrt"]
-    said = _refused(_submit(cloud_spec, env, "--no-preflight", *runtime, tpu_type="v5p-8", allow=False))
-    recipe = _said(r"the v5p runtime with a recipe is (\S+) \(", said).group(1)
-    followed = _submit(cloud_spec, env, "--dry-run", "--runtime-version", recipe, tpu_type="v5p-8", allow=False)
+    said = _refused(_submit(cloud_spec, env, "--no-preflight", *runtime, tpu_type="v5p-8"))
+    named = _said(r"the one named is (\S+) \(.*?(drop --runtime-version) to use it", said)
+    followed = _submit(cloud_spec, env, "--dry-run", tpu_type="v5p-8")
     _works(followed)
-    assert "unverified" not in followed.stderr, followed.stderr
+    assert "unverified" not in followed.stderr and f"runtime: {named.group(1)}, " in followed.stderr
 
 
 @pytest.mark.parametrize("flag, typed, pattern", [
@@ -279,7 +296,7 @@ def test_a_tpu_type_an_engine_does_not_run_takes_one_it_lists(on, tpu_type, extr
                                                                tmp_path) -> None:
     env = _offline(tmp_path)
     said = _refused(_submit(cloud_spec, env, "--dry-run", "--on", on, *extra, tpu_type=tpu_type))
-    _works(_submit(cloud_spec, env, "--dry-run", "--on", on, *extra, tpu_type=_said(pattern, said).group(1)))
+    _works(_following_the_zone(cloud_spec, env, _said(pattern, said).group(1), "--on", on, *extra))
 
 
 def test_the_xpk_line_takes_the_cluster_and_the_queue_as_said(cloud_spec, tmp_path) -> None:
@@ -330,7 +347,7 @@ def test_a_jobset_of_the_same_name_is_deleted_by_the_kubectl_line_or_renamed(clo
     ns = ["--on", "gke", "--namespace", "hints", "--no-preflight"]
     # Its own process: the kubernetes client reads KUBECONFIG once, when it is imported.
     gke = ["submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-           "--allow-unverified", *ns]
+           *ns]
     _works(run_cli(*gke, "--name", "twice", env=env))
     said = _refused(run_cli(*gke, "--name", "twice", env=env))
     _kubectl_parses(_said(r"\(`(kubectl delete jobset twice -n hints)`\)", said).group(1), env)
@@ -623,7 +640,7 @@ def test_no_kubeconfig_names_the_get_credentials_command_for_the_project(gcloud_
     pytest.importorskip("kubernetes")
     env = _offline(tmp_path, KUBECONFIG=str(tmp_path / "no-kubeconfig"))
     said = _refused(run_cli("submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
-                            "--image", IMAGE, "--on", "gke", "--no-preflight", "--allow-unverified", env=env), code=3)
+                            "--image", IMAGE, "--on", "gke", "--no-preflight", env=env), code=3)
     command = _said(r"run `(gcloud container clusters get-credentials [^`]+)`", said).group(1)
     assert command.endswith(f"--project {PROJECT}")
     gcloud_parses(command)  # CLUSTER and LOCATION: the user's cluster, which the runner cannot know

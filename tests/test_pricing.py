@@ -1,5 +1,6 @@
-"""TPU prices (runner/cloud/pricing.py, runner/cloud/tpu_prices.json): per generation and region, on demand and
-Spot apart, each row with its source and date; a region without a row has no price, and says so."""
+"""TPU prices (runner/cloud/pricing.py, the `prices` of runner/device/tpus.json): per generation and region, on
+demand and Spot apart, each row with its source and date; a region without a row has no price, and says so; TPU7x
+has no list price anywhere, and says so."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from runner import SpecError
 from runner.cloud import pricing
-from runner.cloud.tpu_types import GENERATIONS
+from runner.device.tpus import generations
 
 TABLE = json.loads(pricing.TABLE.read_text())
+GENERATIONS = generations()
 
 
 def test_every_row_names_its_source_and_the_date_it_was_read() -> None:
@@ -30,8 +32,16 @@ def test_every_row_names_its_source_and_the_date_it_was_read() -> None:
     assert len(pairs) == len(set(pairs)), "one row per generation and region"
 
 
-def test_each_generation_has_a_price_somewhere() -> None:
-    assert {row["generation"] for row in TABLE["prices"]} == set(GENERATIONS)
+def test_each_generation_has_a_price_somewhere_but_tpu7x_which_says_it_has_none() -> None:
+    priced = {row["generation"] for row in TABLE["prices"]}
+    assert priced == {name for name, g in GENERATIONS.items() if not g.no_price}
+    assert [name for name, g in GENERATIONS.items() if g.no_price] == ["tpu7x"]
+    for zone in ("us-central1-c", "europe-west4-a"):
+        for spot in (False, True):
+            price = pricing.price_per_chip_hour("tpu7x-8", zone, spot=spot)
+            assert price.usd is None and price.note.startswith("no list price: "), price
+    cost = pricing.estimate("tpu7x-8", 1.0, "us-central1-c")
+    assert cost["usd"] is None and cost["chips"] == 4 and "no list price" in cost["price"]["note"]
 
 
 def test_v4_is_priced_in_us_central2_only_and_elsewhere_has_no_price() -> None:
@@ -40,7 +50,7 @@ def test_v4_is_priced_in_us_central2_only_and_elsewhere_has_no_price() -> None:
     assert (v4.usd, v4.region, v4.confirmed, v4.note) == (3.22, "us-central2", True, "")
     elsewhere = pricing.price_per_chip_hour("v4-8", "us-central1-a")
     assert elsewhere.usd is None
-    assert elsewhere.note == "no on-demand price for v4 in us-central1 in tpu_prices.json (priced regions: us-central2)"
+    assert elsewhere.note == "no on-demand price for v4 in us-central1 in tpus.json (priced regions: us-central2)"
 
 
 def test_v6e_is_priced_per_region_and_spot_apart() -> None:
@@ -74,7 +84,7 @@ def test_an_unconfirmed_row_says_so_wherever_its_price_shows(tmp_path: Path) -> 
         "prices": [{"generation": "v5litepod", "region": "us-west4", "on_demand": 1.25, "spot": 0.5,
                     "confirmed": False, "source": "hearsay", "read_from": "-", "date": "2026-11-23"}],
     }
-    table = tmp_path / "tpu_prices.json"
+    table = tmp_path / "tpus.json"
     table.write_text(json.dumps(doc))
     cost = pricing.estimate("v5litepod-4", 2.0, "us-west4-a", table=table)
     assert cost["usd"] == 10.0

@@ -119,7 +119,6 @@ class Cloud:
             "--image",
             IMAGE,
             "--no-preflight",  # the recovery is under test here; the preflight is in test_submit_preflight.py
-            "--allow-unverified",  # v5litepod-8 runs the image unverified (docs/tpu.md)
             "--watch",
             "--interval",
             "0.5",

@@ -53,7 +53,6 @@ class Vm:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import tpu_v2
 
-        flags.setdefault("allow_unverified", True)  # v5litepod-8 runs the image unverified (docs/tpu.md)
         sub = submit.prepare_submission(self.spec, tpu_type="v5litepod-8", zone=ZONE, image=IMAGE, project=PROJECT,
                                         **flags)
         client = tpu_v2.TpuClient(credentials=AnonymousCredentials(), transport="rest",

@@ -41,9 +41,7 @@ def api(tpu_fake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
 
 def submit(spec: Path, env: dict[str, str], *extra: str, where: bool = True) -> subprocess.CompletedProcess:
     place = ("--zone", ZONE, "--project", PROJECT) if where else ()
-    # v5litepod-8 runs the image unverified (docs/tpu.md): allowed, as a v5e user would
-    return invoke("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, "--allow-unverified", *extra,
-                  env=env)
+    return invoke("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, *extra, env=env)
 
 
 def as_proto(body: dict[str, Any]):

@@ -12,7 +12,8 @@ by the fake, or its failure recorded and shown by `runner status`:
     a stalled job               stops itself after --stall-timeout with 124; not run again, slice deleted
 
 And before launch: the price per hour with its source and date, the estimated cost of the epochs a previous
-run left, "unverified" TPU types and runtimes (refused without --allow-unverified, recorded in job.json),
+run left, the TPU VM software Google names for JAX on each generation (a --runtime-version no source names is
+"unverified": refused without --allow-unverified, recorded in job.json),
 gcloud's own form of --valid-until, a shellcheck-clean script, and "no such job" without the bucket.
 """
 
@@ -48,9 +49,8 @@ def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
 
 
 def submit_job(spec: Path, env: dict[str, str], *extra: str, tpu_type: str = "v5litepod-8"):
-    allow = [] if "--allow-unverified" in extra else ["--allow-unverified"]  # v5e: the image is unverified there
     return invoke("submit", spec, "--tpu-type", tpu_type, "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-                  *allow, *extra, env=env)
+                  *extra, env=env)
 
 
 def sent_script(tpu_fake) -> str:
@@ -217,9 +217,7 @@ def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu
     assert (f"price: v5litepod-8 = 8 chips x ${price.usd:g} per chip-hour on demand in us-central1 = "
             f"${8 * price.usd:.2f} per hour (source: {price.source}; read {price.date})") in dry.stderr
     assert "limit: stops after 24 h (at most $230.40 of TPU time); stall timeout: 30 min" in dry.stderr
-    # v5e's runtime has Google's TensorFlow 2.18 release test; the image's tensorflow-tpu 2.19.1 has no recipe there.
-    assert ("unverified: the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod is unverified"
-            in dry.stderr), dry.stderr
+    assert "unverified" not in dry.stderr, dry.stderr
     spot = submit_job(cloud_spec, api, "--dry-run", "--spot", "--max-run-duration", "none")
     assert f"x ${pricing.price_per_chip_hour('v5litepod-8', ZONE, spot=True).usd:g} per chip-hour Spot" in spot.stderr
     assert "limit: no wall-clock limit" in spot.stderr
@@ -246,45 +244,46 @@ def test_a_bucket_that_does_not_answer_leaves_no_estimate_but_the_price(api, clo
     assert "price: v5litepod-8" in dry.stderr and "previous run: not read" in dry.stderr
 
 
-def test_an_unverified_type_is_said_refused_and_allowed_only_on_request(api, tpu_fake, gcs, cloud_spec):
-    refused = invoke("submit", cloud_spec, "--tpu-type", "v6e-8", "--zone", ZONE, "--project", PROJECT, "--image",
-                     IMAGE, "--no-preflight", env=api)
+@pytest.mark.parametrize("tpu_type, runtime, usd", [
+    ("v6e-8", "v2-alpha-tpuv6e", 2.7), ("v5litepod-8", "v2-alpha-tpuv5-lite", 1.2), ("v5p-8", "v2-alpha-tpuv5", 4.2),
+])
+def test_v5e_v5p_and_v6e_run_on_the_jax_runtime_google_names_priced_and_never_unverified(
+        api, tpu_fake, gcs, cloud_spec, tpu_type, runtime, usd):
+    """Google's runtimes page names one TPU VM software version per generation for JAX: the dry run shows it with
+    that source and a price, and the real submission sends it with no --allow-unverified."""
+    shown = submit_job(cloud_spec, api, "--dry-run", tpu_type=tpu_type)
+    assert shown.returncode == 0, shown.stderr
+    assert (f"runtime: {runtime}, the TPU VM software Google names for JAX on {tpu_type.split('-')[0]} (source: "
+            "Google's \"TPU software versions\" page (https://cloud.google.com/tpu/docs/runtimes)") in shown.stderr
+    chips = pricing.parse_tpu_type(tpu_type).chips
+    assert f"price: {tpu_type} = {chips} chips x ${usd:g} per chip-hour on demand in us-central1" in shown.stderr
+    assert "unverified" not in shown.stderr and f"--runtime-version={runtime}" in shown.stdout
+    sent = submit_job(cloud_spec, api, "--no-preflight", tpu_type=tpu_type)
+    assert sent.returncode == 0, sent.stderr
+    [create] = [r for r in tpu_fake.requests() if r["method"] == "POST"]
+    assert create["body"]["tpu"]["nodeSpec"][0]["node"]["runtimeVersion"] == runtime
+    job = json.loads(gcs.read(BUCKET, f"{RUN_DIR}/job.json"))
+    assert job["request"]["unverified"] is None and job["request"]["runtime_version"] == runtime
+
+
+def test_a_runtime_no_source_names_is_said_refused_and_allowed_only_on_request(api, tpu_fake, gcs, cloud_spec):
+    tf_runtime = ["--runtime-version", "tpu-vm-tf-2.18.0-pjrt"]  # TensorFlow's: the image carries no tensorflow-tpu
+    refused = submit_job(cloud_spec, api, "--no-preflight", *tf_runtime, tpu_type="v6e-8")
     assert refused.returncode == 2
-    assert "v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt is unverified" in refused.stderr
-    assert "--allow-unverified" in refused.stderr and "price: v6e-8 = 8 chips" in refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert "v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt is unverified" in said and "the one named is v2-alpha-tpuv6e" in said
+    assert "Give --allow-unverified to submit it anyway" in said and "price: v6e-8 = 8 chips" in said
+    shown = submit_job(cloud_spec, api, "--dry-run", *tf_runtime, tpu_type="v6e-8")
+    assert "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
+    assert "runtime: tpu-vm-tf-2.18.0-pjrt (--runtime-version)" in shown.stderr
     assert tpu_fake.requests() == []
 
-    other = invoke("submit", cloud_spec, "--tpu-type", "v5p-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-                   "--no-preflight", "--runtime-version", "tpu-ubuntu2204-base", env=api)
-    assert other.returncode == 2 and "no Google source names it for TensorFlow" in other.stderr
-    assert tpu_fake.requests() == []
-
-    allowed = submit_job(cloud_spec, api, "--allow-unverified", tpu_type="v6e-8")
+    allowed = submit_job(cloud_spec, api, "--allow-unverified", "--no-preflight", *tf_runtime, tpu_type="v6e-8")
     assert allowed.returncode == 0, allowed.stderr
     assert "unverified: v6e-8 on runtime tpu-vm-tf-2.18.0-pjrt" in allowed.stderr
     job = json.loads(gcs.read(BUCKET, f"{RUN_DIR}/job.json"))
     assert job["request"]["allow_unverified"] is True and "unverified" in job["request"]["unverified"]
     assert job["request"]["runtime_version"] == "tpu-vm-tf-2.18.0-pjrt"
-
-
-def test_the_v5e_dry_run_prints_the_price_and_unverified_and_the_real_submission_needs_the_flag(
-        api, tpu_fake, gcs, cloud_spec):
-    """The README's cheapest single host: Google's release test covers its runtime (TensorFlow 2.18 on the VM),
-    nothing covers the image's tensorflow-tpu 2.19.1 on it (docs/tpu.md)."""
-    argv = ["submit", cloud_spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE]
-    shown = invoke(*argv, "--dry-run", env=api)
-    assert shown.returncode == 0, shown.stderr
-    assert "v5litepod-8 = 8 chips x $1.2 per chip-hour on demand in us-central1 = $9.60 per hour" in shown.stderr
-    assert "unverified: the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod" in shown.stderr
-    assert "without --dry-run, submit refuses it unless --allow-unverified" in shown.stderr
-    assert "gcloud compute tpus queued-resources create" in shown.stdout, "the request is still shown"
-    refused = invoke(*argv, "--no-preflight", env=api)
-    assert refused.returncode == 2 and "Give --allow-unverified to submit it anyway" in refused.stderr
-    assert tpu_fake.requests() == [], "nothing was created"
-    verified = invoke("submit", cloud_spec, "--tpu-type", "v5p-8", "--zone", ZONE, "--project", PROJECT, "--image",
-                      IMAGE, "--dry-run", env=api)
-    assert verified.returncode == 0 and "unverified" not in verified.stderr, verified.stderr
-
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -304,40 +303,12 @@ def test_bad_limits_are_refused_before_any_call(api, tpu_fake, cloud_spec, flags
     assert tpu_fake.requests() == []
 
 
-def test_an_unknown_generation_is_refused_with_the_known_ones():
-    with pytest.raises(Exception, match=r"unknown TPU generation 'v7x'.*known: v6e, v5litepod, v5p, v4, v3, v2"):
-        tpu_types.parse_tpu_type("v7x-8")
-
-
-def test_every_runtime_row_has_its_source_and_docs_tpu_md_shows_the_same_table():
-    table = (Path(__file__).parents[1] / "docs/tpu.md").read_text()
-    for generation, rows in tpu_types.RUNTIMES.items():
-        assert rows and generation in tpu_types.GENERATIONS
-        for row in rows:
-            assert row.source and ("ml-auto-solutions" in row.source or "cloud.google.com" in row.source)
-            line = next((x for x in table.splitlines() if x.startswith(f"| {generation} | `{row.version}`")), None)
-            assert line is not None, f"docs/tpu.md has no row for {generation} {row.version}"
-            assert ("**unverified**" in line) == (not row.recipe), line
-    v6e = tpu_types.parse_tpu_type("v6e-8")
-    assert tpu_types.unverified_reason(v6e) and "no v6e runtime has one" in tpu_types.unverified_reason(v6e)
-
-
-def test_the_image_per_generation_follows_the_pin_and_docs_tpu_md_shows_the_same_table():
-    """The image's tensorflow-tpu is the lock's pin; docs/tpu.md marks exactly the generations without a recipe
-    for it; a generation with one is judged only by its runtime."""
-    repo = Path(__file__).parents[1]
-    pinned = [line for line in (repo / "requirements-tpu.lock").read_text().splitlines()
-              if line.startswith("tensorflow_tpu==")]
-    assert pinned == [f"tensorflow_tpu=={tpu_types.IMAGE_TENSORFLOW}"]
-    table = (repo / "docs/tpu.md").read_text().split("## The image's TensorFlow per generation", 1)[1]
-    for generation in tpu_types.GENERATIONS:
-        line = next(x for x in table.splitlines() if x.startswith("| ") and generation in x.split("|")[1])
-        assert ("**unverified**" in line) == (generation not in tpu_types.IMAGE_RECIPES), line
-    assert tpu_types.unverified_reason(tpu_types.parse_tpu_type("v5p-8")) is None
-    v5e = tpu_types.parse_tpu_type("v5litepod-8")
-    assert "tensorflow-tpu 2.19.1" in tpu_types.unverified_reason(v5e, vm=False)
-    v6e = tpu_types.unverified_reason(tpu_types.parse_tpu_type("v6e-8"), vm=False)  # GKE, Vertex: the image alone
-    assert v6e and "TensorFlow is no longer supported" in v6e
+def test_an_unknown_generation_is_refused_with_the_known_ones_and_a_common_name_with_the_apis():
+    with pytest.raises(Exception, match=r"unknown TPU generation 'v9x'.*known: v6e, v5litepod, v5p, v4, v3, v2, tpu7x"):
+        tpu_types.parse_tpu_type("v9x-8")
+    for typed, api_name in (("v5e-8", "v5litepod-8"), ("trillium-4", "v6e-4"), ("ironwood-8", "tpu7x-8")):
+        with pytest.raises(Exception, match=f"the Cloud TPU API calls it {api_name}"):
+            tpu_types.parse_tpu_type(typed)
 
 
 # --- byte-identical, all flags ---------------------------------------------------------------------------

@@ -31,9 +31,8 @@ def api(tpu_fake, gcs, bucket, tmp_path: Path) -> dict[str, str]:
 
 
 def submit(spec: Path, env: dict[str, str], *extra: str):
-    # v5litepod-8 runs the image unverified (docs/tpu.md): allowed, as a v5e user would
     return invoke("submit", spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT, "--image", IMAGE,
-                  "--allow-unverified", *extra, env=env)
+                  *extra, env=env)
 
 
 def created(requests: list[dict]) -> list[dict]:

@@ -311,22 +311,22 @@ SINGLE_HOST = ("v6e-1, v6e-4, v6e-8, v5litepod-1, v5litepod-4, v5litepod-8, v5p-
 @pytest.mark.parametrize("tpu_type, chips, hosts, per_host", [
     ("v5litepod-16", 16, 2, 8), ("v5litepod-256", 256, 32, 8), ("v6e-16", 16, 2, 8), ("v6e-256", 256, 32, 8),
     ("v5p-16", 8, 2, 4), ("v5p-128", 64, 16, 4), ("v4-16", 8, 2, 4), ("v4-32", 16, 4, 4),
-    ("v3-32", 16, 4, 4), ("v2-32", 16, 4, 4),
+    ("v3-32", 16, 4, 4), ("v2-32", 16, 4, 4), ("tpu7x-16", 8, 2, 4),
 ])
 def test_every_multi_host_type_is_refused_with_what_works_and_why(tpu_type, chips, hosts, per_host) -> None:
     with pytest.raises(SpecError) as refused:
         refuse_multi_host(tpu_type)
     assert str(refused.value) == (
         f"--tpu-type {tpu_type} is a multi-host slice ({chips} chips on {hosts} hosts of {per_host}), which this "
-        "runner does not support: TensorFlow on several hosts needs the tpu-vm-tf-*-pod runtimes' TPU worker service "
-        "on every host and cloud-tpu-client on worker 0, and no documented recipe runs that from this image. "
-        f"Single-host types work: {SINGLE_HOST} (see docs/tpu.md)"
+        "runner does not support yet: every host must run the job as one JAX process group "
+        "(jax.distributed.initialize, started and restarted together), and the runner starts and checkpoints one "
+        f"process on one host. Single-host types work: {SINGLE_HOST}; tpu7x-8 with --on gke (see docs/tpu.md)"
     )
     assert refused.value.exit_code == 2
 
 
 def test_the_single_host_types_pass_and_are_the_ones_listed() -> None:
-    assert ", ".join(single_host_types()) == SINGLE_HOST
+    assert ", ".join(single_host_types()) == f"{SINGLE_HOST}, tpu7x-8"
     for name in single_host_types():
         refuse_multi_host(name)
         assert parse_tpu_type(name).hosts == 1

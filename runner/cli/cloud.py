@@ -122,8 +122,8 @@ def _opt(help_text: str, *names: str, panel: str | None = None, **extra):
 
 
 Spec = Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.")]
-TpuType = Annotated[str, _opt("Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8 (multi-host "
-                              "slices are refused: docs/tpu.md).", "--tpu-type")]
+TpuType = Annotated[str, _opt("Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8; tpu7x-8 with "
+                              "--on gke (multi-host slices are refused: docs/tpu.md).", "--tpu-type")]
 Image = Annotated[str | None, _opt("The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu.",
                                    envvar="RUNNER_IMAGE")]
 Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher restarts it).", "--spot")]
@@ -134,8 +134,8 @@ DryRun = Annotated[bool, _opt("Print the price and the request as a gcloud scrip
 SubmissionId = Annotated[str | None, typer.Option("--submission-id", hidden=True)]
 On = Annotated[str, _opt("Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or "
                          "vertex (a CustomJob); docs/engines.md.", "--on")]
-RuntimeVersion = Annotated[str | None, _opt("TPU VM software (default: the sourced one of the TPU generation, "
-                                            "docs/tpu.md).", "--runtime-version", panel=VM)]
+RuntimeVersion = Annotated[str | None, _opt("TPU VM software (default: the one Google names for JAX on the TPU "
+                                            "generation, docs/tpu.md).", "--runtime-version", panel=VM)]
 Keep = Annotated[bool, _opt("Keep the TPU VM after the job ends (it bills until `runner cancel`).", "--keep",
                             panel=VM)]
 Watch = Annotated[bool, _opt("Stay in the foreground: restart the job after preemptions until it is complete.",
@@ -153,9 +153,9 @@ MaxRun = Annotated[str | None, _opt("Stop the job after this long (e.g. 6h, 2d; 
                                     "own deadline is 10 min later (docs/engines.md).", "--max-run-duration")]
 StallTimeout = Annotated[str | None, _opt("Stop the job after this long without progress (at least 10s; `none`: "
                                           "never). Default 30m. Every target.", "--stall-timeout")]
-AllowUnverified = Annotated[bool, _opt("Submit a job no recipe covers (docs/tpu.md): the image's tensorflow-tpu on "
-                                       "v5e, v4, v3, v2; a runtime no recipe runs TensorFlow on (v6e). Recorded in "
-                                       "job.json (tpu-vm).", "--allow-unverified")]
+AllowUnverified = Annotated[bool, _opt("Create the TPU VM with a --runtime-version no source names for JAX on the "
+                                       "generation (docs/tpu.md). Recorded in job.json (tpu-vm).",
+                                       "--allow-unverified")]
 Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner doctor --cloud` does: credentials, "
                                         "project, TPU API and type, engine, buckets, image; a failed check stops "
                                         "with exit 3 and nothing is created. Default: on; off with --dry-run "
@@ -182,8 +182,9 @@ def submit(
 ) -> None:
     """Run a job on a Cloud TPU VM: create a queued resource whose startup script runs IMAGE on the VM.
 
-    First it prints (stderr) the price per hour, the limits, whether TensorFlow on that TPU type and runtime
-    is verified (if not: --allow-unverified) and what a previous run's remaining epochs should cost; then it
+    First it prints (stderr) the TPU VM's software version and its source, the price per hour, the limits,
+    whether a --runtime-version is unverified (if so: --allow-unverified) and what a previous run's remaining
+    epochs should cost; the zone must offer the TPU type (docs/tpu.md has the table). Then it
     checks the cloud as `runner doctor --cloud` does (--no-preflight skips it; a dry run skips it unless
     --preflight), and a failed check stops it (exit 3) before anything is created. The job
     runs in `docker run --net=host --privileged IMAGE run SPEC` for at most --max-run-duration; `runner logs

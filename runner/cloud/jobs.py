@@ -44,7 +44,7 @@ def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str
             "valid_until": sub.valid_until,
             "max_run_s": sub.max_run_s,
             "stall_timeout_s": sub.stall_timeout_s,
-            # TensorFlow on this type and runtime has no recipe; the user allowed it (--allow-unverified)
+            # a runtime version no source names for JAX on this type; the user allowed it (--allow-unverified)
             "unverified": sub.unverified,
             "allow_unverified": sub.allow_unverified,
             "spec_yaml": submit.spec_yaml(sub.spec),

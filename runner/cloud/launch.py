@@ -3,8 +3,9 @@ TPU VM's queued resource and its RUN_DIR/job.json, or the job handed to an engin
 
 The command only gathers the flags: the TPU VM's into `TpuVmOptions`, GKE's into `engines.Options`; a flag the
 chosen target does not use is refused (exit 2), never dropped. Before anything is sent (and in a dry run) the
-TPU VM path says what the slice costs per hour, its time limits, whether TensorFlow on that type and runtime is
-verified, and, when the bucket holds a previous run of the job, what its remaining epochs should cost.
+TPU VM path says the TPU VM's software version and its source, what the slice costs per hour, its time limits,
+whether a --runtime-version no source names is unverified, and, when the bucket holds a previous run of the job,
+what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none).
 
 `preflight` (handed in by the command line: the cloud checks of `runner doctor --cloud`, which this package
 does not import) runs after every check that needs no call and before the first call that could create
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import RunnerError
-from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api
+from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api, tpu_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +79,12 @@ def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given:
 
 
 def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) -> list[str]:
-    """What the slice costs per hour (chips x the list price, with its source and date), whether TensorFlow
-    on it is verified, and, given a previous run's summary, what the remaining epochs should cost."""
+    """What the slice costs per hour (chips x the list price, with its source and date), its limits, and, given
+    a previous run's summary, what the remaining epochs should cost."""
     price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
     kind = "Spot" if sub.spot else "on demand"
     if price.usd is None:
-        lines = [f"price: unknown: {price.note}"]
+        lines = [f"price: {sub.tpu.name}: {price.note}"]
     else:
         lines = [
             f"price: {sub.tpu.name} = {sub.tpu.chips} chips x ${price.usd:g} per chip-hour {kind} in "
@@ -102,9 +103,17 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
     return lines
 
 
+def runtime_line(sub: submit.Submission) -> str:
+    """The TPU VM's software version and where it comes from (a --runtime-version: as given)."""
+    named, source = tpu_types.runtime_of(sub.tpu)
+    if sub.runtime_version == named:
+        return f"runtime: {named}, the TPU VM software Google names for JAX on {sub.tpu.generation} (source: {source})"
+    return f"runtime: {sub.runtime_version} (--runtime-version)"
+
+
 def unverified_line(sub: submit.Submission, dry_run: bool) -> str | None:
-    """What `submit` prints about a job no recipe covers: always, a dry run included (which shows the request
-    and says that the real submission needs --allow-unverified)."""
+    """What `submit` prints about a runtime version no source names: always, a dry run included (which shows the
+    request and says that the real submission needs --allow-unverified)."""
     if not sub.unverified:
         return None
     if sub.allow_unverified:
@@ -179,11 +188,12 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     check = None if preflight is None else (lambda: preflight(sub, on))
     unverified = unverified_line(sub, dry_run)
     if on != "tpu-vm":
-        if unverified:
-            say(unverified)
+        vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
+        for line in [*vm_runtime, *price_lines(sub)[:1], *([unverified] if unverified else [])]:
+            say(line)
         text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
         return Launched(text=text if sent is None else "", doc=sent)
-    for line in [*price_lines(sub, _previous_run(sub, say)), *([unverified] if unverified else [])]:
+    for line in [runtime_line(sub), *price_lines(sub, _previous_run(sub, say)), *([unverified] if unverified else [])]:
         say(line)
     if not dry_run:
         submit.check_verified(sub)

@@ -1,11 +1,12 @@
 """What a TPU costs: list prices per chip-hour by generation and region, on demand and Spot apart.
 
-The table is runner/cloud/tpu_prices.json: every row names its source and the date it was read, and says
-whether the figure was found in that source (`confirmed`). A price is looked up by TPU type and region; a
-region the table has no row for has no price (v4, for one, is sold in us-central2 only), and the answer says
-so instead of borrowing another region's figure. An estimate is chips x hours x the price per chip-hour,
-with everything needed to redo the sum. The hours are the caller's: Google bills while the TPU exists, so
-they should run from the queued resource's creation to its deletion. No cloud client, no TensorFlow.
+The prices are the `prices` of the TPU table (runner/device/tpus.json): every row names its source and the date it
+was read, and says whether the figure was found in that source (`confirmed`). A generation the table marks
+`no_price` (TPU7x) has no list price anywhere, and every answer for it says so. A price is looked up by TPU type
+and region; a region the table has no row for has no price (v4, for one, is sold in us-central2 only), and the
+answer says so instead of borrowing another region's figure. An estimate is chips x hours x the price per
+chip-hour, with everything needed to redo the sum. The hours are the caller's: Google bills while the TPU exists,
+so they should run from the queued resource's creation to its deletion. No cloud client, no TensorFlow.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from runner.cloud.tpu_types import TpuType, parse_tpu_type  # noqa: F401  (re-exported for callers)
+from runner.device import tpus
+from runner.device.tpus import TpuType, parse_tpu_type  # noqa: F401  (re-exported for callers)
 
-TABLE = Path(__file__).with_name("tpu_prices.json")
+TABLE = tpus.TABLE
 _ZONE = re.compile(r"([a-z]+-[a-z]+\d+)-[a-z0-9]+")
 
 
@@ -53,10 +55,13 @@ class Price:
 
 def price_per_chip_hour(tpu_type: str, region: str, spot: bool = False, table: Path = TABLE) -> Price:
     """The list price of one chip-hour of `tpu_type` (e.g. v5litepod-8) in `region` (a zone is accepted)."""
-    generation = parse_tpu_type(tpu_type).generation
+    tpu = parse_tpu_type(tpu_type)
+    generation = tpu.generation
     region = region_of(region)
     doc = price_table(table)
     kind = "Spot" if spot else "on-demand"
+    if tpu.facts.no_price:
+        return Price(generation, region, spot, None, note=tpu.facts.no_price)
     rows = [r for r in doc["prices"] if r["generation"] == generation]
     row = next((r for r in rows if r["region"] == region), None)
     if row is None:

@@ -70,7 +70,7 @@ class Submission:
     name: str  # the queued resource and its node
     project: str
     zone: str
-    tpu: pricing.TpuType
+    tpu: tpu_types.TpuType
     image: str
     spot: bool
     keep: bool
@@ -85,7 +85,7 @@ class Submission:
     valid_until: str | None = None  # a duration (6h, 1h30m), or an RFC 3339 time as gcloud sends it
     max_run_s: int | None = None  # the job's wall-clock limit (None: no limit)
     stall_timeout_s: int | None = None  # stop after this long without progress (None: no guard)
-    unverified: str | None = None  # why TensorFlow on this TPU type and runtime is unverified (tpu_types)
+    unverified: str | None = None  # why this TPU type's runtime version is unverified (tpu_types)
     allow_unverified: bool = False
 
     @property
@@ -268,6 +268,8 @@ def prepare_submission(
             load_spec(spec_path, [*overrides, *override])
         except SpecError as error:
             problems.append(f"{flag} {given!r} is outside what the job accepts: {error}")
+    if "tpu" in checked:
+        problems += tpu_types.where_problems(checked["tpu"], checked.get("zone"), creates_vm)
     if problems:
         raise SpecError("cannot submit:\n  " + "\n  ".join(problems))
     tpu = checked["tpu"]
@@ -279,7 +281,7 @@ def prepare_submission(
         image=str(image),
         spot=spot,
         keep=keep,
-        runtime_version=runtime_version or tpu.runtime_version,
+        runtime_version=runtime_version or tpu_types.runtime_of(tpu)[0] or "",
         spec=spec,
         submission_id=submission_id or record.new_submission_id(),
         max_restarts=(DEFAULT_SPOT_RESTARTS if spot else 0) if max_restarts is None else max_restarts,
@@ -296,10 +298,10 @@ def prepare_submission(
 
 
 def check_verified(sub: Submission) -> None:
-    """A job no recipe covers (tpu_types.unverified_reason) is submitted only with --allow-unverified."""
+    """A runtime version no source names (tpu_types.unverified_reason) is submitted only with --allow-unverified."""
     if sub.unverified and not sub.allow_unverified:
         raise SpecError(f"cannot submit: {sub.unverified}. Give --allow-unverified to submit it anyway (a TPU VM "
-                        "job records it in its job.json), or choose a verified type (v5p-8) or --runtime-version")
+                        "job records it in its job.json)")
 
 
 

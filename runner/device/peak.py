@@ -1,13 +1,12 @@
 """Peak TFLOP/s of one device, per dtype: the denominator of MFU (runner/train/flops.py, docs/performance.md).
 
-TPUs and GPUs: the vendor's published figure, one row per generation or model and dtype in `TABLE`, each with
-its source. A "device" is one replica as the summary counts them (`accelerator.replicas`), so a chip's figure
-is divided by the devices TensorFlow makes of it: two on v3 (each TensorCore a replica; not run here), one on v5e
-and v6e (one TensorCore per chip). v4 and v5p have two TensorCores per chip run as one "megacore" device by
-default in JAX (jax.experimental.pallas.tpu.ChipVersion); that TensorFlow's TPUStrategy does the same is
-unverified here (no TPU ran), so those rows say so. GPUs: dense (no 2:4 sparsity) Tensor Core rates; float32
-is TensorFloat-32 on Ampere and later, as TensorFlow runs float32 matmuls there by default
-(`tf.config.experimental.enable_tensor_float_32_execution`).
+TPUs and GPUs: the vendor's published figure, one row per generation or model and dtype in `TABLE`, each with its
+source. The TPU rows are the TPU table's (runner/device/tpus.json: bf16 per chip, and the devices JAX makes of a
+chip). A "device" is one replica as the summary counts them (`accelerator.replicas`), so a chip's figure is divided
+by its devices: two on v3 and TPU7x (each TensorCore a device), one on v5e and v6e (one TensorCore per chip) and on
+v4 and v5p (two TensorCores run as one "megacore" device). Nothing here ran on a TPU. GPUs: dense (no 2:4 sparsity)
+Tensor Core rates; float32 is TensorFloat-32 on Ampere and later, as TensorFlow runs float32 matmuls there by
+default (`tf.config.experimental.enable_tensor_float_32_execution`).
 
 CPUs publish no such figure that matches what TensorFlow reaches, so the host measures its own: the best
 TFLOP/s of a chain of TensorFlow matmuls (the kernel of runner/job/matmul.py) in the dtype, measured once per
@@ -28,11 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
-from runner.device import host, tpu_env
+from runner.device import host, tpus
 
-TPU_DOCS = "https://cloud.google.com/tpu/docs/"
-MEGACORE = ("two TensorCores per chip, one device per chip assumed (JAX's megacore default, "
-            "jax.experimental.pallas.tpu.ChipVersion; unverified for TensorFlow)")
 # NVIDIA's H100 datasheet table as reproduced by a reseller (secondary: NVIDIA's own page was not read here).
 H100_SHEET = "NVIDIA H100 datasheet via https://archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html (secondary)"
 A100_SHEET = ("NVIDIA A100 datasheet (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
@@ -43,7 +39,7 @@ DENSE = "dense: half the datasheet's 'with sparsity' figure, as its footnote say
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
-    """A published peak: `match` is a TPU generation (runner/device/tpu_env.py's names) or words of a GPU's name."""
+    """A published peak: `match` is a TPU generation (runner/device/tpus.py's names) or words of a GPU's name."""
 
     kind: str
     match: str
@@ -58,15 +54,8 @@ class Peak:
 
 
 TABLE: tuple[Peak, ...] = (
-    Peak("tpu", "v3", "bfloat16", 123.0, 2, f"{TPU_DOCS}v3: 'Peak compute per chip 123 teraflops (bf16)', "
-         "two TensorCores per chip, each a device"),
-    Peak("tpu", "v4", "bfloat16", 275.0, 1, f"{TPU_DOCS}v4: 'Peak compute per chip 275 teraflops (bf16 or int8)'; "
-         + MEGACORE),
-    Peak("tpu", "v5litepod", "bfloat16", 197.0, 1, f"{TPU_DOCS}v5e: 'Peak compute per chip (bf16) 197 TFLOPs', "
-         "one TensorCore per chip"),
-    Peak("tpu", "v5p", "bfloat16", 459.0, 1, f"{TPU_DOCS}v5p: 'Peak compute per chip (bf16) 459 TFLOPs'; " + MEGACORE),
-    Peak("tpu", "v6e", "bfloat16", 918.0, 1, f"{TPU_DOCS}v6e: 'Peak compute per chip (bf16) 918 TFLOPs', "
-         "one TensorCore per chip"),
+    *(Peak("tpu", g.name, "bfloat16", float(g.peak[0]), g.peak[1], g.peak[2])
+      for g in tpus.generations().values() if g.peak),
     Peak("gpu", "H100 PCIe", "bfloat16", 756.5, 1, f"{H100_SHEET}: H100 PCIe BF16 Tensor Core 1,513 TFLOPS with "
          f"sparsity; {DENSE}"),
     Peak("gpu", "H100 PCIe", "float16", 756.5, 1, f"{H100_SHEET}: H100 PCIe FP16 Tensor Core 1,513 TFLOPS with "
@@ -128,7 +117,8 @@ def _matches(row: Peak, kind: str, detail: str) -> bool:
     if row.kind != kind:
         return False
     if kind == "tpu":
-        return tpu_env.generation_of(detail) == row.match
+        generation = tpus.generation_of(detail)
+        return generation is not None and generation.name == row.match
     return all(word.lower() in detail.lower() for word in row.match.split())
 
 

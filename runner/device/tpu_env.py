@@ -22,9 +22,10 @@ has every source and what this project has run):
       executor (the only device API before TF 2.15), and nothing is set.
   Ironwood (TPU7x): refused; Google: "TensorFlow is not supported on Ironwood (TPU7x)".
 
-The generation comes from TPU_ACCELERATOR_TYPE (the variable libtpu itself reads), else from the TPU VM's
-metadata server (instance/attributes/accelerator-type; GCE_METADATA_HOST points elsewhere, as for Google's
-clients). What was chosen is recorded in the summary as `accelerator.tpu_runtime`.
+Which generation takes which device API is the TPU table's `tensorflow_device_api` (runner/device/tpus.json), and
+the generation is parsed there too. The generation comes from TPU_ACCELERATOR_TYPE (the variable libtpu itself
+reads), else from the TPU VM's metadata server (instance/attributes/accelerator-type; GCE_METADATA_HOST points
+elsewhere, as for Google's clients). What was chosen is recorded in the summary as `accelerator.tpu_runtime`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import urllib.request
 from collections.abc import MutableMapping
 from typing import Any
 
-from runner.device import host
+from runner.device import host, tpus
 
 RUNTIMES_DOC = "https://cloud.google.com/tpu/docs/runtimes"
 KERAS_PJRT_EXAMPLE = "https://keras.io/keras_rs/examples/distributed_embedding_tf"
@@ -49,10 +50,6 @@ MLIR_BRIDGE_FLAGS = (
     "--tf_mlir_enable_merge_control_flow_pass=true",
 )
 PJRT_VARIABLES = ("PJRT_DEVICE", "NEXT_PLUGGABLE_DEVICE_USE_C_API", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH", "TF_XLA_FLAGS")
-STREAM_EXECUTOR_GENERATIONS = ("v2", "v3", "v4")
-PJRT_GENERATIONS = ("v5litepod", "v5p", "v6e")
-NO_TENSORFLOW_GENERATIONS = ("tpu7x", "v7x", "v7")
-_ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "trillium": "v6e", "ironwood": "tpu7x"}
 # The runtime version the TPU VM was created with, when whoever started the job passes it along.
 RUNTIME_VERSION_ENV = "RUNNER_TPU_RUNTIME_VERSION"
 _METADATA_PATH = "/computeMetadata/v1/instance/attributes/accelerator-type"
@@ -94,11 +91,13 @@ class TpuRuntime:
         return f"{what} for an unknown TPU generation"
 
 
-def generation_of(accelerator_type: str) -> str:
-    """`v5litepod-8` -> `v5litepod`, `v5e-4` -> `v5litepod`; an unknown name comes back as written."""
-    name = accelerator_type.strip().lower()
-    name = name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
-    return _ALIASES.get(name, name)
+def device_api_of(accelerator_type: str) -> tuple[str, str | None]:
+    """(the generation's name, the TensorFlow device API the TPU table gives it: pjrt, stream_executor or None
+    where TensorFlow does not run); an unknown name comes back as written, with `unknown` for its API."""
+    found = tpus.generation_of(accelerator_type)
+    if found is None:
+        return tpus.generation_name(accelerator_type), "unknown"
+    return found.name, found.row["tensorflow_device_api"]
 
 
 def metadata_accelerator_type(environ: MutableMapping[str, str], timeout: float = _METADATA_TIMEOUT_S) -> str | None:
@@ -190,27 +189,27 @@ def choose_tpu_env(target: str, environ: MutableMapping[str, str] | None = None,
     accelerator_type, source = environ.get("TPU_ACCELERATOR_TYPE") or None, "TPU_ACCELERATOR_TYPE"
     if accelerator_type is None:
         accelerator_type, source = metadata_accelerator_type(environ, metadata_timeout), "metadata server"
-    generation = generation_of(accelerator_type) if accelerator_type else None
+    generation, device_api = device_api_of(accelerator_type) if accelerator_type else (None, "unknown")
     base: dict[str, Any] = {
         "generation": generation, "accelerator_type": accelerator_type,
         "generation_from": source if accelerator_type else "unknown", "runtime_version": runtime_version,
     }
-    if generation in NO_TENSORFLOW_GENERATIONS:
+    if device_api is None:
         why = f"Google: TensorFlow is not supported on Ironwood (TPU7x) ({RUNTIMES_DOC})"
         return TpuRuntime("pjrt", why, problem=f"{accelerator_type}: TensorFlow does not run on this TPU generation "
                           f"({RUNTIMES_DOC}); use a v5e, v5p or v6e type", **base)
     asked_pjrt = environ.get("NEXT_PLUGGABLE_DEVICE_USE_C_API", "").lower() == "true"
-    if generation in STREAM_EXECUTOR_GENERATIONS and not asked_pjrt:
+    if device_api == "stream_executor" and not asked_pjrt:
         why = (f"{generation}: stream executor, TensorFlow's default; Google documents it and PJRT there from TF 2.15, "
                f"and PJRT lacks the TPU embedding API and tf.summary with soft placement on {generation} "
                f"({RUNTIMES_DOC}); NEXT_PLUGGABLE_DEVICE_USE_C_API=true asks for PJRT")
         version, _ = _libtpu()
         found = {k: environ[k] for k in PJRT_VARIABLES if environ.get(k)}
         return TpuRuntime("stream_executor", why, libtpu=version, found=found, **base)
-    if generation in STREAM_EXECUTOR_GENERATIONS:
+    if device_api == "stream_executor":
         why = (f"{generation}: PJRT, asked for by NEXT_PLUGGABLE_DEVICE_USE_C_API=true "
                f"(documented from TF 2.15; {RUNTIMES_DOC})")
-    elif generation in PJRT_GENERATIONS:
+    elif device_api == "pjrt":
         why = (f"{generation}: PJRT, the only device API Google supports from v5e on ({RUNTIMES_DOC}); "
                f"settings as {KERAS_PJRT_EXAMPLE}")
     elif generation is not None:

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from runner.device import tpus
 from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
 from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
@@ -173,12 +174,14 @@ def check_tpu_type(client: Any, access: Access, zone: str, tpu_type: str, timeou
     if tpu_type in offered:
         return Check("tpu_type", "ok", f"present: {zone} offers {tpu_type} ({len(offered)} types offered there)",
                      data=data)
-    generation = tpu_type.split("-")[0]
-    near = [t for t in offered if t.split("-")[0] == generation] or offered
+    facts = tpus.generation_of(tpu_type)
+    listed = f"; the TPU table lists {', '.join(facts.zones)}" if facts else ""
+    generation = tpus.generation_name(tpu_type)
+    near = [t for t in offered if tpus.generation_name(t) == generation] or offered
     return Check("tpu_type", "fail", f"missing: {zone} does not offer {tpu_type}; it offers "
                  f"{', '.join(near[:12]) or 'no TPU type at all'}{' ...' if len(near) > 12 else ''}",
                  f"pick a zone that offers it (gcloud compute tpus accelerator-types list --zone=ZONE "
-                 f"--project={access.project}) or a type {zone} offers", data=data)
+                 f"--project={access.project}{listed}) or a type {zone} offers", data=data)
 
 
 def quota_check(tpu_type: str, zone: str) -> Check:
@@ -375,9 +378,16 @@ def preflight(
     if access is None:
         return found + [Check(name, "fail", _NOT_RUN, "fix cloud_credentials first") for name in names]
 
-    client = clients.tpu()
-    found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
-    found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
+    facts = tpus.generation_of(tpu_type)
+    no_api = facts.refusal("tpu_vm") if facts else None
+    if no_api:  # TPU7x: GKE's node pools hold it; the Cloud TPU API does not know it
+        found += [Check(name, "warn", f"not checked: {tpu_type} is not in the Cloud TPU API: {no_api}",
+                        "check the cluster's TPU node pool: gcloud container node-pools list --cluster CLUSTER "
+                        f"--location {region(zone)}") for name in ("tpu_api", "tpu_type")]
+    else:
+        client = clients.tpu()
+        found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
+        found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
     found.append(quota_check(tpu_type, zone))
     if on == "vertex":
         found.append(bounded("engine", timeout, lambda: check_vertex(clients.vertex, access.project, zone, timeout)))

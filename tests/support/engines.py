@@ -19,11 +19,11 @@ IMAGE = "us-central1-docker.pkg.dev/runner-test/runner/runner:tpu"
 
 def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str, str] | None = None,
            image: str = IMAGE, project: str | None = PROJECT, preflight: bool = False,
-           allow: bool = True) -> subprocess.CompletedProcess:
+           allow: bool = False) -> subprocess.CompletedProcess:
     """`runner submit` with the flags every engine takes. SkyPilot gets no --project (it refuses one: its API
     server picks the project). A real submission skips the cloud checks unless `preflight`: these tests check
     what each engine is sent; test_submit_preflight.py runs the checks against fakes. `allow`: give
-    --allow-unverified (v5litepod-8 runs the image unverified, docs/tpu.md; tests of that give False)."""
+    --allow-unverified (for a --runtime-version no source names, docs/tpu.md)."""
     on = extra[extra.index("--on") + 1] if "--on" in extra else "tpu-vm"
     where = ["--project", project] if project and on != "skypilot" else []
     skip = [] if preflight or "--dry-run" in extra else ["--no-preflight"]
@@ -33,7 +33,6 @@ def submit(spec: Path, *extra: str, tpu_type: str = "v5litepod-8", env: dict[str
 
 
 def submission(spec: Path, tpu_type: str = "v5litepod-8", image: str = IMAGE, **flags: Any):
-    flags.setdefault("allow_unverified", True)  # v5e: the image is unverified there (docs/tpu.md)
     return prepare_submission(spec, [], tpu_type=tpu_type, zone=ZONE, image=image, project=PROJECT, **flags)
 
 

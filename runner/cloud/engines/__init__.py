@@ -61,10 +61,10 @@ FLAG_TARGETS = {
     "--runtime-version": ("tpu-vm", "skypilot"),
     "--max-restarts": ("tpu-vm", "gke"),
     "--max-run-duration": TARGETS, "--stall-timeout": TARGETS,
-    # What tpu_types verifies is the image's TensorFlow on a generation (every target) and TensorFlow on a
-    # TPU VM runtime: SkyPilot creates a TPU VM with the runtime given (accelerator_args.runtime_version), GKE
-    # and Vertex AI choose the host's software (only the image is judged there).
-    "--allow-unverified": TARGETS,
+    # What --allow-unverified allows is a TPU VM software version no source names (runner/cloud/tpu_types.py):
+    # SkyPilot creates a TPU VM with the runtime given (accelerator_args.runtime_version); GKE and Vertex AI
+    # choose the host's software themselves.
+    "--allow-unverified": ("tpu-vm", "skypilot"),
     "--project": ("tpu-vm", "gke", "vertex"),
     "--queue": ("gke",), "--namespace": ("gke",), "--cluster": ("gke",), "--format": ("gke",),
 }
@@ -174,7 +174,7 @@ def submit(on: str, sub: Submission, options: Options, *, dry_run: bool,
     anything is sent; it raises to stop the submission."""
     refuse_multi_host(sub)
     if not dry_run:
-        check_verified(sub)  # the image's TensorFlow on the generation, and SkyPilot's TPU VM runtime
+        check_verified(sub)  # SkyPilot's TPU VM runtime
     check = preflight or (lambda: None)
     if on == "skypilot":
         from runner.cloud.engines import skypilot

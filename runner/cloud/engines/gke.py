@@ -30,11 +30,12 @@ Security Standard: `preflight` checks both before anything is created, so this r
 clusters with TPU node pools.
 
 Only single-host slices run (runner/cloud/tpu_types.py). GKE names the host's TPU by accelerator and topology;
-the table below is GKE's (https://cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus, "TPU
-configurations"). v5litepod-8 and v6e-8 have a 2x4 topology both as one 8-chip host and as two 4-chip hosts
-(xpk's catalog makes the latter), so every pod also selects its machine type
-(`node.kubernetes.io/instance-type`, Kubernetes's well-known label): it lands on a one-host node pool of that
-type or nowhere, and NODE_POOL says how to make one. --format xpk is refused for those two types.
+HOSTS is read from the TPU table (runner/device/tpus.json: GKE's "Plan TPUs in GKE" page, and xpk's system
+characteristics for TPU7x, tpu7x-8 a 2x2x1 host of 4 chips, tpu7x-standard-4t). v5litepod-8 and v6e-8 have a 2x4
+topology both as one 8-chip host and as two 4-chip hosts (xpk's catalog makes the latter), so every pod also
+selects its machine type (`node.kubernetes.io/instance-type`, Kubernetes's well-known label): it lands on a
+one-host node pool of that type or nowhere, and NODE_POOL says how to make one. --format xpk is refused for those
+two types.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from runner.cloud.engines import (
     dump_yaml,
 )
 from runner.cloud.submit import DEFAULT_SPOT_RESTARTS, Submission
+from runner.device import tpus
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 # xpk restarts on these unless told otherwise (`xpk workload create --help`, --restart-on-exit-codes).
@@ -92,22 +94,18 @@ class Host:
 
 
 HOSTS = {
-    "v6e-1": Host("tpu-v6e-slice", "1x1", "ct6e-standard-1t", 1, 1),
-    "v6e-4": Host("tpu-v6e-slice", "2x2", "ct6e-standard-4t", 4, 1),
-    "v6e-8": Host("tpu-v6e-slice", "2x4", "ct6e-standard-8t", 8, 2),
-    "v5litepod-1": Host("tpu-v5-lite-podslice", "1x1", "ct5lp-hightpu-1t", 1, 0),
-    "v5litepod-4": Host("tpu-v5-lite-podslice", "2x2", "ct5lp-hightpu-4t", 4, 0),
-    "v5litepod-8": Host("tpu-v5-lite-podslice", "2x4", "ct5lp-hightpu-8t", 8, 2),
-    "v5p-8": Host("tpu-v5p-slice", "2x2x1", "ct5p-hightpu-4t", 4, 1),
-    "v4-8": Host("tpu-v4-podslice", "2x2x1", "ct4p-hightpu-4t", 4, 1),
+    name: Host(generation.row["gke"]["accelerator"], h["topology"], h["machine_type"], h["chips"], h["xpk_hosts"])
+    for generation in tpus.generations().values()
+    for name, h in generation.row["gke"].get("hosts", {}).items()
 }
 
 
 def host_of(sub: Submission) -> Host:
     host = HOSTS.get(sub.tpu.name)
     if host is None:
-        raise SpecError(f"--tpu-type {sub.tpu.name} has no GKE node type (GKE runs TPU v4, v5e, v5p and v6e); "
-                        f"single-host types on GKE: {', '.join(HOSTS)}")
+        why = sub.tpu.facts.refusal("gke") or "none in runner/device/tpus.json"
+        raise SpecError(f"--tpu-type {sub.tpu.name} has no GKE node type ({why}); single-host types on GKE: "
+                        f"{', '.join(HOSTS)}")
     return host
 
 

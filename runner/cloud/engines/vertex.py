@@ -17,11 +17,10 @@ Time limits: the job's own (`runner run ... --set train.max_duration=S --set tra
 time. The default is 7 days.", aiplatform_v1 types/custom_job.py); with `--max-run-duration none` it is left
 out and Vertex's 7 days apply. Whether Vertex restarts a worker that exits 124 is Vertex's to decide (above).
 
-The machine types are Vertex AI's for training on TPU VMs
-(https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
-`cloud-tpu` machine with 8 TPU cores). Vertex's "Training with TPU accelerators" page
-(https://cloud.google.com/vertex-ai/docs/training/training-with-tpu-vm) names TPU v2, v3 and v5e for training
-and says TensorFlow is not supported from TPU v6e on, so v5p and v6e are refused here. The container runs
+The machine types are Vertex AI's for training on TPU VMs, read from the TPU table (runner/device/tpus.json:
+https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
+`cloud-tpu` machine with 8 TPU cores). A generation the table gives no Vertex machine (v6e, v5p, v4, TPU7x)
+is refused with the table's reason. The container runs
 as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and Vertex's
 ContainerSpec has no user setting. None of this has run on Vertex from this project.
 """
@@ -33,22 +32,20 @@ import os
 from typing import Any
 
 from runner import AcceleratorError, SpecError
-from runner.cloud import pricing
+from runner.cloud import pricing, tpu_types
 from runner.cloud.engines import command, container_env, deadline_s
 from runner.cloud.submit import Submission
+from runner.device import tpus
 
 API = "aiplatform.googleapis.com"
 ENDPOINT_OVERRIDE = "CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM"  # gcloud's, honoured here too
 INSTALL = "pip install 'tpu-job-runner[vertex]'   (or: pip install google-cloud-aiplatform)"
 _CALL_TIMEOUT_S = 60.0
 
-# TPU type -> (machine type, TPU topology or None, accelerator type and count for the legacy machine or None)
-MACHINES: dict[str, tuple[str, str | None, tuple[str, int] | None]] = {
-    "v5litepod-1": ("ct5lp-hightpu-1t", "1x1", None),
-    "v5litepod-4": ("ct5lp-hightpu-4t", "2x2", None),
-    "v5litepod-8": ("ct5lp-hightpu-8t", "2x4", None),
-    "v3-8": ("cloud-tpu", None, ("TPU_V3", 8)),
-    "v2-8": ("cloud-tpu", None, ("TPU_V2", 8)),
+# TPU type -> {machine_type, topology (TPU VM machines), accelerator: [type, count] (the legacy machine)}
+MACHINES: dict[str, dict[str, Any]] = {
+    name: machine for generation in tpus.generations().values()
+    for name, machine in generation.row["vertex"].get("machines", {}).items()
 }
 
 
@@ -57,23 +54,20 @@ class VertexApiError(AcceleratorError):
 
 
 def machine_spec(sub: Submission) -> dict[str, Any]:
-    if sub.tpu.generation == "v6e":
-        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: Vertex AI does not support TensorFlow from TPU v6e "
-                        "on (its page on training with TPU VMs); run v6e with --on tpu-vm, skypilot or gke, or pick "
-                        f"one of {', '.join(MACHINES)}")
-    if sub.tpu.generation == "v5p":
-        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: Vertex AI's page on training with TPUs names TPU "
-                        "v2, v3 and v5e, not v5p; run v5p with --on tpu-vm, skypilot or gke, or pick one of "
-                        f"{', '.join(MACHINES)}")
+    try:
+        tpu_types.refuse_on(sub.tpu, "vertex")
+    except SpecError as error:
+        raise SpecError(f"{error}; run {sub.tpu.generation} with another --on, or pick one of "
+                        f"{', '.join(MACHINES)}") from None
     if sub.tpu.name not in MACHINES:
         raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: no Vertex AI training machine for it; Vertex runs "
                         f"{', '.join(MACHINES)}")
-    machine, topology, accelerator = MACHINES[sub.tpu.name]
-    spec: dict[str, Any] = {"machineType": machine}
-    if topology:
-        spec["tpuTopology"] = topology
-    if accelerator:
-        spec["acceleratorType"], spec["acceleratorCount"] = accelerator
+    machine = MACHINES[sub.tpu.name]
+    spec: dict[str, Any] = {"machineType": machine["machine_type"]}
+    if machine.get("topology"):
+        spec["tpuTopology"] = machine["topology"]
+    if machine.get("accelerator"):
+        spec["acceleratorType"], spec["acceleratorCount"] = machine["accelerator"]
     return spec
 
 

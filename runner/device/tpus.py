@@ -1,0 +1,173 @@
+"""Cloud TPU hardware facts: one table (runner/device/tpus.json), one parser of an accelerator type.
+
+Each generation's row holds what is known of it, every fact with a key of the table's `sources`: how the type
+counts (chips, or TensorCores at two per chip), chips per host, the bf16 peak per chip and the devices JAX makes
+of a chip, the TPU VM software version per backend, GKE's and Vertex AI's machine types, the zones that offer
+it, and, where a generation has none, why there is no list price. Per-region prices are the table's `prices`
+(runner/cloud/pricing.py reads them). `runner submit`, the engines, the MFU peak (runner/device/peak.py), the
+TPU device API (runner/device/tpu_env.py) and the doctor read these rows; no other module names a generation.
+
+A type is GENERATION-SIZE as the Cloud TPU API and xpk spell it (v5litepod-8, v6e-8, v5p-8, tpu7x-8); the
+names people also type (v5e-8, trillium-8, ironwood-8) are the rows' `aliases`. Imports neither TensorFlow
+nor JAX: `runner validate` and `runner submit` run without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from runner import SpecError
+
+TABLE = Path(__file__).with_name("tpus.json")
+BACKENDS = ("jax", "tensorflow")
+_TYPE = re.compile(r"([a-z0-9]+)-(\d+)")
+
+
+@lru_cache(maxsize=2)
+def table(path: Path = TABLE) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def source(key: str) -> str:
+    """The text of one of the table's sources (a key the rows name)."""
+    return table()["sources"][key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One row of the table; `row` is the JSON as written, the properties its parts."""
+
+    row: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.row["name"]
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.row["chips_per_host"]
+
+    def chips(self, size: int) -> int:
+        """The chips of GENERATION-SIZE: the size counts chips (v5e, v6e) or TensorCores, two per chip."""
+        return size if self.row["counts"] == "chips" else size // 2
+
+    def valid(self, size: int) -> bool:
+        sizes = self.row["sizes"]
+        return size in sizes if sizes is not None else size >= 8 and size % 8 == 0
+
+    def sizes_text(self) -> str:
+        sizes = self.row["sizes"]
+        return "multiples of 8" if sizes is None else ", ".join(map(str, sizes))
+
+    def single_host_types(self) -> list[str]:
+        sizes = self.row["sizes"] or range(8, 8 * self.chips_per_host + 1, 8)
+        return [f"{self.name}-{s}" for s in sizes if self.chips(s) <= self.chips_per_host]
+
+    def runtime(self, backend: str = "jax") -> tuple[str | None, str]:
+        """(the TPU VM software version for `backend`, its source), or (None, why there is none)."""
+        found = self.row["runtime"][backend]
+        if found is None:
+            return None, f"{self.row['no_runtime'][backend]} ({source(self.row['no_runtime_source'])})"
+        return found["version"], source(found["source"])
+
+    @property
+    def peak(self) -> tuple[float, int, str] | None:
+        """(bf16 TFLOP/s per chip, devices JAX makes of a chip, source), or None when the table has none."""
+        peak = self.row["peak"]
+        if peak is None:
+            return None
+        return peak["bf16_tflops_per_chip"], peak["devices_per_chip"], source(peak["source"])
+
+    @property
+    def zones(self) -> tuple[str, ...]:
+        return tuple(self.row["zones"])
+
+    @property
+    def zones_source(self) -> str:
+        return f"{source(self.row['zones_source'])}; read {table()['zones_read']}"
+
+    @property
+    def no_price(self) -> str | None:
+        """Why this generation has no list price anywhere (TPU7x), or None."""
+        return self.row.get("no_price")
+
+    def refusal(self, target: str) -> str | None:
+        """Why `target` (tpu_vm, gke, vertex) cannot run this generation at all, with the source; None when it can."""
+        part = self.row.get(target) or {}
+        return f"{part['refused']} ({source(part['source'])})" if part.get("refused") else None
+
+
+@lru_cache(maxsize=1)
+def generations() -> dict[str, Generation]:
+    """Every generation by the name the API uses, in the table's order (generally available ones newest first,
+    then TPU7x, whose access goes through the account team)."""
+    return {row["name"]: Generation(row) for row in table()["generations"]}
+
+
+@lru_cache(maxsize=1)
+def _aliases() -> dict[str, str]:
+    return {alias: g.name for g in generations().values() for alias in g.row["aliases"]}
+
+
+def generation_name(accelerator_type: str) -> str:
+    """The generation an accelerator type names, as the API spells it: `v5litepod-8`, `v5e-4` -> v5litepod,
+    `tpu7x` -> tpu7x (as the API, the TPU VM's metadata, TPU_ACCELERATOR_TYPE or a summary writes it); a name
+    the table does not know comes back as written, without its size."""
+    name = accelerator_type.strip().lower()
+    head, _, tail = name.rpartition("-")
+    name = head if tail.isdigit() and head else name
+    return _aliases().get(name, name)
+
+
+def generation_of(accelerator_type: str) -> Generation | None:
+    """The table's row for the generation an accelerator type names; None for one it does not know."""
+    return generations().get(generation_name(accelerator_type))
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuType:
+    name: str  # as the API wants it, e.g. v5litepod-8
+    generation: str
+    chips: int
+    hosts: int
+
+    @property
+    def single_host(self) -> bool:
+        return self.hosts == 1
+
+    @property
+    def facts(self) -> Generation:
+        return generations()[self.generation]
+
+
+def parse_tpu_type(text: str) -> TpuType:
+    """`v5litepod-8` -> TpuType; a wrong generation or size is refused with the accepted ones."""
+    known = ", ".join(generations())
+    match = _TYPE.fullmatch(text.strip().lower())
+    if not match:
+        raise SpecError(f"--tpu-type {text!r} must look like GENERATION-SIZE, e.g. v5litepod-8 or v6e-8 "
+                        f"(generations: {known})")
+    name, size = match.group(1), int(match.group(2))
+    if name not in generations():
+        if name in _aliases():
+            raise SpecError(f"--tpu-type {text!r}: the Cloud TPU API calls it {_aliases()[name]}-{size}")
+        close = difflib.get_close_matches(name, list(generations()), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}-{size}?" if close else ""
+        raise SpecError(f"--tpu-type {text!r}: unknown TPU generation {name!r}{hint} (known: {known})")
+    generation = generations()[name]
+    if not generation.valid(size):
+        raise SpecError(f"--tpu-type {text!r}: {name} comes in sizes {generation.sizes_text()}, not {size}")
+    chips = generation.chips(size)
+    return TpuType(f"{name}-{size}", name, chips, max(1, math.ceil(chips / generation.chips_per_host)))
+
+
+def single_host_types() -> list[str]:
+    """Every type that fits on one host, in the table's order."""
+    return [name for generation in generations().values() for name in generation.single_host_types()]
