@@ -37,6 +37,20 @@ def jax_job(mnist_job, name: str, **sections):
     )
 
 
+def tiny_model(folder) -> str:
+    """A one-layer model in the spec's code folder: it compiles in seconds where the CNN takes tens under XLA
+    on this CPU, for the tests that are about the run folder rather than the model."""
+    (folder / "tinynet.py").write_text(
+        "import keras\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    y = keras.layers.Dense(10, activation='softmax')(flat)\n"
+        "    return keras.Model(x, y)\n"
+    )
+    return "tinynet:build"
+
+
 def orbax_steps(run_dir) -> list[int]:
     """The whole Orbax checkpoints in the run folder (a save in progress is a `.orbax-checkpoint-tmp` folder)."""
     folder = run_dir / "checkpoints"
@@ -228,11 +242,12 @@ def test_xla_cost_analysis_and_the_per_layer_count_agree_on_the_built_in_cnn():
 
 
 @pytest.mark.slow
-def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mnist_job):
+def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mnist_job, tmp_path):
     """Orbax writes the arrays through TensorStore's GCS client (pointed at the emulator with
     TENSORSTORE_GCS_HTTP_URL) and its metadata through TensorFlow's gs:// client (the rig's TLS proxy)."""
     bucket = gcs.bucket()
     spec = jax_job(mnist_job, "jax-gcs", data={"eval": None, "global_batch_size": 64},
+                   model={"name": tiny_model(tmp_path)},
                    train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True},
                    output={"dir": f"gs://{bucket}/runs", "tensorboard": False})
     first = run_cli("run", spec, env=cli_env(**gcs.env), timeout=600)
