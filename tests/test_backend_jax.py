@@ -27,14 +27,14 @@ STEPS, EPOCHS = 6, 2
 
 
 def jax_job(mnist_job, name: str, **sections):
-    return mnist_job(
-        name,
-        accelerator={"kind": "cpu", "backend": "jax"},
-        data={"global_batch_size": 64},
-        train={"epochs": EPOCHS, "steps_per_epoch": STEPS, "allow_chance": True},
-        output={"tensorboard": False},
-        **sections,
-    )
+    """A small MNIST job under JAX; `sections` override these (a section given replaces its defaults here)."""
+    defaults = {
+        "accelerator": {"kind": "cpu", "backend": "jax"},
+        "data": {"global_batch_size": 64},
+        "train": {"epochs": EPOCHS, "steps_per_epoch": STEPS, "allow_chance": True},
+        "output": {"tensorboard": False},
+    }
+    return mnist_job(name, **{**defaults, **sections})
 
 
 def tiny_model(folder) -> str:
