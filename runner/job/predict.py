@@ -52,7 +52,7 @@ def load_trained(spec: JobSpec) -> Trained:
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
+    model, checkpoint = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
     step = build.restore(checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
