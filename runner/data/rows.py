@@ -6,6 +6,7 @@ reads rows for the model from them, so a row given to predict is read exactly as
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 from pathlib import Path
 
@@ -97,3 +98,97 @@ def decode_image(path: Path, channels: int, size: tuple[int, int] | None) -> np.
         resized = tf.image.resize(image, size, method="bilinear")
         image = tf.cast(tf.round(tf.clip_by_value(resized, 0, 255)), tf.uint8)
     return image.numpy()
+
+
+# --- rows for predict, read as `runner prepare` read the training data -------------------------------------
+
+
+def vocabulary_of(manifest: dict, name: str) -> list[str] | None:
+    """A category column's words (id = position) from the manifest, None for a column of numbers."""
+    words = (manifest.get("preprocessing") or {}).get("vocabularies", {}).get(name)
+    return words if isinstance(words, list) else None
+
+
+def word_ids(words: list[str], vocabulary: list[str], what: str, manifest_path: str, where=None) -> np.ndarray:
+    """Category words as the ids training stored; a word never seen in training stops, naming it and the words
+    the model knows (an unknown category has no id that means it)."""
+    index = {word: i for i, word in enumerate(vocabulary)}
+    for i, word in enumerate(words):
+        if word not in index:
+            close = [w for w in vocabulary if w.lower() == word.lower()] or difflib.get_close_matches(
+                word, vocabulary, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            known = ", ".join(map(repr, vocabulary[:20])) + (", ..." if len(vocabulary) > 20 else "")
+            at = where(i) if where else f"{what} (row {i})"
+            raise DataError(
+                f"{at}: {word!r} is not a category the model was trained on{hint}; {manifest_path} "
+                f"(preprocessing.vocabularies) knows {known}: give one of those"
+            )
+    return np.array([index[word] for word in words], dtype=np.int64)
+
+
+def csv_inputs(path: Path, inputs: tuple[str, ...], features: dict, manifest: dict,
+               manifest_path: str) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The inputs of every record of a CSV (other columns, the label among them, are ignored): category words
+    mapped through the manifest's vocabularies, missing cells filled as `--missing fill` filled them in training
+    (`preprocessing.missing`), numbers as the feature's dtype. Returns the arrays and each record's line."""
+    header, records, lines = read_csv(path)
+    absent = [name for name in inputs if name not in header]
+    if absent:
+        raise DataError(f"{path}: no column {absent[0]!r}, an input of the model (data.inputs: {', '.join(inputs)}); "
+                        f"the columns are: {', '.join(header)}")
+    missing = (manifest.get("preprocessing") or {}).get("missing") or {}
+    filled = missing.get("filled") or {}
+    arrays = {}
+    for name in inputs:
+        cells = [record[header.index(name)].strip() for record in records]
+        for i, cell in enumerate(cells):
+            if cell not in MISSING:
+                continue
+            if name not in filled:
+                how = {"drop": "training left out records with a gap (--missing drop)",
+                       "fill": f"training filled no gap in {name!r}"}.get(missing.get("rule"), "training had none")
+                raise DataError(f"{path}:{lines[i]}: column {name!r} is missing ({cell!r}); {how}: fill it in")
+            cells[i] = filled[name]["value"]
+        vocabulary = vocabulary_of(manifest, name)
+        if vocabulary is not None:
+            arrays[name] = word_ids(cells, vocabulary, name, manifest_path,
+                                    lambda i, name=name: f"{path}:{lines[i]}: column {name!r}")
+            continue
+        arrays[name] = _numbers(cells, features[name].dtype, name, path, lines)
+    return arrays, lines
+
+
+def _numbers(cells: list[str], dtype: str, name: str, path: Path, lines: list[int]) -> np.ndarray:
+    values = []
+    for i, cell in enumerate(cells):
+        try:
+            values.append(float(cell))
+        except ValueError:
+            raise DataError(f"{path}:{lines[i]}: column {name!r} is {cell!r}; the model was trained on numbers "
+                            f"there ({dtype}): give a number") from None
+    return np.array(values, dtype=np.float64)  # checked against the training range by the caller, then cast
+
+
+def image_inputs(path: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str], list[str]]:
+    """An image file, or every image in a folder (sorted; other files skipped, as `prepare images` skips them),
+    as uint8 [height, width, channels] of the model's input `shape`: decoded into its channels and resized
+    (bilinear, as `prepare images --size` resizes) when of another size. Returns the images, each one's path,
+    and notes."""
+    if len(shape) != 3 or shape[2] not in CHANNELS.values():
+        raise DataError(f"{path}: the model's input is not an image ([height, width, channels]: {list(shape)})")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise DataError(f"{path} holds no {'/'.join(IMAGE_EXTENSIONS)} images")
+    images, resized = [], []
+    for file in files:
+        image = decode_image(file, shape[2], None)
+        if image.shape != tuple(shape):
+            resized.append(f"{file.name} ({image.shape[0]}x{image.shape[1]})")
+            image = decode_image(file, shape[2], shape[:2])
+        images.append(image)
+    notes = [f"resized to {shape[0]}x{shape[1]} (bilinear, as `runner prepare images --size` does): "
+             f"{', '.join(resized[:5])}{', ...' if len(resized) > 5 else ''}"] if resized else []
+    names = [str(f.relative_to(path)) if path.is_dir() else f.name for f in files]
+    return np.stack(images), names, notes

@@ -294,6 +294,16 @@ def _output_activation(model: Any) -> tuple[Any, str] | None:
     return (layer, name) if isinstance(name, str) else None
 
 
+def output_kind(model: Any) -> str | None:
+    """"logits" or "probabilities": what a compiled model's output is, by its loss (from_logits) or else its
+    output layer's softmax or sigmoid; None for neither (a regression, a loss that does not say)."""
+    expects = _expects(model.loss)
+    if expects is not None:
+        return expects
+    found = _output_activation(model)
+    return "probabilities" if found is not None and found[1] in _PROBABILITY_ACTIVATIONS else None
+
+
 def check_loss_agreement(model: Any, loss: Any) -> None:
     """SpecError (exit 2) when the loss expects probabilities and the output layer gives logits, or the reverse.
 
