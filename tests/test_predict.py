@@ -298,6 +298,13 @@ def test_predict_maps_a_csvs_category_words_and_gaps_through_the_manifest_and_na
     np.testing.assert_allclose([line["probabilities"] for line in lines], outputs, atol=1e-5)
     assert [json.loads(line)["class"] for line in from_words.stdout.splitlines()][::2] == expected[::2]
 
+    # evaluate reads the same CSV with its label column, the text labels through class_names.
+    evaluated = run_cli("evaluate", spec, "--input", tmp_path / "days.csv")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = last_json(evaluated.stdout)
+    assert report["examples"] == 3
+    assert report["metrics"]["accuracy"] == pytest.approx(np.mean(np.array(expected) == [1, 0, 1]), abs=1e-6)
+
     # A word training never saw: refused naming the line, the column, the words it knows; no --no-check offered.
     (tmp_path / "snow.csv").write_text("temperature,humidity,sky\n-2.0,90,Cloudy\n")
     refused = run_cli("predict", spec, "--input", tmp_path / "snow.csv")

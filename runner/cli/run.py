@@ -147,7 +147,8 @@ NoCheck = Annotated[
 def evaluate(
     spec: SpecPath,
     input: Annotated[str | None, typer.Option("--input", "-i", help="Rows with labels instead of data.eval: an .npz "
-                                              "holding each input and the label, or a TFRecord glob.")] = None,
+                                              "holding each input and the label, a .csv with those columns, or a "
+                                              "TFRecord glob.")] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
     overrides: Overrides = None,
@@ -164,6 +165,7 @@ def evaluate(
     * `runner evaluate jobs/mnist_cnn.yaml`
     * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
     * `runner evaluate jobs/mnist_cnn.yaml --input labelled.npz` (arrays `image` and `label`)
+    * `runner evaluate job.yaml --input labelled.csv` (a table prepared with `runner prepare csv`, its label column)
     """
     job = trained_command_setup(spec, overrides, debug)
     from runner.job import predict as predict_mod

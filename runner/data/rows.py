@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import difflib
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,9 +110,10 @@ def vocabulary_of(manifest: dict, name: str) -> list[str] | None:
     return words if isinstance(words, list) else None
 
 
-def word_ids(words: list[str], vocabulary: list[str], what: str, manifest_path: str, where=None) -> np.ndarray:
-    """Category words as the ids training stored; a word never seen in training stops, naming it and the words
-    the model knows (an unknown category has no id that means it)."""
+def word_ids(words: list[str], vocabulary: list[str], known_in: str, where: Callable[[int], str]) -> np.ndarray:
+    """Category words as the ids training stored; a word never seen in training stops, naming where it is
+    (`where(row)`), the words the model knows and where they are recorded (`known_in`): an unknown category
+    has no id that means it."""
     index = {word: i for i, word in enumerate(vocabulary)}
     for i, word in enumerate(words):
         if word not in index:
@@ -119,11 +121,8 @@ def word_ids(words: list[str], vocabulary: list[str], what: str, manifest_path: 
                 word, vocabulary, 1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             known = ", ".join(map(repr, vocabulary[:20])) + (", ..." if len(vocabulary) > 20 else "")
-            at = where(i) if where else f"{what} (row {i})"
-            raise DataError(
-                f"{at}: {word!r} is not a category the model was trained on{hint}; {manifest_path} "
-                f"(preprocessing.vocabularies) knows {known}: give one of those"
-            )
+            raise DataError(f"{where(i)}: {word!r} is not a category the model was trained on{hint}; {known_in} "
+                            f"knows {known}: give one of those")
     return np.array([index[word] for word in words], dtype=np.int64)
 
 
@@ -152,11 +151,29 @@ def csv_inputs(path: Path, inputs: tuple[str, ...], features: dict, manifest: di
             cells[i] = filled[name]["value"]
         vocabulary = vocabulary_of(manifest, name)
         if vocabulary is not None:
-            arrays[name] = word_ids(cells, vocabulary, name, manifest_path,
+            arrays[name] = word_ids(cells, vocabulary, f"{manifest_path} (preprocessing.vocabularies)",
                                     lambda i, name=name: f"{path}:{lines[i]}: column {name!r}")
             continue
         arrays[name] = _numbers(cells, features[name].dtype, name, path, lines)
     return arrays, lines
+
+
+def csv_labels(path: Path, label: str, dtype: str, class_names: list[str] | None, manifest_path: str) -> np.ndarray:
+    """A CSV's label column as training stored it: class ids through `class_names` for text labels, else
+    numbers; a missing label stops (no label was made up in training either)."""
+    header, records, lines = read_csv(path)
+    if label not in header:
+        raise DataError(f"{path}: no column {label!r} (data.label): evaluate needs the labels; the columns are: "
+                        f"{', '.join(header)}")
+    cells = [record[header.index(label)].strip() for record in records]
+    gap = next((i for i, cell in enumerate(cells) if cell in MISSING), None)
+    if gap is not None:
+        raise DataError(f"{path}:{lines[gap]}: label {label!r} is missing ({cells[gap]!r}): fill it in or drop the row")
+    if class_names:
+        return word_ids(cells, list(class_names), f"{manifest_path} (class_names)",
+                        lambda i: f"{path}:{lines[i]}: label {label!r}")
+    values = _numbers(cells, dtype, label, path, lines)
+    return values.astype(np.int64 if dtype == "int64" else np.float32)
 
 
 def _numbers(cells: list[str], dtype: str, name: str, path: Path, lines: list[int]) -> np.ndarray:

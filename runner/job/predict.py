@@ -65,7 +65,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     input and the label; a TFRecord glob is read like data.eval)."""
     trained = load_trained(spec)
     options = options or InputOptions()
-    if input_path is not None and Path(input_path).suffix in (".npy", ".npz"):
+    if input_path is not None and Path(input_path).suffix.lower() in (".npy", ".npz", ".csv"):
         return _evaluate_rows(spec, trained, input_path, options)
     if options.scale is not None:
         raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
@@ -115,28 +115,33 @@ def _report(spec: JobSpec, trained: Trained, examples: int, results: dict) -> di
 def _evaluate_rows(spec: JobSpec, trained: Trained, path: str, options: InputOptions) -> Evaluated:
     """Evaluation on in-memory rows, padded as data.eval is (runner/data/pipeline.py `_weighted_records`):
     real rows weigh padded / rows and the padding 0, so metrics and loss are exact means over the rows."""
-    if Path(path).suffix != ".npz":
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":  # the label column, text labels through the manifest's class_names
+        labels = rows.csv_labels(Path(path), spec.data.label, trained.features[spec.data.label].dtype,
+                                 trained.manifest.get("class_names") or None, trained.manifest_path)
+    elif suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            if spec.data.label not in archive:
+                raise DataError(f"{path} lacks the label array {spec.data.label!r}; it has {sorted(archive.files)}")
+            labels = archive[spec.data.label]
+    else:
         raise DataError(
             f"{path}: evaluate needs the labels too: an .npz holding {', '.join(map(repr, spec.data.inputs))} "
-            f"and the label {spec.data.label!r}"
+            f"and the label {spec.data.label!r}, or a .csv with those columns"
         )
-    with np.load(path, allow_pickle=False) as archive:
-        if spec.data.label not in archive:
-            raise DataError(f"{path} lacks the label array {spec.data.label!r}; it has {sorted(archive.files)}")
-        labels = archive[spec.data.label]
     given = given_inputs(path, spec, trained, options)
-    arrays, notes, rows = given.arrays, given.notes, len(labels)
-    if any(len(a) != rows for a in arrays.values()):
+    arrays, notes, count = given.arrays, given.notes, len(labels)
+    if any(len(a) != count for a in arrays.values()):
         counts = {n: len(a) for n, a in {**arrays, spec.data.label: labels}.items()}
         raise DataError(f"{path}: the arrays hold different numbers of rows: {counts}")
     batch = _batch_for(spec, trained.accelerator)
-    padded = -(-rows // batch) * batch
-    weights = np.concatenate([np.full(rows, padded / rows, np.float32), np.zeros(padded - rows, np.float32)])
-    y = np.concatenate([labels, np.repeat(labels[:1], padded - rows, axis=0)])
+    padded = -(-count // batch) * batch
+    weights = np.concatenate([np.full(count, padded / count, np.float32), np.zeros(padded - count, np.float32)])
+    y = np.concatenate([labels, np.repeat(labels[:1], padded - count, axis=0)])
     x = _padded(spec, trained.features, arrays, padded)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(batch, drop_remainder=True)
     results = trained.model.evaluate(dataset, return_dict=True, verbose=0)
-    return Evaluated(_report(spec, trained, rows, results), notes)
+    return Evaluated(_report(spec, trained, count, results), notes)
 
 
 def _preprocess(spec: JobSpec):
@@ -204,8 +209,9 @@ def read_inputs(path: str, spec: JobSpec, trained: Trained) -> tuple[dict[str, n
             if vocabulary is None:
                 raise DataError(f"{path}: input {name!r} holds words ({array.dtype}), but the model was trained on "
                                 f"numbers there ({trained.manifest_path} has no vocabulary for it): give numbers")
-            ids = rows.word_ids(array.astype(str).ravel().tolist(), vocabulary, f"{path}: input {name!r}",
-                                trained.manifest_path)
+            ids = rows.word_ids(array.astype(str).ravel().tolist(), vocabulary,
+                                f"{trained.manifest_path} (preprocessing.vocabularies)",
+                                lambda i, name=name: f"{path}: input {name!r} (row {i})")
             arrays[name] = ids.reshape(array.shape)
         expected = tuple(features[name].shape)
         if arrays[name].shape[1:] != expected:
