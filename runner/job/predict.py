@@ -68,7 +68,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     if input_path is not None and Path(input_path).suffix.lower() in (".npy", ".npz", ".csv"):
         return _evaluate_rows(spec, trained, input_path, options)
     if options.scale is not None:
-        raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
+        raise SpecError("--scale is for rows in .npy/.npz/.csv: TFRecords are decoded and preprocessed as in training")
     pattern = input_path or spec.data.eval
     if not pattern:
         raise SpecError(f"data.eval is not set: {_eval_hint(spec.data.train, trained.manifest)}")

@@ -92,8 +92,8 @@ def images_dataset(
         pool = [(path, names.index(c)) for c in names for path in classes[c]]
         if not pool:
             raise DataError(f"{folder}: its class folders hold no {'/'.join(EXTENSIONS)} images")
-        rows = own.split_rows(len(pool), own.parse_split(split or own.DEFAULT_SPLIT), str(folder))
-        files = {part: [pool[i] for i in chosen] for part, chosen in rows.items()}
+        cut = own.split_rows(len(pool), own.parse_split(split or own.DEFAULT_SPLIT), str(folder))
+        files = {part: [pool[i] for i in chosen] for part, chosen in cut.items()}
     empty = [part for part, listed in files.items() if not listed]
     if empty:
         raise DataError(f"{folder / empty[0]} holds no {'/'.join(EXTENSIONS)} images")

@@ -253,11 +253,13 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
     columns = {name: [cells[i] for i in kept] for name, cells in columns.items()}
     lines = [lines[i] for i in kept]
     fractions = parse_split(split or DEFAULT_SPLIT)
-    chosen = split_rows(len(lines), fractions, str(source))
     done = {}
     if rule is not None:
-        training = chosen["train"] if "train" in chosen else next(iter(chosen.values()))
-        filled = missing.fill(columns, missing.gaps_of(columns), rule, training.tolist(), source)
+        left = missing.gaps_of(columns)
+        # The cut that follows, made now: a median is taken over the training split only.
+        cut = split_rows(len(lines), fractions, str(source)) if left else {}
+        training = cut.get("train", next(iter(cut.values()), None))
+        filled = missing.fill(columns, left, rule, training.tolist(), source) if left else {}
         done = {"missing": {"rule": "drop" if rule.drop else "fill", "dropped": len(rows) - len(kept),
                             **({"filled": filled} if filled else {})}}
         log.info("--missing %s: %d of %d records left out%s", missing_cells, len(rows) - len(kept), len(rows),
@@ -285,6 +287,7 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
         else:
             values[name] = _numbers(cells, kind, lines, source, name)
             kinds[name] = Feature(kind, ())
+    chosen = split_rows(len(lines), fractions, str(source))
     splits = {part: {name: column[at] for name, column in values.items()} for part, at in chosen.items()}
     preprocessing = {
         "columns": {name: ("category" if name in vocabularies else kinds[name].dtype) for name in inputs},
