@@ -73,6 +73,8 @@ def test_missing_cells_are_dropped_or_filled_from_the_training_split_and_recorde
         own.csv_dataset(str(table), "outcome", missing_cells="fill=age:0")
     with pytest.raises(SpecError, match=r"column 'age' holds numbers; 'unknown' is no number"):
         own.csv_dataset(str(table), "outcome", missing_cells="fill=unknown")
+    with pytest.raises(SpecError, match=r"has no column 'cty' among those used \(did you mean 'city'\?\)"):
+        own.csv_dataset(str(table), "outcome", missing_cells="fill=age:0,chol:median,cty:unknown")
     with pytest.raises(SpecError, match=r"'outcome' is the label; a label is never filled"):
         own.csv_dataset(str(table), "outcome", missing_cells="fill=outcome:well")
 

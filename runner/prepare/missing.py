@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import statistics
 from pathlib import Path
 
@@ -85,8 +86,16 @@ def refuse(gaps: dict[str, list[int]], columns: dict[str, list[str]], lines: lis
     )
 
 
-def kept_records(gaps: dict[str, list[int]], rule: Rule, label: str, count: int, path: Path) -> list[int]:
-    """The records `rule` keeps: without the label's gaps, and under `drop` without any gap."""
+def kept_records(gaps: dict[str, list[int]], rule: Rule, label: str, columns: list[str], path: Path,
+                 count: int) -> list[int]:
+    """The records `rule` keeps: without the label's gaps, and under `drop` without any gap. A column `rule`
+    names that the dataset does not use is refused: a typo would otherwise leave its gaps to another rule."""
+    unknown = [name for name in rule.fills if name is not None and name not in columns]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], columns, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecError(f"--missing: {path} has no column {unknown[0]!r} among those used{hint}; they are: "
+                        f"{', '.join(columns)}")
     if label in (name for name in rule.fills if name is not None):
         raise SpecError(f"--missing: {label!r} is the label; a label is never filled (its records are left out)")
     dropped = set(gaps.get(label, ()))

@@ -249,7 +249,8 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
     gaps = missing.gaps_of(columns)
     if rule is None:
         missing.refuse(gaps, columns, lines, source, label)
-    kept = missing.kept_records(gaps, rule, label, len(rows), source) if rule else list(range(len(rows)))
+    kept = (missing.kept_records(gaps, rule, label, list(columns), source, len(rows)) if rule
+            else list(range(len(rows))))
     columns = {name: [cells[i] for i in kept] for name, cells in columns.items()}
     lines = [lines[i] for i in kept]
     fractions = parse_split(split or DEFAULT_SPLIT)
