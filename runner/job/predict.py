@@ -5,9 +5,11 @@ under this machine's strategy (tf.train.Checkpoint is independent of the replica
 padded to whole batches and the padding dropped from the outputs (predict) or weighted 0 in every metric
 and the loss (evaluate: every record counts once), so any number of rows works on any number of replicas.
 
-Rows given as .npy/.npz are compared with what the model was trained on (the manifest's `value_ranges`
+Rows given as .npy/.npz/.csv are compared with what the model was trained on (the manifest's `value_ranges`
 beside data.train) before anything is predicted: a model fed 0..1 pixels after training on 0..255 answers
-confidently and wrongly, without an error, so a range, dtype kind or shape that does not match stops.
+confidently and wrongly, without an error, so a range, dtype kind or shape that does not match stops. A CSV's
+words, an .npz's words and image files are read as `runner prepare` read the training data
+(runner/data/rows.py); the answers speak the data's terms (runner/job/answers.py).
 """
 
 from __future__ import annotations
