@@ -6,7 +6,9 @@ of its `classes` param when it is a classifier (labels are class ids 0 .. classe
 validation reads the names without TensorFlow; the build functions import Keras only when called.
 
 A build function takes the spec's `model.params` (a dict), the input features (name -> Feature: `.shape`,
-`.dtype`) and the input names, and returns a `keras.Model`. The table is explicit: no import-time registration.
+`.dtype`) and the input names, and returns a `keras.Model`; `tabular` also takes the training data's manifest
+(`Columns`: vocabularies, value ranges, classes), so a CSV trains without copying them into `model.params`.
+The table is explicit: no import-time registration.
 """
 
 from __future__ import annotations
@@ -152,10 +154,91 @@ def weather_rnn(params: dict[str, Any], features: dict[str, Any], inputs: tuple[
 
 
 @dataclasses.dataclass(frozen=True)
+class Columns:
+    """What the training data's manifest records about its columns, for a model that fits itself to them:
+    `preprocessing.vocabularies` (a category column's words, id = position), `value_ranges` (each number's
+    lowest and highest value over the training split), `class_names` and the shards' `label_range`."""
+
+    manifest: dict[str, Any]
+    path: str  # the manifest's path, named in errors
+    label: str
+
+    def vocabulary_size(self, name: str) -> int | None:
+        words = (self.manifest.get("preprocessing") or {}).get("vocabularies", {}).get(name)
+        return len(words) if isinstance(words, list) and words else None
+
+    def value_range(self, name: str) -> tuple[float, float] | None:
+        found = (self.manifest.get("value_ranges") or {}).get(name)
+        if not isinstance(found, dict) or not all(isinstance(found.get(k), (int, float)) for k in ("min", "max")):
+            return None
+        return float(found["min"]), float(found["max"])
+
+    def classes(self) -> int | None:
+        """Class names, else one past the highest label of any split; None when neither is recorded."""
+        if self.manifest.get("class_names"):
+            return len(self.manifest["class_names"])
+        highs = [entry["label_range"][1] for split in (self.manifest.get("splits") or {}).values()
+                 for entry in split.get("shards") or () if isinstance(entry.get("label_range"), list)]
+        return max(highs) + 1 if highs else None
+
+
+def tabular(params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...], columns: Columns) -> Any:
+    """One scalar input per column (`runner prepare csv`): a category through an embedding of its vocabulary,
+    a number scaled to 0..1 by its training range, then Dense layers; softmax over the classes for a class label,
+    one linear output for a number label (a regression: set train.loss, e.g. mse).
+
+    Keras layers only (no TensorFlow calls), so it builds under any Keras backend."""
+    p = _params(params, "tabular")
+    units = p["units"]
+    if not isinstance(units, list) or not units or not all(isinstance(u, int) and u > 0 for u in units):
+        raise SpecError(f"model.params.units: {units!r} must be a list of positive layer widths, e.g. [64, 32]")
+    keras = _keras()
+    layers = keras.layers
+    given, encoded = {}, []
+    for name in inputs:
+        feature = features[name]
+        if tuple(feature.shape) not in ((), (1,)):
+            raise SpecError(f"model.name: tabular reads one value per column; input {name!r} has shape "
+                            f"{list(feature.shape)} ({columns.path}): name scalar columns in data.inputs")
+        categories, found = columns.vocabulary_size(name), columns.value_range(name)
+        integer = feature.dtype == "int64"
+        given[name] = keras.Input(shape=tuple(feature.shape), dtype="int64" if integer else "float32", name=name)
+        column = layers.Reshape((1,))(given[name])
+        if categories is not None:
+            # An embedding, not one-hot: a column of thousands of words stays a few numbers wide.
+            vector = layers.Embedding(categories, min(p["embedding_dim"], categories), name=f"{name}_embedding")(column)
+            encoded.append(layers.Flatten()(vector))
+        elif found is not None:
+            low, high = found
+            span = high - low or 1.0  # a constant column: any scale keeps it constant
+            encoded.append(layers.Rescaling(1 / span, offset=-low / span, name=f"{name}_scaled")(column))
+        else:
+            raise SpecError(
+                f"model.name: tabular scales each number by its training range and embeds each category by its "
+                f"vocabulary, but {columns.path} records neither for input {name!r} (value_ranges, "
+                f"preprocessing.vocabularies): write it again with `runner prepare csv`"
+            )
+    x = layers.Concatenate()(encoded) if len(encoded) > 1 else encoded[0]
+    for width in units:
+        x = layers.Dense(width, activation="relu")(x)
+        if p["dropout"]:
+            x = layers.Dropout(p["dropout"])(x)
+    label = features.get(columns.label)
+    if label is not None and label.dtype == "float32":
+        return keras.Model(given, layers.Dense(1, dtype="float32")(x), name="tabular")
+    classes = columns.classes()
+    if classes is None:
+        raise SpecError(f"model.name: tabular finds no classes for label {columns.label!r} in {columns.path} "
+                        "(class_names, or the shards' label_range): write it again with `runner prepare csv`")
+    out = layers.Dense(max(classes, 2), activation="softmax", dtype="float32")(x)
+    return keras.Model(given, out, name="tabular")
+
+
+@dataclasses.dataclass(frozen=True)
 class BuiltinModel:
     """What is known about one built-in model."""
 
-    build: Callable[[dict[str, Any], dict[str, Any], tuple[str, ...]], Any]
+    build: Callable[..., Any]  # (params, features, inputs), and a Columns when reads_columns
     # Its params (model.params) and their defaults: the build function takes these and no other.
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The default of its `classes` param for a classifier (labels 0 .. classes - 1); None for other models.
@@ -168,6 +251,8 @@ class BuiltinModel:
     float32_under_auto: dict[str, str] = dataclasses.field(default_factory=dict)
     # An image model: the default of its `pixel_max` param (it divides its input by it inside).
     pixel_max: float | None = None
+    # It fits itself to the training data's manifest: its build function also takes a `Columns`.
+    reads_columns: bool = False
 
 
 BUILTIN: dict[str, BuiltinModel] = {
@@ -181,6 +266,7 @@ BUILTIN: dict[str, BuiltinModel] = {
                                 float32_under_auto={
         "cpu": "bfloat16 ran its GRU 14% slower than float32 on a CPU, its MAE 1.4% higher",
     }),
+    "tabular": BuiltinModel(tabular, {"units": [64, 32], "dropout": 0.1, "embedding_dim": 8}, reads_columns=True),
 }
 MODEL_NAMES = tuple(BUILTIN)
 
@@ -209,8 +295,15 @@ def pixel_max_of(model_name: str, params: dict[str, Any]) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
-def build(model_name: str, params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...]) -> Any:
-    """Builds the built-in model `model_name` (uncompiled); call inside the strategy's scope."""
+def build(model_name: str, params: dict[str, Any], features: dict[str, Any], inputs: tuple[str, ...],
+          columns: Columns | None = None) -> Any:
+    """Builds the built-in model `model_name` (uncompiled); call inside the strategy's scope. `columns`: the
+    training data's manifest, for a model that reads it (`reads_columns`)."""
     if model_name not in BUILTIN:
         raise SpecError(f"model.name: unknown model {model_name!r}; built in: {', '.join(sorted(BUILTIN))}")
-    return BUILTIN[model_name].build(dict(params), features, inputs)
+    known = BUILTIN[model_name]
+    if not known.reads_columns:
+        return known.build(dict(params), features, inputs)
+    if columns is None:
+        raise SpecError(f"model.name: {model_name} is built from the training data's manifest; none was given")
+    return known.build(dict(params), features, inputs, columns)

@@ -65,7 +65,7 @@ def test_predict_and_evaluate_on_one_cpu_from_a_two_replica_checkpoint(two_repli
     assert predicted.returncode == 0, predicted.stderr
     rows = [json.loads(line) for line in predicted.stdout.splitlines() if line.startswith("{")]
     assert [r["index"] for r in rows] == list(range(7))
-    assert all(len(r["output"]) == 10 and abs(sum(r["output"]) - 1) < 1e-3 for r in rows)
+    assert all(len(r["probabilities"]) == 10 and abs(sum(r["probabilities"]) - 1) < 1e-3 for r in rows)
 
     # The exported .keras model gives the same classes as the checkpoint.
     model = tf.keras.models.load_model(run_dir / "model.keras")
@@ -222,10 +222,146 @@ def test_the_value_check_knows_pixels_token_ids_and_standardised_floats() -> Non
     assert "--scale" not in raw, "no factor turns raw readings into standardised ones"
     assert "fractional values 0.5..2 (float64); the model was trained on whole int64" in check(
         np.array([0.5, 2.0]), ids)
-    assert "holds <U3 values" in check(np.array(["cat"]), ids)
+    assert "holds <U3 values" in check(np.array(["cat"]), ids) and "--no-check" not in check(np.array(["cat"]), ids)
     # Each --scale offered is one that passes when followed; fractional pixels are named as that, not as a scale.
     noisy = check(np.array([0.3, 128.6, 255.3]), pixels)
     assert "fractional values 0.3..255.3" in noisy and "round them" in noisy and "--scale" not in noisy
     doubled = check(np.array([0, 510], np.int64), {"dtype": "uint8", "min": 0, "max": 255})
     factor = float(re.search(r"`--scale ([\d.e-]+)`", doubled).group(1))
     assert check(np.array([0, 510], np.int64) * factor, {"dtype": "uint8", "min": 0, "max": 255}) is None
+
+
+# --- predict speaks the data: a CSV's words and gaps, class names, images, probabilities ---------------------
+
+
+@pytest.fixture(scope="module")
+def tabular_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A CSV with a category column and gaps, prepared with --missing fill=median and trained briefly with the
+    built-in tabular model: (the spec, the data folder). Read only."""
+    folder = tmp_path_factory.mktemp("tabular")
+    rng = np.random.default_rng(3)
+    rows = ["temperature,humidity,sky,umbrella"]
+    for i in range(400):
+        sky, humidity = rng.choice(["clear", "cloudy", "rain"]), int(rng.integers(20, 100))
+        umbrella = "yes" if sky == "rain" or (sky == "cloudy" and humidity > 70) else "no"
+        rows.append(f"{rng.normal(15, 8):.1f},{'' if i % 37 == 0 else humidity},{sky},{umbrella}")
+    (folder / "days.csv").write_text("\n".join(rows) + "\n")
+    prepared = run_cli("prepare", "csv", folder / "days.csv", "--label", "umbrella", "--missing", "fill=median",
+                       "--out", folder / "data")
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    spec = write_spec(folder, {
+        "name": "umbrella", "accelerator": {"kind": "cpu"},
+        "data": {"train": "data/train-*.tfrecord", "eval": "data/test-*.tfrecord",
+                 "inputs": ["temperature", "humidity", "sky"], "label": "umbrella", "global_batch_size": 32},
+        "model": {"name": "tabular"},
+        "train": {"epochs": 3, "learning_rate": 0.01},
+        "output": {"dir": "runs", "tensorboard": False},
+    })
+    trained = run_cli("run", spec)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return spec, folder / "data"
+
+
+@pytest.mark.xdist_group("predict_tabular")
+def test_predict_maps_a_csvs_category_words_and_gaps_through_the_manifest_and_names_the_classes(
+    tabular_run, tmp_path: Path
+) -> None:
+    spec, data = tabular_run
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["class_names"] == ["no", "yes"]
+    filled = manifest["preprocessing"]["missing"]["filled"]["humidity"]["value"]
+
+    # As a user met it: the category words saved as they read. They were refused as "not numbers", with a
+    # --no-check that did not help; the vocabulary beside the shards knows them.
+    np.savez(tmp_path / "words.npz", temperature=np.array([12.5, 21.0, 3.0]), humidity=np.array([85, 40, 60]),
+             sky=np.array(["cloudy", "clear", "rain"]))
+    from_words = run_cli("predict", spec, "--input", tmp_path / "words.npz")
+    assert from_words.returncode == 0, from_words.stderr[-3000:]
+
+    # The same rows as a CSV, with the label column (ignored) and a gap training filled: answered per line.
+    (tmp_path / "days.csv").write_text("sky,temperature,humidity,umbrella\ncloudy,12.5,85,yes\nclear,21.0,,no\n"
+                                       "rain,3.0,60,yes\n")
+    from_csv = run_cli("predict", spec, "--input", tmp_path / "days.csv")
+    assert from_csv.returncode == 0, from_csv.stderr[-3000:]
+    lines = [json.loads(line) for line in from_csv.stdout.splitlines()]
+    assert [line["line"] for line in lines] == [2, 3, 4]
+
+    # The classes are the trained model's own on the ids the vocabulary gives, named by class_names.
+    model = tf.keras.models.load_model(spec.parent / "runs" / "umbrella" / "model.keras")
+    vocabulary = manifest["preprocessing"]["vocabularies"]["sky"]
+    outputs = model.predict({"temperature": np.array([12.5, 21.0, 3.0], np.float32),
+                             "humidity": np.array([85, int(filled), 60]),
+                             "sky": np.array([vocabulary.index(w) for w in ("cloudy", "clear", "rain")])}, verbose=0)
+    expected = outputs.argmax(axis=1).tolist()
+    assert [line["class"] for line in lines] == expected
+    assert [line["class_name"] for line in lines] == [manifest["class_names"][c] for c in expected]
+    np.testing.assert_allclose([line["probabilities"] for line in lines], outputs, atol=1e-5)
+    assert [json.loads(line)["class"] for line in from_words.stdout.splitlines()][::2] == expected[::2]
+
+    # evaluate reads the same CSV with its label column, the text labels through class_names.
+    evaluated = run_cli("evaluate", spec, "--input", tmp_path / "days.csv")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = last_json(evaluated.stdout)
+    assert report["examples"] == 3
+    assert report["metrics"]["accuracy"] == pytest.approx(np.mean(np.array(expected) == [1, 0, 1]), abs=1e-6)
+
+    # A word training never saw: refused naming the line, the column, the words it knows; no --no-check offered.
+    (tmp_path / "snow.csv").write_text("temperature,humidity,sky\n-2.0,90,Cloudy\n")
+    refused = run_cli("predict", spec, "--input", tmp_path / "snow.csv")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (f"snow.csv:2: column 'sky': 'Cloudy' is not a category the model was trained on (did you mean "
+            f"'cloudy'?); {data}/manifest.json (preprocessing.vocabularies) knows 'clear', 'cloudy', 'rain'") \
+        in refused.stderr
+    assert "--no-check" not in refused.stderr
+
+
+@pytest.mark.xdist_group("predict_ranges")
+def test_predict_takes_image_files_and_folders_decoded_as_prepare_images_did(mnist_cnn_run, tmp_path: Path) -> None:
+    overrides, run_dir = mnist_cnn_run
+    job = REPO / "jobs" / "mnist_cnn.yaml"
+    digits = load_dataset("mnist").splits["test"]["image"][:3]
+    folder = tmp_path / "digits"
+    (folder / "more").mkdir(parents=True)
+    for i, digit in enumerate(digits[:2]):
+        (folder / f"{i}.png").write_bytes(tf.io.encode_png(digit).numpy())
+    large = tf.image.resize(digits[2], (56, 56), method="nearest").numpy().astype(np.uint8)
+    (folder / "more" / "2.png").write_bytes(tf.io.encode_png(large).numpy())
+    (folder / "notes.txt").write_text("skipped, as prepare images skips it")
+
+    result = run_cli("predict", job, "--input", folder, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["file"] for line in lines] == ["0.png", "1.png", "more/2.png"]
+    assert "note: resized to 28x28 (bilinear, as `runner prepare images --size` does): 2.png (56x56)" in result.stderr
+    model = tf.keras.models.load_model(run_dir / "model.keras")
+    expected = model.predict(digits.astype("float32"), verbose=0)
+    assert [line["class"] for line in lines[:2]] == expected[:2].argmax(axis=1).tolist()
+    np.testing.assert_allclose([line["probabilities"] for line in lines[:2]], expected[:2], atol=1e-5)
+
+    one = run_cli("predict", job, "--input", folder / "1.png", *overrides)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert json.loads(one.stdout)["file"] == "1.png" and json.loads(one.stdout)["class"] == lines[1]["class"]
+
+
+def test_a_model_that_ends_in_logits_answers_probabilities_and_says_so() -> None:
+    from runner.job import answers
+    from runner.train import build
+
+    keras = tf.keras
+    given = keras.Input((2,))
+    logits = keras.Model(given, keras.layers.Dense(3)(given))
+    logits.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert build.output_kind(logits) == "logits"
+    outputs = np.array([[2.0, 0.0, -1.0], [0.0, 0.0, 50.0]], np.float32)
+    made, kind, notes = answers.probabilities(outputs, build.output_kind(logits))
+    np.testing.assert_allclose(made.sum(axis=1), 1, atol=1e-6)
+    assert notes == ["the model ends in logits (its train.loss has from_logits: true): softmax applied, the "
+                     "`probabilities` printed (and any --output) are probabilities"]
+    lines = answers.lines(made, kind, ["cat", "dog", "eel"], [])
+    assert [(line["class"], line["class_name"]) for line in lines] == [(0, "cat"), (2, "eel")]
+
+    regression = keras.Model(given, keras.layers.Dense(1)(given))
+    regression.compile(loss="mse")
+    assert build.output_kind(regression) is None
+    assert answers.lines(*answers.probabilities(np.array([[3.5]]), None)[:2], [], []) == [
+        {"index": 0, "output": [3.5]}]

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from runner import DataError
-from runner.data import pipeline
+from runner.data import pipeline, rows
 from runner.prepare import own, shards
 from runner.prepare.images import images_dataset
 from runner.prepare.tfds import tfds_dataset
@@ -336,7 +336,7 @@ def test_a_bad_input_stops_with_exit_2_naming_it_and_publishes_nothing(bad, tmp_
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
-@pytest.mark.parametrize("marker", sorted(own.MISSING))
+@pytest.mark.parametrize("marker", sorted(rows.MISSING))
 @pytest.mark.parametrize("column", ["age", "thal", "target"])
 def test_every_missing_marker_stops_a_number_a_category_or_a_label_column(column, marker, tmp_path: Path) -> None:
     rows = [["63", "fixed", "sick"], ["67", "normal", "well"], ["37", "reversible", "sick"], ["41", "normal", "well"]]

@@ -61,6 +61,11 @@ def prepare(
         typer.Option(help="arrays, images, csv: cut one pool of records into splits, e.g. train=0.9,test=0.1 "
                           "(the default when the data has no splits of its own)."),
     ] = None,
+    missing: Annotated[
+        str | None,
+        typer.Option(help="csv: what to do with missing cells (default: stop, naming every one): drop (leave out "
+                          "their records), fill=median, fill=VALUE or fill=COLUMN:VALUE,..."),
+    ] = None,
     size: Annotated[str | None, typer.Option(help="images: resize every image to HEIGHTxWIDTH, e.g. 180x180.")] = None,
     color: Annotated[str, typer.Option(help="images: rgb, grayscale or rgba (Keras's color_mode).")] = "rgb",
     store: Annotated[str, typer.Option(help="images: png (re-encoded, smaller) or raw (decoded pixels).")] = "png",
@@ -87,6 +92,7 @@ def prepare(
     * `runner prepare arrays data.npz --features x --label y --split train=0.9,test=0.1`
     * `runner prepare images flowers/ --size 180x180`
     * `runner prepare csv heart.csv --label target`
+    * `runner prepare csv heart.csv --label target --missing fill=median`
     * `runner prepare tfds mnist --data-dir ~/tensorflow_datasets`
     """
     setup_logging(debug)
@@ -96,7 +102,8 @@ def prepare(
 
     try:
         if dataset in OWN_FORMS:
-            load = _own_loader(dataset, location, features, label, split, size, color, store, data_dir, limit)
+            load = _own_loader(dataset, location, features, label, split, size, color, store, data_dir, limit,
+                               missing)
             target = out or _default_out(dataset, location)
             manifest_path = prepare_mod.publish(load, target, shards, storage_timeout)
         else:
@@ -119,7 +126,7 @@ def _default_out(form: str, location: str | None) -> str:
     return default_out(form, location or form)
 
 
-def _own_loader(form, location, features, label, split, size, color, store, data_dir, limit):
+def _own_loader(form, location, features, label, split, size, color, store, data_dir, limit, missing=None):
     """A function that reads and checks the user's data (called by publish once the bucket is known to exist)."""
     if location is None:
         what = {"arrays": "FILE.npz or a folder of .npy", "images": "FOLDER", "csv": "FILE.csv", "tfds": "NAME"}[form]
@@ -131,6 +138,8 @@ def _own_loader(form, location, features, label, split, size, color, store, data
         raise SpecError("runner prepare csv needs --label COLUMN")
     if form == "tfds" and not data_dir:
         raise SpecError("runner prepare tfds needs --data-dir (the folder tfds wrote the dataset to)")
+    if missing is not None and form != "csv":
+        raise SpecError(f"--missing is for CSV tables; runner prepare {form} refuses a missing value outright")
     if form == "tfds" and split:
         raise SpecError("runner prepare tfds keeps the dataset's own splits: drop --split")
 
@@ -140,7 +149,7 @@ def _own_loader(form, location, features, label, split, size, color, store, data
         if form == "arrays":
             dataset = own.arrays_dataset(location, names, label, split)
         elif form == "csv":
-            dataset = own.csv_dataset(location, label, names, split)
+            dataset = own.csv_dataset(location, label, names, split, missing)
         elif form == "images":
             from runner.prepare.images import images_dataset
 

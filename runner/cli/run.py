@@ -147,7 +147,8 @@ NoCheck = Annotated[
 def evaluate(
     spec: SpecPath,
     input: Annotated[str | None, typer.Option("--input", "-i", help="Rows with labels instead of data.eval: an .npz "
-                                              "holding each input and the label, or a TFRecord glob.")] = None,
+                                              "holding each input and the label, a .csv with those columns, or a "
+                                              "TFRecord glob.")] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
     overrides: Overrides = None,
@@ -164,6 +165,7 @@ def evaluate(
     * `runner evaluate jobs/mnist_cnn.yaml`
     * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
     * `runner evaluate jobs/mnist_cnn.yaml --input labelled.npz` (arrays `image` and `label`)
+    * `runner evaluate job.yaml --input labelled.csv` (a table prepared with `runner prepare csv`, its label column)
     """
     job = trained_command_setup(spec, overrides, debug)
     from runner.job import predict as predict_mod
@@ -182,7 +184,8 @@ def evaluate(
 def predict(
     spec: SpecPath,
     input: Annotated[
-        str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name) or a TFRecord glob.")
+        str, typer.Option("--input", "-i", help="Rows to predict: .npy, .npz (by input name), .csv (a column per "
+                          "input), an image file or a folder of images, or a TFRecord glob.")
     ],
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write predictions to this .npy file instead of stdout.")
@@ -194,8 +197,11 @@ def predict(
 ) -> None:
     """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
 
-    Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
-    Rows in .npy/.npz are first compared with the training data (the manifest's value_ranges beside
+    Without `--output`, prints one JSON line per row: for a classifier its `class`, the class's name from the
+    manifest (`class_name`) and `probabilities` (softmax applied, and said on stderr, when the model ends in
+    logits); for other models `output`; a CSV row's `line`, an image's `file`. A CSV's category words go
+    through the manifest's vocabularies and images are decoded as `runner prepare images` decoded them.
+    Rows in .npy/.npz/.csv are first compared with the training data (the manifest's value_ranges beside
     data.train): values in another range (0..1 given, 0..255 trained), of another dtype kind or shape stop
     with exit 2 naming both and the fix; `--scale FACTOR` multiplies the rows, `--no-check` skips the check.
 
@@ -204,6 +210,8 @@ def predict(
     * `runner predict jobs/mnist_cnn.yaml --input digits.npy`
     * `runner predict jobs/mnist_cnn.yaml --input digits01.npy --scale 255` (pixels saved as 0..1)
     * `runner predict jobs/mnist_cnn.yaml --input 'data/mnist/test-*.tfrecord' --output predictions.npy`
+    * `runner predict job.yaml --input new_rows.csv` (a table prepared with `runner prepare csv`)
+    * `runner predict job.yaml --input photos/` (a model trained on `runner prepare images`)
     """
     job = trained_command_setup(spec, overrides, debug)
     import numpy as np
@@ -212,17 +220,14 @@ def predict(
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        outputs, trained, notes = predict_mod.predict(job, input, options)
+        predicted = predict_mod.predict(job, input, options)
     except RunnerError as error:
         raise fail(error, debug) from None
-    for note in notes:
+    for note in predicted.notes:
         typer.echo(f"note: {note}", err=True)
     if output is not None:
-        np.save(output, outputs)
-        typer.echo(f"{len(outputs)} predictions from {trained.checkpoint} -> {output}")
+        np.save(output, predicted.outputs)
+        typer.echo(f"{len(predicted.outputs)} predictions from {predicted.trained.checkpoint} -> {output}")
         return
-    for index, row in enumerate(outputs):
-        line = {"index": index, "output": [round(float(v), 6) for v in np.atleast_1d(row)]}
-        if np.ndim(row) == 1 and len(row) > 1:
-            line["class"] = int(np.argmax(row))
+    for line in predicted.lines:
         typer.echo(json.dumps(line))

@@ -5,9 +5,11 @@ under this machine's strategy (tf.train.Checkpoint is independent of the replica
 padded to whole batches and the padding dropped from the outputs (predict) or weighted 0 in every metric
 and the loss (evaluate: every record counts once), so any number of rows works on any number of replicas.
 
-Rows given as .npy/.npz are compared with what the model was trained on (the manifest's `value_ranges`
+Rows given as .npy/.npz/.csv are compared with what the model was trained on (the manifest's `value_ranges`
 beside data.train) before anything is predicted: a model fed 0..1 pixels after training on 0..255 answers
-confidently and wrongly, without an error, so a range, dtype kind or shape that does not match stops.
+confidently and wrongly, without an error, so a range, dtype kind or shape that does not match stops. A CSV's
+words, an .npz's words and image files are read as `runner prepare` read the training data
+(runner/data/rows.py); the answers speak the data's terms (runner/job/answers.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import faults, pipeline
+from runner.data import faults, pipeline, rows
 from runner.device.strategy import Accelerator, resolve_accelerator
-from runner.job import checkpoints
+from runner.job import answers, checkpoints
 from runner.job.inputs import evaluation_batches
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
@@ -54,7 +56,7 @@ def load_trained(spec: JobSpec) -> Trained:
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
+    model, checkpoint = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
     step = checkpoints.restore(run, model, checkpoint, latest)
     log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
@@ -66,10 +68,10 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
     input and the label; a TFRecord glob is read like data.eval)."""
     trained = load_trained(spec)
     options = options or InputOptions()
-    if input_path is not None and Path(input_path).suffix in (".npy", ".npz"):
+    if input_path is not None and Path(input_path).suffix.lower() in (".npy", ".npz", ".csv"):
         return _evaluate_rows(spec, trained, input_path, options)
     if options.scale is not None:
-        raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
+        raise SpecError("--scale is for rows in .npy/.npz/.csv: TFRecords are decoded and preprocessed as in training")
     pattern = input_path or spec.data.eval
     if not pattern:
         raise SpecError(f"data.eval is not set: {_eval_hint(spec.data.train, trained.manifest)}")
@@ -116,28 +118,33 @@ def _report(spec: JobSpec, trained: Trained, examples: int, results: dict) -> di
 def _evaluate_rows(spec: JobSpec, trained: Trained, path: str, options: InputOptions) -> Evaluated:
     """Evaluation on in-memory rows, padded as data.eval is (runner/data/pipeline.py `_weighted_records`):
     real rows weigh padded / rows and the padding 0, so metrics and loss are exact means over the rows."""
-    if Path(path).suffix != ".npz":
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":  # the label column, text labels through the manifest's class_names
+        labels = rows.csv_labels(Path(path), spec.data.label, trained.features[spec.data.label].dtype,
+                                 trained.manifest.get("class_names") or None, trained.manifest_path)
+    elif suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            if spec.data.label not in archive:
+                raise DataError(f"{path} lacks the label array {spec.data.label!r}; it has {sorted(archive.files)}")
+            labels = archive[spec.data.label]
+    else:
         raise DataError(
             f"{path}: evaluate needs the labels too: an .npz holding {', '.join(map(repr, spec.data.inputs))} "
-            f"and the label {spec.data.label!r}"
+            f"and the label {spec.data.label!r}, or a .csv with those columns"
         )
-    with np.load(path, allow_pickle=False) as archive:
-        if spec.data.label not in archive:
-            raise DataError(f"{path} lacks the label array {spec.data.label!r}; it has {sorted(archive.files)}")
-        labels = archive[spec.data.label]
-    arrays, notes = given_inputs(path, spec, trained, options)
-    rows = len(labels)
-    if any(len(a) != rows for a in arrays.values()):
+    given = given_inputs(path, spec, trained, options)
+    arrays, notes, count = given.arrays, given.notes, len(labels)
+    if any(len(a) != count for a in arrays.values()):
         counts = {n: len(a) for n, a in {**arrays, spec.data.label: labels}.items()}
         raise DataError(f"{path}: the arrays hold different numbers of rows: {counts}")
     batch = _batch_for(spec, trained.accelerator)
-    padded = -(-rows // batch) * batch
-    weights = np.concatenate([np.full(rows, padded / rows, np.float32), np.zeros(padded - rows, np.float32)])
-    y = np.concatenate([labels, np.repeat(labels[:1], padded - rows, axis=0)])
-    x = _padded(spec, arrays, padded)
+    padded = -(-count // batch) * batch
+    weights = np.concatenate([np.full(count, padded / count, np.float32), np.zeros(padded - count, np.float32)])
+    y = np.concatenate([labels, np.repeat(labels[:1], padded - count, axis=0)])
+    x = _padded(spec, trained.features, arrays, padded)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(batch, drop_remainder=True)
     results = trained.model.evaluate(dataset, return_dict=True, verbose=0)
-    return Evaluated(_report(spec, trained, rows, results), notes)
+    return Evaluated(_report(spec, trained, count, results), notes)
 
 
 def _preprocess(spec: JobSpec):
@@ -153,14 +160,17 @@ def _batch_for(spec: JobSpec, accelerator: Accelerator) -> int:
     return -(-spec.data.global_batch_size // replicas) * replicas
 
 
-def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarray]:
-    """Rows to predict on: .npy (one input), .npz (arrays named by input feature) or TFRecord shards (a glob).
+def read_inputs(path: str, spec: JobSpec, trained: Trained) -> tuple[dict[str, np.ndarray], list[dict], list[str]]:
+    """Rows to predict on, each row's origin (`{"line": N}` of a CSV, `{"file": NAME}` of an image; none for
+    arrays and records) and notes: .npy (one input), .npz (arrays named by input feature), .csv (a column per
+    input), an image file or a folder of them, or TFRecord shards (a glob).
 
-    TFRecords are decoded and preprocessed (data.preprocess) as in training; .npy/.npz rows are the model's
-    inputs as they are.
+    TFRecords are decoded and preprocessed (data.preprocess) as in training; a CSV's words and gaps and an
+    image's pixels are read as `runner prepare` read the training data (runner/data/rows.py); .npy/.npz rows are
+    the model's inputs as they are, but for words, mapped through the manifest's vocabularies.
     """
-    inputs = spec.data.inputs
-    suffix = Path(path).suffix
+    inputs, features, origins, notes = spec.data.inputs, trained.features, [], []
+    suffix = Path(path).suffix.lower()
     if suffix == ".npy":
         if len(inputs) != 1:
             raise DataError(
@@ -174,27 +184,45 @@ def read_inputs(path: str, spec: JobSpec, features: dict) -> dict[str, np.ndarra
             if missing:
                 raise DataError(f"{path} lacks arrays {missing}; it has {sorted(archive.files)}")
             arrays = {n: archive[n] for n in inputs}
+    elif suffix == ".csv":
+        arrays, lines = rows.csv_inputs(Path(path), inputs, features, trained.manifest, trained.manifest_path)
+        origins = [{"line": line} for line in lines]
+    elif suffix in rows.IMAGE_EXTENSIONS or Path(path).is_dir():
+        if len(inputs) != 1:
+            raise DataError(f"{path}: images are one input, but the model takes {len(inputs)}: {', '.join(inputs)}")
+        images, names, notes = rows.image_inputs(Path(path), tuple(features[inputs[0]].shape))
+        arrays, origins = {inputs[0]: images}, [{"file": name} for name in names]
     elif suffix == ".tfrecord" or "*" in path:
         shards = pipeline.find_shards(path)
         batches = pipeline.make_dataset(
             shards, 1, inputs, spec.data.label, training=False, preprocess=_preprocess(spec),
             autotune=spec.data.autotune,
         )
-        rows = [x for x, _ in batches.unbatch().batch(4096)]
-        stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in rows]
+        batched = [x for x, _ in batches.unbatch().batch(4096)]
+        stacked = [x if isinstance(x, dict) else {inputs[0]: x} for x in batched]
         arrays = {n: np.concatenate([b[n].numpy() for b in stacked]) for n in inputs}
     else:
         raise DataError(
-            f"{path}: predict reads .npy, .npz or TFRecord shards (*.tfrecord), not {suffix or 'this file'}"
+            f"{path}: predict reads .npy, .npz, .csv, an image ({', '.join(rows.IMAGE_EXTENSIONS)}) or a folder of "
+            f"images, or TFRecord shards (*.tfrecord), not {suffix or 'this file'}"
         )
     for name, array in arrays.items():
+        if array.dtype.kind in "US":  # words: a CSV's categories saved as they read
+            vocabulary = rows.vocabulary_of(trained.manifest, name)
+            if vocabulary is None:
+                raise DataError(f"{path}: input {name!r} holds words ({array.dtype}), but the model was trained on "
+                                f"numbers there ({trained.manifest_path} has no vocabulary for it): give numbers")
+            ids = rows.word_ids(array.astype(str).ravel().tolist(), vocabulary,
+                                f"{trained.manifest_path} (preprocessing.vocabularies)",
+                                lambda i, name=name: f"{path}: input {name!r} (row {i})")
+            arrays[name] = ids.reshape(array.shape)
         expected = tuple(features[name].shape)
-        if array.shape[1:] != expected:
+        if arrays[name].shape[1:] != expected:
             raise DataError(
                 f"{path}: input {name!r} has rows of shape {array.shape[1:]}, the model expects {expected} "
                 f"(data.features.{name}.shape): give arrays of shape (rows, {', '.join(map(str, expected))})"
             )
-    return arrays
+    return arrays, origins, notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,32 +231,42 @@ class InputOptions:
     check: bool = True  # --no-check: the value-range and dtype checks are skipped (the shape is always checked)
 
 
-def given_inputs(path: str, spec: JobSpec, trained: Trained, options: InputOptions) -> tuple[dict, list[str]]:
+@dataclasses.dataclass(frozen=True)
+class Given:
+    arrays: dict[str, np.ndarray]  # input name -> rows, as the model will get them
+    origins: list[dict]  # per row, where it came from (a CSV's line, an image's file); empty for arrays
+    notes: list[str]  # one line each, for stderr: what was not checked, or done to the rows
+
+
+def given_inputs(path: str, spec: JobSpec, trained: Trained, options: InputOptions) -> Given:
     """The rows of `path` as the model will get them (scaled by --scale), checked against the training data's
-    value_ranges; and notes (one line each, for stderr) on what was not checked."""
-    arrays = read_inputs(path, spec, trained.features)
+    value_ranges; and notes on what was not checked."""
+    arrays, origins, notes = read_inputs(path, spec, trained)
     if options.scale is not None:
         arrays = {n: a.astype(np.float64) * options.scale for n, a in arrays.items()}
-    if Path(path).suffix not in (".npy", ".npz"):
-        return arrays, []  # TFRecords go through the training pipeline itself: its values are the training's
+    if Path(path).suffix.lower() not in (".npy", ".npz", ".csv"):
+        return Given(arrays, origins, notes)  # records and images are decoded as in training: the same values
     if not options.check:
-        return arrays, ["--no-check: the inputs' values were not compared with the training data"]
+        return Given(arrays, origins, [*notes, "--no-check: the inputs' values were not compared with the training "
+                                               "data"])
     ranges = trained.manifest.get("value_ranges")
     if ranges is None:
-        return arrays, [
+        return Given(arrays, origins, [*notes,
             f"{trained.manifest_path} has no value_ranges (written before they were recorded): the inputs' "
             "values are not checked; `runner prepare` (or `runner manifest`) again records them"
-        ]
+        ])
     if spec.data.preprocess:
-        return arrays, [
+        return Given(arrays, origins, [*notes,
             f"data.preprocess changes the values after the manifest's value_ranges were taken: the rows of {path} "
             "(the model's inputs after it) are not checked against them"
-        ]
+        ])
     scaled = f" (after --scale {options.scale:g})" if options.scale is not None else ""
     for name, array in arrays.items():
-        if name in ranges:
+        # A category's ids were looked up in its vocabulary: every word is known, though not every one need be
+        # in the training split's range.
+        if name in ranges and rows.vocabulary_of(trained.manifest, name) is None:
             check_values(array, ranges[name], f"{path}: input {name!r}{scaled}", trained.manifest_path, options)
-    return arrays, []
+    return Given(arrays, origins, notes)
 
 
 def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: str, options: InputOptions) -> None:
@@ -243,8 +281,8 @@ def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: 
     skip = "`--no-check` predicts anyway"
     if array.size == 0:
         return
-    if array.dtype.kind not in "biuf":
-        raise DataError(f"{what} holds {array.dtype} values; the model was trained on numbers ({where}); {skip}")
+    if array.dtype.kind not in "biuf":  # no --no-check offered: the model cannot take them either way
+        raise DataError(f"{what} holds {array.dtype} values; the model was trained on numbers ({where}): give numbers")
     given_low, given_high = float(np.min(array)), float(np.max(array))
     given = f"{given_low:g}..{given_high:g} ({array.dtype})"
     integer = dtype.kind in "iu"
@@ -290,25 +328,35 @@ def check_values(array: np.ndarray, trained_on: dict, what: str, manifest_path: 
         )
 
 
-def _padded(spec: JobSpec, arrays: dict[str, np.ndarray], padded: int):
-    """Every input padded with zero rows to `padded` rows, as float32; a single input as its array."""
-    x = {
-        n: np.concatenate([a.astype(np.float32), np.zeros((padded - len(a), *a.shape[1:]), np.float32)])
-        for n, a in arrays.items()
-    }
+def _padded(spec: JobSpec, features: dict, arrays: dict[str, np.ndarray], padded: int):
+    """Every input padded with zero rows to `padded` rows, in the dtype the model gets (int64 stays int64:
+    category ids index an embedding; the rest float32); a single input as its array."""
+    x = {}
+    for n, a in arrays.items():
+        dtype = np.int64 if features[n].dtype == "int64" else np.float32
+        x[n] = np.concatenate([a.astype(dtype), np.zeros((padded - len(a), *a.shape[1:]), dtype)])
     return x[spec.data.inputs[0]] if len(x) == 1 else x
 
 
-def predict(
-    spec: JobSpec, input_path: str, options: InputOptions | None = None
-) -> tuple[np.ndarray, Trained, list[str]]:
-    """The model's outputs for every row of `input_path`, the restored job, and notes for stderr."""
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    outputs: np.ndarray  # per row: probabilities for a classifier (of logits, softmax applied), else the outputs
+    lines: list[dict]  # per row, what predict prints: index, origin, class and class name, probabilities or output
+    trained: Trained
+    notes: list[str]
+
+
+def predict(spec: JobSpec, input_path: str, options: InputOptions | None = None) -> Predicted:
+    """The model's answers for every row of `input_path`, in the data's own terms (class names, probabilities)."""
     trained = load_trained(spec)
-    arrays, notes = given_inputs(input_path, spec, trained, options or InputOptions())
-    rows = len(next(iter(arrays.values())))
+    given = given_inputs(input_path, spec, trained, options or InputOptions())
+    count = len(next(iter(given.arrays.values())))
     batch = _batch_for(spec, trained.accelerator)
     # Pad to whole batches: every replica gets an equal, static-shaped share (TPUs need both).
-    padded = -(-rows // batch) * batch
-    dataset = tf.data.Dataset.from_tensor_slices(_padded(spec, arrays, padded)).batch(batch, drop_remainder=True)
-    outputs = trained.model.predict(dataset, verbose=0)
-    return np.asarray(outputs)[:rows], trained, notes
+    padded = -(-count // batch) * batch
+    x = _padded(spec, trained.features, given.arrays, padded)
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(batch, drop_remainder=True)
+    outputs = np.asarray(trained.model.predict(dataset, verbose=0))[:count]
+    outputs, kind, said = answers.probabilities(outputs, build.output_kind(trained.model))
+    lines = answers.lines(outputs, kind, trained.manifest.get("class_names") or (), given.origins)
+    return Predicted(outputs, lines, trained, [*given.notes, *said])

@@ -237,7 +237,9 @@ def _build_and_restore(
     facts.steps_per_epoch = inputs.steps_per_epoch
     facts.steps_per_execution = build.steps_per_execution(spec, accelerator.kind)
     with attempt.phases.phase("build"):
-        model, checkpoint = build.build_compiled(spec, inputs.train.features, accelerator, chosen)
+        model, checkpoint = build.build_compiled(
+            spec, inputs.train.features, accelerator, chosen, inputs.train.manifest
+        )
         per_replica = spec.data.global_batch_size // accelerator.replicas
         attempt.model_flops = flops.count(model, per_replica)  # one traced forward pass: milliseconds
     with attempt.phases.phase("restore"):

@@ -20,14 +20,13 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, SpecError
+from runner.data import rows
 from runner.data.schema import StoredFeature
 from runner.prepare import own
 from runner.prepare.datasets import Dataset
 from runner.prepare.shards import progress_bar
 
-# What keras.utils.image_dataset_from_directory lists (its ALLOWLIST_FORMATS).
-EXTENSIONS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
-CHANNELS = {"rgb": 3, "grayscale": 1, "rgba": 4}
+EXTENSIONS, CHANNELS = rows.IMAGE_EXTENSIONS, rows.CHANNELS
 STORES = ("png", "raw")
 
 
@@ -93,8 +92,8 @@ def images_dataset(
         pool = [(path, names.index(c)) for c in names for path in classes[c]]
         if not pool:
             raise DataError(f"{folder}: its class folders hold no {'/'.join(EXTENSIONS)} images")
-        rows = own.split_rows(len(pool), own.parse_split(split or own.DEFAULT_SPLIT), str(folder))
-        files = {part: [pool[i] for i in chosen] for part, chosen in rows.items()}
+        cut = own.split_rows(len(pool), own.parse_split(split or own.DEFAULT_SPLIT), str(folder))
+        files = {part: [pool[i] for i in chosen] for part, chosen in cut.items()}
     empty = [part for part, listed in files.items() if not listed]
     if empty:
         raise DataError(f"{folder / empty[0]} holds no {'/'.join(EXTENSIONS)} images")
@@ -106,7 +105,7 @@ def images_dataset(
         for part, listed in files.items():
             images, labels = [], []
             for path, label in listed:
-                pixels = _decode(path, channels, asked)  # only --size resizes; else every image must match
+                pixels = rows.decode_image(path, channels, asked)  # only --size resizes; else every image must match
                 if shape is None:
                     shape = pixels.shape[:2]
                 elif pixels.shape[:2] != tuple(shape):
@@ -133,16 +132,3 @@ def images_dataset(
         preprocessing={"images": {"color": color, "size": list(shape), "resize": "bilinear" if size else "none",
                                   "stored": store}},
     )
-
-
-def _decode(path: Path, channels: int, size: tuple[int, int] | None) -> np.ndarray:
-    try:
-        data = path.read_bytes()
-        image = tf.io.decode_image(data, channels=channels, expand_animations=False)
-    except (OSError, tf.errors.InvalidArgumentError, tf.errors.UnknownError) as exc:
-        reason = getattr(exc, "message", str(exc)).splitlines()[0]
-        raise DataError(f"{path}: not a readable image ({reason}); fix or remove it") from None
-    if size is not None and tuple(image.shape[:2]) != tuple(size):
-        resized = tf.image.resize(image, size, method="bilinear")
-        image = tf.cast(tf.round(tf.clip_by_value(resized, 0, 255)), tf.uint8)
-    return image.numpy()

@@ -7,8 +7,9 @@
             other numbers float32, anything else a category stored as an int64 id into a vocabulary kept
             in the manifest (`preprocessing.vocabularies`). A text label becomes class ids with
             `class_names`; a number label stays a number (a regression target is float32). A missing
-            value (MISSING: empty, NA, NaN, null, ...) in a column used is refused, never made a number
-            or a category.
+            value (MISSING: empty, NA, NaN, null, ...) in a column used is never made a number or a
+            category: every one is reported in one pass, or `--missing` drops or fills them
+            (runner/prepare/missing.py).
 
 A problem stops the run before anything is written (runner/prepare/shards.py publishes only a whole
 dataset) and names the file and the key, row or column: DataError, exit 2.
@@ -17,9 +18,8 @@ Images are runner/prepare/images.py's, TensorFlow Datasets folders runner/prepar
 
 from __future__ import annotations
 
-import csv
 import difflib
-import io
+import logging
 import math
 import os
 import zipfile
@@ -28,8 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from runner import DataError, SpecError
+from runner.data import rows as rows_of
 from runner.data.schema import Feature
+from runner.prepare import missing
 from runner.prepare.datasets import Dataset
+
+log = logging.getLogger(__name__)
 
 # The order records are shuffled in before a --split cut: fixed, so preparing twice gives the same shards.
 SPLIT_SEED = 0
@@ -195,93 +199,6 @@ def _same_length(table: dict[str, np.ndarray], source: Path, part: str | None = 
 # --- CSV ------------------------------------------------------------------------------------------
 
 
-def _read_rows(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
-    """The header, the records and each record's first line in the file (blank lines and quoted line breaks
-    make it other than the record's number + 2, and an error must name the line the user opens)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise DataError(f"{path} not found") from None
-    except (UnicodeDecodeError, OSError) as exc:
-        raise DataError(f"{path}: not a readable UTF-8 text file ({exc})") from None
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        header = next(reader)
-    except StopIteration:
-        raise DataError(f"{path} is empty; a CSV needs a header row and records") from None
-    header = [name.strip() for name in header]
-    if len(set(header)) != len(header) or not all(header):
-        raise DataError(f"{path}:1: the header names every column once ({', '.join(map(repr, header))})")
-    rows, lines = [], []
-    end = reader.line_num  # the header's last line
-    try:
-        for row in reader:
-            start, end = end + 1, reader.line_num
-            if not row:
-                continue  # a blank line
-            if len(row) != len(header):
-                raise DataError(
-                    f"{path}:{start}: {len(row)} fields, the header has {len(header)}; "
-                    "fix that row (a comma inside a value needs quotes)"
-                )
-            rows.append(row)
-            lines.append(start)
-    except csv.Error as exc:
-        raise DataError(f"{path}:{reader.line_num}: {exc}") from None
-    if not rows:
-        raise DataError(f"{path} holds a header and no records")
-    return header, rows, lines
-
-
-# The cells that say "no value": pandas' default na_values for read_csv, exact and case-sensitive, compared
-# after the cell's spaces are stripped. Tables written by pandas (NaN as ''), R ('NA'), spreadsheets ('#N/A')
-# and databases ('NULL') mark a gap so. Not one is a number, and as a category it would teach a model that "no
-# value" is a class (or, in a label, be one): so a missing cell stops the run instead (_refuse_missing).
-MISSING = frozenset({
-    "", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
-    "NA", "NULL", "NaN", "None", "n/a", "nan", "null",
-})
-
-
-def _refuse_missing(cells: list[str], lines: list[int], path: Path, column: str, is_label: bool) -> None:
-    """Stops at a column's first missing cell, naming its line, what it holds and how to fill it in."""
-    missing = [i for i, cell in enumerate(cells) if cell in MISSING]
-    if not missing:
-        return
-    first = missing[0]
-    held = "empty" if cells[first] == "" else f"missing ({cells[first]!r})"
-    present = [cell for cell in cells if cell not in MISSING]
-    if is_label:
-        fix = "every record needs a label: fill it in or drop the row"
-    elif present and _column_kind(present) == "category":
-        fix = "fill in a value (a word such as 'unknown' if a gap means something) or drop the row"
-    else:
-        fix = "fill in a number or drop the row"
-    more = f" ({len(missing)} rows of this column are, lines {_some(lines[i] for i in missing)})" if missing[1:] else ""
-    raise DataError(f"{path}:{lines[first]}: {'label' if is_label else 'column'} {column!r} is {held}{more}; {fix}")
-
-
-def _some(numbers, shown: int = 5) -> str:
-    numbers = list(numbers)
-    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
-
-
-def _column_kind(cells: list[str]) -> str:
-    def parses(cast) -> bool:
-        try:
-            for cell in cells:
-                cast(cell)
-        except ValueError:
-            return False
-        return True
-
-    if parses(int):
-        return "int64"
-    if parses(float):
-        return "float32"
-    return "category"
-
-
 _INT64 = np.iinfo(np.int64)
 
 
@@ -310,10 +227,13 @@ def _did_you_mean(name: str, columns: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: str | None = None) -> Dataset:
-    """A CSV table as a Dataset (see the module docstring): one feature per column, types inferred."""
+def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: str | None = None,
+                missing_cells: str | None = None) -> Dataset:
+    """A CSV table as a Dataset (see the module docstring): one feature per column, types inferred;
+    `missing_cells`: --missing (runner/prepare/missing.py)."""
     source = Path(path)
-    header, rows, lines = _read_rows(source)
+    rule = missing.parse_missing(missing_cells)
+    header, rows, lines = rows_of.read_csv(source)
     if label not in header:
         raise DataError(f"{source}: no column {label!r} for --label{_did_you_mean(label, header)}; the columns "
                         f"are: {', '.join(header)}")
@@ -325,14 +245,32 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
     if label in inputs:
         raise SpecError(f"--features names the label column {label!r}; the label is not an input")
     columns = {name: [row[header.index(name)].strip() for row in rows] for name in (*inputs, label)}
+    # Before the kinds: one 'NA' would make a column of ages a category, a 'NaN' label a class.
+    gaps = missing.gaps_of(columns)
+    if rule is None:
+        missing.refuse(gaps, columns, lines, source, label)
+    kept = (missing.kept_records(gaps, rule, label, list(columns), source, len(rows)) if rule
+            else list(range(len(rows))))
+    columns = {name: [cells[i] for i in kept] for name, cells in columns.items()}
+    lines = [lines[i] for i in kept]
+    fractions = parse_split(split or DEFAULT_SPLIT)
+    done = {}
+    if rule is not None:
+        left = missing.gaps_of(columns)
+        # The cut that follows, made now: a median is taken over the training split only.
+        cut = split_rows(len(lines), fractions, str(source)) if left else {}
+        training = cut.get("train", next(iter(cut.values()), None))
+        filled = missing.fill(columns, left, rule, training.tolist(), source) if left else {}
+        done = {"missing": {"rule": "drop" if rule.drop else "fill", "dropped": len(rows) - len(kept),
+                            **({"filled": filled} if filled else {})}}
+        log.info("--missing %s: %d of %d records left out%s", missing_cells, len(rows) - len(kept), len(rows),
+                 "".join(f"; {n}: {f['cells']} cells filled with {f['value']!r}" for n, f in filled.items()))
     values: dict[str, np.ndarray] = {}
     kinds: dict[str, Feature] = {}
     vocabularies: dict[str, list[str]] = {}
     class_names: tuple[str, ...] = ()
     for name, cells in columns.items():
-        # Before the kind: one 'NA' would make a column of ages a category, a 'NaN' label a class.
-        _refuse_missing(cells, lines, source, name, name == label)
-        kind = _column_kind(cells)
+        kind = rows_of.column_kind(cells)
         if name == label and kind == "float32":
             nan = [i for i, cell in enumerate(cells) if not math.isfinite(float(cell))]
             if nan:
@@ -350,12 +288,13 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
         else:
             values[name] = _numbers(cells, kind, lines, source, name)
             kinds[name] = Feature(kind, ())
-    chosen = split_rows(len(rows), parse_split(split or DEFAULT_SPLIT), str(source))
+    chosen = split_rows(len(lines), fractions, str(source))
     splits = {part: {name: column[at] for name, column in values.items()} for part, at in chosen.items()}
     preprocessing = {
         "columns": {name: ("category" if name in vocabularies else kinds[name].dtype) for name in inputs},
         **({"vocabularies": vocabularies} if vocabularies else {}),
-        "split": {"fractions": parse_split(split or DEFAULT_SPLIT), "seed": SPLIT_SEED},
+        **done,
+        "split": {"fractions": fractions, "seed": SPLIT_SEED},
     }
     return Dataset(
         source.stem, splits, kinds, inputs, label, source=f"CSV table {source} (runner prepare csv)",

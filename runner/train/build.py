@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +40,18 @@ _PROBABILITY_ACTIVATIONS = ("softmax", "sigmoid")
 _ROUNDING = 1e-2
 
 
-def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
+def build_model(spec: JobSpec, features: dict[str, Feature], manifest: dict[str, Any] | None = None) -> keras.Model:
     """Builds the spec's model; call inside the strategy's scope so variables are placed on its devices.
 
     A `package.module:function` name is imported here, inside the scope, so a module that creates
-    variables when imported places them on the strategy's devices too.
+    variables when imported places them on the strategy's devices too. `manifest`: data.train's, which a
+    built-in model that fits itself to the data (`tabular`) reads.
     """
     if usercode.is_import_path(spec.model.name):
         return _build_user_model(spec.model.name, dict(spec.model.params), features, spec.data.inputs, spec.code_roots)
-    return models.build(spec.model.name, dict(spec.model.params), features, spec.data.inputs)
+    path = posixpath.join(posixpath.dirname(spec.data.train), "manifest.json")
+    columns = models.Columns(manifest, path, spec.data.label) if manifest is not None else None
+    return models.build(spec.model.name, dict(spec.model.params), features, spec.data.inputs, columns)
 
 
 def _build_user_model(
@@ -193,7 +197,8 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
 
 
 def build_compiled(
-    spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None
+    spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None,
+    manifest: dict[str, Any] | None = None,
 ) -> tuple[keras.Model, tf.train.Checkpoint | None]:
     """The spec's model, built and compiled under the accelerator's strategy, and (under TensorFlow) the
     checkpoint object that saves and restores its weights, optimizer state and step; under JAX the run
@@ -202,11 +207,11 @@ def build_compiled(
     `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     with accelerator.strategy.scope():
-        model = build_model(spec, features)
+        model = build_model(spec, features, manifest)
         if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):
             if chosen.auto:
                 chosen.fall_back(f"{chosen.reason}, but model {spec.model.name!r}: {why}: float32")
-                model = build_model(spec, features)
+                model = build_model(spec, features, manifest)
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
@@ -302,6 +307,16 @@ def _output_activation(model: Any) -> tuple[Any, str] | None:
     activation = getattr(layer, "activation", None)
     name = getattr(activation, "__name__", None)
     return (layer, name) if isinstance(name, str) else None
+
+
+def output_kind(model: Any) -> str | None:
+    """"logits" or "probabilities": what a compiled model's output is, by its loss (from_logits) or else its
+    output layer's softmax or sigmoid; None for neither (a regression, a loss that does not say)."""
+    expects = _expects(model.loss)
+    if expects is not None:
+        return expects
+    found = _output_activation(model)
+    return "probabilities" if found is not None and found[1] in _PROBABILITY_ACTIVATIONS else None
 
 
 def check_loss_agreement(model: Any, loss: Any) -> None:
