@@ -51,8 +51,9 @@ import json, os, sys
 out, err, status = open(sys.argv[1]).read(), open(sys.argv[2]).read(), int(sys.argv[3])
 if status == 124:
     raise SystemExit("image-install.sh: runner doctor did not finish within 300 s")
-if "Traceback" in out + err:
-    raise SystemExit(f"image-install.sh: runner doctor printed a traceback:\n{(out + err)[-3000:]}")
+if "Traceback" in out + err or not out.strip():
+    raise SystemExit(f"image-install.sh: runner doctor (exit {status}) printed a traceback or no report:\n"
+                     f"{(out + err)[-3000:]}")
 checks = {check["name"]: check for check in json.loads(out.strip().splitlines()[-1])["checks"]}
 versions, jax = checks["versions"], checks.get("jax", {})
 for check in (versions, jax):
