@@ -155,6 +155,8 @@ def test_the_tpu_image_holds_its_lock_and_says_there_is_no_tpu_here(docker_engin
                                   "-m", "pip", "freeze", "--all", check=True, timeout=120).stdout.splitlines()
     have = {canonicalize_name(n): v for n, v in (line.split("==", 1) for line in frozen if "==" in line)}
     have.pop("pip")
+    assert {"jax", "jaxlib", "libtpu", "keras", "orbax-checkpoint", "tensorflow-cpu"} <= set(have)
+    assert not {"tensorflow-tpu", "tensorflow", "tf-keras"} & set(have), "TensorFlow is tensorflow-cpu, for tf.data"
     assert have == _pins("requirements-tpu.lock"), "the TPU image installs other versions than its lock"
 
     doctor = docker_engine.docker("run", "--rm", "--network", "none", runner_tpu_image, "doctor", "--json",
