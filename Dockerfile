@@ -1,14 +1,14 @@
 # The runner image: `runner` is the entrypoint, so `docker run IMAGE run jobs/mnist_cnn.yaml` trains a job.
 #
 #   DOCKER_BUILDKIT=1 docker build -t runner .                                  CPU: tensorflow-cpu, Keras 3
-#   DOCKER_BUILDKIT=1 docker build --build-arg ACCELERATOR=tpu -t runner:tpu .  Cloud TPU VM: tensorflow-tpu
-#                                                                               2.19.1, libtpu 0.0.10, Keras 3
+#   DOCKER_BUILDKIT=1 docker build --build-arg ACCELERATOR=tpu -t runner:tpu .  Cloud TPU: Keras 3 on JAX
+#                                                                               (jax[tpu] 0.10.2, libtpu 0.0.42)
 #   DOCKER_BUILDKIT=1 docker build --target test -t runner:test .               runtime + test dependencies
 #
 # Behind a TLS-inspecting proxy, hand its CA to pip as a BuildKit secret (it never lands in a layer):
 #   --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt
 # Layers go from least to most often changed: venv and user, dependencies (the requirement lists drawn from
-# pyproject.toml, at requirements.lock's versions), the TensorFlow import check, then the runner's own code.
+# pyproject.toml, at requirements.lock's versions), the import check, then the runner's own code.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 # cpu | tpu
 ARG ACCELERATOR=cpu
@@ -44,10 +44,11 @@ COPY scripts/image-install.sh /usr/local/bin/
 FROM base AS requirements
 COPY pyproject.toml ./
 RUN image-install.sh list runtime >/requirements-runtime.txt \
+    && image-install.sh list tpu >/requirements-tpu.txt \
     && image-install.sh list test >/requirements-test.txt
 
 
-FROM base AS tf-cpu
+FROM base AS deps-cpu
 ARG TENSORFLOW="tensorflow-cpu==2.21.0"
 # tf-keras comes along for the jobs that need it (multi-worker training: runner/device/flavour.py picks it there).
 ARG TF_KERAS="tf-keras==2.21.0"
@@ -59,38 +60,29 @@ RUN --mount=type=secret,id=pip_cert,required=false \
     && image-install.sh nodeps "$TF_KERAS"
 
 
-FROM base AS tf-tpu
-# TensorFlow, libtpu and Keras from Keras's TensorFlow TPU example, the one documented PJRT recipe for a
-# tensorflow-tpu from PyPI (https://keras.io/keras_rs/examples/distributed_embedding_tf): tensorflow-tpu
-# 2.19.1, whose wheel pins libtpu==0.0.10, and Keras 3. Google's runtime table stops at TF 2.18.0 (libtpu
-# 1.12.0, tpu-vm-tf-2.18.0-pjrt), whose libtpu is only on Google's own index. docs/tpu.md has the sources.
-# Its versions are pinned by requirements-tpu.lock (TF 2.19 wants protobuf<6, numpy<2.2: not the CPU lock).
-ARG TENSORFLOW="tensorflow-tpu==2.19.1"
-ARG LIBTPU="libtpu==0.0.10"
-# tf-keras for TF_USE_LEGACY_KERAS=1 (Keras 2, as Google's own TensorFlow TPU CI runs); Keras 3 by default.
-ARG TF_KERAS="tf-keras==2.19.0"
-ARG TF_USE_LEGACY_KERAS=0
-ENV TF_USE_LEGACY_KERAS=${TF_USE_LEGACY_KERAS}
+FROM base AS deps-tpu
+# Keras 3 on JAX (docs/image.md): pyproject.toml's `tpu` extra, i.e. jax's own `tpu` extra at requirements.lock's
+# jax, which pins the libtpu that jax release was built with (from PyPI, as JAX's install guide says), and
+# tensorflow-cpu for tf.data alone: a CPU wheel has no TPU kernels, so TensorFlow never touches the TPU JAX drives.
+# requirements-tpu.lock pins the whole set. No tensorflow-tpu: Google's TensorFlow TPU runtimes stop at 2.18 and
+# TPU7x runs no TensorFlow; no tf-keras: multi-worker MirroredStrategy is a CPU/GPU matter.
 # The TPU image runs as root: libtpu opens the TPU devices (/dev/accel*, /dev/vfio), as `docker run
 # --privileged --user 0:0` does on a TPU VM, and Vertex AI runs the image's own user with no setting for
 # another (its ContainerSpec has none). docs/engines.md.
 ENV RUNNER_USER=0:0
 COPY requirements-tpu.lock ./
-COPY --from=requirements /requirements-runtime.txt /tmp/
+COPY --from=requirements /requirements-runtime.txt /requirements-tpu.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
-    LOCK=requirements-tpu.lock image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" "$LIBTPU" \
-    && image-install.sh nodeps "$TF_KERAS" \
-    && image-install.sh check-libtpu "$LIBTPU"
+    LOCK=requirements-tpu.lock image-install.sh pinned /tmp/requirements-runtime.txt --requirement /tmp/requirements-tpu.txt
 
 
 # hadolint ignore=DL3006
-FROM tf-${ACCELERATOR} AS runner
+FROM deps-${ACCELERATOR} AS runner
 ARG ACCELERATOR
 LABEL org.opencontainers.image.title="runner" runner.accelerator="${ACCELERATOR}"
 WORKDIR /app
-# Build check: this variant's TensorFlow and Keras import (a libtpu that does not match aborts right here).
-# Off a TPU VM, libtpu would spend minutes asking the metadata server for the TPU's topology: skip that.
-RUN TF_CPP_MIN_LOG_LEVEL=2 TPU_SKIP_MDS_QUERY=1 \
+# Build check: TensorFlow (tf.data's, in both images) and Keras import.
+RUN TF_CPP_MIN_LOG_LEVEL=2 \
     python3 -c "import tensorflow as tf; print('TensorFlow', tf.__version__, 'Keras', tf.keras.__name__)"
 COPY jobs/ jobs/
 COPY pyproject.toml README.md src/
@@ -100,8 +92,10 @@ RUN --mount=type=secret,id=pip_cert,required=false \
     && pip install --no-cache-dir --no-deps ./src \
     && rm -rf src \
     && runner --help >/dev/null
-# The TPU variant: the PJRT settings `runner run` makes for a v5e/v5p/v6e load libtpu as TensorFlow's plugin.
-RUN if [ "$ACCELERATOR" = tpu ]; then image-install.sh check-pjrt; fi
+# The TPU variant, checked by `runner doctor` as a user runs it: jax, jaxlib and libtpu agree with jax's `tpu`
+# extra, libtpu is where JAX looks for it, `import jax` works, TensorFlow loads no libtpu, and, with no TPU in a
+# build, the doctor says so with the cause and the fix instead of a traceback.
+RUN if [ "$ACCELERATOR" = tpu ]; then image-install.sh check-tpu; fi
 # uid 1000 for the CPU image, root for the TPU image (RUNNER_USER, set by its stage above; numeric both).
 # hadolint ignore=DL3066
 USER ${RUNNER_USER}

@@ -9,11 +9,10 @@
 #   image-install.sh nodeps REQ...            install without dependencies: tf-keras (it requires the
 #                                            `tensorflow` wheel, which would pull a second TensorFlow) and
 #                                            requirements-data.txt's offline-data packages (old pins)
-#   image-install.sh check-libtpu libtpu==V   the installed libtpu is V and its libtpu.so is where
-#                                            libtpu.get_library_path() says (what PJRT loads)
-#   image-install.sh check-pjrt               with the runner installed: the device API settings
-#                                            runner/device/tpu_env.py makes for a v5e are complete, and TensorFlow
-#                                            registers libtpu as its PJRT plugin when it imports
+#   image-install.sh check-tpu                with the runner installed, in a build (no TPU): `runner doctor`
+#                                            finds jax, jaxlib and libtpu agreeing with jax's `tpu` extra and
+#                                            libtpu where JAX looks for it, and says there is no TPU, with the cause
+#                                            and the fix and no traceback; TensorFlow imports without libtpu
 #
 # A CA certificate handed over as the BuildKit secret `pip_cert` is trusted by pip (for a TLS-inspecting
 # proxy); without it pip uses its own bundle.
@@ -43,41 +42,48 @@ EOF
   nodeps)
     pip install --no-deps "$@"
     ;;
-  check-libtpu)
-    python3 - "$1" <<'EOF'
-import importlib.metadata, os, sys
-want, have = sys.argv[1].split("==", 1)[1], importlib.metadata.version("libtpu")
-if have != want:
-    raise SystemExit(f"libtpu {have} is installed, but the image pins {want}")
-import libtpu
-path = libtpu.get_library_path()
-if not os.path.isfile(path):
-    raise SystemExit(f"libtpu.get_library_path() gives {path}, which does not exist")
-print("libtpu", have, path)
+  check-tpu)
+    # Bounded twice: the doctor bounds each check, `timeout` the whole (a libtpu that hangs must fail the build).
+    out="$(mktemp)" err="$(mktemp)" status=0
+    timeout 300 runner doctor --json --timeout 120 >"$out" 2>"$err" || status=$?
+    python3 - "$out" "$err" "$status" <<'EOF'
+import json, os, sys
+out, err, status = open(sys.argv[1]).read(), open(sys.argv[2]).read(), int(sys.argv[3])
+if status == 124:
+    raise SystemExit("image-install.sh: runner doctor did not finish within 300 s")
+if "Traceback" in out + err or not out.strip():
+    raise SystemExit(f"image-install.sh: runner doctor (exit {status}) printed a traceback or no report:\n"
+                     f"{(out + err)[-3000:]}")
+checks = {check["name"]: check for check in json.loads(out.strip().splitlines()[-1])["checks"]}
+versions, jax = checks["versions"], checks.get("jax", {})
+for check in (versions, jax):
+    print(f"{check.get('name')}: {check.get('status')}: {check.get('evidence')} -> {check.get('action') or '-'}")
+seen, problems = jax.get("data", {}), []
+if versions["status"] != "ok":
+    problems.append(f"versions is {versions['status']}, not ok")
+if jax.get("status") != "warn":
+    problems.append(f"jax is {jax.get('status')}: a build has no TPU, so it should warn")
+if not seen.get("libtpu_path") or seen.get("jax_library_path") != seen["libtpu_path"]:
+    problems.append(f"JAX looks for libtpu at {seen.get('jax_library_path')}, the package has {seen.get('libtpu_path')}")
+elif not os.path.isfile(seen["libtpu_path"]):
+    problems.append(f"{seen['libtpu_path']} does not exist")
+if not jax.get("evidence", "").startswith("no TPU here") or "TPU VM" not in jax.get("action", ""):
+    problems.append("the jax check does not say that there is no TPU here and what to do")
+if problems:
+    raise SystemExit("image-install.sh: the TPU image's check failed: " + "; ".join(problems))
 EOF
-    ;;
-  check-pjrt)
-    # Off a TPU VM: no metadata server to ask (it would take minutes), and a v5e's generation given instead.
-    log="$(mktemp)"
-    TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5litepod-8 TF_CPP_MIN_LOG_LEVEL=0 python3 - >"$log" 2>&1 <<'EOF' || { cat "$log" >&2; exit 1; }
-from runner.device.tpu_env import apply_tpu_env
-runtime = apply_tpu_env("local")
-if runtime.device_api != "pjrt" or runtime.problem:
-    raise SystemExit(f"device API for a v5e: {runtime.device_api}, {runtime.problem}")
+    rm -f "$out" "$err"
+    # tf.data only: the CPU wheel must not load libtpu (the TPU is JAX's) nor see any accelerator.
+    TF_CPP_MIN_LOG_LEVEL=2 python3 -c "
 import tensorflow as tf
-print("settings:", runtime.settings)
-print("devices:", [d.device_type for d in tf.config.list_physical_devices()])
-EOF
-    if ! grep -q "PJRT_Api is set for device type tpu" "$log"; then
-      cat "$log" >&2
-      echo "image-install.sh: TensorFlow did not register libtpu as its PJRT plugin" >&2
-      exit 1
-    fi
-    grep -E "^(settings|devices):|PJRT_Api is set" "$log"
-    rm -f "$log"
+devices = [d.device_type for d in tf.config.list_physical_devices()]
+loaded = 'libtpu' in open('/proc/self/maps').read()
+if loaded or devices != ['CPU']:
+    raise SystemExit(f'image-install.sh: TensorFlow sees {devices}, libtpu loaded: {loaded}')
+print('tensorflow:', tf.__version__, devices, 'libtpu not loaded')"
     ;;
   *)
-    echo "image-install.sh: unknown command '$what' (list, pinned, nodeps, check-libtpu or check-pjrt)" >&2
+    echo "image-install.sh: unknown command '$what' (list, pinned, nodeps or check-tpu)" >&2
     exit 2
     ;;
 esac

@@ -15,7 +15,7 @@ import yaml
 # The GCS rig's fixtures (an emulator on 127.0.0.1 behind TensorFlow's TLS proxy; a fault-injecting chain).
 # Session fixtures are imported here once: imported by two test modules, pytest would make two sessions'
 # worth of them (two emulators; two holders of the Docker engine's lock, which deadlock).
-from tests.support.docker import docker_engine, runner_image  # noqa: E402,F401
+from tests.support.docker import docker_engine, runner_image, runner_tpu_image  # noqa: E402,F401
 from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def mnist_job(tiny_mnist: Path, tmp_path: Path):
 
 # The private Docker engine takes one session at a time (tests/support/docker.py): under pytest-xdist
 # (`--dist loadgroup`), every test that uses it runs on the same worker.
-_DOCKER_FIXTURES = {"docker_engine", "runner_image"}
+_DOCKER_FIXTURES = {"docker_engine", "runner_image", "runner_tpu_image"}
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook: see below

@@ -6,6 +6,7 @@ HTTP server). The whole doctor, as a user runs it, is in test_doctor.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from runner.device.host import TCMALLOC_PRELOAD
-from runner.doctor import checks
+from runner.doctor import checks, jax_tpu, versions
 from runner.spec.types import AcceleratorSpec
+from tests.conftest import REPO
 
 
 def spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -39,71 +43,144 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def installed(folder: Path, **versions: str) -> list[str]:
-    """Distribution metadata, as pip writes it, for the versions check to find."""
+    """Distribution metadata, as pip writes it, for the versions check to find. jax at the version installed
+    here gets its real METADATA, whose Requires-Dist carries the `tpu` extra's pins."""
     for name, version in versions.items():
         info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        real = importlib.metadata.distribution("jax")
+        if name == "jax" and version == real.version:
+            (info / "METADATA").write_text(real.read_text("METADATA"))
+        else:
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return [str(folder)]
 
 
+JAX = importlib.metadata.version("jax")  # requirements.lock's jax, which the TPU image installs with its extra
+TPU_IMAGE = {"tensorflow-cpu": "2.21.0", "keras": "3.15.1", "jax": JAX, "jaxlib": JAX, "libtpu": "0.0.42.1"}
+
+
 def test_versions_of_this_machine_are_known_good() -> None:
-    check = checks.check_versions(tpu_wanted=False)
+    check = versions.check_versions(tpu_wanted=False)
     assert check.status == "ok", check
-    assert check.data["known_good"][0] == "tensorflow-cpu==2.21.0"
+    assert check.data["known_good"][0] == "tensorflow-cpu==2.21.0" and f"jax=={JAX}" in check.data["known_good"]
 
 
-def test_tensorflow_tpu_with_a_libtpu_that_aborts_its_import_fails(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.52", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=True, paths=paths)
+def test_jaxs_tpu_extra_is_read_from_its_own_metadata(tmp_path: Path) -> None:
+    assert versions.tpu_extra() == [f"jaxlib<={JAX},>={JAX}", "libtpu==0.0.42.*"]
+    assert versions.tpu_extra(installed(tmp_path, keras="3.15.1")) == [], "no jax, no extra"
+
+
+@pytest.mark.parametrize("tpu_wanted", [True, False])
+def test_the_tpu_images_set_is_known_good_with_or_without_a_tpu_asked_for(tmp_path: Path, tpu_wanted: bool) -> None:
+    check = versions.check_versions(tpu_wanted=tpu_wanted, paths=installed(tmp_path, **TPU_IMAGE))
+    assert check.status == "ok", check
+    assert "libtpu==0.0.42.*" in check.data["known_good"], "libtpu installed: judged as the TPU image"
+
+
+@pytest.mark.parametrize(("name", "version"), [("libtpu", "0.0.41.2"), ("libtpu", "0.0.10"), ("jaxlib", "0.10.1")])
+def test_a_jaxlib_or_libtpu_other_than_jaxs_tpu_extra_pins_fails(tmp_path: Path, name: str, version: str) -> None:
+    check = versions.check_versions(tpu_wanted=True, paths=installed(tmp_path, **{**TPU_IMAGE, name: version}))
     assert check.status == "fail"
-    assert "libtpu 0.0.52 (wants libtpu>=0.0.14,<=0.0.31)" in check.evidence and "aborts" in check.evidence
-    assert check.action.startswith("pip install tensorflow-tpu==2.20.0 libtpu==0.0.19")
+    assert f"{name} {version} (wants {name}" in check.evidence and f"jax {JAX}'s `tpu` extra pins" in check.evidence
+    assert check.action.startswith(f'pip install "jax[tpu]=={JAX}"')
 
 
-def test_tensorflow_tpu_without_libtpu_fails_and_an_untried_libtpu_warns(tmp_path: Path) -> None:
-    bare = installed(tmp_path / "bare", **{"tensorflow-tpu": "2.20.0", "keras": "3.15.1"})
-    assert checks.check_versions(tpu_wanted=True, paths=bare).status == "fail"
-    older = installed(tmp_path / "older", **{"tensorflow-tpu": "2.20.0", "libtpu": "0.0.13", "keras": "3.15.1"})
-    untried = checks.check_versions(tpu_wanted=True, paths=older)
-    assert untried.status == "warn" and "nobody has tried" in untried.evidence
+def test_a_tpu_wanted_without_libtpu_fails_and_the_cpu_is_fine_without_it(tmp_path: Path) -> None:
+    paths = installed(tmp_path, **{k: v for k, v in TPU_IMAGE.items() if k != "libtpu"})
+    check = versions.check_versions(tpu_wanted=True, paths=paths)
+    assert check.status == "fail"
+    assert check.evidence.startswith("a TPU is wanted, but libtpu is not installed (wants libtpu==0.0.42.*)")
+    assert "JAX has no TPU runtime to load" in check.evidence and "jax[tpu]" in check.action
+    assert versions.check_versions(tpu_wanted=False, paths=paths).status == "ok"
 
 
-@pytest.mark.parametrize("libtpu", ["0.0.14", "0.0.19", "0.0.31"])
-def test_tensorflow_tpu_with_a_libtpu_that_loads_is_known_good(tmp_path: Path, libtpu: str) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.20.0", "libtpu": libtpu, "keras": "3.15.1"})
-    assert checks.check_versions(tpu_wanted=True, paths=paths).status == "ok"
+def test_a_tpu_wanted_without_jax_fails(tmp_path: Path) -> None:
+    check = versions.check_versions(tpu_wanted=True, paths=installed(tmp_path, **{"tensorflow-cpu": "2.21.0"}))
+    assert check.status == "fail" and "jax is not installed" in check.evidence and "jax[tpu]" in check.action
+
+
+@pytest.mark.parametrize("tpu_wanted", [True, False])
+def test_tensorflow_tpu_is_retired_with_the_way_to_the_jax_image(tmp_path: Path, tpu_wanted: bool) -> None:
+    paths = installed(tmp_path, **{"tensorflow-tpu": "2.19.1", "libtpu": "0.0.10", "tf-keras": "2.19.0"})
+    check = versions.check_versions(tpu_wanted=tpu_wanted, paths=paths)
+    assert check.status == "fail"
+    assert check.evidence.startswith("tensorflow-tpu 2.19.1 is installed: TensorFlow no longer drives TPUs here")
+    assert "pip uninstall -y tensorflow-tpu tf-keras" in check.action and f'"jax[tpu]=={JAX}"' in check.action
 
 
 def test_two_tensorflows_in_one_environment_fail(tmp_path: Path) -> None:
     paths = installed(tmp_path, **{"tensorflow": "2.21.0", "tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=False, paths=paths)
+    check = versions.check_versions(tpu_wanted=False, paths=paths)
     assert check.status == "fail" and "2 TensorFlow distributions" in check.evidence
 
 
-def test_the_cpu_wheel_where_a_tpu_is_wanted_fails(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-cpu": "2.21.0", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=True, paths=paths)
-    assert check.status == "fail" and "no TPU kernels" in check.evidence
-    # The TPU image's pair (Keras's PJRT example) first, then the other TPU row known to import.
-    assert check.action.startswith("run the TPU image: pip install tensorflow-tpu==2.19.1 libtpu==0.0.10 or ")
-    assert "pip install tensorflow-tpu==2.20.0 libtpu==0.0.19" in check.action
-
-
-def test_the_tpu_images_tensorflow_and_libtpu_are_known_good(tmp_path: Path) -> None:
-    paths = installed(tmp_path, **{"tensorflow-tpu": "2.19.1", "libtpu": "0.0.10", "keras": "3.15.1"})
-    check = checks.check_versions(tpu_wanted=True, paths=paths)
-    assert check.status == "ok" and check.data["known_good"][:2] == ["tensorflow-tpu==2.19.1", "libtpu==0.0.10"]
-    other = installed(tmp_path / "other", **{"tensorflow-tpu": "2.19.1", "libtpu": "0.0.19", "keras": "3.15.1"})
-    assert checks.check_versions(tpu_wanted=True, paths=other).status == "warn", "the wheel pins libtpu==0.0.10"
-
-
 def test_known_good_rows_carry_their_source_and_date() -> None:
-    rows = json.loads(checks.KNOWN_GOOD.read_text())["combos"]
+    rows = json.loads(versions.KNOWN_GOOD.read_text())["combos"]
     assert {row["platform"] for row in rows} == {"tpu", "cpu"}
     for row in rows:
-        assert row["requires"][0].split("==")[0] in checks.TENSORFLOW_DISTRIBUTIONS
+        assert row["requires"][0].split("==")[0] in versions.TENSORFLOW_DISTRIBUTIONS
         assert row["source"] and row["checked"] and row["verified"] and row["install"]
+
+
+@pytest.mark.parametrize(("platform", "lock"), [("tpu", "requirements-tpu.lock"), ("cpu", "requirements.lock")])
+def test_known_good_rows_describe_the_locks_the_images_install(platform: str, lock: str) -> None:
+    """The TPU row is the TPU image's set (requirements-tpu.lock), the CPU row requirements.lock's."""
+    lines = [line for line in (REPO / lock).read_text().splitlines() if "==" in line and not line.startswith("#")]
+    pinned = dict(line.split("==") for line in lines)
+    pinned = {canonicalize_name(name): version for name, version in pinned.items()}
+    row = next(row for row in json.loads(versions.KNOWN_GOOD.read_text())["combos"] if row["platform"] == platform)
+    wanted = [Requirement(text) for text in row["requires"] if not text.startswith("python")]
+    unmet = [f"{r} ({pinned.get(canonicalize_name(r.name))})" for r in wanted
+             if not r.specifier.contains(pinned.get(canonicalize_name(r.name), "0"))]
+    assert unmet == [], f"{versions.KNOWN_GOOD.name}'s {platform} row disagrees with {lock}"
+
+
+# --- JAX's TPU start ---------------------------------------------------------------------------
+# The real jax of requirements.lock, without libtpu (this machine's venv): the TPU image's own run, with the real
+# libtpu finding no TPU, is tests/test_image.py's.
+
+
+def stand_in_jax(folder: Path, body: str) -> dict[str, str]:
+    """A `jax` package first on the path, for what a real one does only on a broken TPU host: hang or abort."""
+    (folder / "jax").mkdir(parents=True)
+    (folder / "jax" / "__init__.py").write_text(textwrap.dedent(body))
+    return {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_jax_without_libtpu_says_it_has_no_tpu_backend_and_how_to_get_one() -> None:
+    wanted = jax_tpu.check_jax_tpu(tpu_wanted=True, timeout=60, environ=dict(os.environ))
+    assert wanted.status == "fail", wanted
+    assert wanted.evidence.startswith(f"JAX {JAX} finds no libtpu (the `libtpu` package is not installed")
+    assert wanted.action.startswith(f'pip install "jax[tpu]=={JAX}"') and wanted.data["tpu_devices"] == 0
+    assert jax_tpu.check_jax_tpu(tpu_wanted=False, timeout=60, environ=dict(os.environ)).status == "warn"
+
+
+def test_a_libtpu_that_jax_cannot_load_fails_naming_the_file(tmp_path: Path) -> None:
+    library = tmp_path / "libtpu.so"
+    library.write_bytes(b"not a shared object")
+    check = jax_tpu.check_jax_tpu(False, 60, {**os.environ, "TPU_LIBRARY_PATH": str(library)})
+    assert check.status == "fail" and f"could not start libtpu from {library}: " in check.evidence, check
+    assert "Failed to open" in check.evidence and "versions check" in check.action
+
+
+def test_a_jax_start_that_hangs_is_killed_within_the_bound(tmp_path: Path) -> None:
+    check = jax_tpu.check_jax_tpu(True, 2, stand_in_jax(tmp_path, "import time\ntime.sleep(3600)\n"))
+    assert check.status == "fail" and check.evidence.startswith("no answer within 2 s while JAX started") and \
+        check.seconds < 10
+    assert "lockfile check" in check.action
+
+
+def test_a_jax_start_that_aborts_is_reported_with_its_last_words(tmp_path: Path) -> None:
+    env = stand_in_jax(tmp_path, """
+        import os, sys
+        sys.stderr.write("F0000 libtpu: TPU is already in use by process with pid 4242.\\n")
+        sys.stderr.flush()
+        os.abort()
+    """)
+    check = jax_tpu.check_jax_tpu(True, 30, env)
+    assert check.status == "fail" and "died (signal SIGABRT)" in check.evidence, check
+    assert "already in use by process with pid 4242" in check.evidence
 
 
 # --- devices -----------------------------------------------------------------------------------

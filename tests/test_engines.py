@@ -218,7 +218,7 @@ def test_vertex_refuses_v5p_which_its_tpu_training_page_does_not_name(cloud_spec
 
 def dockerfile_user(accelerator: str) -> str:
     """The user the runner image's final stage runs as, for --build-arg ACCELERATOR=...: its stages followed
-    from `FROM tf-${ACCELERATOR} AS runner` down, ENV values carried from a stage to those built FROM it, and
+    from `FROM deps-${ACCELERATOR} AS runner` down, ENV values carried from a stage to those built FROM it, and
     the USER instruction's ${...} filled in from them, as Docker does."""
     text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
     stages: dict[str, tuple[str, list[tuple[str, str]]]] = {}

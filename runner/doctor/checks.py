@@ -1,8 +1,9 @@
-"""The host checks of `runner doctor`: what can be known without importing TensorFlow.
+"""The host checks of `runner doctor`: what can be known without importing TensorFlow or JAX.
 
-TensorFlow is never imported here. With a libtpu that does not match tensorflow-tpu, `import tensorflow`
-aborts the whole process, and the doctor must outlive exactly that; the checks that need TensorFlow run
-in a child process (runner/doctor/probe.py). Each check returns a `Check`: a status (ok, warn, fail),
+Neither is imported here. A broken install can abort or hang the process that imports it (libtpu does both),
+and the doctor must outlive exactly that; the checks that need TensorFlow run in a child process
+(runner/doctor/probe.py), JAX's TPU check in another (runner/doctor/jax_tpu.py); the versions check reads
+metadata only (runner/doctor/versions.py). Each check returns a `Check`: a status (ok, warn, fail),
 the evidence it saw and what to do about it. No check prints a secret.
 """
 
@@ -11,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import glob
-import importlib.metadata
 import json
 import os
-import platform
 import ssl
 import struct
 import time
@@ -23,10 +22,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
-
-from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.utils import canonicalize_name
 
 from runner.device.host import (
     TCMALLOC_PRELOAD,
@@ -38,14 +33,8 @@ from runner.device.host import (
 from runner.device.tpu_env import choose_tpu_env
 from runner.spec.types import AcceleratorSpec
 
-KNOWN_GOOD = Path(__file__).with_name("known_good.json")
 # The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
 LOCKFILE_ENV = "RUNNER_LIBTPU_LOCKFILE"
-TENSORFLOW_DISTRIBUTIONS = (
-    "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu", "tensorflow-intel",
-    "tf-nightly", "tf-nightly-cpu", "tf-nightly-tpu",
-)
-_WATCHED = (*TENSORFLOW_DISTRIBUTIONS, "keras", "libtpu", "libtpu-nightly", "tf-keras")
 _STORAGE_SCOPES = ("devstorage", "cloud-platform")
 
 
@@ -62,77 +51,6 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# --- versions ----------------------------------------------------------------------------------
-
-
-def installed_versions(paths: list[str] | None = None) -> dict[str, str]:
-    """Versions of the distributions that decide whether TensorFlow starts, read from their metadata."""
-    found: dict[str, str] = {}
-    dists = importlib.metadata.distributions(path=paths) if paths is not None else importlib.metadata.distributions()
-    for dist in dists:
-        name = canonicalize_name(dist.metadata["Name"] or "")
-        if name in _WATCHED and name not in found:  # the first on the path wins, as it does for imports
-            found[name] = dist.version
-    return found
-
-
-def _unmet(requirements: list[str], versions: dict[str, str]) -> list[str]:
-    problems = []
-    for text in requirements:
-        requirement = Requirement(text)
-        have = versions.get(canonicalize_name(requirement.name))
-        if have is None:
-            problems.append(f"{requirement.name} is not installed (wants {text})")
-        elif not requirement.specifier.contains(have, prereleases=True):
-            problems.append(f"{requirement.name} {have} (wants {text})")
-    return problems
-
-
-def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path = KNOWN_GOOD) -> Check:
-    """Python/TensorFlow/Keras/libtpu against the known-good table; a TPU needs the TPU wheel."""
-    versions = {**installed_versions(paths), "python": platform.python_version()}
-    combos = json.loads(table.read_text())["combos"]
-    shown = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
-    data: dict[str, Any] = {"versions": versions}
-    tensorflows = [name for name in TENSORFLOW_DISTRIBUTIONS if name in versions]
-    every = " or ".join(f"pip install {row['install']}" for row in combos)
-    if not tensorflows:
-        return Check("versions", "fail", f"no TensorFlow distribution is installed ({shown})", every, data=data)
-    if len(tensorflows) > 1:
-        return Check(
-            "versions", "fail",
-            f"{len(tensorflows)} TensorFlow distributions share one environment ({', '.join(tensorflows)}): "
-            "the one installed last overwrote the other's files",
-            f"pip uninstall -y {' '.join(tensorflows)}, then install one (tf-keras pulls `tensorflow`: add --no-deps)",
-            data=data,
-        )
-    name = tensorflows[0]
-    rows = [row for row in combos if not _unmet(row["requires"][:1], versions)]
-    tpu_install = " or ".join(f"pip install {row['install']}" for row in combos if row["platform"] == "tpu")
-    if not rows:
-        return Check(
-            "versions", "fail" if tpu_wanted and "tpu" not in name else "warn",
-            f"{name} {versions[name]} is not in {table.name} ({shown})",
-            f"{tpu_install if tpu_wanted else every}, or add this combination once a job has run on it", data=data,
-        )
-    row = min(rows, key=lambda r: len(_unmet(r["requires"], versions)))
-    data["known_good"] = row["requires"]
-    action = f"pip install {row['install']} (see {table.name})"
-    if tpu_wanted and row["platform"] != "tpu":
-        evidence = f"a TPU is wanted, but {name} {versions[name]} has no TPU kernels ({shown})"
-        return Check("versions", "fail", evidence, f"run the TPU image: {tpu_install}", data=data)
-    problems = _unmet(row["requires"], versions)
-    if not problems:
-        return Check("versions", "ok", f"{shown}: known good in {table.name} (checked {row['checked']})", data=data)
-    evidence = f"{'; '.join(problems)} with {name} {versions[name]}"
-    libtpu = versions.get("libtpu")
-    if row.get("libtpu_aborts") and libtpu and SpecifierSet(row["libtpu_aborts"]).contains(libtpu, prereleases=True):
-        return Check("versions", "fail", f"{evidence}: {row['if_libtpu_aborts']}", action, data=data)
-    if row["platform"] == "tpu" and libtpu is None:
-        return Check("versions", "fail", f"{evidence}: TensorFlow has no TPU runtime to load", action, data=data)
-    return Check("versions", "warn", f"{evidence}: a combination nobody has tried yet", action, data=data)
 
 
 # --- devices -----------------------------------------------------------------------------------

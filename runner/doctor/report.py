@@ -1,9 +1,10 @@
 """`runner doctor`: the classic ways a TPU job dies, checked in seconds before the job spends accelerator time.
 
-    versions      Python/TensorFlow/Keras/libtpu against runner/doctor/known_good.json
+    versions      Python/TensorFlow/Keras/JAX/libtpu against runner/doctor/known_good.json and jax's `tpu` extra
     devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
     tpu_runtime   (a TPU job) the device API its generation needs (PJRT from v5e on) and what is set for it
     lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
+    jax           (a TPU wanted, or libtpu installed) JAX finds libtpu and a TPU, in a child process of its own
     credentials   where gs:// credentials come from (never printing a secret)
     gcs           whether the storage endpoint answers
     tensorflow    `import tensorflow` in a child process (a mismatched libtpu aborts right here)
@@ -41,8 +42,9 @@ from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE
 from runner.data.storage import buckets_in, tensorflow_env
 from runner.device import host
 from runner.device.bounded import Bounded
-from runner.doctor import checks
+from runner.doctor import checks, versions
 from runner.doctor.checks import Check
+from runner.doctor.jax_tpu import check_jax_tpu
 from runner.spec.types import JobSpec
 
 SCHEMA_VERSION = 1
@@ -55,8 +57,8 @@ _STEP_WHAT = {
 }
 _STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
 _STEP_ACTIONS = {
-    "tensorflow": "a libtpu that does not match tensorflow-tpu breaks the import: see the versions check and "
-    "runner/doctor/known_good.json",
+    "tensorflow": "a TensorFlow that does not import stops every job (tf.data runs in it under both engines): see the "
+    "versions check and runner/doctor/known_good.json",
     "tpu": "check TPU_NAME / accelerator.tpu, the devices, tpu_runtime and lockfile checks, and that the TPU is "
     "READY (gcloud compute tpus tpu-vm describe); a crash here (SIGSEGV) is how libtpu can fail under PJRT when it "
     "finds no usable TPU, and `runner run` would die the same way",
@@ -278,13 +280,16 @@ def run_doctor(
     tpu_wanted = job.accelerator.kind == "tpu" or (job.accelerator.kind == "auto" and tpu_here)
     lockfile = lockfile or environ.get(checks.LOCKFILE_ENV) or host.LIBTPU_LOCKFILE
     found = [
-        _timed(checks.check_versions, tpu_wanted),
+        _timed(versions.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),
         *([_timed(checks.check_tpu_runtime, job.accelerator, environ, dev_root)] if tpu_wanted else []),
         _timed(checks.check_allocator),
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
         _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
     ]
+    if tpu_wanted or "libtpu" in versions.installed_versions():
+        # Before the TensorFlow probe: the TPU is JAX's, and this child lets go of it (and the lockfile) on exit.
+        found.append(check_jax_tpu(tpu_wanted, timeout, environ))
     probe = _Probe(["tensorflow", "tpu", *(["storage", "data"] if spec else [])], job, timeout, environ)
     try:
         network = [

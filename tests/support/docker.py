@@ -5,6 +5,8 @@
                     Dockerfile's real base name. The engine is stopped, by PID, by the session that started
                     it. If it cannot start, the test fails with the rig's own words (no skip).
     runner_image    session: the image built from the repository's Dockerfile (default target, CPU), as a tag.
+    runner_tpu_image  session: the same Dockerfile with --build-arg ACCELERATOR=tpu (Keras on JAX, libtpu), as a
+                    tag; its build runs the image's own TPU check (scripts/image-install.sh check-tpu).
 
 Import them in a test module: `from tests.support.docker import docker_engine, runner_image`.
 Builds use `--network host` (pip reaches PyPI) and containers `--network none` unless a test says otherwise.
@@ -28,6 +30,7 @@ RIG = REPO / "scripts" / "docker-rig.sh"
 # Debian's client, installed by the rig with its engine: its BuildKit needs no buildx plugin.
 DOCKER = "/usr/bin/docker"
 IMAGE_TAG = "runner:under-test"
+TPU_IMAGE_TAG = "runner:tpu-under-test"
 # One session at a time may drive the private engine: a second one would stop it under the first.
 _LOCK = Path(os.environ.get("RUNNER_DOCKER_LOCK", "/run/runner-docker.lock"))
 _LOCK_WAIT_S = 900
@@ -107,22 +110,38 @@ def docker_engine() -> Iterator[Engine]:
                 _rig("stop", timeout=60)
 
 
-@pytest.fixture(scope="session")
-def runner_image(docker_engine: Engine, tmp_path_factory) -> str:
-    """Builds the Dockerfile as it stands (default target) once per session; returns its tag."""
-    log = tmp_path_factory.mktemp("image") / "build.log"
-    args = ["build", "--network", "host", "--progress", "plain", "--tag", IMAGE_TAG]
+def build_image(engine: Engine, tag: str, log: Path, *build_args: str) -> float:
+    """Builds the repository's Dockerfile as it stands; returns the seconds it took. The engine's layer cache
+    persists between sessions, so an unchanged dependency layer is not installed again."""
+    args = ["build", "--network", "host", "--progress", "plain", "--tag", tag, *build_args]
     ca = _ca_bundle()
     if ca:
         args += ["--secret", f"id=pip_cert,src={ca}"]
     began = time.monotonic()
-    result = docker_engine.docker(*args, str(REPO), timeout=_BUILD_TIMEOUT_S)
+    result = engine.docker(*args, str(REPO), timeout=_BUILD_TIMEOUT_S)
     log.write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        pytest.fail(f"docker build failed (exit {result.returncode}; full log {log}):\n{result.stderr[-4000:]}")
-    docker_engine.docker("image", "prune", "--force")  # earlier builds' untagged images
-    print(f"runner image built in {time.monotonic() - began:.0f}s; log {log}")
+        pytest.fail(f"docker build {' '.join(build_args)} failed (exit {result.returncode}; full log {log}):\n"
+                    f"{result.stderr[-4000:]}")
+    engine.docker("image", "prune", "--force")  # earlier builds' untagged images
+    seconds = time.monotonic() - began
+    print(f"{tag} built in {seconds:.0f}s; log {log}")
+    return seconds
+
+
+@pytest.fixture(scope="session")
+def runner_image(docker_engine: Engine, tmp_path_factory) -> str:
+    """Builds the Dockerfile as it stands (default target) once per session; returns its tag."""
+    build_image(docker_engine, IMAGE_TAG, tmp_path_factory.mktemp("image") / "build.log")
     return IMAGE_TAG
+
+
+@pytest.fixture(scope="session")
+def runner_tpu_image(docker_engine: Engine, tmp_path_factory) -> str:
+    """Builds the TPU image (--build-arg ACCELERATOR=tpu) once per session; returns its tag."""
+    build_image(docker_engine, TPU_IMAGE_TAG, tmp_path_factory.mktemp("tpu-image") / "build.log",
+                "--build-arg", "ACCELERATOR=tpu")
+    return TPU_IMAGE_TAG
 
 
 IMAGE_UID = 1000  # the runner image's unprivileged user (Dockerfile: USER 1000:1000)
