@@ -53,7 +53,7 @@ def build_model(spec: JobSpec, features: dict[str, Feature]) -> keras.Model:
 def _build_user_model(
     path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: usercode.CodeRoots
 ) -> keras.Model:
-    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
+    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots, keywords=params)
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
