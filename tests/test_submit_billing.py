@@ -385,3 +385,13 @@ def _closed_port() -> int:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_an_unknown_job_is_no_such_job_without_asking_for_a_project_or_zone(api, tpu_fake, command):
+    """No --project, no --zone and no gcloud configuration: the answer is still that there is no such job."""
+    result = invoke(command, "nosuchjob", env=api)
+    assert result.returncode == 2, result.stderr
+    assert "no such job: cannot find job 'nosuchjob'" in result.stderr, result.stderr
+    assert "missing --project" not in result.stderr
+    assert tpu_fake.requests() == [], "nothing to ask the TPU API without a project and zone"
