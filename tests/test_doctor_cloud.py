@@ -166,7 +166,7 @@ def test_missing_image_type_bucket_and_data_each_say_the_command_that_fixes_them
         assert checks[name]["action"] == f"gcloud storage buckets create gs://{gone} --location={region}"
 
 
-def test_no_credentials_or_no_project_stop_before_any_call(fake, tmp_path) -> None:
+def test_no_credentials_or_no_project_stop_before_any_call(fake, spec_in, tmp_path) -> None:
     env = environment(tmp_path, fake.endpoint)
     del env["CLOUDSDK_AUTH_ACCESS_TOKEN"]
     env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
@@ -177,6 +177,26 @@ def test_no_credentials_or_no_project_stop_before_any_call(fake, tmp_path) -> No
     assert checks["cloud_credentials"]["evidence"].startswith("missing: no Application Default Credentials")
     assert checks["cloud_credentials"]["action"].startswith("gcloud auth application-default login")
     assert all(c["evidence"].startswith("not run") for n, c in checks.items() if n != "cloud_credentials")
+    assert fake.requests() == []
+
+    # Each check not run still names the command that settles it: one pass lists every step, not the first.
+    region = ZONE.rsplit("-", 1)[0]
+    code, checks = cloud_doctor(spec_in("b"), "--image", IMAGE, "--on", "vertex", env=env, child=True)
+    assert {n: c["action"].removeprefix("after cloud_credentials: ") for n, c in checks.items()} == {
+        "cloud_credentials": checks["cloud_credentials"]["action"],
+        "tpu_api": f"gcloud services enable tpu.googleapis.com --project {PROJECT}",
+        "tpu_type": f"gcloud compute tpus accelerator-types list --zone={ZONE} --project={PROJECT} lists the types "
+                    f"{ZONE} offers: v5litepod-8 must be one of them",
+        "quota": "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)",
+        "engine": f"gcloud services enable aiplatform.googleapis.com --project {PROJECT}",
+        "bucket_read": "runner prepare DATASET --out gs://b/data/mnist if `gcloud storage ls gs://b/data/mnist/` "
+                       "lists nothing",
+        "bucket_write": f"gcloud storage buckets create gs://b --location={region} if `gcloud storage buckets "
+                        "describe gs://b` finds none",
+        "image": f"if `docker manifest inspect {IMAGE}` finds nothing: "
+                 + checks["image"]["action"].split("finds nothing: ", 1)[1],
+    }
+    assert "build and push it: gcloud builds submit" in checks["image"]["action"], checks["image"]
     assert fake.requests() == []
 
     env = environment(tmp_path, fake.endpoint)
