@@ -216,7 +216,9 @@ def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu
     price = pricing.price_per_chip_hour("v5litepod-8", ZONE)
     assert (f"price: v5litepod-8 = 8 chips x ${price.usd:g} per chip-hour on demand in us-central1 = "
             f"${8 * price.usd:.2f} per hour (source: {price.source}; read {price.date})") in dry.stderr
-    assert "limit: stops after 24 h (at most $230.40 of TPU time); stall timeout: 30 min" in dry.stderr
+    # 24 h and the 10 min grace before a hung container is killed, at $9.60 an hour: $232.00, not $230.40.
+    assert ("limit: stops after 24 h (at most $232.00 of TPU time: 24 h and the 10 min before a hung container "
+            "is killed); stall timeout: 30 min") in dry.stderr
     # v5e's runtime has Google's TensorFlow 2.18 release test; the image's tensorflow-tpu 2.19.1 has no recipe there.
     assert ("unverified: the runner's TPU image (tensorflow-tpu 2.19.1, Keras 3) on v5litepod is unverified"
             in dry.stderr), dry.stderr
