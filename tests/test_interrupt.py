@@ -8,6 +8,7 @@ The first Ctrl-C saves at the next step boundary, writes the summary with status
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -86,6 +87,28 @@ def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(
     assert summary["status"] == status
     assert json.loads((run_dir / "summary.json").read_text())["status"] == status
     assert local_index(run_dir) is None, "nothing was trained, so nothing is saved"
+
+
+def test_a_sigterm_while_the_command_line_imports_is_a_preemption_too(mnist_job, tmp_path):
+    """Before `run` begins, Python imports the CLI (Typer, Rich, every command's module: 0.3-0.5 s). A notice
+    then is held as well: exit 75 with its summary, never 143. Python reports each import as it completes
+    (PYTHONPROFILEIMPORTTIME): the signal goes the moment Typer's is reported."""
+    spec = job(mnist_job, "imports")
+    process = start_run(spec, env=cli_env(PYTHONPROFILEIMPORTTIME="1"))
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(r"\|\s+typer$", line.rstrip()):
+            break
+    else:
+        raise AssertionError("the CLI exited before Typer was imported: " + "".join(seen[-20:]))
+    process.send_signal(signal.SIGTERM)
+    code, out, err = finish(process)
+    assert code == 75, err[-3000:]
+    assert "preemption notice received while the job was starting" in err
+    summary = last_json(out)
+    assert summary["status"] == "preempted"
+    assert json.loads((tmp_path / "runs" / "imports" / "summary.json").read_text())["status"] == "preempted"
 
 
 def test_a_second_ctrl_c_while_tensorflow_imports_exits_at_once(mnist_job, tmp_path):

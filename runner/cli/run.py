@@ -19,7 +19,7 @@ from runner.cli.common import (
     start_tensorflow,
     trained_command_setup,
 )
-from runner.train.preemption import EarlyNotice
+from runner.cli.signals import early_notice
 
 app = typer.Typer()
 
@@ -106,7 +106,7 @@ def run(
     * `runner run jobs/mnist_cnn.yaml --progress-every 10 2>train.log`
     * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --fresh` (an earlier run of the job is moved aside)
     """
-    early = EarlyNotice()
+    early = early_notice()
     job = load(spec, overrides)
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
