@@ -122,10 +122,12 @@ def run(
             raise fail(error, debug) from None
         said = f"{job.run_dir} moved to {moved}" if moved else f"no earlier run in {job.run_dir}"
         typer.echo(f"--fresh: {said}", err=True)
+    from runner import EXIT_USAGE
     from runner.train.progress import closing_line
 
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
-    typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
+    refused = getattr(result.error, "exit_code", None) == EXIT_USAGE
+    typer.echo(closing_line(result.summary, already_complete=result.already_complete, refused=refused), err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise fail(result.error, debug)
