@@ -57,6 +57,8 @@ def test_a_run_that_learned_nothing_is_not_a_success(mnist_job, tmp_path: Path) 
     assert any("never fell below its first epoch's" in w for w in warnings), warnings
     closing = [line for line in result.stderr.splitlines() if line.startswith("learned nothing: ")]
     assert closing and ", float32 (train.mixed_precision: float32)" in closing[0], result.stderr[-2000:]
+    said = re.findall(r" runner\.\S+: precision: (.*)", result.stderr)
+    assert said == ["float32 (train.mixed_precision: float32)"], "one precision line, the one the closing line says"
     assert "train.allow_chance: true" in result.stderr
     # The model is saved (the user may want to look at it); a run that expects chance says so in its spec.
     run_dir = tmp_path / "runs" / "flat"

@@ -208,6 +208,8 @@ def build_compiled(
                 model = build_model(spec, features)
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
+        if chosen is not None:  # the one precision line of a run: the decision as final, with its reason
+            log.info("precision: %s (%s)", chosen.policy, chosen.reason)
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
