@@ -81,7 +81,8 @@ def kubeconfig(path: Path, server: str) -> None:
 def cloud_doctor(*args: Any, env: dict[str, str], child: bool = False) -> tuple[int, dict[str, dict[str, Any]]]:
     argv = ["doctor", "--cloud", "--json", "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
             "--timeout", str(TIMEOUT), *map(str, args)]
-    result = run_cli(*argv, env=env, timeout=120) if child else invoke(*argv, env=env)
+    # A child imports the engines' clients (SkyPilot's took 20 s on a busy 2-core machine): a generous bound.
+    result = run_cli(*argv, env=env, timeout=600) if child else invoke(*argv, env=env)
     assert result.stdout.strip(), result.stderr
     report = last_json(result.stdout)
     return result.returncode, {check["name"]: check for check in report["checks"]}
@@ -336,6 +337,25 @@ def test_skypilot_asks_its_api_servers_health_and_an_absent_client_is_not_checke
     assert code == 0 and checks["engine"]["status"] == "warn"
     assert checks["engine"]["evidence"] == "not checked: the SkyPilot client is not installed"
     assert checks["engine"]["action"] == "pip install 'tpu-job-runner[skypilot]'"
+
+
+def test_a_client_slower_to_import_than_the_timeout_is_not_read_as_no_answer(fake, tmp_path) -> None:
+    """--timeout bounds waiting for an answer; an engine's client is imported before it starts. Here a client
+    whose import takes 3 s, against --timeout 2, answers healthy at once."""
+    client = tmp_path / "shadow" / "sky" / "client"
+    client.mkdir(parents=True)
+    (client.parent / "__init__.py").write_text("")
+    (client / "__init__.py").write_text("")
+    (client / "sdk.py").write_text(
+        "import time\nimport types\n\ntime.sleep(3)  # longer than --timeout 2\n\n\n"
+        "def api_info():\n    return types.SimpleNamespace(status='healthy', version='slow-import')\n")
+    env = environment(tmp_path, fake.endpoint, HOME=str(tmp_path), PYTHONPATH=str(tmp_path / "shadow"))
+    argv = ["doctor", "--cloud", "--json", "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
+            "--timeout", "2", "--image", IMAGE, "--on", "skypilot"]
+    result = run_cli(*argv, env=env, timeout=600)
+    engine = {c["name"]: c for c in last_json(result.stdout)["checks"]}["engine"]
+    assert engine["evidence"].startswith("the SkyPilot API server answered: healthy, version slow-import"), engine
+    assert engine["seconds"] < 2, "the import is not inside the bound"
 
 
 # --- the command line ---------------------------------------------------------------------------

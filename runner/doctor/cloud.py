@@ -34,7 +34,7 @@ from typing import Any
 
 from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
-from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
+from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex, load_client
 from runner.spec.types import JobSpec
 
 REGISTRY_ENV = "RUNNER_REGISTRY_ENDPOINT"
@@ -412,6 +412,7 @@ def preflight(
         return found + [Check(name, "fail", _NOT_RUN, f"after cloud_credentials: {fixes[name]}") for name in names]
 
     client = clients.tpu()
+    load_client(on)  # made outside the bounds, as the TPU client is: they time answers, not imports
     found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
     found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))
     found.append(quota_check(tpu_type, zone))
