@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tests.conftest import REPO, cli_env
 
@@ -63,7 +64,27 @@ def wait_for(probe: Callable[[], T | None], process: subprocess.Popen, timeout: 
                                  f"stderr: {err[-3000:]}")
         time.sleep(every)
     process.kill()
-    raise AssertionError(f"the awaited state did not come within {timeout} s")
+    raise AssertionError(f"waited {timeout:g} s for {awaited(probe)}: it did not come")
+
+
+def awaited(probe: Callable[..., Any]) -> str:
+    """Which wait ran out, as a failure says it: the probe's source and where it is."""
+    code = getattr(probe, "__code__", None)
+    try:
+        text = " ".join(inspect.getsource(probe).split())
+    except (OSError, TypeError):
+        text = getattr(probe, "__qualname__", repr(probe))
+    where = f" ({Path(code.co_filename).name}:{code.co_firstlineno})" if code else ""
+    return f"`{text[:200]}`{where}"
+
+
+def signal_taken(pid: int, signum: int) -> bool | None:
+    """True once `signum` sent to the process is no longer pending: its handler has it, so one sent now is a
+    second signal, not merged with the first (standard signals do not queue). None while it is pending."""
+    bit = 1 << (signum - 1)
+    with open(f"/proc/{pid}/status") as status:
+        pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return None if any(mask & bit for mask in pending) else True
 
 
 def indexed_step(index_text: str | None) -> int | None:
