@@ -284,7 +284,7 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     marks = tmp_path / "marks.jsonl"
     env = cli_env(MARKS=str(marks))
     run_dir = tmp_path / "runs" / "keras_user"
-    process = start_run(spec, env=env)
+    process = start_run(spec, env=env, progress=True)
     signal_in_second_epoch(process, run_dir, signal.SIGTERM)
     code, out, err = finish(process)
     assert code == 75, err[-3000:]

@@ -37,7 +37,7 @@ SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_te
 def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_continues(mnist_job, tmp_path):
     spec = job(mnist_job, "interrupted", grace_s=20)  # epoch-end saves only: the interruption's save is its own
     run_dir = tmp_path / "runs" / "interrupted"
-    process = start_run(spec)
+    process = start_run(spec, progress=True)
     signal_in_second_epoch(process, run_dir, signal.SIGINT)
     code, out, err = finish(process)
     assert code == 130, err[-3000:]
