@@ -344,7 +344,7 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
     where = f"; run folder: {run_dir}" if run_dir else ""
     if refused and not [r for r in records if r.get("attempt") == summary.get("attempt")]:
         # Epochs listed are earlier attempts': this one trained nothing, so "failed after N epochs" would mislead.
-        earlier = f" ({done} of {planned} epochs were trained earlier)" if done else ""
+        earlier = f" ({epochs} were trained earlier)" if done else ""
         return f"refused before training, in {duration(total_s)}{where}{earlier} (the error says what to change)"
     # A refusal at start (a spec or data error) trained nothing: "after 0 of 4 epochs" would suggest it did.
     when = "before training began," if not records and not summary.get("final_step") else f"after {epochs}"
