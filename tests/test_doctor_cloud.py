@@ -81,7 +81,8 @@ def kubeconfig(path: Path, server: str) -> None:
 def cloud_doctor(*args: Any, env: dict[str, str], child: bool = False) -> tuple[int, dict[str, dict[str, Any]]]:
     argv = ["doctor", "--cloud", "--json", "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
             "--timeout", str(TIMEOUT), *map(str, args)]
-    result = run_cli(*argv, env=env, timeout=120) if child else invoke(*argv, env=env)
+    # A child imports the engines' clients (SkyPilot's took 20 s on a busy 2-core machine): a generous bound.
+    result = run_cli(*argv, env=env, timeout=600) if child else invoke(*argv, env=env)
     assert result.stdout.strip(), result.stderr
     report = last_json(result.stdout)
     return result.returncode, {check["name"]: check for check in report["checks"]}
@@ -166,7 +167,7 @@ def test_missing_image_type_bucket_and_data_each_say_the_command_that_fixes_them
         assert checks[name]["action"] == f"gcloud storage buckets create gs://{gone} --location={region}"
 
 
-def test_no_credentials_or_no_project_stop_before_any_call(fake, tmp_path) -> None:
+def test_no_credentials_or_no_project_stop_before_any_call(fake, spec_in, tmp_path) -> None:
     env = environment(tmp_path, fake.endpoint)
     del env["CLOUDSDK_AUTH_ACCESS_TOKEN"]
     env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
@@ -177,6 +178,26 @@ def test_no_credentials_or_no_project_stop_before_any_call(fake, tmp_path) -> No
     assert checks["cloud_credentials"]["evidence"].startswith("missing: no Application Default Credentials")
     assert checks["cloud_credentials"]["action"].startswith("gcloud auth application-default login")
     assert all(c["evidence"].startswith("not run") for n, c in checks.items() if n != "cloud_credentials")
+    assert fake.requests() == []
+
+    # Each check not run still names the command that settles it: one pass lists every step, not the first.
+    region = ZONE.rsplit("-", 1)[0]
+    code, checks = cloud_doctor(spec_in("b"), "--image", IMAGE, "--on", "vertex", env=env, child=True)
+    assert {n: c["action"].removeprefix("after cloud_credentials: ") for n, c in checks.items()} == {
+        "cloud_credentials": checks["cloud_credentials"]["action"],
+        "tpu_api": f"gcloud services enable tpu.googleapis.com --project {PROJECT}",
+        "tpu_type": f"gcloud compute tpus accelerator-types list --zone={ZONE} --project={PROJECT} lists the types "
+                    f"{ZONE} offers: v5litepod-8 must be one of them",
+        "quota": "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)",
+        "engine": f"gcloud services enable aiplatform.googleapis.com --project {PROJECT}",
+        "bucket_read": "runner prepare DATASET --out gs://b/data/mnist if `gcloud storage ls gs://b/data/mnist/` "
+                       "lists nothing",
+        "bucket_write": f"gcloud storage buckets create gs://b --location={region} if `gcloud storage buckets "
+                        "describe gs://b` finds none",
+        "image": f"if `docker manifest inspect {IMAGE}` finds nothing: "
+                 + checks["image"]["action"].split("finds nothing: ", 1)[1],
+    }
+    assert "build and push it: gcloud builds submit" in checks["image"]["action"], checks["image"]
     assert fake.requests() == []
 
     env = environment(tmp_path, fake.endpoint)
@@ -329,6 +350,25 @@ def test_skypilot_asks_its_api_servers_health_and_an_absent_client_is_not_checke
     assert code == 0 and checks["engine"]["status"] == "warn"
     assert checks["engine"]["evidence"] == "not checked: the SkyPilot client is not installed"
     assert checks["engine"]["action"] == "pip install 'tpu-job-runner[skypilot]'"
+
+
+def test_a_client_slower_to_import_than_the_timeout_is_not_read_as_no_answer(fake, tmp_path) -> None:
+    """--timeout bounds waiting for an answer; an engine's client is imported before it starts. Here a client
+    whose import takes 3 s, against --timeout 2, answers healthy at once."""
+    client = tmp_path / "shadow" / "sky" / "client"
+    client.mkdir(parents=True)
+    (client.parent / "__init__.py").write_text("")
+    (client / "__init__.py").write_text("")
+    (client / "sdk.py").write_text(
+        "import time\nimport types\n\ntime.sleep(3)  # longer than --timeout 2\n\n\n"
+        "def api_info():\n    return types.SimpleNamespace(status='healthy', version='slow-import')\n")
+    env = environment(tmp_path, fake.endpoint, HOME=str(tmp_path), PYTHONPATH=str(tmp_path / "shadow"))
+    argv = ["doctor", "--cloud", "--json", "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
+            "--timeout", "2", "--image", IMAGE, "--on", "skypilot"]
+    result = run_cli(*argv, env=env, timeout=600)
+    engine = {c["name"]: c for c in last_json(result.stdout)["checks"]}["engine"]
+    assert engine["evidence"].startswith("the SkyPilot API server answered: healthy, version slow-import"), engine
+    assert engine["seconds"] < 2, "the import is not inside the bound"
 
 
 # --- the command line ---------------------------------------------------------------------------

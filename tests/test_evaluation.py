@@ -123,7 +123,8 @@ def test_a_manifest_that_lists_more_records_than_the_shards_hold_fails_evaluatio
         list(dataset)
     error = faults.input_error(raised.value, str(shards.pattern), "data.eval")
     assert isinstance(error, DataError)
-    assert f"hold only {VAL_RECORDS} records, their manifest lists {VAL_RECORDS + 1}" in str(error)
+    assert (f"hold only {VAL_RECORDS} records, their manifest lists {VAL_RECORDS + 1} (in {folder}/manifest.json"
+            in str(error))
 
 
 def job(folder: Path, tmp_path: Path, name: str, replicas: int, **data: object) -> Path:

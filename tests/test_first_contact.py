@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import jsonschema
@@ -57,6 +56,8 @@ def test_a_run_that_learned_nothing_is_not_a_success(mnist_job, tmp_path: Path) 
     assert any("never fell below its first epoch's" in w for w in warnings), warnings
     closing = [line for line in result.stderr.splitlines() if line.startswith("learned nothing: ")]
     assert closing and ", float32 (train.mixed_precision: float32)" in closing[0], result.stderr[-2000:]
+    said = re.findall(r" runner\.\S+: precision: (.*)", result.stderr)
+    assert said == ["float32 (train.mixed_precision: float32)"], "one precision line, the one the closing line says"
     assert "train.allow_chance: true" in result.stderr
     # The model is saved (the user may want to look at it); a run that expects chance says so in its spec.
     run_dir = tmp_path / "runs" / "flat"
@@ -158,13 +159,13 @@ def test_a_job_that_hangs_before_its_first_step_is_ended_by_the_stall_guard(mnis
     (tmp_path / "slow.py").write_text("import time\n\n\ndef hang(batch):\n    time.sleep(60)\n    return batch\n")
     spec = mnist_job("hangs", data={"preprocess": "slow:hang", "eval": None},
                      train={"epochs": 1, "steps_per_epoch": 2, "stall_timeout": 10}, output={"tensorboard": False})
-    began = time.monotonic()
-    stopped = run_cli("run", spec, timeout=120)
-    took = time.monotonic() - began
+    stopped = run_cli("run", spec, timeout=600)
     assert stopped.returncode == 124, stopped.stderr[-3000:]
-    assert took < 50, f"the guard waited {took:.0f} s for a 10 s stall timeout"
-    assert re.search(r"stalled: nothing progressed for \d+ s since data_init began \(train\.stall_timeout 10 s\)",
-                     stopped.stderr), stopped.stderr[-2000:]
+    said = re.search(r"stalled: nothing progressed for (\d+) s since data_init began \(train\.stall_timeout 10 s\)",
+                     stopped.stderr)
+    assert said, stopped.stderr[-2000:]
+    # The guard's own count, not this test's clock (TensorFlow's import on a busy machine is not the job's stall).
+    assert int(said.group(1)) < 40, f"the guard waited {said.group(1)} s for a 10 s stall timeout"
 
 
 def test_the_exit_codes_table_in_the_readme_names_every_code_the_runner_uses() -> None:
@@ -282,7 +283,7 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     marks = tmp_path / "marks.jsonl"
     env = cli_env(MARKS=str(marks))
     run_dir = tmp_path / "runs" / "keras_user"
-    process = start_run(spec, env=env)
+    process = start_run(spec, env=env, progress=True)
     signal_in_second_epoch(process, run_dir, signal.SIGTERM)
     code, out, err = finish(process)
     assert code == 75, err[-3000:]

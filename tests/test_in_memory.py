@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import posixpath
 from collections import Counter
 from pathlib import Path
 
@@ -212,7 +213,8 @@ def test_shards_holding_other_than_the_manifests_count_are_refused(mnist_shards)
     claims_more = dataclasses.replace(mnist_shards, records=2049)
     with pytest.raises(DataError) as caught:
         in_memory.load(claims_more, ("image", "label"), "data.train")
-    assert "hold 2048 records, their manifest lists 2049" in str(caught.value)
+    manifest = f"{posixpath.dirname(mnist_shards.pattern)}/manifest.json"
+    assert f"hold 2048 records, their manifest lists 2049 (in {manifest}: its `records` counts" in str(caught.value)
 
 
 # --- runs ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ The first Ctrl-C saves at the next step boundary, writes the summary with status
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -22,6 +23,7 @@ from tests.support.runs import (
     indexed_step,
     local_index,
     signal_in_second_epoch,
+    signal_taken,
     start_run,
     tensorflow_loading,
     wait_for,
@@ -35,7 +37,7 @@ SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_te
 def test_ctrl_c_saves_writes_an_interrupted_summary_exits_130_and_the_rerun_continues(mnist_job, tmp_path):
     spec = job(mnist_job, "interrupted", grace_s=20)  # epoch-end saves only: the interruption's save is its own
     run_dir = tmp_path / "runs" / "interrupted"
-    process = start_run(spec)
+    process = start_run(spec, progress=True)
     signal_in_second_epoch(process, run_dir, signal.SIGINT)
     code, out, err = finish(process)
     assert code == 130, err[-3000:]
@@ -88,17 +90,38 @@ def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(
     assert local_index(run_dir) is None, "nothing was trained, so nothing is saved"
 
 
+def test_a_sigterm_while_the_command_line_imports_is_a_preemption_too(mnist_job, tmp_path):
+    """Before `run` begins, Python imports the CLI (Typer, Rich, every command's module: 0.3-0.5 s). A notice
+    then is held as well: exit 75 with its summary, never 143. Python reports each import as it completes
+    (PYTHONPROFILEIMPORTTIME): the signal goes the moment Typer's is reported."""
+    spec = job(mnist_job, "imports")
+    process = start_run(spec, env=cli_env(PYTHONPROFILEIMPORTTIME="1"))
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(r"\|\s+typer$", line.rstrip()):
+            break
+    else:
+        raise AssertionError("the CLI exited before Typer was imported: " + "".join(seen[-20:]))
+    process.send_signal(signal.SIGTERM)
+    code, out, err = finish(process)
+    assert code == 75, err[-3000:]
+    assert "preemption notice received while the job was starting" in err
+    summary = last_json(out)
+    assert summary["status"] == "preempted"
+    assert json.loads((tmp_path / "runs" / "imports" / "summary.json").read_text())["status"] == "preempted"
+
+
 def test_a_second_ctrl_c_while_tensorflow_imports_exits_at_once(mnist_job, tmp_path):
     spec = job(mnist_job, "twice")
     process = start_run(spec)
     wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.1)  # two signals sent together may reach the process as one
-    second = time.monotonic()
+    # Two signals sent before the first is taken reach the process as one: the second waits for that.
+    wait_for(lambda: signal_taken(process.pid, signal.SIGINT), process, timeout=60, every=0.01)
     process.send_signal(signal.SIGINT)
-    code, out, err = finish(process, timeout=30)
+    code, out, err = finish(process, timeout=120)
     assert code == 130, err[-3000:]
-    assert time.monotonic() - second < 2
     assert "interrupted again: exiting now" in err
     assert out.strip() == "", "the second Ctrl-C exits before any summary"
     assert not (tmp_path / "runs" / "twice" / "checkpoints" / "checkpoint").exists()
@@ -126,13 +149,15 @@ def test_a_second_ctrl_c_during_a_hung_save_exits_at_once(gcs_faults, mnist_job)
     process = start_run(spec, env=cli_env(**gcs_faults.env))
     wait_for(lambda: gcs_faults.faults.stats()["stall"] or None, process, every=0.2)  # this run's save, stalled
     process.send_signal(signal.SIGINT)  # the save of step 16 is stuck: the first Ctrl-C waits for it
+    wait_for(lambda: signal_taken(process.pid, signal.SIGINT), process, timeout=60, every=0.01)
     time.sleep(1.0)
     assert process.poll() is None, "the first Ctrl-C waits for the save (grace_s 60)"
     second = time.monotonic()
     process.send_signal(signal.SIGINT)
-    code, out, err = finish(process, timeout=30)
+    code, out, err = finish(process, timeout=120)
     assert code == 130, err[-3000:]
-    assert time.monotonic() - second < 3
+    # At once, not at the end of grace_s (60 s): the bound leaves room for a busy machine.
+    assert time.monotonic() - second < 20
     assert "interrupted again: exiting now" in err
     assert out.strip() == "", "the second Ctrl-C exits before any summary"
     index = gcs_faults.read(bucket, "runs/hung/checkpoints/checkpoint").decode()
@@ -148,7 +173,7 @@ def test_ctrl_c_during_a_save_stuck_past_the_grace_period_exits_130(gcs_faults, 
     process.send_signal(signal.SIGINT)
     code, _, err = finish(process, timeout=60)
     assert code == 130, err[-3000:]
-    assert 3 <= time.monotonic() - noticed < 3 + 10
+    assert 3 <= time.monotonic() - noticed < 3 + 30  # at grace_s (3 s), with room for a busy machine
     assert "did not save and stop within checkpoint.grace_s (3 s)" in err
     assert indexed_step(gcs_faults.read(bucket, "runs/stuck/checkpoints/checkpoint").decode()) == 8
     # What the rerun finds is what a SIGTERM leaves in the same place: the data file of ckpt-16 without its

@@ -116,3 +116,55 @@ def test_build_functions_that_take_the_arguments_validate(arrays: Path, tmp_path
     spec = _spec(tmp_path, arrays, parameters, inputs=["x"], label="y")
     accepted = invoke("validate", spec)
     assert accepted.returncode == 0, accepted.stderr
+
+
+KERAS_IO = '''import keras
+
+
+def build_model({parameters}):
+    inputs = keras.Input(shape=(8,), name="x")
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense({classes})(hidden))
+'''
+
+
+def _keras_io_spec(folder: Path, data: Path, parameters: str, classes: str, params: dict) -> Path:
+    """A builder as keras.io writes them (no wrapper taking the runner's params, features, inputs)."""
+    spec = _spec(folder, data, "unused", inputs=["x"], label="y")
+    (folder / "code" / "mlp.py").write_text(KERAS_IO.format(parameters=parameters, classes=classes))
+    doc = yaml.safe_load(spec.read_text())
+    doc["model"] = {"name": "mlp:build_model", "params": params}
+    doc["train"]["epochs"] = 2
+    spec.write_text(yaml.safe_dump(doc))
+    return spec
+
+
+@pytest.mark.parametrize("parameters, classes, params", [
+    ("", "2", {}),
+    ("num_classes=3", "num_classes", {"num_classes": 2}),
+    ("*, num_classes", "num_classes", {"num_classes": 2}),
+])
+def test_a_keras_io_builder_validates_with_model_params_as_its_keywords(
+        arrays: Path, tmp_path: Path, parameters: str, classes: str, params: dict):
+    spec = _keras_io_spec(tmp_path, arrays, parameters, classes, params)
+    accepted = invoke("validate", spec)
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_a_keras_io_builder_whose_keywords_do_not_fit_is_refused_naming_both_forms(arrays: Path, tmp_path: Path):
+    spec = _keras_io_spec(tmp_path, arrays, "*, num_classes", "num_classes", {"classes": 2})
+    refused = invoke("validate", spec)
+    assert refused.returncode == 2
+    assert ("model.name: 'mlp:build_model' has signature build_model(*, num_classes), but the runner calls it as "
+            "build_model(params, features, inputs) (too many positional arguments), or as keras.io's builders "
+            "with model.params as keywords, build_model(classes=2) (missing a required argument: 'num_classes')"
+            ) in " ".join(refused.stderr.split()), refused.stderr
+
+
+@pytest.mark.slow
+def test_a_keyword_only_keras_io_builder_trains_with_model_params(arrays: Path, tmp_path: Path):
+    spec = _keras_io_spec(tmp_path, arrays, "*, num_classes", "num_classes", {"num_classes": 2})
+    trained = run_cli("run", str(spec))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = last_json(trained.stdout)
+    assert summary["status"] == "succeeded" and summary["metrics"]["accuracy"] > 0.7, summary["metrics"]

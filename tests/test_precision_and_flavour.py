@@ -217,7 +217,8 @@ def _own_models(tmp_path: Path) -> tuple[str, Path]:
 
 
 @pytest.mark.slow
-def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_auto(under, tmp_path: Path) -> None:
+def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_auto(
+        under, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import tensorflow as tf
 
     from runner.device.precision import Precision
@@ -239,7 +240,11 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
 
     # auto chose bfloat16 (as on a CPU with avx512_bf16), but the model's softmax would compute in bfloat16.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)
-    model = build("plain", chosen)
+    with caplog.at_level("INFO", logger="runner"):
+        model = build("plain", chosen)
+    # One line, the final decision with its reason: not bfloat16 first and float32 at the close.
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision: ")]
+    assert said == [f"precision: float32 ({chosen.reason})"], said
     assert chosen.policy == "float32"
     assert chosen.reason == (
         f"cpu flag avx512_bf16, but model '{package}.nets:plain': its output layer 'probs' computes in bfloat16 "

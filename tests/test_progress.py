@@ -74,6 +74,16 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
     assert closing_line(failed) == "failed before training began, in 9 s; run folder: runs/m (the error follows)"
     midway = {**failed, "final_step": 40}  # failed inside the first epoch, after 40 steps
     assert closing_line(midway) == "failed after 0 of 12 epochs in 9 s; run folder: runs/m (the error follows)"
+    # A refusal (exit 2) of an attempt that trained nothing: the epochs listed are an earlier attempt's.
+    resumed = {**failed, "attempt": 2, "epochs": [{"epoch": 1, "attempt": 1}, {"epoch": 2, "attempt": 1}]}
+    assert closing_line(resumed, refused=True) == (
+        "refused before training, in 9 s; run folder: runs/m (2 of 12 epochs were trained earlier) "
+        "(the error says what to change)")
+    assert closing_line(resumed).startswith("failed after 2 of 12 epochs"), "a failure is not a refusal"
+    stopped = {**summary, "epochs": [{"epoch": 1}, {"epoch": 2}], "stopped_early_after_epoch": 2}
+    assert closing_line(stopped) == (
+        "succeeded: early stopping ended it after 2 of 12 epochs (val_loss stopped improving; the best epoch's "
+        "weights were kept), accuracy 0.9868 in 4m 52s; model: runs/m/model.keras")
     bench = {"status": "succeeded", "kind": "matmul_bench", "run_dir": "runs/b",
              "tflops": {"cold": 0.01, "warm": 0.0712}, "timing": {"total_s": 3.0}, "epochs": []}
     assert closing_line(bench) == "succeeded: matmul benchmark, 0.0712 TFLOPS warm in 3 s; summary: runs/b/summary.json"
@@ -178,3 +188,19 @@ def test_on_a_terminal_a_bar_shows_progress_and_log_lines_stay_whole(mnist_job) 
     assert json.loads(printed[-1])["status"] == "succeeded", "the summary is still the last line"
     assert printed[-2].startswith("succeeded: 4 of 4 epochs"), printed[-3:]
     assert "Epoch 1/4" not in raw, "Keras's own progress bar is off"
+
+
+@pytest.mark.slow
+def test_the_closing_line_says_early_stopping_ended_the_run(mnist_job, tiny_mnist: Path) -> None:
+    """A learning rate far below float32 resolution freezes the weights: val_loss repeats exactly, and patience 1
+    stops the run after its second of four epochs."""
+    spec = mnist_job("stops", data={"validation": f"{tiny_mnist}/test-*.tfrecord", "eval": None},
+                     train={"epochs": 4, "steps_per_epoch": 2, "learning_rate": 1e-12,
+                            "early_stopping_patience": 1, "allow_chance": True},
+                     output={"tensorboard": False})
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    closing = [line for line in result.stderr.splitlines() if line.startswith("succeeded: ")]
+    assert closing and closing[0].startswith(
+        "succeeded: early stopping ended it after 2 of 4 epochs (val_loss stopped improving; the best epoch's "
+        "weights were kept)"), result.stderr[-3000:]

@@ -23,13 +23,14 @@ from runner.cloud.recovery import Decision, Seen, decide
 from tests.conftest import REPO, last_json, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 from tests.support.metadata_fake import MetadataFake
-from tests.support.runs import finish, indexed_step
+from tests.support.runs import awaited, finish, indexed_step
 from tests.support.tpu_fake import TpuFake
 from tests.support.tpu_vm import release, vm_env
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
 
+# Bounds on the waits below are generous (a suite on a busy 2-core machine took 68 minutes): a wait ends at its event.
 LIFECYCLE = {"provisioning_s": 0.1, "active_s": 0.1, "deleting_s": 1.0, "vm_linger_s": 1.0}
 
 
@@ -166,12 +167,12 @@ def wait_until(probe, process: subprocess.Popen | None = None, timeout: float = 
             _, err = process.communicate()
             raise AssertionError(f"the process ended ({process.returncode}) first: {err[-3000:]}")
         time.sleep(every)
-    raise AssertionError(f"not reached within {timeout} s")
+    raise AssertionError(f"waited {timeout:g} s for {awaited(probe)}: not reached")
 
 
 def test_a_bad_spec_exit_2_is_not_restarted(cloud):
     cloud.vm("exit:2")
-    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "3")), timeout=240)
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "3")), timeout=900)
     assert code == 2, err[-3000:]
     assert "exit 2 is not retryable" in err
     final = last_json(out)
@@ -183,19 +184,19 @@ def test_a_bad_spec_exit_2_is_not_restarted(cloud):
 def test_a_stalled_job_is_not_restarted_even_on_spot_and_its_slice_goes(cloud):
     cloud.vm("stall")  # the job's stall guard fires after the --stall-timeout it was given: exit 124, "stalled"
     args = cloud.submit_args(cloud.spec(), "--spot", "--stall-timeout", "10s")
-    code, out, err = finish(cloud.start(*args), timeout=240)
+    code, out, err = finish(cloud.start(*args), timeout=900)
     assert code == 124, err[-3000:]
     final = last_json(out)
     assert final["outcome"]["outcome"] == "stalled" and final["restarts"] == []
     assert "--max-run-duration or --stall-timeout; not restarted" in final["outcome"]["reason"]
     assert len(cloud.creates()) == 1, "spot restarts are for preemptions, not for a job that stopped itself"
     assert [r for r in cloud.api.requests() if r["method"] == "DELETE"], "the slice was deleted"
-    assert wait_until(lambda: tpu_fake_has_no_queued_resource(cloud), timeout=30)
+    assert wait_until(lambda: tpu_fake_has_no_queued_resource(cloud), timeout=300)
 
 
 def test_repeated_preemption_stops_when_the_restarts_are_spent_and_says_so(cloud):
     cloud.vm("exit:75")
-    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")), timeout=240)
+    code, out, err = finish(cloud.start(*cloud.submit_args(cloud.spec(), "--spot", "--max-restarts", "2")), timeout=900)
     assert code == 75, err[-3000:]
     assert "gave up" in err and "2 of 2 restarts spent (--max-restarts 2)" in err
     creates = cloud.creates()
@@ -216,7 +217,7 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
     watcher = cloud.start(*cloud.submit_args(cloud.spec(), "--max-restarts", "1"))
     wait_until(lambda: cloud.creates(), watcher)
     cloud.api.set_state("mnist-cnn", "FAILED")  # e.g. its --valid-until passed before capacity came
-    wait_until(lambda: len(cloud.creates()) == 2, watcher, timeout=60)
+    wait_until(lambda: len(cloud.creates()) == 2, watcher, timeout=300)
     cloud.api.set_state("mnist-cnn", "PROVISIONING")
     cloud.api.set_state("mnist-cnn", "ACTIVE", node_state="READY")  # the VM boots and the job starts
     wait_until(
@@ -226,11 +227,11 @@ def test_a_failed_queued_resource_is_created_again_and_a_cancel_stops_the_watche
             and cloud.object(f"logs/{job['submissions'][1]['id']}/worker-0.started.json")
         ),
         watcher,
-        timeout=60,
+        timeout=300,
     )
     cancelled = invoke("cancel", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, env=cloud.env)
     assert cancelled.returncode == 0, cancelled.stderr
-    code, out, err = finish(watcher, timeout=120)
+    code, out, err = finish(watcher, timeout=900)
     assert code == 130, err[-3000:]
     final = last_json(out)
     assert final["outcome"]["outcome"] == "cancelled"
@@ -253,7 +254,7 @@ def test_the_watcher_rides_out_an_api_that_does_not_answer_for_a_while(cloud):
         every=0.05,
     )
     release(cloud.vm_env)  # the job ends once the watcher has met the failures (the VM's delete meets none)
-    code, out, err = finish(watcher, timeout=240)
+    code, out, err = finish(watcher, timeout=900)
     assert code == 0, err[-3000:]
     assert "3 of 20 failures in a row; trying again" in err
     assert last_json(out)["outcome"]["outcome"] == "complete"
@@ -281,7 +282,7 @@ def test_a_watcher_killed_and_started_again_picks_up_the_same_job_and_never_dupl
     assert len(cloud.creates()) == 1
 
     last = cloud.start("watch", "mnist-cnn", "--zone", ZONE, "--project", PROJECT, "--interval", "0.5")
-    code, out, err = finish(last, timeout=240)
+    code, out, err = finish(last, timeout=900)
     assert code == 0, err[-3000:]
     assert "finishing the restart begun at" in err
     creates = cloud.creates()
@@ -310,14 +311,14 @@ def test_logs_follow_streams_through_cloud_logging_within_seconds(cloud):
     assert submitted.returncode == 0, submitted.stderr
     follower = cloud.start("logs", "mnist-cnn", "--follow", "--interval", "0.5", "--zone", ZONE, "--project", PROJECT)
     started = time.monotonic()
-    line = wait_until(lambda: _read_line(follower), follower, timeout=60)
+    line = wait_until(lambda: _read_line(follower), follower, timeout=300)
     assert "epoch 1/2: training" in line
     sub = cloud.job()["submissions"][0]["id"]
     assert cloud.object(f"logs/{sub}/worker-0.exit.json") is None, "seen while the job still runs"
     listed = [r for r in cloud.api.requests() if r["path"] == "/v2/entries:list"]
     assert listed and f'jsonPayload.container.name="/runner-mnist-cnn-{sub}-w0"' in listed[-1]["body"]["filter"]
     release(cloud.vm_env)
-    code, out, err = finish(follower, timeout=120)
+    code, out, err = finish(follower, timeout=900)
     assert code == 0, err
     assert '"status": "succeeded"' in out
     assert time.monotonic() - started < 60
@@ -345,7 +346,7 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
     spec = cloud.spec(
         data=f"{data}/train-*.tfrecord",
         train={"epochs": epochs, "steps_per_epoch": steps, "allow_chance": True},
-        checkpoint={"grace_s": 20},
+        checkpoint={"grace_s": 20, "every_steps": 8},  # a save 8 steps into epoch 2 says it has begun
         output={"tensorboard": False},
         batch={"global_batch_size": 128, "shuffle_buffer": 512},
     )
@@ -360,10 +361,10 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
         except exceptions.NotFound:
             return None
 
-    wait_until(lambda: (s := indexed()) is not None and s >= steps, watcher, timeout=300, every=0.1)
-    time.sleep(0.3)  # a few steps into epoch 2
+    # Into epoch 2 (its first save indexed), not a wall-clock guess: a busy machine may not have begun it yet.
+    wait_until(lambda: (s := indexed()) is not None and s > steps, watcher, timeout=600, every=0.1)
     cloud.api.preempt("mnist-cnn", grace_s=20)  # Spot preemption: SIGTERM on the VM, then it is gone
-    code, out, err = finish(watcher, timeout=420)
+    code, out, err = finish(watcher, timeout=900)
     assert code == 0, err[-4000:]
     final = last_json(out)
     assert final["status"] == "succeeded" and final["outcome"]["outcome"] == "complete"

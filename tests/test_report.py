@@ -377,3 +377,21 @@ def test_the_learning_rate_is_the_one_training_used(tmp_path: Path) -> None:
         == "0.003"
     assert rate({"learning_rate": 0.001, "schedule": {"class_name": "CosineDecay", "config": {}}}) == "CosineDecay"
     assert report.to_row("x", json.loads(V1.read_text())).learning_rate is None, "no spec.json: not known"
+
+
+def test_a_setting_given_as_a_name_a_config_or_unset_is_a_difference(mnist_job, tmp_path: Path) -> None:
+    """adam beside AdamW's config, no class weights beside a map: the two runs hold no sub-key in common, and
+    each difference is still named, whole and readable."""
+    from runner.spec.load import load_spec
+
+    path = mnist_job("a")
+    plain = load_spec(path, []).to_dict()
+    tuned = load_spec(path, ["train.optimizer={class_name: AdamW, config: {weight_decay: 0.004}}",
+                             "train.class_weight={0: 1.0, 1: 3.0}"]).to_dict()
+    a, b = _write_run(tmp_path / "a", {**plain, "name": "a"}), _write_run(tmp_path / "b", {**tuned, "name": "b"})
+    result = invoke("report", b, a, "--baseline", "a", env=cli_env())
+    assert result.returncode == 0, result.stderr
+    note = " ".join(result.stdout.split())
+    assert ("b: train.optimizer AdamW(weight_decay=0.004) (baseline adam), train.class_weight {0: 1.0, 1: 3.0} "
+            "(baseline unset)") in note, result.stdout
+    assert [line.split()[0] for line in result.stdout.splitlines()[2:4]] == ["a", "b*"]

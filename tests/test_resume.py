@@ -63,7 +63,7 @@ def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(mnist_job, t
 def test_sigterm_saves_within_grace_exits_75_and_the_rerun_continues(mnist_job, tmp_path):
     spec = job(mnist_job, "preempted", grace_s=20)  # epoch-end saves only: the notice's save is its own
     run_dir = tmp_path / "runs" / "preempted"
-    process = start_run(spec)
+    process = start_run(spec, progress=True)
     noticed = signal_in_second_epoch(process, run_dir, signal.SIGTERM)
     code, out, err = finish(process)
     exited_after = time.monotonic() - noticed

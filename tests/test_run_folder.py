@@ -158,6 +158,9 @@ def test_the_checkpoints_pin_what_they_mean_and_nothing_else(
     assert "train.optimizer_class: 'Adam' -> 'SGD'" in optimizer.stderr
     assert f"--set name={DONE}-2" in optimizer.stderr and "--fresh" in optimizer.stderr
     assert not re.search(r"\bdelete\b", optimizer.stderr), "no suggestion deletes a folder holding checkpoints"
+    # It refused: the epochs its closing line knows are the earlier attempts', not ones it failed after.
+    assert "refused before training, in " in optimizer.stderr and "epochs were trained earlier" in optimizer.stderr
+    assert "failed after" not in optimizer.stderr, optimizer.stderr[-3000:]
     assert_no_traceback(optimizer.stderr)
     assert snapshot(run_dir) == after, "a refused run writes nothing, not even its summary"
 

@@ -593,3 +593,15 @@ def test_submit_refuses_code_that_stays_on_this_machine(project: Path, tmp_path:
     assert result.returncode == 2, result.stderr
     assert f"model.name 'mymodels:build' is code from {project}, which the TPU VM does not have" in result.stderr
     assert "train.loss" not in result.stderr, "a listed package is installed in the image"
+
+
+@pytest.mark.parametrize(("name", "rule"), [
+    (".hidden", "must start with a letter or digit, not '.' (try 'hidden')"),
+    ("-job", "must start with a letter or digit, not '-' (try 'job')"),
+])
+def test_a_name_refused_for_its_first_character_says_so(tmp_path: Path, name: str, rule: str) -> None:
+    """Every character of `.hidden` and `-job` is allowed; only where they stand is not: the message says which."""
+    path = write_spec(tmp_path, {"name": name})
+    result = invoke("validate", path, env=cli_env())
+    assert result.returncode == 2, result.stdout
+    assert f"{path}:1: name: job name '{name}' {rule}" in result.stderr

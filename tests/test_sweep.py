@@ -231,3 +231,21 @@ def test_the_sweep_and_its_completeness_check_load_no_tensorflow(mnist_job) -> N
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=cli_env(),
                             cwd=REPO)
     assert result.stdout.strip().splitlines()[-1:] == ["no tensorflow"], result.stdout + result.stderr
+
+
+def test_a_run_made_with_a_named_optimizer_is_not_passed_off_as_a_configured_one(mnist_job) -> None:
+    """A run folder finished with `adam`, a sweep asking for AdamW's config and class weights: every difference
+    is named whole (the two specs hold no sub-key of train.optimizer in common)."""
+    from runner.compare.sweep import not_as_asked
+
+    spec = mnist_job("opt")
+    adam, adamw = plan_variants(spec, ["train.optimizer=adam,{class_name: AdamW, config: {weight_decay: 0.004}}",
+                                       "train.class_weight={0: 1.0, 1: 3.0}"])
+    folder = Path(adamw.spec.run_dir)
+    folder.mkdir(parents=True)
+    made = {**adamw.spec.to_dict(), "train": {**adamw.spec.to_dict()["train"], "optimizer": "adam",
+                                              "class_weight": None}}
+    (folder / "spec.json").write_text(json.dumps(made))
+    assert not_as_asked(adamw) == ["train.optimizer adam (asked AdamW(weight_decay=0.004))",
+                                   "train.class_weight unset (asked {0: 1.0, 1: 3.0})"]
+    assert adam.name.endswith("-optimizer-adam-class_weight-0_1.0_1_3.0")

@@ -8,6 +8,11 @@ TensorFlow is imported only by the commands that need it, so `validate` and `--h
 
 from __future__ import annotations
 
+# isort: off
+# First: it holds a preemption notice (`runner run`) while the rest imports (runner/cli/signals.py).
+from runner.cli import signals  # noqa: F401
+# isort: on
+
 import typer
 
 from runner.cli import cloud, compare, data, doctor, run, runs

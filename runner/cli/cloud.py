@@ -299,7 +299,9 @@ def cancel(name: Name, zone: Zone = None, project: Project = None) -> None:
     from runner.cloud import jobs
 
     try:
-        project, zone = _where(project, zone, need=not jobs.is_run_dir(name))
+        # Not required: a job this machine submitted is found without them, and an unknown one is said to be
+        # unknown (with where else to look) before anything is asked for.
+        project, zone = _where(project, zone, need=False)
         _print(jobs.cancel(name, project, zone))
     except RunnerError as error:
         raise fail(error) from None

@@ -19,7 +19,7 @@ from runner.cli.common import (
     start_tensorflow,
     trained_command_setup,
 )
-from runner.train.preemption import EarlyNotice
+from runner.cli.signals import early_notice
 
 app = typer.Typer()
 
@@ -106,7 +106,7 @@ def run(
     * `runner run jobs/mnist_cnn.yaml --progress-every 10 2>train.log`
     * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --fresh` (an earlier run of the job is moved aside)
     """
-    early = EarlyNotice()
+    early = early_notice()
     job = load(spec, overrides)
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
@@ -122,10 +122,12 @@ def run(
             raise fail(error, debug) from None
         said = f"{job.run_dir} moved to {moved}" if moved else f"no earlier run in {job.run_dir}"
         typer.echo(f"--fresh: {said}", err=True)
+    from runner import EXIT_USAGE
     from runner.train.progress import closing_line
 
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
-    typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
+    refused = getattr(result.error, "exit_code", None) == EXIT_USAGE
+    typer.echo(closing_line(result.summary, already_complete=result.already_complete, refused=refused), err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise fail(result.error, debug)

@@ -21,6 +21,7 @@ from typing import Any
 
 from runner import RunnerError
 from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api, tpu_types
+from runner.cloud.durations import LIMIT_GRACE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,10 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
         ]
     limit = "no wall-clock limit" if sub.max_run_s is None else f"stops after {_hours(sub.max_run_s)}"
     if price.usd is not None and sub.max_run_s is not None:
-        limit += f" (at most ${sub.tpu.chips * price.usd * sub.max_run_s / 3600:.2f} of TPU time)"
+        # A hung container is killed only LIMIT_GRACE_S after the limit: the slice bills until then.
+        billed_s = sub.max_run_s + LIMIT_GRACE_S
+        limit += (f" (at most ${sub.tpu.chips * price.usd * billed_s / 3600:.2f} of TPU time: "
+                  f"{_hours(sub.max_run_s)} and the {_hours(LIMIT_GRACE_S)} before a hung container is killed)")
     lines.append(
         f"limit: {limit}; stall timeout: " + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s))
     )

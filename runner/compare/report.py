@@ -26,6 +26,7 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
+from runner.compare.settings import differing, readable, settings_of, value_at
 from runner.compare.summaries import SummaryError, read_spec, read_summary
 
 
@@ -113,33 +114,6 @@ def _learning_rate(spec: dict[str, Any] | None) -> str | None:
     return None if rate is None else f"{rate:g}"
 
 
-# Spec keys that say nothing about what a run measured: where it wrote, how it saved, what it may import.
-_NOT_SETTINGS = ("name", "output.", "code.", "checkpoint.", "storage.", "profile", "pinned", "data.verify",
-                 "accelerator.timeout_s", "train.max_duration", "train.stall_timeout")
-
-
-def settings_of(doc: dict[str, Any], spec: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
-    """The settings a run was made with, as (dotted key, value): the spec.json's comparable keys, and the
-    global batch and epochs the summary records (all a summary without its spec.json tells)."""
-    flat = dict(flatten(spec)) if spec else {}
-    if spec and spec.get("kind") != "matmul_bench":
-        flat = {k: v for k, v in flat.items() if not k.startswith("matmul.")}
-    flat = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n) for n in _NOT_SETTINGS)}
-    if doc.get("global_batch_size") is not None:
-        flat["data.global_batch_size"] = doc["global_batch_size"]
-    if doc.get("train_epochs") is not None:
-        flat["train.epochs"] = doc["train_epochs"]
-    return tuple(flat.items())
-
-
-def flatten(doc: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for key, value in doc.items():
-        if isinstance(value, dict) and value and key != "params":
-            yield from flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
-
-
 _SOFTWARE = (("tensorflow", "TensorFlow"), ("keras", "Keras"), ("allocator", "malloc"))
 
 
@@ -157,10 +131,8 @@ def _software_differs(rows: list[Row]) -> bool:
 
 
 def differing_keys(rows: list[Row]) -> list[str]:
-    """Settings every row records and not all with the same value, in the spec's order."""
-    known = [dict(r.settings) for r in rows]
-    keys = [k for k, _ in rows[0].settings] if rows else []
-    return [k for k in keys if all(k in s for s in known) and len({json.dumps(s[k]) for s in known}) > 1]
+    """Settings not every row holds alike, a name, a config and unset alike (runner/compare/settings.py)."""
+    return differing([dict(r.settings) for r in rows])
 
 
 def swept_keys(rows: list[Row]) -> list[str]:
@@ -181,7 +153,12 @@ def order_rows(rows: list[Row]) -> list[Row]:
     other differing ones, then job name; so both print the same order and pick the same default baseline."""
     swept = swept_keys(rows)
     keys = swept + [k for k in differing_keys(rows) if k not in swept]
-    return sorted(rows, key=lambda r: ([_sortable(dict(r.settings)[k]) for k in keys], r.job))
+    return sorted(rows, key=lambda r: ([_sortable(_setting(r, k)) for k in keys], r.job))
+
+
+def _setting(row: Row, key: str) -> Any:
+    value = value_at(dict(row.settings), key)
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
 def pick_baseline(rows: list[Row], baseline: str | None) -> Row:
@@ -216,13 +193,10 @@ def with_differences(rows: list[Row], baseline: Row) -> list[Row]:
     marked = []
     for row in rows:
         mine = dict(row.settings)
-        beyond = tuple(f"{k} {_show(mine[k])} (baseline {_show(base[k])})" for k in others if mine[k] != base[k])
+        beyond = tuple(f"{k} {readable(value_at(mine, k))} (baseline {readable(value_at(base, k))})"
+                       for k in others if value_at(mine, k) != value_at(base, k))
         marked.append(dataclasses.replace(row, beyond_swept=beyond))
     return marked
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value)
 
 
 def load_rows(

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import EXIT_PREEMPTED, EXIT_USAGE, RunnerError, SpecError
-from runner.compare import report, summaries
+from runner.compare import settings, summaries
 from runner.rundir.timing import completion
 from runner.spec.load import load_spec, parse_override
 from runner.spec.types import JobSpec
@@ -231,14 +231,12 @@ def not_as_asked(variant: Variant) -> list[str]:
     except (OSError, ValueError, RunnerError) as exc:
         return [f"its spec.json cannot be read ({exc})"]
     recorded.pop("pinned", None)
-    made = dict(report.flatten(recorded))
-    asked = dict(report.flatten(json.loads(json.dumps(variant.spec.to_dict()))))
-    keys = dict.fromkeys([*asked, *made])
-    return [f"{k} {_text(made.get(k))} (asked {_text(asked.get(k))})" for k in keys if made.get(k) != asked.get(k)]
+    made = dict(settings.flatten(recorded))
+    asked = dict(settings.flatten(json.loads(json.dumps(variant.spec.to_dict()))))
+    def text(run: settings.Settings, key: str) -> str:
+        return settings.readable(settings.value_at(run, key))
 
-
-def _text(value: Any) -> str:
-    return "null" if value is None else str(value)
+    return [f"{k} {text(made, k)} (asked {text(asked, k)})" for k in settings.differing([asked, made])]
 
 
 def refused(outcome: Outcome) -> bool:

@@ -86,6 +86,16 @@ def first_misfit(pattern: str) -> Misfit | None:
     return None
 
 
+def miscounted(key: str, pattern: str, found: str, listed: int) -> DataError:
+    """The shards hold another number of records than their manifest.json lists, named with the file to mend."""
+    manifest = posixpath.join(posixpath.dirname(pattern), MANIFEST)
+    return DataError(
+        f"{key}: the shards matching {pattern!r} hold {found} records, their manifest lists {listed} (in {manifest}: "
+        f"its `records` counts, edited by hand or written for other shards, do not describe these shards); "
+        f"{WRITE_AGAIN}"
+    )
+
+
 def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
     """The DataError for a TensorFlow error that came out of the input pipeline of `key` (data.train,
     data.eval, data.validation: shards matching `pattern`), naming the shards that differ from their
@@ -110,11 +120,7 @@ def input_error(exc: Exception, pattern: str, key: str) -> DataError | None:
     )
     if isinstance(exc, tf.errors.FailedPreconditionError) and counted:
         listed, how, found = counted.groups()
-        return DataError(
-            f"{key}: the shards matching {pattern!r} hold {how} {found} records, their manifest lists {listed}: "
-            "the manifest does not describe these shards; run `runner manifest` (your own records) or "
-            "`runner prepare` (a built-in dataset) again"
-        )
+        return miscounted(key, pattern, f"{how} {found}", int(listed))
     # Keras tags the input iterator's op: only such errors are about a batch that could not be decoded.
     if not isinstance(exc, tf.errors.InvalidArgumentError) or "IteratorGetNext" not in exc.message:
         return None

@@ -149,12 +149,7 @@ def load(shards: pipeline.Shards, names: tuple[str, ...], key: str) -> Held:
     columns = {name: tf.concat(tensors, axis=0) for name, tensors in parts.items()}
     records = int(columns[names[0]].shape[0])
     if records != shards.records:
-        raise DataError(
-            f"{key}: the shards matching {shards.pattern!r} hold {records} records, their manifest lists "
-            f"{shards.records}: the manifest does not describe these shards; write it again: your own records with "
-            "`runner manifest SPEC --force` (SPEC: this job's spec file, data.features declared), a built-in "
-            "dataset with `runner prepare` as it was made"
-        )
+        raise faults.miscounted(key, shards.pattern, str(records), shards.records)
     return Held(columns, records, time.monotonic() - began)
 
 

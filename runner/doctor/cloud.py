@@ -35,7 +35,7 @@ from typing import Any
 from runner.device import tpus
 from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
-from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex
+from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex, load_client
 from runner.spec.types import JobSpec
 
 REGISTRY_ENV = "RUNNER_REGISTRY_ENDPOINT"
@@ -341,6 +341,41 @@ def _spec_path(spec: JobSpec | None, key: str) -> str | None:
     return getattr(getattr(spec, section), field)
 
 
+def _fixes_unasked(project: str, zone: str, tpu_type: str, on: str, spec: JobSpec | None,
+                   image: str | None) -> dict[str, str]:
+    """Per check not run (no credentials): the command that settles it, so one pass of the doctor lists every
+    step and not only the first."""
+    fixes = {
+        "tpu_api": f"gcloud services enable tpu.googleapis.com --project {project}",
+        "tpu_type": f"gcloud compute tpus accelerator-types list --zone={zone} --project={project} lists the types "
+                    f"{zone} offers: {tpu_type} must be one of them",
+        "quota": "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)",
+        "engine": {"vertex": f"gcloud services enable aiplatform.googleapis.com --project {project}",
+                   "gke": "gcloud container clusters get-credentials CLUSTER --zone ZONE --project "
+                          f"{project} (a cluster with JobSet installed)",
+                   "skypilot": "sky api start (or set SKYPILOT_API_SERVER_ENDPOINT), then sky check gcp"}.get(on, ""),
+        "image": f"pass --image REGION-docker.pkg.dev/{project}/runner/runner:tpu, as `runner submit` will",
+    }
+    for name, key in (("bucket_read", "data.train"), ("bucket_write", "output.dir")):
+        path = _spec_path(spec, key)
+        if path is None or not path.startswith("gs://"):
+            fixes[name] = f"set {key} to a gs:// path in the spec (runner doctor --cloud SPEC checks it)"
+            continue
+        bucket, _, rest = path[len("gs://"):].partition("/")
+        folder = f"gs://{bucket}/{rest.split('*', 1)[0].rsplit('/', 1)[0]}".rstrip("/")
+        fixes[name] = (f"runner prepare DATASET --out {folder} if `gcloud storage ls {folder}/` lists nothing"
+                       if key == "data.train" else
+                       f"gcloud storage buckets create gs://{bucket} --location={region(zone)} if "
+                       f"`gcloud storage buckets describe gs://{bucket}` finds none")
+    if image:
+        try:
+            host, name, reference = parse_image(image)
+            fixes["image"] = f"if `docker manifest inspect {image}` finds nothing: {push_action(host, name, reference)}"
+        except ValueError as exc:
+            fixes["image"] = f"{exc}: pass it as pushed, REGION-docker.pkg.dev/PROJECT/runner/runner:tpu"
+    return fixes
+
+
 # --- all of them --------------------------------------------------------------------------------
 
 
@@ -376,8 +411,10 @@ def preflight(
     names = ["tpu_api", "tpu_type", "quota", *(["engine"] if on != "tpu-vm" else []), "bucket_read", "bucket_write",
              "image"]
     if access is None:
-        return found + [Check(name, "fail", _NOT_RUN, "fix cloud_credentials first") for name in names]
+        fixes = _fixes_unasked(project or "PROJECT", zone, tpu_type, on, spec, image)
+        return found + [Check(name, "fail", _NOT_RUN, f"after cloud_credentials: {fixes[name]}") for name in names]
 
+    load_client(on)  # made outside the bounds, as the TPU client is: they time answers, not imports
     facts = tpus.generation_of(tpu_type)
     no_api = facts.refusal("tpu_vm") if facts else None
     if no_api:  # TPU7x: GKE's node pools hold it; the Cloud TPU API does not know it

@@ -148,8 +148,7 @@ class _Job:
             jax_devices.use_compile_cache(attempt.facts.compile_cache)
         per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
         self.precision = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
-        self.precision.apply()
-        log.info("precision: %s (%s)", self.precision.policy, self.precision.reason)
+        self.precision.apply()  # logged once final: the model may still change it (build.build_compiled)
         keras.utils.set_random_seed(spec.train.seed)
         with attempt.phases.phase("data_init"):
             self.inputs = make_inputs(spec, shards, attempt.accelerator, attempt.facts)

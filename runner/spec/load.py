@@ -316,7 +316,8 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, 
         key_path = tuple(re.sub(r"\[\d+\]$", "", key).split("."))
         try:
             found = find_code(import_path, key, spec.code_roots)
-            check_defined(found, key, CALLED_WITH.get(re.sub(r"\[\d+\]$", "", key)))
+            keywords = dict(spec.model.params) if key == "model.name" else None  # keras.io's builders
+            check_defined(found, key, CALLED_WITH.get(re.sub(r"\[\d+\]$", "", key)), keywords)
             code[key] = found.origin
         except SpecError as exc:
             problems.append(f"{source.where(key_path)}: {exc}")

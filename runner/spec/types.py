@@ -338,10 +338,11 @@ class JobSpec(Strict):
     @classmethod
     def _name_is_a_folder_name(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", value):
-            raise ValueError(
-                f"job name {value!r} must be 1-128 letters, digits, '_', '.' or '-' "
-                "(it names the run folder and the checkpoints)"
-            )
+            # A leading '.' hides the run folder from `ls`; a leading '-' reads as an option to runner and gsutil.
+            first = value[:1] in "._-" and re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", value)
+            rule = (f"must start with a letter or digit, not {value[0]!r} (try {value.lstrip('._-') or 'job'!r})"
+                    if first else "must be 1-128 letters, digits, '_', '.' or '-', the first a letter or digit")
+            raise ValueError(f"job name {value!r} {rule} (it names the run folder and the checkpoints)")
         return value
 
     @model_validator(mode="after")

@@ -179,11 +179,13 @@ def find_code(path: str, key: str, roots: CodeRoots) -> Found:
     return Found(path, _location(spec), top_location, in_folder)
 
 
-def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = None) -> None:
+def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = None,
+                  keywords: dict[str, Any] | None = None) -> None:
     """Reads (never runs) the module's source and refuses an attribute it does not define, naming the closest
-    one, or (given the `arguments` the runner calls it with) a function defined at the module's top level
-    whose parameters cannot take them. A module that can define names at import time in ways the source does
-    not show (`from x import *`, a module `__getattr__`), or that is not Python source, is left to the import."""
+    one, or (given the `arguments` the runner calls it with, and the `keywords` of a builder's other form:
+    `takes_keywords`) a function defined at the module's top level whose parameters cannot take them. A module
+    that can define names at import time in ways the source does not show (`from x import *`, a module
+    `__getattr__`), or that is not Python source, is left to the import."""
     attribute = found.path.partition(":")[2]
     origin = found.origin
     if not origin.endswith(".py") or not os.path.isfile(origin):
@@ -210,7 +212,8 @@ def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = No
         functions = (ast.FunctionDef, ast.AsyncFunctionDef)
         defined = [n for n in tree.body if isinstance(n, functions) and n.name == attribute]
         if arguments is not None and len(defined) == 1 and not defined[0].decorator_list:
-            _check_parameters(defined[0], found.path, key, arguments)
+            if not takes_keywords(_signature_of(defined[0].args), arguments, keywords):
+                _check_parameters(defined[0], found.path, key, arguments, keywords)
         return
     close = difflib.get_close_matches(attribute, sorted(names), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -221,8 +224,58 @@ def check_defined(found: Found, key: str, arguments: tuple[str, ...] | None = No
     )
 
 
+def takes_keywords(signature: inspect.Signature, arguments: tuple[str, ...], keywords: dict[str, Any] | None) -> bool:
+    """Whether a builder is called keras.io's way, `build_model(**model.params)`, rather than the runner's,
+    `build(params, features, inputs)`: when `keywords` are offered (model.name), the function binds them, and it
+    has no required positional parameter (nor *args) that binds the runner's arguments. keras.io writes builders
+    as `build_model()` or `build_model(num_classes=10)`; every default would otherwise receive a dict."""
+    if keywords is None:
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL or (p.kind in kinds and p.default is p.empty)
+                     for p in signature.parameters.values())
+    return not (positional and _binds(signature, arguments, {})) and _binds(signature, (), keywords)
+
+
+def _binds(signature: inspect.Signature, arguments: tuple[str, ...], keywords: dict[str, Any]) -> bool:
+    try:
+        signature.bind(*arguments, **keywords)
+    except TypeError:
+        return False
+    return True
+
+
+def _signature_of(spec: ast.arguments) -> inspect.Signature:
+    """The signature a function's source declares (defaults stand in as None: only their presence counts)."""
+    P = inspect.Parameter  # noqa: N806
+    positional = [*spec.posonlyargs, *spec.args]
+    first_default = len(positional) - len(spec.defaults)
+    parameters = [P(a.arg, P.POSITIONAL_ONLY if i < len(spec.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                    default=None if i >= first_default else P.empty) for i, a in enumerate(positional)]
+    if spec.vararg:
+        parameters.append(P(spec.vararg.arg, P.VAR_POSITIONAL))
+    parameters += [P(a.arg, P.KEYWORD_ONLY, default=P.empty if d is None else None)
+                   for a, d in zip(spec.kwonlyargs, spec.kw_defaults, strict=True)]
+    if spec.kwarg:
+        parameters.append(P(spec.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(parameters)
+
+
+def _keyword_form(name: str, signature: inspect.Signature, keywords: dict[str, Any] | None) -> str:
+    """The other way a builder is called, and why it does not fit, for a refusal; "" where none is offered."""
+    if keywords is None:
+        return ""
+    try:
+        signature.bind(**keywords)
+        why = "it has required positional parameters"
+    except TypeError as exc:
+        why = str(exc)
+    call = ", ".join(f"{k}={v!r}" for k, v in keywords.items())
+    return f", or as keras.io's builders with model.params as keywords, {name}({call}) ({why})"
+
+
 def _check_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, path: str, key: str,
-                      arguments: tuple[str, ...]) -> None:
+                      arguments: tuple[str, ...], keywords: dict[str, Any] | None = None) -> None:
     """What `inspect.signature(f).bind(*arguments)` will say at run time (load_callable), read from the
     source: enough positional parameters, not too many without defaults, no keyword-only one without one."""
     spec = node.args
@@ -240,7 +293,7 @@ def _check_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, path: str, k
     name = path.partition(":")[2]
     raise SpecError(
         f"{key}: {path!r} has signature {name}({ast.unparse(spec)}), but the runner calls it as "
-        f"{name}({', '.join(arguments)}) ({why})"
+        f"{name}({', '.join(arguments)}) ({why}){_keyword_form(name, _signature_of(spec), keywords)}"
     )
 
 
@@ -267,8 +320,11 @@ def _location(spec: ModuleSpec) -> str:
     return os.path.realpath(locations[0]) if locations else str(spec.origin or spec.name)
 
 
-def load_callable(path: str, key: str, arguments: tuple[str, ...], roots: CodeRoots) -> Callable[..., Any]:
-    """Imports `path` (`package.module:function`) from `roots` and checks it can be called with `arguments`.
+def load_callable(path: str, key: str, arguments: tuple[str, ...], roots: CodeRoots,
+                  keywords: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """Imports `path` (`package.module:function`) from `roots` and checks it can be called with `arguments`;
+    given `keywords` (a builder's model.params), a function called keras.io's way (`takes_keywords`) comes back
+    wrapped to take `arguments` and call it with the keywords instead.
 
     `key` is the spec key that named it (e.g. `model.name`), quoted in every error.
     """
@@ -298,7 +354,9 @@ def load_callable(path: str, key: str, arguments: tuple[str, ...], roots: CodeRo
     if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismethod(target)):
         # C built-ins and odd callables (functools.partial of os.system, ...) are not build functions.
         raise SpecError(f"{key}: {path!r} is a {type(target).__name__}; name a Python function defined in your package")
-    _check_signature(target, path, key, arguments)
+    _check_signature(target, path, key, arguments, keywords)
+    if takes_keywords(inspect.signature(target), arguments, keywords):
+        return lambda *_: target(**keywords)
     return target
 
 
@@ -332,18 +390,21 @@ def _callables_in(module: ModuleType) -> list[str]:
     return own or sorted(public)
 
 
-def _check_signature(target: Callable[..., Any], path: str, key: str, arguments: tuple[str, ...]) -> None:
+def _check_signature(target: Callable[..., Any], path: str, key: str, arguments: tuple[str, ...],
+                     keywords: dict[str, Any] | None = None) -> None:
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
         raise SpecError(f"{key}: cannot read the signature of {path!r}; name a plain Python function") from None
+    if takes_keywords(signature, arguments, keywords):
+        return
     try:
         signature.bind(*arguments)
     except TypeError as exc:
         name = path.partition(":")[2]
         raise SpecError(
             f"{key}: {path!r} has signature {name}{signature}, but the runner calls it as "
-            f"{name}({', '.join(arguments)}) ({exc})"
+            f"{name}({', '.join(arguments)}) ({exc}){_keyword_form(name, signature, keywords)}"
         ) from None
 
 

@@ -57,7 +57,7 @@ def build_model(spec: JobSpec, features: dict[str, Feature], manifest: dict[str,
 def _build_user_model(
     path: str, params: dict[str, Any], features: dict[str, Feature], inputs: tuple[str, ...], roots: usercode.CodeRoots
 ) -> keras.Model:
-    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots)
+    build = usercode.load_callable(path, "model.name", ("params", "features", "inputs"), roots, keywords=params)
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
@@ -214,6 +214,8 @@ def build_compiled(
                 model = build_model(spec, features, manifest)
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
+        if chosen is not None:  # the one precision line of a run: the decision as final, with its reason
+            log.info("precision: %s (%s)", chosen.policy, chosen.reason)
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)

@@ -306,8 +306,9 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str:
-    """One line for a person, printed to stderr before the JSON summary: status, epochs, result, time, where."""
+def closing_line(summary: dict[str, Any], already_complete: bool = False, refused: bool = False) -> str:
+    """One line for a person, printed to stderr before the JSON summary: status, epochs, result, time, where.
+    `refused`: the job ended with a spec, flag or data error (exit 2)."""
     status = summary.get("status", "?")
     run_dir = summary.get("run_dir")
     total_s = (summary.get("timing") or {}).get("total_s")
@@ -325,6 +326,9 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
         )
     epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
     computed = _precision(summary) + _mfu(summary)
+    if summary.get("stopped_early_after_epoch") and status in ("succeeded", "learned_nothing"):
+        epochs = (f"early stopping ended it after {epochs} (val_loss stopped improving; the best epoch's weights "
+                  "were kept)")
     if status == "succeeded":
         return f"succeeded: {epochs}{_result(summary)} in {duration(total_s)}{computed}" + _model_at(summary)
     if status == "learned_nothing":  # trained and saved, but at chance: the warning follows
@@ -338,6 +342,10 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False) -> str
             f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
+    if refused and not [r for r in records if r.get("attempt") == summary.get("attempt")]:
+        # Epochs listed are earlier attempts': this one trained nothing, so "failed after N epochs" would mislead.
+        earlier = f" ({epochs} were trained earlier)" if done else ""
+        return f"refused before training, in {duration(total_s)}{where}{earlier} (the error says what to change)"
     # A refusal at start (a spec or data error) trained nothing: "after 0 of 4 epochs" would suggest it did.
     when = "before training began," if not records and not summary.get("final_step") else f"after {epochs}"
     return f"{status} {when} in {duration(total_s)}{where}{_checkpoints_kept(summary)} (the error follows)"

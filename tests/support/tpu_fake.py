@@ -94,13 +94,40 @@ def _parse_time(text: str) -> datetime.datetime:
 
 
 class Vm:
-    """One boot of a node: a startup script per worker, each in its own process group."""
+    """One boot of a node: a startup script per worker, each in its own session. A notice (SIGTERM) goes to
+    the script's process group; the VM's end (SIGKILL) to everything its sessions hold, as the end of a real VM
+    takes everything down: a `timeout` in the script puts its command in a process group of its own, and a
+    deleted VM's `gcloud ... delete` left running would delete the next queued resource of the same name."""
 
     def __init__(self, resource: str, incarnation: int, node: str, folder: Path, processes: list[subprocess.Popen]):
         self.resource, self.incarnation, self.node = resource, incarnation, node
         self.folder, self.processes = folder, processes
 
+    def members(self) -> list[int]:
+        """The live processes of the VM's sessions (zombies left out: they run nothing)."""
+        for process in self.processes:
+            process.poll()  # reaps the script itself once it has ended
+        sessions = {process.pid for process in self.processes}
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.getsid(int(entry)) not in sessions:
+                    continue
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            if state != "Z":
+                found.append(int(entry))
+        return found
+
     def signal(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            for pid in self.members():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signum)
+            return
         for process in self.processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
