@@ -74,8 +74,6 @@ class Access:
     project: str
 
 
-# --- credentials and project ------------------------------------------------------------------
-
 
 def find_project(flag: str | None, environ: dict[str, str], gcloud_project: str | None,
                  credentials_project: str | None) -> tuple[str | None, str]:
@@ -125,8 +123,6 @@ def check_credentials(project_flag: str | None, environ: dict[str, str],
     access = Access(credentials, credentials.token, project)
     return Check("cloud_credentials", "ok", evidence, data={"project": project, "source": where}), access
 
-
-# --- the Cloud TPU API ------------------------------------------------------------------------
 
 
 def _tpu_refusal(name: str, what: str, exc: BaseException, project: str) -> Check:
@@ -191,8 +187,6 @@ def quota_check(tpu_type: str, zone: str) -> Check:
                  "the project's TPU quotas are on the console's Quotas page (IAM & Admin > Quotas)")
 
 
-# --- buckets ------------------------------------------------------------------------------------
-
 
 def _storage_client(access: Access):
     from google.cloud import storage
@@ -254,8 +248,6 @@ def check_bucket_write(access: Access, output_dir: str, timeout: float, where: s
                      "check what sits between this machine and the bucket (a proxy, a mirror)")
     return Check("bucket_write", "ok", f"created, read back and deleted {url}")
 
-
-# --- the image ----------------------------------------------------------------------------------
 
 
 def parse_image(image: str) -> tuple[str, str, str]:
@@ -375,8 +367,6 @@ def _fixes_unasked(project: str, zone: str, tpu_type: str, on: str, spec: JobSpe
             fixes["image"] = f"{exc}: pass it as pushed, REGION-docker.pkg.dev/PROJECT/runner/runner:tpu"
     return fixes
 
-
-# --- all of them --------------------------------------------------------------------------------
 
 
 def preflight(
