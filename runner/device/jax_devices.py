@@ -119,11 +119,21 @@ def check_traceable(model, name: str) -> None:
     try:
         jax.eval_shape(lambda t, o, x: model.stateless_call(t, o, x, training=True)[0], trainable, other, specs)
     except Exception as exc:  # whatever JAX met while tracing the user's code
-        first = (str(exc).strip().splitlines() or [""])[-1 if "tf.Tensor" not in str(exc) else 0][:300]
-        tensorflow = "tf.Tensor" in str(exc) or "tensorflow" in type(exc).__module__
-        why = ("it calls TensorFlow inside the model, which JAX cannot trace: write it with keras.ops (and keras "
-               "layers), or train it with accelerator.backend: tensorflow" if tensorflow else
-               "fix the model's code, or train it with accelerator.backend: tensorflow")
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        why = calls_tensorflow(exc) or "fix the model's code, or train it with accelerator.backend: tensorflow"
         raise SpecError(
             f"model.name {name!r} cannot run under the jax backend ({type(exc).__name__}: {first}): {why}"
         ) from exc
+
+
+def calls_tensorflow(exc: BaseException) -> str | None:
+    """What to do when `exc` came from TensorFlow code run under the JAX backend (a frame of the tensorflow
+    package in its traceback, or a TensorFlow tensor in its message), else None."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if not any("/tensorflow/" in f for f in frames) and "tf.Tensor" not in str(exc):
+        return None
+    return ("the model calls TensorFlow, which JAX cannot trace: write it with keras.ops and keras layers, or "
+            "train it with accelerator.backend: tensorflow")

@@ -61,9 +61,15 @@ def _build_user_model(
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
+        jax = ""
+        if keras.backend.backend() == "jax":
+            from runner.device import jax_devices
+
+            jax = (f"; it cannot run under the jax backend: {hint}" if (hint := jax_devices.calls_tensorflow(exc))
+                   else "")
         raise SpecError(
             f"model.name: {path!r} raised {type(exc).__name__} while building: {exc} "
-            f"(model.params: {params}, data.inputs: {list(inputs)})"
+            f"(model.params: {params}, data.inputs: {list(inputs)}){jax}"
         ) from exc
     if not isinstance(model, keras.Model):
         found = f"{type(model).__module__}.{type(model).__qualname__}"
