@@ -59,7 +59,7 @@ def prepare(
     split: Annotated[
         str | None,
         typer.Option(help="arrays, images, csv: cut one pool of records into splits, e.g. train=0.9,test=0.1 "
-                          "(the default when the data has no splits of its own)."),
+                          "(default when the data has no splits of its own: train=0.8,validation=0.1,test=0.1)."),
     ] = None,
     size: Annotated[str | None, typer.Option(help="images: resize every image to HEIGHTxWIDTH, e.g. 180x180.")] = None,
     color: Annotated[str, typer.Option(help="images: rgb, grayscale or rgba (Keras's color_mode).")] = "rgb",

@@ -126,6 +126,12 @@ def run(
 
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
     typer.echo(closing_line(result.summary, already_complete=result.already_complete), err=True)
+    if result.already_complete:
+        from runner.rundir.outputs import RunFolder
+        from runner.rundir.reported import abandoned_note
+
+        if note := abandoned_note(RunFolder(job.run_dir)):
+            typer.echo(f"note: {note}", err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise fail(result.error, debug)
@@ -135,6 +141,12 @@ Scale = Annotated[
     float | None,
     typer.Option("--scale", metavar="FACTOR", help="Multiply every input by FACTOR before predicting (e.g. 255 "
                  "for 0..1 pixels when the model was trained on 0..255)."),
+]
+Checkpoint = Annotated[
+    str | None,
+    typer.Option("--checkpoint", metavar="CKPT", help="Use these weights instead of the ones the run folder reports "
+                 "(model.keras of a finished job, else the newest checkpoint): checkpoints/ckpt-<step> (or its name "
+                 "alone, ckpt-<step>) or a .keras file."),
 ]
 NoCheck = Annotated[
     bool,
@@ -150,10 +162,15 @@ def evaluate(
                                               "holding each input and the label, or a TFRecord glob.")] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
+    checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
-    """Evaluate the job's newest checkpoint on `data.eval` (or `--input`), on whatever device this machine has.
+    """Evaluate the job on `data.eval` (or `--input`), on whatever device this machine has.
+
+    The weights are those the run folder reports: model.keras once summary.json says the job succeeded, else
+    the newest checkpoint; `--checkpoint` names others. A newer checkpoint left by an attempt that was not
+    finished is named on stderr.
 
     Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU. Rows in an
     .npz are first compared with the training data (the manifest's value_ranges beside data.train): another
@@ -170,7 +187,7 @@ def evaluate(
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        evaluated = predict_mod.evaluate(job, input, options)
+        evaluated = predict_mod.evaluate(job, input, options, checkpoint)
     except RunnerError as error:
         raise fail(error, debug) from None
     for note in evaluated.notes:
@@ -189,10 +206,11 @@ def predict(
     ] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
+    checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
-    """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
+    """Predict with the job's reported weights (as `runner evaluate`), any number of rows, on whatever device.
 
     Without `--output`, prints one JSON line per row: the model's outputs and, for a classifier, the class.
     Rows in .npy/.npz are first compared with the training data (the manifest's value_ranges beside
@@ -212,7 +230,7 @@ def predict(
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        outputs, trained, notes = predict_mod.predict(job, input, options)
+        outputs, trained, notes = predict_mod.predict(job, input, options, checkpoint)
     except RunnerError as error:
         raise fail(error, debug) from None
     for note in notes:

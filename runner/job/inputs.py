@@ -13,7 +13,7 @@ import logging
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import in_memory, integrity, pipeline
+from runner.data import in_memory, integrity, pipeline, splits
 from runner.device import host
 from runner.device.strategy import Accelerator
 from runner.rundir.attempt import Facts
@@ -120,9 +120,14 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     validation = None
     if every is not None:
         validation = evaluation(key) if key == "data.validation" else eval_
+    callbacks = user_callbacks(spec)
+    selectors = [*spec.train.selects_on_validation(), *(k for k, _ in monitoring_validation(callbacks))]
+    if key != "data.validation" and (watching := monitoring_validation(callbacks)):
+        raise splits.refusal(*watching[0], d.train)  # data.eval must never choose (runner/data/splits.py)
+    facts.splits = splits.record(spec, shards, key if every is not None else None, selectors)
     return Inputs(
         train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method,
-        class_weight_of(spec.train.class_weight, train_shards), user_callbacks(spec), every, unclocked,
+        class_weight_of(spec.train.class_weight, train_shards), callbacks, every, unclocked,
     )
 
 
@@ -208,6 +213,15 @@ def class_weight_of(asked: dict[int, float] | str | None, shards: pipeline.Shard
     weights = {index: (total / (classes * n) if n else 1.0) for index, n in enumerate(counts)}
     log.info("train.class_weight balanced: %s", ", ".join(f"{k}: {v:.3g}" for k, v in weights.items()))
     return weights
+
+
+def monitoring_validation(callbacks: list) -> list[tuple[str, str]]:
+    """(train.callbacks[i], metric) for each of the user's callbacks that acts on a `val_` metric (Keras's
+    EarlyStopping, ReduceLROnPlateau and ModelCheckpoint keep it in `monitor`)."""
+    return [
+        (f"train.callbacks[{index}]", monitor) for index, callback in enumerate(callbacks)
+        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor.startswith("val_")
+    ]
 
 
 def user_callbacks(spec: JobSpec) -> list:

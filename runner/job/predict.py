@@ -1,4 +1,5 @@
-"""Using a trained job anywhere: evaluate or predict from its newest checkpoint on whatever device is present.
+"""Using a trained job anywhere: evaluate or predict with the weights its run folder reports (model.keras of a
+finished job, else its newest checkpoint: runner/rundir/reported.py) on whatever device is present.
 
 A model trained on 8 TPU cores predicts on 1 CPU: the weights are restored into a freshly built model
 under this machine's strategy (tf.train.Checkpoint is independent of the replica count), and inputs are
@@ -22,9 +23,10 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import faults, pipeline
+from runner.data import faults, pipeline, splits
 from runner.device.strategy import Accelerator, resolve_accelerator
 from runner.job.inputs import evaluation_batches
+from runner.rundir import reported
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
 from runner.spec.types import JobSpec
@@ -42,33 +44,41 @@ class Trained:
     features: dict
     manifest: dict  # the training shards' manifest: value_ranges tell what the model was fed
     manifest_path: str
+    notes: list[str] = dataclasses.field(default_factory=list)  # for stderr: a newer checkpoint left unused
 
 
-def load_trained(spec: JobSpec) -> Trained:
-    """Builds the spec's model on the present device and restores the run's newest checkpoint into it."""
+def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
+    """Builds the spec's model on the present device and restores into it the weights the run folder reports
+    (runner/rundir/reported.py: model.keras of a finished job, else the newest checkpoint), or `checkpoint`."""
     run = RunFolder(spec.run_dir)
-    latest = run.latest_checkpoint()
-    if latest is None:
-        raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
+    weights = reported.chosen_weights(run, spec.name, checkpoint)
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, checkpoint = build.build_compiled(spec, shards.features, accelerator)
-    step = build.restore(checkpoint, latest)
-    log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
+    model, saved = build.build_compiled(spec, shards.features, accelerator)
+    if weights.keras_file:
+        with accelerator.strategy.scope():
+            model.load_weights(weights.path)
+        step = weights.step
+    else:
+        step = build.restore(saved, weights.path)
+    log.info("restored %s (step %s) on %s x%d", weights.path, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
-    return Trained(model, accelerator, latest, step, shards.features, shards.manifest, manifest_path)
+    notes = [note] if checkpoint is None and (note := reported.abandoned_note(run)) else []
+    return Trained(model, accelerator, weights.path, step, shards.features, shards.manifest, manifest_path, notes)
 
 
-def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None) -> Evaluated:
+def evaluate(
+    spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None, checkpoint: str | None = None
+) -> Evaluated:
     """Metrics of the newest checkpoint on data.eval, or on the rows of `input_path` (an .npz holding every
     input and the label; a TFRecord glob is read like data.eval)."""
-    trained = load_trained(spec)
+    trained = load_trained(spec, checkpoint)
     options = options or InputOptions()
     if input_path is not None and Path(input_path).suffix in (".npy", ".npz"):
         return _evaluate_rows(spec, trained, input_path, options)
     if options.scale is not None:
         raise SpecError("--scale is for rows in .npy/.npz: TFRecords are decoded and preprocessed as in training")
-    pattern = input_path or spec.data.eval
+    pattern = input_path or splits.eval_pattern(spec, trained.manifest)
     if not pattern:
         raise SpecError(f"data.eval is not set: {_eval_hint(spec.data.train, trained.manifest)}")
     key = "--input" if input_path else "data.eval"
@@ -81,7 +91,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
         results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     except tf.errors.OpError as exc:
         raise faults.input_error(exc, pattern, key) or exc from None
-    return Evaluated(_report(spec, trained, shards.records, results), [])
+    return Evaluated(_report(spec, trained, shards.records, results), trained.notes)
 
 
 def _eval_hint(train: str, manifest: dict) -> str:
@@ -135,7 +145,7 @@ def _evaluate_rows(spec: JobSpec, trained: Trained, path: str, options: InputOpt
     x = _padded(spec, arrays, padded)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(batch, drop_remainder=True)
     results = trained.model.evaluate(dataset, return_dict=True, verbose=0)
-    return Evaluated(_report(spec, trained, rows, results), notes)
+    return Evaluated(_report(spec, trained, rows, results), trained.notes + notes)
 
 
 def _preprocess(spec: JobSpec):
@@ -298,10 +308,10 @@ def _padded(spec: JobSpec, arrays: dict[str, np.ndarray], padded: int):
 
 
 def predict(
-    spec: JobSpec, input_path: str, options: InputOptions | None = None
+    spec: JobSpec, input_path: str, options: InputOptions | None = None, checkpoint: str | None = None
 ) -> tuple[np.ndarray, Trained, list[str]]:
     """The model's outputs for every row of `input_path`, the restored job, and notes for stderr."""
-    trained = load_trained(spec)
+    trained = load_trained(spec, checkpoint)
     arrays, notes = given_inputs(input_path, spec, trained, options or InputOptions())
     rows = len(next(iter(arrays.values())))
     batch = _batch_for(spec, trained.accelerator)
@@ -309,4 +319,4 @@ def predict(
     padded = -(-rows // batch) * batch
     dataset = tf.data.Dataset.from_tensor_slices(_padded(spec, arrays, padded)).batch(batch, drop_remainder=True)
     outputs = trained.model.predict(dataset, verbose=0)
-    return np.asarray(outputs)[:rows], trained, notes
+    return np.asarray(outputs)[:rows], trained, trained.notes + notes
