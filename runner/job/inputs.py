@@ -114,16 +114,18 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     if clock is not None:
         train_ds = clock.wrap(train_ds)
     eval_ = evaluation("data.eval") if "data.eval" in shards else None
-    # data.validation, else the eval shards (the spec checks one is set when a key asks for validation).
+    # data.validation (or the validation split beside data.train), else the eval shards, watched only: nothing
+    # selects on them (runner/data/splits.py).
     key = "data.validation" if "data.validation" in shards else "data.eval" if eval_ else None
     every = validation_every(spec.train, key, shards[key].records if key else 0, steps_per_epoch * batch)
     validation = None
     if every is not None:
         validation = evaluation(key) if key == "data.validation" else eval_
     callbacks = user_callbacks(spec)
-    selectors = [*spec.train.selects_on_validation(), *(k for k, _ in monitoring_validation(callbacks))]
-    if key != "data.validation" and (watching := monitoring_validation(callbacks)):
+    watching = monitoring_validation(callbacks)
+    if watching and key != "data.validation":
         raise splits.refusal(*watching[0], d.train)  # data.eval must never choose (runner/data/splits.py)
+    selectors = [*spec.train.selects_on_validation(), *(k for k, _ in watching)]
     facts.splits = splits.record(spec, shards, key if every is not None else None, selectors)
     return Inputs(
         train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method,

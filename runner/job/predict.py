@@ -70,8 +70,8 @@ def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
 def evaluate(
     spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None, checkpoint: str | None = None
 ) -> Evaluated:
-    """Metrics of the newest checkpoint on data.eval, or on the rows of `input_path` (an .npz holding every
-    input and the label; a TFRecord glob is read like data.eval)."""
+    """Metrics of the reported weights (or `checkpoint`) on data.eval, or on the rows of `input_path` (an .npz
+    holding every input and the label; a TFRecord glob is read like data.eval)."""
     trained = load_trained(spec, checkpoint)
     options = options or InputOptions()
     if input_path is not None and Path(input_path).suffix in (".npy", ".npz"):
