@@ -62,6 +62,23 @@ def test_early_stopping_without_a_validation_split_is_refused_not_run_on_the_tes
     assert not (tmp_path / "runs" / "stops").exists(), "a refused job writes nothing"
 
 
+def test_data_validation_naming_the_eval_shards_is_no_validation_split(tiny_mnist: Path, tmp_path: Path) -> None:
+    from runner import SpecError
+    from runner.data import splits
+    from runner.spec.load import load_spec
+
+    test = f"{tiny_mnist}/test-*.tfrecord"
+    spec = load_spec(small_job(tmp_path, "same", {"train": f"{tiny_mnist}/train-*.tfrecord", "eval": test,
+                                                  "validation": test}, {"reduce_lr_patience": 1}))
+    manifest = json.loads((tiny_mnist / "manifest.json").read_text())
+    with pytest.raises(SpecError) as refused:
+        splits.patterns(spec, manifest)
+    assert str(refused.value).startswith(
+        "train.reduce_lr_patience selects by val_loss, and the job has no validation split: data.validation names "
+        f"the shards of data.eval ({test})."
+    )
+
+
 def test_a_callback_of_the_user_that_monitors_a_val_metric_is_refused_too(tiny_mnist: Path, tmp_path: Path) -> None:
     (tmp_path / "mine.py").write_text(textwrap.dedent("""
         import tensorflow as tf

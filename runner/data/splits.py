@@ -67,20 +67,27 @@ def patterns(spec: JobSpec, train_manifest: dict) -> dict[str, str]:
         if validation:
             found["data.validation"] = validation
     selecting = spec.train.selects_on_validation()
-    if selecting and "data.validation" not in found:
-        raise refusal(selecting[0], "val_loss", d.train)
+    if selecting and not apart(found):
+        raise refusal(selecting[0], "val_loss", d.train, found.get("data.validation"))
     return found
 
 
-def refusal(key: str, metric: str, train: str) -> SpecError:
+def apart(patterns: dict[str, str]) -> bool:
+    """Whether the job validates on a split apart from data.eval (patterns by spec key)."""
+    validation = patterns.get("data.validation")
+    return validation is not None and validation != patterns.get("data.eval")
+
+
+def refusal(key: str, metric: str, train: str, validation: str | None = None) -> SpecError:
     """Rule 3's refusal: what selects, why not on data.eval, and how to get a validation split."""
     where = posixpath.join(posixpath.dirname(train), pipeline.MANIFEST)
+    missing = (f"data.validation names the shards of data.eval ({validation})" if validation else
+               f"data.validation is unset and {where} lists no split named validation")
     return SpecError(
-        f"{key} selects by {metric}, and the job has no validation split: data.validation is unset and {where} "
-        "lists no split named validation. Selecting on data.eval would make the figures the summary reports the "
-        "ones chosen for being best. Set data.validation to held-out shards of their own (`runner prepare "
-        "images|arrays|csv` writes validation-*.tfrecord beside train-*.tfrecord by default; `--split "
-        f"train=0.8,validation=0.1,test=0.1` for a pool), or remove {key}"
+        f"{key} selects by {metric}, and the job has no validation split: {missing}. Selecting on data.eval "
+        "would make the figures the summary reports the ones chosen for being best. Set data.validation to "
+        "held-out shards of their own (`runner prepare images|arrays|csv` writes validation-*.tfrecord beside "
+        f"train-*.tfrecord by default; `--split train=0.8,validation=0.1,test=0.1` for a pool), or remove {key}"
     )
 
 

@@ -123,8 +123,9 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
         validation = evaluation(key) if key == "data.validation" else eval_
     callbacks = user_callbacks(spec)
     watching = monitoring_validation(callbacks)
-    if watching and key != "data.validation":
-        raise splits.refusal(*watching[0], d.train)  # data.eval must never choose (runner/data/splits.py)
+    if watching and not splits.apart({k: s.pattern for k, s in shards.items()}):
+        # data.eval must never choose (runner/data/splits.py)
+        raise splits.refusal(*watching[0], d.train, getattr(shards.get("data.validation"), "pattern", None))
     selectors = [*spec.train.selects_on_validation(), *(k for k, _ in watching)]
     facts.splits = splits.record(spec, shards, key if every is not None else None, selectors)
     return Inputs(
