@@ -380,7 +380,8 @@ def test_a_failed_prepare_leaves_the_published_dataset_whole_and_a_new_one_repla
     # Prepared again with other shard counts: the old shards go, the new manifest lists what is there.
     shards.publish(lambda: own.arrays_dataset(_npz(tmp_path, "c", x * 2, y), ("x",), "y"), out, shards=1)
     assert sorted(p.name for p in Path(out).iterdir()) == [
-        "manifest.json", "test-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord"]
+        "manifest.json", "test-00000-of-00001.tfrecord", "train-00000-of-00001.tfrecord",
+        "validation-00000-of-00001.tfrecord"]
     assert pipeline.verify_shards(out) == []
 
 

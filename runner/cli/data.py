@@ -59,7 +59,7 @@ def prepare(
     split: Annotated[
         str | None,
         typer.Option(help="arrays, images, csv: cut one pool of records into splits, e.g. train=0.9,test=0.1 "
-                          "(the default when the data has no splits of its own)."),
+                          "(default when the data has no splits of its own: train=0.8,validation=0.1,test=0.1)."),
     ] = None,
     missing: Annotated[
         str | None,

@@ -128,6 +128,12 @@ def run(
     result = run_job(job, spec_loaded_at=loaded_at, early_notice=early, progress_every=progress_every)
     refused = getattr(result.error, "exit_code", None) == EXIT_USAGE
     typer.echo(closing_line(result.summary, already_complete=result.already_complete, refused=refused), err=True)
+    if result.already_complete:
+        from runner.rundir.outputs import RunFolder
+        from runner.rundir.reported import abandoned_note
+
+        if note := abandoned_note(RunFolder(job.run_dir)):
+            typer.echo(f"note: {note}", err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
         raise fail(result.error, debug)
@@ -137,6 +143,12 @@ Scale = Annotated[
     float | None,
     typer.Option("--scale", metavar="FACTOR", help="Multiply every input by FACTOR before predicting (e.g. 255 "
                  "for 0..1 pixels when the model was trained on 0..255)."),
+]
+Checkpoint = Annotated[
+    str | None,
+    typer.Option("--checkpoint", metavar="CKPT", help="Use these weights instead of the ones the run folder reports "
+                 "(model.keras of a finished job, else the newest checkpoint): checkpoints/ckpt-<step> (or its name "
+                 "alone, ckpt-<step>) or a .keras file."),
 ]
 NoCheck = Annotated[
     bool,
@@ -153,10 +165,15 @@ def evaluate(
                                               "TFRecord glob.")] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
+    checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
-    """Evaluate the job's newest checkpoint on `data.eval` (or `--input`), on whatever device this machine has.
+    """Evaluate the job on `data.eval` (or `--input`), on whatever device this machine has.
+
+    The weights are those the run folder reports: model.keras once summary.json says the job succeeded, else
+    the newest checkpoint; `--checkpoint` names others. A newer checkpoint left by an attempt that was not
+    finished is named on stderr.
 
     Prints the metrics as one JSON line. A model trained on many TPU cores evaluates on one CPU. Rows in an
     .npz are first compared with the training data (the manifest's value_ranges beside data.train): another
@@ -174,7 +191,7 @@ def evaluate(
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        evaluated = predict_mod.evaluate(job, input, options)
+        evaluated = predict_mod.evaluate(job, input, options, checkpoint)
     except RunnerError as error:
         raise fail(error, debug) from None
     for note in evaluated.notes:
@@ -194,10 +211,11 @@ def predict(
     ] = None,
     scale: Scale = None,
     no_check: NoCheck = False,
+    checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
-    """Predict with the job's newest checkpoint, any number of rows, on whatever device this machine has.
+    """Predict with the job's reported weights (as `runner evaluate`), any number of rows, on whatever device.
 
     Without `--output`, prints one JSON line per row: for a classifier its `class`, the class's name from the
     manifest (`class_name`) and `probabilities` (softmax applied, and said on stderr, when the model ends in
@@ -222,7 +240,7 @@ def predict(
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
-        predicted = predict_mod.predict(job, input, options)
+        predicted = predict_mod.predict(job, input, options, checkpoint)
     except RunnerError as error:
         raise fail(error, debug) from None
     for note in predicted.notes:

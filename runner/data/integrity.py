@@ -5,7 +5,8 @@ manifest and byte checks themselves are runner/data/verify.py's).
 naming the shard (or the manifest field) and what differs, and nothing is written to the run folder: no
 spec.json, no attempt, no checkpoint rotated, no summary there (stdout still gets one).
 
-For every pattern the job reads (data.train, data.eval, and data.validation unless validation is `never`):
+For every pattern the job reads (data.train, data.eval, and data.validation unless validation is `never`; unset,
+the splits beside data.train: runner/data/splits.py):
   - the manifest is well formed (`splits`, per shard `file` and `records`, split totals that add up),
   - every file the pattern matches is listed, every listed shard it names is there, and it names whole
     splits: steps per epoch are the manifest's record count, never what happens to be on disk,
@@ -27,20 +28,11 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, RunnerError, models
-from runner.data import pipeline, schema, storage, verify
+from runner.data import pipeline, schema, splits, storage, verify
 from runner.spec.columns import class_weight_problem, columns_problem, pixels_problem
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
-
-
-def patterns_of(spec: JobSpec) -> dict[str, str]:
-    """The shard patterns the job reads, by spec key."""
-    d = spec.data
-    found = {"data.train": d.train, "data.eval": d.eval}
-    if spec.train.validates():  # auto decides from the record counts, once every split is found
-        found["data.validation"] = d.validation
-    return {key: pattern for key, pattern in found.items() if pattern}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +47,16 @@ class JobData:
 def check_job_data(spec: JobSpec) -> JobData:
     """Raises DataError (exit 2) when the job's data is not what its manifests promise (or what the spec's
     data.features declare), StorageError (exit 3) when a bucket does not answer."""
-    patterns = patterns_of(spec)
+    patterns = {"data.train": spec.data.train}
     found: dict[str, pipeline.Shards] = {}
     try:
         listed: dict[str, verify.Listed] = {}
+        found["data.train"] = pipeline.find_shards(spec.data.train, "data.train")
+        # Which split evaluates, validates and selects: runner/data/splits.py, from the manifest beside data.train.
+        patterns = splits.patterns(spec, found["data.train"].manifest)
         for key, pattern in patterns.items():
-            shards = found[key] = pipeline.find_shards(pattern, key)
+            shards = found.get(key) or pipeline.find_shards(pattern, key)
+            found[key] = shards
             pipeline.check_declared(spec.data.features, shards)
             manifest_path = posixpath.join(posixpath.dirname(shards.pattern), pipeline.MANIFEST)
             columns = columns_problem(spec.data, shards.manifest, manifest_path, spec.train.sample_weight)

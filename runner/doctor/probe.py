@@ -202,7 +202,12 @@ def _data_check(spec: JobSpec, key: str, pattern: str, seconds: float) -> Check:
 
 
 def data_step(spec: JobSpec, bound: float) -> Iterator[Check]:
-    patterns = [("train", spec.data.train), ("eval", spec.data.eval)]
+    eval_ = spec.data.eval
+    if eval_ and spec.data.eval_is_derived:  # unset: the test split beside data.train, when there is one
+        import tensorflow as tf
+
+        eval_ = eval_ if tf.io.gfile.glob(eval_) else None
+    patterns = [("train", spec.data.train), ("eval", eval_)]
     patterns = [(key, pattern) for key, pattern in patterns if pattern]
     for key, pattern in patterns:
         # Hashing gets a share of the bound; what is left unhashed is said, not skipped silently.

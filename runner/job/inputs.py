@@ -13,7 +13,7 @@ import logging
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import in_memory, integrity, pipeline
+from runner.data import in_memory, integrity, pipeline, splits
 from runner.device import host
 from runner.device.accelerator import Accelerator
 from runner.rundir.attempt import Facts
@@ -114,15 +114,23 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     if clock is not None:
         train_ds = clock.wrap(train_ds)
     eval_ = evaluation("data.eval") if "data.eval" in shards else None
-    # data.validation, else the eval shards (the spec checks one is set when a key asks for validation).
+    # data.validation (or the validation split beside data.train), else the eval shards, watched only: nothing
+    # selects on them (runner/data/splits.py).
     key = "data.validation" if "data.validation" in shards else "data.eval" if eval_ else None
     every = validation_every(spec.train, key, shards[key].records if key else 0, steps_per_epoch * batch)
     validation = None
     if every is not None:
         validation = evaluation(key) if key == "data.validation" else eval_
+    callbacks = user_callbacks(spec)
+    watching = monitoring_validation(callbacks)
+    if watching and not splits.apart({k: s.pattern for k, s in shards.items()}):
+        # data.eval must never choose (runner/data/splits.py)
+        raise splits.refusal(*watching[0], d.train, getattr(shards.get("data.validation"), "pattern", None))
+    selectors = [*spec.train.selects_on_validation(), *(k for k, _ in watching)]
+    facts.splits = splits.record(spec, shards, key if every is not None else None, selectors)
     return Inputs(
         train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method,
-        class_weight_of(spec.train.class_weight, train_shards), user_callbacks(spec), every, unclocked,
+        class_weight_of(spec.train.class_weight, train_shards), callbacks, every, unclocked,
     )
 
 
@@ -208,6 +216,15 @@ def class_weight_of(asked: dict[int, float] | str | None, shards: pipeline.Shard
     weights = {index: (total / (classes * n) if n else 1.0) for index, n in enumerate(counts)}
     log.info("train.class_weight balanced: %s", ", ".join(f"{k}: {v:.3g}" for k, v in weights.items()))
     return weights
+
+
+def monitoring_validation(callbacks: list) -> list[tuple[str, str]]:
+    """(train.callbacks[i], metric) for each of the user's callbacks that acts on a `val_` metric (Keras's
+    EarlyStopping, ReduceLROnPlateau and ModelCheckpoint keep it in `monitor`)."""
+    return [
+        (f"train.callbacks[{index}]", monitor) for index, callback in enumerate(callbacks)
+        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor.startswith("val_")
+    ]
 
 
 def user_callbacks(spec: JobSpec) -> list:

@@ -1,4 +1,5 @@
-"""Using a trained job anywhere: evaluate or predict from its newest checkpoint on whatever device is present.
+"""Using a trained job anywhere: evaluate or predict with the weights its run folder reports (model.keras of a
+finished job, else its newest checkpoint: runner/rundir/reported.py) on whatever device is present.
 
 A model trained on 8 TPU cores predicts on 1 CPU: the weights are restored into a freshly built model
 under this machine's strategy (tf.train.Checkpoint is independent of the replica count), and inputs are
@@ -24,10 +25,11 @@ import numpy as np
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import faults, pipeline, rows
+from runner.data import faults, pipeline, rows, splits
 from runner.device.strategy import Accelerator, resolve_accelerator
 from runner.job import answers, checkpoints
 from runner.job.inputs import evaluation_batches
+from runner.rundir import reported
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
 from runner.spec.types import JobSpec
@@ -45,34 +47,41 @@ class Trained:
     features: dict
     manifest: dict  # the training shards' manifest: value_ranges tell what the model was fed
     manifest_path: str
+    notes: list[str] = dataclasses.field(default_factory=list)  # for stderr: a newer checkpoint left unused
 
 
-def load_trained(spec: JobSpec) -> Trained:
-    """Builds the spec's model on the present device and restores the run's newest checkpoint into it."""
+def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
+    """Builds the spec's model on the present device and restores into it the weights the run folder reports
+    (runner/rundir/reported.py: model.keras of a finished job, else the newest checkpoint), or `checkpoint`."""
     run = RunFolder(spec.run_dir)
-    latest = run.latest_checkpoint()
-    if latest is None:
-        run.check_backend()  # checkpoints of the other backend are invisible to this one: named, not "none"
-        raise SpecError(f"{run.checkpoints} holds no checkpoint of job {spec.name!r}: run `runner run` first")
+    weights = reported.chosen_weights(run, spec.name, checkpoint)
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, checkpoint = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
-    step = checkpoints.restore(run, model, checkpoint, latest)
-    log.info("restored %s (step %d) on %s x%d", latest, step, accelerator.kind, accelerator.replicas)
+    model, saved = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
+    if weights.keras_file:
+        with accelerator.strategy.scope():
+            model.load_weights(weights.path)
+        step = weights.step
+    else:
+        step = checkpoints.restore(run, model, saved, weights.path)
+    log.info("restored %s (step %s) on %s x%d", weights.path, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
-    return Trained(model, accelerator, latest, step, shards.features, shards.manifest, manifest_path)
+    notes = [note] if checkpoint is None and (note := reported.abandoned_note(run)) else []
+    return Trained(model, accelerator, weights.path, step, shards.features, shards.manifest, manifest_path, notes)
 
 
-def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None) -> Evaluated:
-    """Metrics of the newest checkpoint on data.eval, or on the rows of `input_path` (an .npz holding every
-    input and the label; a TFRecord glob is read like data.eval)."""
-    trained = load_trained(spec)
+def evaluate(
+    spec: JobSpec, input_path: str | None = None, options: InputOptions | None = None, checkpoint: str | None = None
+) -> Evaluated:
+    """Metrics of the reported weights (or `checkpoint`) on data.eval, or on the rows of `input_path` (an .npz
+    holding every input and the label; a TFRecord glob is read like data.eval)."""
+    trained = load_trained(spec, checkpoint)
     options = options or InputOptions()
     if input_path is not None and Path(input_path).suffix.lower() in (".npy", ".npz", ".csv"):
         return _evaluate_rows(spec, trained, input_path, options)
     if options.scale is not None:
         raise SpecError("--scale is for rows in .npy/.npz/.csv: TFRecords are decoded and preprocessed as in training")
-    pattern = input_path or spec.data.eval
+    pattern = input_path or splits.eval_pattern(spec, trained.manifest)
     if not pattern:
         raise SpecError(f"data.eval is not set: {_eval_hint(spec.data.train, trained.manifest)}")
     key = "--input" if input_path else "data.eval"
@@ -85,7 +94,7 @@ def evaluate(spec: JobSpec, input_path: str | None = None, options: InputOptions
         results = trained.model.evaluate(dataset, steps=steps, return_dict=True, verbose=0)
     except tf.errors.OpError as exc:
         raise faults.input_error(exc, pattern, key) or exc from None
-    return Evaluated(_report(spec, trained, shards.records, results), [])
+    return Evaluated(_report(spec, trained, shards.records, results), trained.notes)
 
 
 def _eval_hint(train: str, manifest: dict) -> str:
@@ -144,7 +153,7 @@ def _evaluate_rows(spec: JobSpec, trained: Trained, path: str, options: InputOpt
     x = _padded(spec, trained.features, arrays, padded)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(batch, drop_remainder=True)
     results = trained.model.evaluate(dataset, return_dict=True, verbose=0)
-    return Evaluated(_report(spec, trained, count, results), notes)
+    return Evaluated(_report(spec, trained, count, results), trained.notes + notes)
 
 
 def _preprocess(spec: JobSpec):
@@ -346,9 +355,11 @@ class Predicted:
     notes: list[str]
 
 
-def predict(spec: JobSpec, input_path: str, options: InputOptions | None = None) -> Predicted:
+def predict(
+    spec: JobSpec, input_path: str, options: InputOptions | None = None, checkpoint: str | None = None
+) -> Predicted:
     """The model's answers for every row of `input_path`, in the data's own terms (class names, probabilities)."""
-    trained = load_trained(spec)
+    trained = load_trained(spec, checkpoint)
     given = given_inputs(input_path, spec, trained, options or InputOptions())
     count = len(next(iter(given.arrays.values())))
     batch = _batch_for(spec, trained.accelerator)
@@ -359,4 +370,4 @@ def predict(spec: JobSpec, input_path: str, options: InputOptions | None = None)
     outputs = np.asarray(trained.model.predict(dataset, verbose=0))[:count]
     outputs, kind, said = answers.probabilities(outputs, build.output_kind(trained.model))
     lines = answers.lines(outputs, kind, trained.manifest.get("class_names") or (), given.origins)
-    return Predicted(outputs, lines, trained, [*given.notes, *said])
+    return Predicted(outputs, lines, trained, [*trained.notes, *given.notes, *said])

@@ -73,6 +73,8 @@ def _shards_by_folder(spec: JobSpec) -> dict[str, dict[str, list[str]]]:
     for split, pattern in patterns.items():
         folder = posixpath.dirname(pattern)
         files = sorted(tf.io.gfile.glob(pattern))
+        if not files and split == "eval" and spec.data.eval_is_derived:
+            continue  # data.eval unset names the test split beside data.train only when there is one
         if not files:
             hint = "; set data.eval to your evaluation shards, or to null for none" if split == "eval" else ""
             raise DataError(f"data.{split}: no files match {pattern!r}{hint}")

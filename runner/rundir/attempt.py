@@ -42,6 +42,7 @@ class Facts:
     train_epochs: int | None = None
     data_verify: dict | None = None
     train_input: dict | None = None
+    splits: dict | None = None
     steps_per_epoch: int | None = None
     steps_per_execution: int | None = None
     resumed_from_step: int | None = None

@@ -339,6 +339,8 @@ def preflight(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, 
     elif spec.kind == "train":
         for key in ("train", "eval", "validation"):
             pattern = getattr(spec.data, key)
+            if key == "eval" and spec.data.eval_is_derived and pattern and not glob.glob(pattern):
+                continue  # unset: the test split beside data.train, or none when there is none (docs/specs.md)
             if pattern:
                 written = source.written(("data", key))
                 as_written = written if isinstance(written, str) else _default_pattern(key, pattern)

@@ -58,6 +58,14 @@ def resolve_path(value: str, key: tuple[str, ...], context: dict | None, *, glob
     return os.path.normpath(os.path.join(base, expanded))
 
 
+def sibling_split(train: str, split: str) -> str | None:
+    """The glob of the split named `split` beside the shards `train` names, as `runner prepare` writes them
+    (`<split>-NNNNN-of-NNNNN.tfrecord` in one folder); None when `train` already reads that name."""
+    folder, slash, _ = train.rpartition("/")
+    sibling = f"{folder}{slash}{split}-*.tfrecord"
+    return None if sibling == train else sibling
+
+
 def refuse_glob_characters(path: str) -> str:
     """The run folder, refused when a glob would read it as a pattern: a run there could never resume."""
     found = sorted({c for c in path if c in GLOB_CHARACTERS})

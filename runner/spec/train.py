@@ -185,6 +185,11 @@ class TrainSpec(Strict):
         """Whether per-epoch validation may run (auto decides from the record counts when the job starts)."""
         return self.validation_every != "never"
 
+    def selects_on_validation(self) -> tuple[str, ...]:
+        """The keys that act on val_loss (keep the best epoch's weights, cut the rate): they must see a
+        validation split of their own, never data.eval (runner/data/splits.py)."""
+        return tuple(f"train.{k}" for k in ("early_stopping_patience", "reduce_lr_patience") if getattr(self, k))
+
     def needs_validation(self) -> str | None:
         """The key that asks for validation whatever auto decides, if one does."""
         if isinstance(self.validation_every, int):

@@ -31,7 +31,7 @@ from pydantic import (
 from runner.models import MODEL_NAMES, params_problem
 from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
 from runner.spec.packages import check_package_is_yours
-from runner.spec.paths import refuse_glob_characters, resolve_path
+from runner.spec.paths import refuse_glob_characters, resolve_path, sibling_split
 from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.spec.usercode import (
     IDENTIFIER,
@@ -128,8 +128,13 @@ class DataSpec(Strict):
     # Glob of TFRecord shards, local or gs://. The folder holds the manifest.json written by `runner prepare`
     # (built-in datasets) or `runner manifest` (your own TFRecords).
     train: str = Field("data/mnist/train-*.tfrecord", validate_default=True)
-    eval: str | None = Field("data/mnist/test-*.tfrecord", validate_default=True)
-    # Shards evaluated every train.validation_every epochs. Unset: the eval shards.
+    # Shards evaluated once training ends: the figures the summary reports. Unset: the split named test beside
+    # data.train (test-*.tfrecord in its folder, as `runner prepare` names shards) when the manifest there lists
+    # one, else none; never another dataset's. null: no evaluation.
+    eval: str | None = None
+    # Shards evaluated every train.validation_every epochs; early stopping and learning-rate cuts select on them.
+    # Unset: the split named validation beside data.train when the manifest there lists one, else the eval
+    # shards for watching only: a job that selects on val_loss is refused rather than select on data.eval.
     validation: str | None = None
     global_batch_size: Integer = Field(1024, ge=1, le=INT32_MAX)
     shuffle_buffer: Integer = Field(10_000, ge=0, le=INT32_MAX)
@@ -158,6 +163,18 @@ class DataSpec(Strict):
     @classmethod
     def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else resolve_path(value, ("data", info.field_name), info.context, glob=True)
+
+    @model_validator(mode="after")
+    def _eval_beside_train(self) -> DataSpec:
+        # Derived from the resolved data.train, so the test split is the one beside whatever folder it names.
+        if "eval" not in self.model_fields_set:
+            object.__setattr__(self, "eval", sibling_split(self.train, "test"))
+        return self
+
+    @property
+    def eval_is_derived(self) -> bool:
+        """data.eval was not given: it names the test split beside data.train, which may not exist."""
+        return "eval" not in self.model_fields_set
 
     @field_validator("inputs")
     @classmethod
