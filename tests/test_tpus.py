@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -179,3 +181,10 @@ def test_docs_tpu_md_shows_the_tables_runtimes_peaks_and_zones_source() -> None:
         assert (f"{peak[0]} ({peak[1]})" if peak else "none in the table") in row, row
         assert ("no list price" in row) == bool(generation.no_price), row
     assert "006059e0f18a" in doc and f"read {TABLE['zones_read']}" in doc
+
+
+def test_the_table_and_submit_load_without_tensorflow_or_jax() -> None:
+    code = ("import sys, runner.device.tpus, runner.cloud.tpu_types, runner.cloud.pricing, runner.device.peak\n"
+            "print(sorted(m for m in ('tensorflow', 'jax', 'keras') if m in sys.modules))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert ran.returncode == 0 and ran.stdout.strip() == "[]", ran.stderr
