@@ -167,8 +167,9 @@ def test_sigterm_under_jax_saves_exits_75_and_the_rerun_ends_at_the_planned_step
     assert code == 75, err[-3000:]
     first = last_json(out)
     assert first["status"] == "preempted"
+    assert first["preemption"]["saved_after_notice_s"] is not None
     saved = orbax_steps(run_dir)[-1]
-    assert saved == first["final_step"] and saved < 3 * STEPS
+    assert 2 <= saved < 3 * STEPS
 
     result = run_cli("run", spec, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
