@@ -44,8 +44,6 @@ MAX_PROBLEMS = 20
 _KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-# --- reading the file and the overrides ---------------------------------------------------------------
-
 
 def _read(path: Path) -> str:
     try:
