@@ -11,6 +11,7 @@ tf.data: it is told to see no GPU. Every step that can wait on a device is bound
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 
 import tensorflow as tf
@@ -126,14 +127,24 @@ def check_traceable(model, name: str) -> None:
         ) from exc
 
 
-def calls_tensorflow(exc: BaseException) -> str | None:
-    """What to do when `exc` came from TensorFlow code run under the JAX backend (a frame of the tensorflow
-    package in its traceback, or a TensorFlow tensor in its message), else None."""
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    if not any("/tensorflow/" in f for f in frames) and "tf.Tensor" not in str(exc):
+def calls_tensorflow(exc: BaseException, module_name: str | None = None) -> str | None:
+    """What to do when `exc` came from TensorFlow code run under the JAX backend, else None: a frame of the
+    tensorflow package in its traceback or an earlier one of its chain (Keras trims its own), a TensorFlow tensor
+    in its message, or the user's module (`module_name`, imported already) importing TensorFlow."""
+    frames, seen = [], exc
+    for _ in range(16):
+        tb = seen.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            break
+    module = sys.modules.get(module_name or "")
+    imports_tf = module is not None and any(
+        getattr(value, "__name__", "").split(".")[0] == "tensorflow" for value in vars(module).values()
+    )
+    if not imports_tf and not any("/tensorflow/" in f for f in frames) and "tf.Tensor" not in str(exc):
         return None
     return ("the model calls TensorFlow, which JAX cannot trace: write it with keras.ops and keras layers, or "
             "train it with accelerator.backend: tensorflow")

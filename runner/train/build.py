@@ -65,8 +65,8 @@ def _build_user_model(
         if keras.backend.backend() == "jax":
             from runner.device import jax_devices
 
-            jax = (f"; it cannot run under the jax backend: {hint}" if (hint := jax_devices.calls_tensorflow(exc))
-                   else "")
+            hint = jax_devices.calls_tensorflow(exc, path.split(":")[0])
+            jax = f"; it cannot run under the jax backend: {hint}" if hint else ""
         raise SpecError(
             f"model.name: {path!r} raised {type(exc).__name__} while building: {exc} "
             f"(model.params: {params}, data.inputs: {list(inputs)}){jax}"
