@@ -73,19 +73,21 @@ def quick_job(mnist_job, name: str, **accelerator) -> Path:
 
 def test_tpu_address_with_nothing_listening_fails_fast_with_what_to_check(mnist_job) -> None:
     port = closed_port()
-    result = run_cli("run", quick_job(mnist_job, "closed", kind="tpu", tpu=f"grpc://127.0.0.1:{port}", timeout_s=5))
-    assert result.returncode == 3, result.stderr
+    result = run_cli("run", quick_job(mnist_job, "closed", kind="auto", backend="tensorflow", tpu=f"grpc://127.0.0.1:{port}",
+                                      timeout_s=5))
+    assert result.returncode == 0, result.stderr  # TensorFlow's TPU path (retired: docs/tpu.md) falls back to the CPU
+    assert "no TPU, falling back" in result.stderr
     assert f"nothing answers at 127.0.0.1:{port}" in result.stderr
     assert ("tried: device API: stream executor (TensorFlow's default) for a remote TPU -> probe grpc://127.0.0.1"
             in result.stderr)
     assert "Check:" in result.stderr and "libtpu" in result.stderr
-    assert last_json(result.stdout)["status"] == "failed"
 
 
 def test_tpu_address_that_never_answers_is_bounded_by_timeout(mnist_job, silent_tpu: SilentServer) -> None:
-    spec = quick_job(mnist_job, "silent", kind="tpu", tpu=f"grpc://127.0.0.1:{silent_tpu.port}", timeout_s=3)
+    spec = quick_job(mnist_job, "silent", kind="auto", backend="tensorflow",
+                     tpu=f"grpc://127.0.0.1:{silent_tpu.port}", timeout_s=3)
     result = run_cli("run", spec, timeout=120)
-    assert result.returncode == 3, result.stderr
+    assert result.returncode == 3, result.stderr  # no fallback after a hung step: its thread stays inside TensorFlow
     assert "did not finish within accelerator.timeout_s (3 s)" in result.stderr
     assert silent_tpu.accepted, "the runner did knock on the TPU address"
     assert last_json(result.stdout)["timing"]["strategy_s"] < 60
@@ -94,23 +96,24 @@ def test_tpu_address_that_never_answers_is_bounded_by_timeout(mnist_job, silent_
 def test_tpu_vm_mode_without_a_tpu_names_the_step_and_the_lockfile_hint(mnist_job) -> None:
     # A v4 keeps TensorFlow's default device API, so the CPU wheel gets as far as the TPU calls themselves.
     env = cli_env(TPU_ACCELERATOR_TYPE="v4-8", GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}")
-    result = run_cli("run", quick_job(mnist_job, "local", kind="tpu", tpu="local", timeout_s=20), env=env)
-    assert result.returncode == 3, result.stderr
+    spec = quick_job(mnist_job, "local", kind="auto", backend="tensorflow", tpu="local", timeout_s=20)
+    result = run_cli("run", spec, env=env)
+    assert result.returncode == 0, result.stderr
     assert "could not start the TPU 'local'" in result.stderr
     assert "tried: device API: stream executor for v4-8 (TPU_ACCELERATOR_TYPE) -> TPUClusterResolver" in result.stderr
 
 
 def test_tpu_vm_mode_of_an_unknown_generation_needs_libtpu_for_pjrt(mnist_job) -> None:
     env = cli_env(GCE_METADATA_HOST=f"127.0.0.1:{closed_port()}")  # no metadata server, no TPU_ACCELERATOR_TYPE
-    result = run_cli("run", quick_job(mnist_job, "unknown", kind="tpu", tpu="local", timeout_s=20), env=env)
-    assert result.returncode == 3, result.stderr
+    spec = quick_job(mnist_job, "unknown", kind="auto", backend="tensorflow", tpu="local", timeout_s=20)
+    result = run_cli("run", spec, env=env)
+    assert result.returncode == 0, result.stderr
     assert ("could not start the TPU 'local' (device API PJRT for an unknown TPU generation): PJRT needs libtpu, "
             "and the pip package `libtpu` is not installed here") in result.stderr
-    assert last_json(result.stdout)["status"] == "failed"
 
 
 def test_auto_falls_back_from_an_unreachable_colab_tpu_to_the_cpu(mnist_job) -> None:
-    spec = quick_job(mnist_job, "fallback", kind="auto", timeout_s=5)
+    spec = quick_job(mnist_job, "fallback", kind="auto", backend="tensorflow", timeout_s=5)
     env = cli_env(COLAB_TPU_ADDR=f"127.0.0.1:{closed_port()}")
     result = run_cli("run", spec, env=env)
     assert result.returncode == 0, result.stderr
@@ -130,10 +133,11 @@ def test_gpu_requested_on_a_machine_without_one(mnist_job) -> None:
     assert "TensorFlow sees no GPU" in result.stderr
 
 
-def test_tpu_requested_with_nothing_naming_one(mnist_job) -> None:
+def test_tpu_requested_where_jax_finds_none(mnist_job) -> None:
     result = run_cli("run", quick_job(mnist_job, "notpu", kind="tpu"), env=cli_env(TPU_NAME="", COLAB_TPU_ADDR=""))
     assert result.returncode == 3
-    assert "nothing names a TPU" in result.stderr
+    assert "accelerator.kind is 'tpu' but JAX finds no TPU" in result.stderr
+    assert last_json(result.stdout)["accelerator"] is None
 
 
 def test_steps_per_execution_auto_is_32_on_tpu_and_1_elsewhere() -> None:

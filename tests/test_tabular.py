@@ -82,7 +82,8 @@ def test_missing_cells_are_dropped_or_filled_from_the_training_split_and_recorde
 def test_the_tabular_model_is_built_from_the_manifest_alone(tmp_path: Path) -> None:
     table = tmp_path / "heart.csv"
     table.write_text(TABLE)
-    manifest_path = shards.publish(lambda: own.csv_dataset(str(table), "outcome", missing_cells="drop"),
+    manifest_path = shards.publish(lambda: own.csv_dataset(str(table), "outcome", split="train=0.8,test=0.2",
+                                                           missing_cells="drop"),
                                    str(tmp_path / "data"))
     manifest = json.loads(Path(manifest_path).read_text())
     features = {name: type("F", (), {"dtype": f["dtype"], "shape": tuple(f["shape"])})()

@@ -181,7 +181,8 @@ def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
             try:
                 return connect_tpu(target, spec.timeout_s)
             except AcceleratorError as exc:
-                if spec.kind == "tpu":
+                # A TPU step that hung leaves its thread inside TensorFlow: the CPU would wait on it too.
+                if spec.kind == "tpu" or isinstance(exc.__cause__, TimeoutError):
                     raise
                 log.warning("no TPU, falling back: %s", exc)
         elif spec.kind == "tpu":
