@@ -204,7 +204,7 @@ def test_kill_9_under_jax_resumes_from_the_newest_whole_checkpoint(mnist_job, tm
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
 def test_a_run_folder_pins_its_backend_both_ways(mnist_job, tmp_path):
-    spec = mnist_job("pinned", data={"eval": None, "global_batch_size": 64},
+    spec = mnist_job("pinned", data={"global_batch_size": 64},
                      train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True}, output={"tensorboard": False})
     first = run_cli("run", spec)
     assert first.returncode == 0, first.stderr[-3000:]

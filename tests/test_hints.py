@@ -147,7 +147,7 @@ def test_a_run_name_not_found_points_at_the_listing_that_shows_the_names(tmp_pat
 
 
 def _closing(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if re.match(r"(failed|succeeded|already complete)\b", line)]
+    lines = [line for line in stderr.splitlines() if re.match(r"(failed|refused|succeeded|already complete)\b", line)]
     assert lines, f"no closing line in:\n{stderr[-3000:]}"
     return lines[-1]
 
