@@ -136,7 +136,12 @@ def run(
             typer.echo(f"note: {note}", err=True)
     typer.echo(json.dumps(result.summary, separators=(",", ":")))
     if result.error is not None:
-        raise fail(result.error, debug)
+        ended = fail(result.error, debug)
+        from runner.device import processes
+
+        if processes.in_job():
+            processes.leave(ended.exit_code)  # not JAX's exit barrier, which waits on processes that are gone
+        raise ended
 
 
 Scale = Annotated[

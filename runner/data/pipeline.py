@@ -277,8 +277,12 @@ def make_dataset(
     autotune: bool = False,
     block: int | None = None,
     weighted: bool = False,
+    share: tuple[int, int] = (0, 1),
 ) -> tf.data.Dataset:
     """Batches of (inputs, label) from the shards; training data repeats forever and is shuffled.
+
+    `share` (this process's index, the job's processes): each process makes its batch_size / processes part of
+    every batch (`host_share` says how it is divided).
 
     `weighted` (evaluation and validation): batches of (inputs, label, sample weight) holding every record
     exactly once, in eval_steps() batches: the last batch is padded to the full batch size (TPUs need one
@@ -298,11 +302,17 @@ def make_dataset(
     check_columns(shards, inputs, label)
     if preprocess is not None:
         schema.check_preprocess(preprocess, shards.features, (*inputs, label))
-    files = tf.data.Dataset.from_tensor_slices(list(shards.files))
+    index, processes = share
+    by = host_share(shards, processes, training)
+    names = list(shards.files)[index::processes] if by == "files" else list(shards.files)
+    files = tf.data.Dataset.from_tensor_slices(names)
     if training:
-        files = files.shuffle(len(shards.files), seed=seed, reshuffle_each_iteration=True)
-    cycle = min(len(shards.files), MAX_OPEN_SHARDS)
-    records = _interleave_records(files, cycle, block or block_for(batch_size, cycle), deterministic=not training)
+        files = files.shuffle(len(names), seed=seed, reshuffle_each_iteration=True)
+    cycle = min(len(names), MAX_OPEN_SHARDS)
+    # Records shared out by position need one order on every process: a deterministic read. One shard has
+    # nothing to interleave: its order is kept too, so that a run of it is repeatable, on any number of processes.
+    ordered = not training or by == "records" or len(names) == 1
+    records = _interleave_records(files, cycle, block or block_for(batch_size, cycle), deterministic=ordered)
     if training:
         if shuffle_buffer > 1:
             records = records.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
@@ -313,6 +323,10 @@ def make_dataset(
             raise ValueError("weighted batches are for evaluation: training=False")
         records = _weighted_records(records, shards, batch_size)
         decode = _weighted(decode)
+    if by == "records":
+        # Process i keeps records i, i+n, ...: its batch k and the others' make up the job's batch k exactly.
+        records = records.shard(processes, index)
+    batch_size //= processes
     # TPUs need static shapes: every batch is full (evaluation pads its last one, see above).
     batches = records.batch(batch_size, drop_remainder=True)
     batches = batches.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
@@ -324,9 +338,18 @@ def make_dataset(
     policy = tf.data.experimental.AutoShardPolicy.FILE if enough else tf.data.experimental.AutoShardPolicy.DATA
     options.experimental_distribute.auto_shard_policy = policy
     options.autotune.enabled = autotune
-    if training:
-        options.deterministic = False
+    options.deterministic = ordered
     return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def host_share(shards: Shards, processes: int, training: bool) -> str | None:
+    """How the processes of a job divide a split: None (one process); "files" (training with at least as many
+    shards as processes: each reads only its own, shards i, i+n, ...); else "records" (each reads every shard
+    in one order and keeps every n-th record: evaluation always, so that each process's padded batches add up
+    to the job's)."""
+    if processes == 1:
+        return None
+    return "files" if training and len(shards.files) >= processes else "records"
 
 
 def _weighted_records(records: tf.data.Dataset, shards: Shards, batch_size: int) -> tf.data.Dataset:

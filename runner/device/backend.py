@@ -4,8 +4,9 @@
   - `jax`: Keras 3 on JAX. The engine Google supports on Cloud TPUs today (`pip install "jax[tpu]"`, one
     process per host; TensorFlow has no TPU runtime after 2.18 and none on TPU7x: docs/tpu.md cites both).
   - `tensorflow`: Keras 3 on TensorFlow (with oneDNN on the CPU).
-  - `auto`: JAX when the job points at a TPU (`accelerator.kind: tpu`, or a TPU named by the spec, $TPU_NAME,
-    $COLAB_TPU_ADDR or this host's TPU device files); TensorFlow otherwise. On the CPU TensorFlow is measured
+  - `auto`: JAX when the job runs as several processes (runner/device/processes.py) or points at a TPU
+    (`accelerator.kind: tpu`, or a TPU named by the spec, $TPU_NAME, $COLAB_TPU_ADDR or this host's TPU device
+    files); TensorFlow otherwise. On the CPU TensorFlow is measured
     several times faster than XLA (benchmarks/RESULTS.md, "Backends"); on a GPU it is kept until measured
     otherwise (no GPU is reachable where this was measured).
 Under either backend the input pipeline is tf.data on the host: under JAX, TensorFlow never touches an
@@ -24,7 +25,7 @@ import sys
 from collections.abc import MutableMapping
 
 from runner import AcceleratorError
-from runner.device import host
+from runner.device import host, processes
 from runner.spec.types import AcceleratorSpec
 
 BACKENDS = ("tensorflow", "jax")
@@ -48,8 +49,16 @@ class Backend:
 def choose(spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = None) -> Backend:
     """The backend for `spec` (the order is in the module docstring)."""
     environ = os.environ if environ is None else environ
+    several = processes.asked(environ)
+    if several.several and spec.backend == "tensorflow":
+        raise AcceleratorError(
+            f"accelerator.backend is tensorflow but {processes.COUNT} asks for {several.count} processes: a job of "
+            "several processes runs on JAX's multi-process runtime; set accelerator.backend: jax (or auto)"
+        )
     if spec.backend != "auto":
         return Backend(spec.backend, f"accelerator.backend: {spec.backend}")
+    if several.several:
+        return Backend("jax", f"auto with {several.count} processes: JAX's multi-process runtime")
     if spec.kind == "tpu":
         return Backend("jax", "auto on a TPU: Keras 3 on JAX, the engine Cloud TPUs run today")
     target = host.tpu_target(spec.tpu, environ) if spec.kind == "auto" else None

@@ -2,14 +2,9 @@
 
 TensorFlow 2.16+ ships two Keras flavours behind `tf.keras`: Keras 3 (the default) and tf-keras (Keras 2,
 selected by TF_USE_LEGACY_KERAS=1). The runner uses only APIs common to both and the tests run the same
-job under each, so CPU/GPU results do not depend on the choice. It picks:
-  - tf-keras for multi-worker training (TF_CONFIG naming several workers): Keras 3.15 `fit` fails under
-    MultiWorkerMirroredStrategy (a PerReplica value in the symbolic build, then scalar-metric reductions),
-    while tf-keras trains, checkpoints and restores there unpatched;
-  - Keras 3 everywhere else, TPU images included: Keras's own TensorFlow TPU example trains with Keras 3
-    `fit` under TPUStrategy on tensorflow-tpu 2.19.1 with PJRT (docs/tpu.md). The TPU image also carries
-    tf-keras: TF_USE_LEGACY_KERAS=1 gives Keras 2, as Google's TensorFlow TPU CI runs.
-An explicit TF_USE_LEGACY_KERAS in the environment always wins.
+job under each, so CPU/GPU results do not depend on the choice. Keras 3 unless TF_USE_LEGACY_KERAS=1 is set
+in the environment. (Multi-worker training no longer needs tf-keras: several processes run on JAX's runtime,
+runner/device/processes.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ import importlib.util
 import os
 
 from runner import AcceleratorError
-from runner.device import host
 
 
 def active(environ: dict[str, str] | None = None) -> str:
@@ -31,8 +25,6 @@ def active(environ: dict[str, str] | None = None) -> str:
 def choose_keras(environ: dict[str, str] | None = None) -> str:
     """Sets TF_USE_LEGACY_KERAS when the runner needs tf-keras; returns 'tf-keras' or 'keras3'."""
     environ = os.environ if environ is None else environ
-    if "TF_USE_LEGACY_KERAS" not in environ and host.cluster_from_env(environ)[0] > 1:
-        environ["TF_USE_LEGACY_KERAS"] = "1"
     legacy = environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
     if legacy and importlib.util.find_spec("tf_keras") is None:
         raise AcceleratorError(

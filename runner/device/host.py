@@ -7,12 +7,9 @@ runner/data/in_memory.py (whether training data fits in memory) and runner/docto
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-
-from runner import AcceleratorError
 
 # libtpu's own path (xla/stream_executor/tpu/tpu_initialize_util.cc): a process holding it owns the TPU.
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
@@ -130,18 +127,3 @@ def memory_bytes(limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int | None:
         if text.isdigit():  # "max" (cgroup v2) means no limit
             found.append(int(text))
     return min(found) if found else None
-
-
-def cluster_from_env(environ: Mapping[str, str]) -> tuple[int, int]:
-    """(workers, this worker's index) from TF_CONFIG; (1, 0) when it is absent. The one place TF_CONFIG is read."""
-    try:
-        config = json.loads(environ.get("TF_CONFIG", "") or "{}")
-    except json.JSONDecodeError as exc:
-        raise AcceleratorError(
-            f"TF_CONFIG is not valid JSON ({exc.msg}); it must describe the cluster and this task"
-        ) from None
-    cluster = config.get("cluster", {})
-    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
-    task = config.get("task", {})
-    index = task.get("index", 0) + (1 if task.get("type") == "worker" and "chief" in cluster else 0)
-    return max(workers, 1), index

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from runner import AcceleratorError
-from runner.device import host
+from runner.device import host, processes
 from runner.device.accelerator import Accelerator
 from runner.device.bounded import Bounded
 from runner.spec.types import AcceleratorSpec
@@ -70,23 +70,32 @@ def resolve(spec: AcceleratorSpec, environ: Mapping[str, str]) -> Accelerator:
                 "container with --gpus all, or use accelerator.backend: tensorflow"
             )
     cpus = _devices("cpu", spec.timeout_s)
-    if len(cpus) != spec.cpu_devices:
+    local = [d for d in cpus if d.process_index == processes.joined().index]
+    if len(local) != spec.cpu_devices:
         raise AcceleratorError(
-            f"accelerator.cpu_devices is {spec.cpu_devices} but JAX lists {len(cpus)} CPU device(s): JAX was loaded "
-            "before the runner set JAX_NUM_CPU_DEVICES; start the job with `runner run`"
+            f"accelerator.cpu_devices is {spec.cpu_devices} but JAX lists {len(local)} CPU device(s): JAX was "
+            "loaded before the runner set JAX_NUM_CPU_DEVICES; start the job with `runner run`"
         )
-    return _accelerator("cpu", cpus[: spec.cpu_devices])
+    return _accelerator("cpu", cpus)
 
 
 def _accelerator(kind: str, devices: list) -> Accelerator:
+    """`devices`: every device of the job, on every process. Several processes each feed their own share of
+    the global batch (runner/data/pipeline.py shards by process), so Keras must not shard the data again."""
     import keras
 
+    joined = processes.joined()
     if len(devices) > 1:
-        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices, auto_shard_dataset=not joined.several)
+        )
         detail = f"DataParallel over {len(devices)} {kind} devices ({devices[0].device_kind})"
     else:
         detail = f"one {kind} device ({devices[0].device_kind})"
-    return Accelerator(tf.distribute.get_strategy(), kind, len(devices), detail=detail)
+    if joined.several:
+        detail += f" in {joined.count} processes, this one process {joined.index}"
+    return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
+                       worker_index=joined.index, detail=detail)
 
 
 def use_compile_cache(folder: str) -> None:

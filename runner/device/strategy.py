@@ -4,8 +4,7 @@ Order for `accelerator.kind: auto`:
   1. a TPU, if one is indicated: `accelerator.tpu`, else $TPU_NAME, else $COLAB_TPU_ADDR (grpc://),
      else `local` when TPU device files exist (/dev/accel*, /dev/vfio). No indication: no TPU attempt,
      so a CPU-only run does not wait for a TPU that is not there;
-  2. GPUs: MirroredStrategy over every visible GPU (MultiWorkerMirroredStrategy when TF_CONFIG names
-     several workers);
+  2. GPUs: MirroredStrategy over every visible GPU (several hosts: JAX's runtime, runner/device/processes.py);
   3. the CPU (MirroredStrategy over `accelerator.cpu_devices` logical devices when more than one).
 `kind: tpu|gpu|cpu` asks for exactly that and fails (exit 3) when it is not there.
 A TPU's device API (PJRT or stream executor, per generation) is set before TensorFlow loads: runner/device/tpu_env.py.
@@ -139,13 +138,7 @@ def _split_cpu(devices: int) -> None:
         )
 
 
-def _mirrored(kind: str, devices: int, environ: dict[str, str]) -> Accelerator:
-    workers, index = host.cluster_from_env(environ)
-    if workers > 1:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        detail = f"MultiWorkerMirroredStrategy over {workers} workers ({devices} {kind} device(s) each), worker {index}"
-        return Accelerator(strategy, kind, strategy.num_replicas_in_sync, workers=workers, worker_index=index,
-                           detail=detail)
+def _mirrored(kind: str, devices: int) -> Accelerator:
     if devices > 1:
         strategy = tf.distribute.MirroredStrategy()
         return Accelerator(strategy, kind, strategy.num_replicas_in_sync,
@@ -193,7 +186,7 @@ def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
     if spec.kind in ("auto", "gpu"):
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
-            return _mirrored("gpu", len(gpus), environ)
+            return _mirrored("gpu", len(gpus))
         if spec.kind == "gpu":
             raise AcceleratorError(
                 "accelerator.kind is 'gpu' but TensorFlow sees no GPU: check the image has a CUDA build of "
@@ -201,4 +194,4 @@ def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
             )
     if spec.cpu_devices > 1:
         _split_cpu(spec.cpu_devices)
-    return _mirrored("cpu", spec.cpu_devices, environ)
+    return _mirrored("cpu", spec.cpu_devices)

@@ -68,6 +68,8 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     """The pipelines over `shards` (by spec key, from runner/data/integrity.py's check). The summary's
     train_input is recorded in `facts` as soon as it is decided, so a load that fails is reported with it."""
     batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
+    # Under JAX each process makes its own part of every batch (runner/data/pipeline.py `host_share`).
+    share = (accelerator.worker_index, workers) if accelerator.backend.name == "jax" else (0, 1)
     preprocess = (
         usercode.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots)
         if d.preprocess
@@ -85,7 +87,7 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
         steps = pipeline.eval_steps(shards[key], batch, key)
         dataset = pipeline.make_dataset(
             shards[key], batch, read, d.label, training=False, preprocess=preprocess, workers=workers,
-            autotune=d.autotune, weighted=True,
+            autotune=d.autotune, weighted=True, share=share,
         )
         return Evaluation(weighed(dataset), steps, shards[key].records)
 
@@ -107,7 +109,7 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     else:
         train_ds = pipeline.make_dataset(
             train_shards, batch, read, d.label, training=True, shuffle_buffer=d.shuffle_buffer,
-            seed=spec.train.seed, preprocess=preprocess, workers=workers, autotune=d.autotune,
+            seed=spec.train.seed, preprocess=preprocess, workers=workers, autotune=d.autotune, share=share,
         )
     unclocked = train_ds = weighed(train_ds)
     clock, input_method = observe.input_clock_for(accelerator)
@@ -128,10 +130,24 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
         raise splits.refusal(*watching[0], d.train, getattr(shards.get("data.validation"), "pattern", None))
     selectors = [*spec.train.selects_on_validation(), *(k for k, _ in watching)]
     facts.splits = splits.record(spec, shards, key if every is not None else None, selectors)
+    if share[1] > 1:
+        facts.processes = {**(facts.processes or {}), "data": shared_out(shards, *share)}
     return Inputs(
         train_shards, train_ds, steps_per_epoch, eval_, validation, preprocess, clock, input_method,
         class_weight_of(spec.train.class_weight, train_shards), callbacks, every, unclocked,
     )
+
+
+def shared_out(shards: dict[str, pipeline.Shards], index: int, processes: int) -> dict:
+    """How the job's processes divided each split (runner/data/pipeline.py `host_share`), for the summary."""
+    found = {}
+    for key, split in shards.items():
+        by = pipeline.host_share(split, processes, training=key == "data.train")
+        entry = {"by": by, "shards": len(split.files)}
+        if by == "files":
+            entry["shards_per_process"] = [len(split.files[i::processes]) for i in range(processes)]
+        found[key] = entry
+    return found
 
 
 def evaluation_batches(spec: JobSpec, shards: pipeline.Shards, batch: int, preprocess, model, key: str):

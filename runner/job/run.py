@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
 from runner.data import faults, integrity, pipeline
-from runner.device import host, peak, precision
+from runner.device import backend, host, peak, precision, processes
 from runner.device.strategy import per_replica_batch, resolve_accelerator
 from runner.job import checkpoints
 from runner.job.inputs import Inputs, make_inputs
@@ -68,6 +68,7 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
         with attempt.phases.phase("data_init"):  # before the run folder is touched: bad data leaves it as it was
             data = integrity.check_job_data(spec)
         attempt.facts.data_verify = data.record
+        _join(attempt)  # several processes: they form one job before the run folder is opened
         done = _open(attempt)
     except RunnerError as exc:  # nothing was written: the data or the run folder is refused or unreachable
         return JobResult(attempt.summary("failed", exc, global_batch=spec.data.global_batch_size), exc)
@@ -76,7 +77,7 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
         return JobResult(done, already_complete=True)
 
     job = _Job(spec, attempt)
-    notice = PreemptionNotice(spec.checkpoint.grace_s)
+    notice = PreemptionNotice(spec.checkpoint.grace_s, shared=processes.joined().several)
     status, error, training = "failed", None, False
     try:
         notice.install()  # a SIGTERM or SIGINT from here on is a notice: see runner/train/preemption.py
@@ -104,7 +105,7 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
     except LearnedNothing as exc:
         status, error = "learned_nothing", exc
     except Exception as exc:  # the summary must still be written; the CLI prints the traceback in --debug
-        error = error_of(exc, spec)
+        error = processes.lost_peer(exc) or error_of(exc, spec)
         if isinstance(error, (SpecError, DataError)) and not training:
             attempt.run.refuse_start()  # refused at start: nothing written, a folder it made removed
     finally:  # whatever stopped the job, its summary is written and the signal handlers put back
@@ -210,13 +211,39 @@ class _Job:
         return summary
 
 
+def _join(attempt: Attempt) -> None:
+    """Under JAX, the job's processes joined (runner/device/processes.py); one process has nothing to join."""
+    spec = attempt.spec.accelerator
+    if backend.active().name != "jax":
+        return
+    on_tpu = spec.kind in ("auto", "tpu") and host.tpu_target(spec.tpu) is not None
+    asked = processes.asked(os.environ, on_tpu)
+    if asked.several:
+        with attempt.phases.phase("strategy"):
+            joined = processes.join(asked, spec.timeout_s, spec.heartbeat_s)
+        attempt.worker_index, attempt.facts.processes = joined.index, joined.to_dict()
+
+
 def _open(attempt: Attempt) -> dict | None:
-    """Opens the run folder (its lease taken by the chief) and gives the attempt its number; returns the
-    summary of a job that is already complete (nothing to do), else None. Resume rules: runner/rundir/outputs.py."""
+    """Opens the run folder (its lease taken by process 0, the others opening it once it did) and gives the
+    attempt its number; returns the summary of a job that is already complete (nothing to do), else None. A
+    refusal on process 0 ends every process with its exit code. Resume rules: runner/rundir/outputs.py."""
     spec, run, facts = attempt.spec, attempt.run, attempt.facts
     entered = time.monotonic()
-    attempt.worker_index = host.cluster_from_env(os.environ)[1]
-    done = run.open(spec, attempt.worker_index)
+    several, chief, wait = processes.joined().several, attempt.worker_index == 0, spec.accelerator.timeout_s
+    if several and not chief:
+        said = processes.hear(f"open/{run.path}", wait + spec.storage.timeout_s)
+        if said.startswith("refused"):
+            code, _, message = said.removeprefix("refused ").partition(" ")
+            raise _refused_on_chief(int(code), message)
+    try:
+        done = run.open(spec, attempt.worker_index)
+    except RunnerError as exc:
+        if several and chief:
+            processes.tell(f"open/{run.path}", f"refused {exc.exit_code} {exc}")
+        raise
+    if several and chief:
+        processes.tell(f"open/{run.path}", "done" if done is not None else "open")
     if done is not None:
         return done
     attempt.number = run.attempt
@@ -356,6 +383,13 @@ def _diverged(exc: Diverged, spec: JobSpec, attempt: Attempt) -> Diverged:
     return Diverged(
         f"{exc} (train.learning_rate {spec.train.learning_rate:g}); {kept}, and no model was exported. {again}"
     )
+
+
+def _refused_on_chief(code: int, message: str) -> RunnerError:
+    """Process 0's refusal to open the run folder, as this process ends with it (the same exit code)."""
+    error = RunnerError(f"process 0 could not open the run folder: {message}")
+    error.exit_code = code
+    return error
 
 
 def _stop_if_noticed(notice: PreemptionNotice, when: str) -> None:

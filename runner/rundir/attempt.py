@@ -57,6 +57,7 @@ class Facts:
     warnings: list | None = None
     model: Any = None
     tensorboard: str | None = None
+    processes: dict | None = None  # the job's processes and how they divided the data (runner/device/processes.py)
     compile_cache: str | None = None  # JAX's persistent compilation cache (runner/device/jax_devices.py)
     # The matmul benchmark's results, at the summary's top level.
     bench: dict | None = None
@@ -72,7 +73,7 @@ class Attempt:
     run: RunFolder
     phases: Phases
     number: int = 0  # 0 until the run folder gives it one
-    worker_index: int = 0  # this process's place in a multi-worker cluster (TF_CONFIG); 0 is the chief
+    worker_index: int = 0  # this process's place among the job's processes (runner/device/processes.py); 0 writes
     accelerator: Accelerator | None = None
     facts: Facts = dataclasses.field(default_factory=Facts)
     # (FLOPs per training example, how counted): runner/train/flops.py, once the model is built.
@@ -115,7 +116,7 @@ class Attempt:
         summary that did not succeed never replaces a succeeded one (runner/rundir/outputs.py). Then the run folder's
         lease is released, whatever the status."""
         try:
-            if self.accelerator is None or self.accelerator.is_chief:
+            if self.worker_index == 0:
                 self.run.write_summary(summary, self.number, keep_succeeded=keep_succeeded)
         except tf.errors.OpError as exc:  # the outage that ended the job may still be on: stdout has the summary
             log.error("could not write the summary to %s: %s", self.run.path, exc.message.splitlines()[0])

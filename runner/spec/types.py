@@ -53,6 +53,9 @@ class AcceleratorSpec(Strict):
     tpu: Name | None = None
     # Bound on every TPU step (resolve, connect, initialise); a TPU that is not there must not stall a CPU run.
     timeout_s: bounded(MIN_WAIT_S, MAX_WAIT_S, " s") = 60.0
+    # A job of several processes (runner/device/processes.py): a host silent this long ends every process
+    # (exit 3); JAX's heartbeat timeout, whose own default is 100 s.
+    heartbeat_s: bounded(2.0, MAX_WAIT_S, " s") = 100.0
     # Split the host CPU into this many logical devices (MirroredStrategy over them): tests and dry runs.
     cpu_devices: Integer = Field(1, ge=1, le=64)
 

@@ -195,7 +195,10 @@ class Checkpointer(keras.callbacks.Callback):
             self._last_saved = step
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._notice.received.is_set():
+        # Several processes stop together, at the step they agreed on; one process stops at its next step.
+        notice = self._notice
+        noticed = notice.reached_sync_point(self._step()) if notice.shared else notice.received.is_set()
+        if noticed:
             self._save_once()
             self.saved_after_notice_s = self._notice.seconds_since()
             self.preempted = True

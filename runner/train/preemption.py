@@ -48,8 +48,8 @@ class _Watcher:
     the default actions (KeyboardInterrupt, termination) away. Install and remove in the main thread.
     """
 
-    def __init__(self, on_signal: Callable[[int], None]):
-        self._on_signal = on_signal
+    def __init__(self, on_signal: Callable[[int], None], signals: tuple[int, ...] = SIGNALS):
+        self._on_signal, self._signals = on_signal, signals
         self._previous: dict[int, Any] = {}
         self._previous_wakeup = -1
         self._pipe: tuple[int, int] | None = None
@@ -57,7 +57,7 @@ class _Watcher:
     def install(self) -> None:
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
-        self._previous = {signum: signal.signal(signum, lambda *_: None) for signum in SIGNALS}
+        self._previous = {signum: signal.signal(signum, lambda *_: None) for signum in self._signals}
         self._previous_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(self._pipe[0],), daemon=True, name="signals").start()
 
@@ -90,16 +90,23 @@ class PreemptionNotice:
     does not answer) ends the process with the same code at the deadline, before the platform's SIGKILL
     would: the cut-short save is never chosen as the latest, so the next attempt resumes from the newest
     complete checkpoint. A second SIGINT ends the process at once with 130.
+
+    `shared` (a job of several processes, runner/device/processes.py): every process must stop at the same step,
+    or the others would wait on it forever. SIGTERM then belongs to JAX's preemption service, which
+    jax.distributed.initialize installs: a SIGTERM to any process makes every process reach one sync point
+    (`reached_sync_point`, asked each step). A notice that starts here (Ctrl-C, the time limit) is passed to that
+    service as a SIGTERM to this process, so it stops all processes at one step too.
     """
 
-    def __init__(self, grace_s: float = 30.0):
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float = 30.0, shared: bool = False):
+        self.grace_s, self.shared = grace_s, shared
         self.received = threading.Event()
         self.received_at: float | None = None
         self.signal: int | None = None  # the signal the notice came by
         self._interrupts = 0
         self._lock = threading.Lock()
-        self._watcher = _Watcher(lambda signum: self.notify(signum=signum))
+        self._watcher = _Watcher(lambda signum: self.notify(signum=signum),
+                                 (signal.SIGINT,) if shared else SIGNALS)
         self._depth = 0
 
     @property
@@ -126,9 +133,9 @@ class PreemptionNotice:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def notify(self, at: float | None = None, signum: int = signal.SIGTERM) -> None:
+    def notify(self, at: float | None = None, signum: int = signal.SIGTERM, relay: bool = True) -> None:
         """The notice, received now or at `at` (time.monotonic()): the grace period runs from then.
-        A second SIGINT ends the process at once."""
+        A second SIGINT ends the process at once. Shared, it is passed on to every process (`relay`)."""
         at = time.monotonic() if at is None else at
         with self._lock:
             if signum == signal.SIGINT:
@@ -139,9 +146,22 @@ class PreemptionNotice:
                 return
             self.received_at, self.signal = at, signum
             self.received.set()
+        if self.shared and relay:
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption service, which tells every process
         deadline = threading.Timer(max(0.0, self.grace_s - (time.monotonic() - at)), self._expire)
         deadline.daemon = True
         deadline.start()
+
+    def reached_sync_point(self, step: int) -> bool:
+        """Shared: whether every process stops at `step` (JAX's preemption sync point: all processes agree on it
+        once any was noticed). Ask at every step, with the same steps on every process."""
+        from jax.experimental import multihost_utils
+
+        if not multihost_utils.reached_preemption_sync_point(step):
+            return False
+        if not self.received.is_set():
+            self.notify(signum=signal.SIGTERM, relay=False)
+        return True
 
     def _expire(self) -> None:
         if self.interrupted:

@@ -1,0 +1,247 @@
+"""One job as several processes (runner/device/processes.py): real `runner run` processes on 127.0.0.1 joined
+by JAX's distributed runtime (gloo collectives), each with one CPU device, as hosts of a slice would be.
+
+Each process is started with Keras's own variables (KERAS_DISTRIBUTION_JOB_ADDRESSES, _NUM_PROCESSES,
+_PROCESS_ID). The model is one dense layer: these tests are about the processes, not the model, and XLA on
+these CPUs compiles a CNN for tens of seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner import EXIT_INFRA, EXIT_PREEMPTED
+from runner.device import backend, processes
+from runner.spec.types import AcceleratorSpec
+from tests.conftest import REPO, cli_env, last_json
+
+BATCH, STEPS = 64, 6
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_model(folder: Path) -> str:
+    (folder / "tinynet.py").write_text(
+        "import keras\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(flat))\n"
+    )
+    return "tinynet:build"
+
+
+def job(mnist_job, tmp_path: Path, name: str, train: str | None = None, **train_settings) -> Path:
+    # Streamed (held in memory, one process would read in another order than the processes share out).
+    data = {"global_batch_size": BATCH, "shuffle_buffer": 256, "in_memory": False, **({"train": train} if train else {})}
+    return mnist_job(
+        name,
+        accelerator={"kind": "cpu", "backend": "jax", "timeout_s": 60, "heartbeat_s": 5},
+        data=data,
+        model={"name": tiny_model(tmp_path)},
+        train={"epochs": 2, "steps_per_epoch": STEPS, "allow_chance": True, **train_settings},
+        output={"tensorboard": False},
+    )
+
+
+def start(spec: Path, count: int, *args: str, port: int | None = None, only: list[int] | None = None) -> list:
+    """`runner run SPEC` as `count` processes of one job (or only those in `only`), stderr in files."""
+    port = port or free_port()
+    started = []
+    for index in only if only is not None else range(count):
+        env = cli_env(KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
+                      KERAS_DISTRIBUTION_NUM_PROCESSES=str(count), KERAS_DISTRIBUTION_PROCESS_ID=str(index))
+        log = spec.parent / f"{spec.stem}-process{index}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec), *args],
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
+        proc.log = log
+        started.append(proc)
+    return started
+
+
+def finish(started: list, timeout: float = 240) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process; every process is ended by the deadline, whichever hangs."""
+    deadline, ended = time.monotonic() + timeout, []
+    try:
+        for proc in started:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            ended.append((proc.returncode, out, proc.log.read_text()))
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return ended
+
+
+def wait_for_epoch(proc, epoch: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while f"epoch {epoch}/" not in proc.log.read_text():
+        assert proc.poll() is None, proc.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no epoch {epoch} within {timeout} s"
+        time.sleep(0.1)
+
+
+def one_shard_mnist(tiny_mnist: Path, out: Path) -> str:
+    """The tiny MNIST's training records as one shard: fewer shards than processes, so records are shared out."""
+    from runner.prepare import shards
+    from runner.prepare.datasets import Dataset, load_dataset
+
+    full = load_dataset("mnist")
+    small = Dataset(full.name, {"train": {k: v[:1024] for k, v in full.splits["train"].items()}}, full.features,
+                    full.inputs, full.label, full.source, full.license)
+    out.mkdir()
+    entries = {"train": shards.write_split(small, "train", str(out), 1)}
+    shards.write_manifest(str(out), shards.manifest_for(small, entries))
+    return f"{out}/train-*.tfrecord"
+
+
+def weights(path: Path) -> list[np.ndarray]:
+    import zipfile
+
+    import h5py
+
+    with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as handle, h5py.File(handle) as h5:
+        found = []
+        h5.visititems(lambda name, item: found.append(np.array(item)) if isinstance(item, h5py.Dataset) else None)
+    return found
+
+
+# --- which processes form the job: no JAX needed ----------------------------------------------------------
+
+
+def test_keras_variables_make_a_job_of_several_processes_and_bad_ones_are_named() -> None:
+    env = {processes.ADDRESSES: "10.0.0.2:8476,10.0.0.3:8476", processes.COUNT: "2", processes.INDEX: "1"}
+    asked = processes.asked(env)
+    assert (asked.how, asked.count, asked.index, asked.coordinator) == ("keras", 2, 1, "10.0.0.2:8476")
+    assert processes.asked({}) == processes.SINGLE
+    with pytest.raises(processes.SpecError, match=processes.INDEX):
+        processes.asked({processes.ADDRESSES: "10.0.0.2:8476", processes.COUNT: "2"})
+    with pytest.raises(processes.SpecError, match="from 0 to"):
+        processes.asked({**env, processes.INDEX: "2"})
+    with pytest.raises(processes.SpecError, match="lists 2 processes but"):
+        processes.asked({**env, processes.COUNT: "3"})
+
+
+def test_tf_config_for_several_workers_is_refused_with_the_variables_that_replace_it() -> None:
+    tf_config = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}
+    with pytest.raises(processes.SpecError, match="KERAS_DISTRIBUTION_JOB_ADDRESSES.*docs/multihost.md"):
+        processes.asked({"TF_CONFIG": json.dumps(tf_config)})
+
+
+def test_several_processes_choose_jax_and_refuse_tensorflow() -> None:
+    env = {processes.ADDRESSES: "127.0.0.1:9", processes.COUNT: "2", processes.INDEX: "0"}
+    assert backend.choose(AcceleratorSpec(kind="cpu"), dict(env)).name == "jax"
+    with pytest.raises(processes.AcceleratorError, match="backend: jax"):
+        backend.choose(AcceleratorSpec(kind="cpu", backend="tensorflow"), dict(env))
+
+
+# --- real processes -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_weights_one_process_trains(mnist_job, tiny_mnist, tmp_path: Path) -> None:
+    train = one_shard_mnist(tiny_mnist, tmp_path / "one-shard")
+    alone = job(mnist_job, tmp_path, "alone", train=train)
+    together = job(mnist_job, tmp_path, "together", train=train)
+    one = subprocess.run([sys.executable, "-m", "runner", "run", str(alone), "--set", "accelerator.cpu_devices=2"],
+                         capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    ended = finish(start(together, 2))
+    for code, _, err in ended:
+        assert code == 0, err[-3000:]
+    summaries = [last_json(out) for _, out, _ in ended]
+    chief = summaries[0]
+    assert chief["processes"]["count"] == 2 and chief["accelerator"]["workers"] == 2
+    assert chief["accelerator"]["replicas"] == 2 and chief["final_step"] == 2 * STEPS
+    # One shard for two processes: each reads it in one order and keeps every other record.
+    assert chief["processes"]["data"]["data.train"]["by"] == "records"
+    assert chief["metrics"]["examples"] == 512  # every eval record once, shared out between the processes
+    assert summaries[1]["metrics"] == chief["metrics"]
+    run = tmp_path / "runs" / "together"
+    assert sorted(p.name for p in (run / "attempts").iterdir()) == ["001.json"]  # written once, by process 0
+    for mine, theirs in zip(weights(run / "model.keras"), weights(tmp_path / "runs" / "alone" / "model.keras")):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-6)
+    assert chief["metrics"]["loss"] == pytest.approx(last_json(one.stdout)["metrics"]["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_step_and_the_rerun_ends_at_the_planned_step(
+    mnist_job, tmp_path: Path
+) -> None:
+    spec = job(mnist_job, tmp_path, "preempted", epochs=400, steps_per_epoch=STEPS)
+    started = start(spec, 2)
+    wait_for_epoch(started[0], 2)
+    started[1].send_signal(signal.SIGTERM)
+    ended = finish(started)
+    assert [code for code, _, _ in ended] == [EXIT_PREEMPTED, EXIT_PREEMPTED], ended[0][2][-3000:]
+    saved = {int(re.search(r"saved step (\d+)", last_json(out)["error"]).group(1)) for _, out, _ in ended}
+    assert len(saved) == 1, f"the processes stopped at different steps: {saved}"
+    step = saved.pop()
+    assert (tmp_path / "runs" / "preempted" / "checkpoints" / f"ckpt_{step}").is_dir()
+    # Four shards for two processes: each reads its own two.
+    assert last_json(ended[0][1])["processes"]["data"]["data.train"] == {
+        "by": "files", "shards": 4, "shards_per_process": [2, 2]}
+
+    planned = (step // STEPS + 2) * STEPS
+    again = finish(start(spec, 2, "--set", f"train.epochs={planned // STEPS}"))
+    for code, out, err in again:
+        assert code == 0, err[-3000:]
+        summary = last_json(out)
+        assert (summary["resumed_from_step"], summary["final_step"]) == (step, planned)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_and_the_rerun_resumes(
+    mnist_job, tmp_path: Path
+) -> None:
+    spec = job(mnist_job, tmp_path, "lost", epochs=400, steps_per_epoch=STEPS)
+    started = start(spec, 2)
+    wait_for_epoch(started[0], 3)
+    killed_at = time.monotonic()
+    started[1].kill()
+    code, _, err = finish(started[:1], timeout=120)[0]
+    took = time.monotonic() - killed_at
+    # accelerator.heartbeat_s is 5: a collective that meets the gone process fails at once (exit 3, with the
+    # summary); one blocked in a barrier is ended by JAX when the heartbeat runs out (SIGABRT, JAX's message).
+    assert took < 5 + 30, f"the survivor took {took:.0f} s to stop"
+    assert code in (EXIT_INFRA, -signal.SIGABRT, 128 + signal.SIGABRT), err[-3000:]
+    assert "another process of the job stopped" in err or "another task died" in err, err[-3000:]
+    checkpoints = tmp_path / "runs" / "lost" / "checkpoints"
+    whole = sorted(int(p.name.split("_")[1]) for p in checkpoints.iterdir() if p.name.split("_")[1].isdigit())
+    assert whole, "no whole checkpoint before the kill"
+
+    again = finish(start(spec, 2, "--set", f"train.epochs={whole[-1] // STEPS + 1}"))
+    for code, out, err in again:
+        assert code == 0, err[-3000:]
+        summary = last_json(out)
+        assert summary["resumed_from_step"] == whole[-1]
+        assert summary["final_step"] == (whole[-1] // STEPS + 1) * STEPS
+
+
+@pytest.mark.slow
+def test_a_process_that_never_starts_ends_the_others_with_exit_3_within_the_timeout(mnist_job, tmp_path) -> None:
+    spec = job(mnist_job, tmp_path, "alone-of-two")
+    began = time.monotonic()
+    code, out, err = finish(start(spec, 2, "--set", "accelerator.timeout_s=8", only=[0]), timeout=120)[0]
+    assert code == EXIT_INFRA, err[-3000:]
+    assert "not every process joined within accelerator.timeout_s (8 s)" in err
+    assert "process 0 of 2" in err and "KERAS_DISTRIBUTION_JOB_ADDRESSES" in err
+    assert time.monotonic() - began < 8 + 60  # the timeout, plus the start-up of TensorFlow and JAX
+    assert last_json(out)["status"] == "failed"
+    assert not (tmp_path / "runs" / "alone-of-two").exists(), "a job that never formed wrote a run folder"
