@@ -173,6 +173,11 @@ def test_two_processes_train_the_weights_one_process_trains(mnist_job, tiny_mnis
     assert chief["processes"]["data"]["data.train"]["by"] == "records"
     assert chief["metrics"]["examples"] == 512  # every eval record once, shared out between the processes
     assert summaries[1]["metrics"] == chief["metrics"]
+    # Process 0's summary has every process's own figures; process 1 says where its job's model is.
+    assert [p["process"] for p in chief["processes"]["per_process"]] == [0, 1]
+    assert all(p["examples_per_sec"] > 0 and p["input_wait_s"] is not None for p in chief["processes"]["per_process"])
+    assert chief["processes"]["slowest_input"] in (0, 1)
+    assert "process 1 of 2: process 0 writes" in ended[1][2]
     run = tmp_path / "runs" / "together"
     assert sorted(p.name for p in (run / "attempts").iterdir()) == ["001.json"]  # written once, by process 0
     for mine, theirs in zip(weights(run / "model.keras"), weights(tmp_path / "runs" / "alone" / "model.keras")):
@@ -232,6 +237,53 @@ def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_and_the_rerun
         summary = last_json(out)
         assert summary["resumed_from_step"] == whole[-1]
         assert summary["final_step"] == (whole[-1] // STEPS + 1) * STEPS
+
+
+@pytest.mark.slow
+def test_a_lease_held_by_another_run_ends_every_process_with_exit_2(mnist_job, tmp_path: Path) -> None:
+    from runner.rundir.lease import Lease
+
+    spec = job(mnist_job, tmp_path, "leased")
+    run_dir = tmp_path / "runs" / "leased"
+    run_dir.mkdir(parents=True)
+    held = Lease.take(str(run_dir), "leased", timeout_s=20)
+    try:
+        ended = finish(start(spec, 2), timeout=180)
+    finally:
+        held.release()
+    assert [code for code, _, _ in ended] == [2, 2], ended[1][2][-3000:]
+    assert "lease.json" in ended[0][2] and "process 0 could not open the run folder" in ended[1][2]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["lease.json"], "a refused job wrote into the run folder"
+
+
+@pytest.mark.slow
+def test_two_processes_share_a_gs_run_folder(gcs, mnist_job, tmp_path: Path) -> None:
+    bucket = gcs.bucket()
+    spec = mnist_job(
+        "shared-gcs",
+        accelerator={"kind": "cpu", "backend": "jax", "timeout_s": 60, "heartbeat_s": 10},
+        data={"global_batch_size": BATCH, "in_memory": False, "eval": None},
+        model={"name": tiny_model(tmp_path)},
+        train={"epochs": 1, "steps_per_epoch": STEPS, "allow_chance": True},
+        output={"dir": f"gs://{bucket}/runs", "tensorboard": False},
+    )
+    port, started = free_port(), []
+    for index in range(2):
+        env = cli_env(**gcs.env, KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
+                      KERAS_DISTRIBUTION_NUM_PROCESSES="2", KERAS_DISTRIBUTION_PROCESS_ID=str(index))
+        log = tmp_path / f"gcs-process{index}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec)], stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, env=env, cwd=REPO)
+        proc.log = log
+        started.append(proc)
+    ended = finish(started)
+    for code, _, err in ended:
+        assert code == 0, err[-3000:]
+    names = gcs.objects(bucket, "runs/shared-gcs/")
+    assert f"runs/shared-gcs/checkpoints/ckpt_{STEPS}/commit_success.txt" in names  # whole: every process wrote
+    assert "runs/shared-gcs/summary.json" in names and "runs/shared-gcs/model.keras" in names
+    assert [n for n in names if n.startswith("runs/shared-gcs/attempts/")] == ["runs/shared-gcs/attempts/001.json"]
 
 
 @pytest.mark.slow

@@ -257,6 +257,26 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+def gather(key: str, mine: dict, timeout_s: float) -> list[dict | None] | None:
+    """Every process's `mine`, in process order, on process 0 (None on the others); a process that said nothing
+    within timeout_s is None in the list."""
+    if not _joined.several:
+        return [mine]
+    client = _client()
+    client.key_value_set(f"runner/{key}/{_joined.index}", json.dumps(mine))
+    if not _joined.chief:
+        return None
+    found: list[dict | None] = [mine]
+    deadline = time.monotonic() + timeout_s
+    for index in range(1, _joined.count):
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            found.append(json.loads(client.blocking_key_value_get(f"runner/{key}/{index}", wait_ms)))
+        except Exception:  # noqa: BLE001 - a process that stopped: its figures are missing, not the summary
+            found.append(None)
+    return found
+
+
 def _client():
     # The coordination service's client that jax.distributed.initialize connected: its key-value store and
     # barriers need no device and no compiled program (jax.experimental.multihost_utils's do).

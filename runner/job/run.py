@@ -207,6 +207,8 @@ class _Job:
                 flops_per_example, method, summary["timing"]["examples_per_sec"],
                 self.attempt.accelerator.replicas, value, source,
             )
+        if processes.joined().several:
+            _per_process(summary, status, self.attempt.number)
         self.attempt.finish(summary)
         return summary
 
@@ -222,6 +224,27 @@ def _join(attempt: Attempt) -> None:
         with attempt.phases.phase("strategy"):
             joined = processes.join(asked, spec.timeout_s, spec.heartbeat_s)
         attempt.worker_index, attempt.facts.processes = joined.index, joined.to_dict()
+
+
+# What each process of a job of several reports of itself in process 0's summary.
+_PER_PROCESS = ("examples_per_sec", "step_time_ms", "input_wait_s", "input_wait_fraction", "total_s")
+
+
+def _per_process(summary: dict, status: str, number: int) -> None:
+    """Process 0's summary gets every process's own figures, and names the one that waited longest for input
+    (all step together, so the others waited on it). A job that failed does not wait for processes that are gone."""
+    timing = summary.get("timing", {})
+    mine = {"process": processes.joined().index, **{k: timing.get(k) for k in _PER_PROCESS}}
+    found = processes.gather(f"figures/{number}", mine, 0.5 if status == "failed" else 30.0)
+    if found is None:
+        return
+    gone = {"missing": "it said nothing: see its log"}
+    per = [f if f is not None else {"process": i, **gone} for i, f in enumerate(found)]
+    waits = [(f.get("input_wait_s"), f["process"]) for f in per if f.get("input_wait_s") is not None]
+    block = summary.setdefault("processes", {})
+    block["per_process"] = per
+    if waits:
+        block["slowest_input"] = max(waits)[1]
 
 
 def _open(attempt: Attempt) -> dict | None:

@@ -65,9 +65,10 @@ def _input_host(strategy: tf.distribute.Strategy) -> str:
 
 
 def input_clock_for(accelerator: Accelerator) -> tuple[InputClock | None, str]:
-    """The clock and the method named in the summary; several workers shard files, which the clock's
-    extra source would block, so there the wait is not measured (and the summary says so)."""
-    if accelerator.workers > 1:
+    """The clock and the method named in the summary. Several TensorFlow workers would shard files through
+    tf.distribute, which the clock's extra source would block: there the wait is not measured (and the summary
+    says so). Several JAX processes shard their own files first (runner/data/pipeline.py): each clocks its own."""
+    if accelerator.workers > 1 and accelerator.backend.name != "jax":
         return None, "not measured: several workers (the timing stage would stop tf.data from sharding files)"
     return InputClock(accelerator), INPUT_WAIT_METHOD
 

@@ -378,6 +378,9 @@ def _precision(summary: dict[str, Any]) -> str:
 
 
 def _model_at(summary: dict[str, Any]) -> str:
+    mine = summary.get("processes") or {}
+    if mine.get("index"):  # process 0 of a job of several writes the model; this one took part
+        return f"; process {mine['index']} of {mine['count']}: process 0 writes {summary.get('run_dir')}"
     where = summary.get("model") or summary.get("run_dir")
     return f"; model: {where}" if where else ""
 
