@@ -202,7 +202,8 @@ def test_docs_draw_the_layers_this_file_enforces() -> None:
 # The training core's modules that need nothing of TensorFlow but Keras: they take Keras from
 # runner/device/flavour.py (Keras 3 on the job's backend), so a JAX job's training loop is TensorFlow-free there.
 KERAS_ONLY_MODULES = ("runner.train.progress", "runner.train.limits", "runner.train.preemption",
-                      "runner.train.verdict", "runner.device.backend", "runner.rundir.orbax_store")
+                      "runner.train.verdict", "runner.device.backend", "runner.rundir.orbax_store",
+                      "runner.device.processes")
 
 
 @pytest.mark.parametrize("module", KERAS_ONLY_MODULES)

@@ -150,3 +150,33 @@ def test_a_save_stuck_past_the_grace_period_exits_75_and_is_never_chosen(gcs_fau
     summary = last_json(result.stdout)
     assert summary["resumed_from_step"] == 8
     assert summary["final_step"] == 48
+
+
+@pytest.mark.slow
+def test_a_model_edited_between_runs_is_refused_before_training_naming_the_variable(mnist_job, tmp_path):
+    """Under TensorFlow (Orbax's twin is in tests/test_backend_jax.py): exit 2 naming the variable and both
+    shapes, and `--fresh`; never "failed after N epochs", and the run folder is left as it was."""
+    code = tmp_path / "widthnet.py"
+    template = (
+        "import keras\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    hidden = keras.layers.Dense({width}, activation='relu')(flat)\n"
+        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(hidden))\n"
+    )
+    code.write_text(template.format(width=16))
+    spec = mnist_job("edited", accelerator={"kind": "cpu", "backend": "tensorflow"}, model={"name": "widthnet:build"},
+                     data={"eval": None}, train={"epochs": 1, "steps_per_epoch": 4, "allow_chance": True},
+                     output={"tensorboard": False})
+    first = run_cli("run", spec)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "edited"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    code.write_text(template.format(width=24))
+    edited = run_cli("run", spec, "--set", "train.epochs=2")
+    assert edited.returncode == 2, edited.stderr[-3000:]
+    assert "the model changed since" in edited.stderr and "(784, 24) in the model and (784, 16)" in edited.stderr
+    assert "--fresh" in edited.stderr and "failed after" not in edited.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before

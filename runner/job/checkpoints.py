@@ -26,12 +26,12 @@ def restore(run: RunFolder, model: Any, checkpoint: Any, path: str, keep: int = 
         store.close()
 
 
-def saver(run: RunFolder, model: Any, checkpoint: Any, keep: int, worker_index: int, workers: int) -> Any:
-    """The saver that writes the job's checkpoints into the run folder (in the background on one worker)."""
+def saver(run: RunFolder, model: Any, checkpoint: Any, keep: int) -> Any:
+    """The saver that writes the job's checkpoints into the run folder, in the background. Under JAX every process
+    of a job takes part in Orbax's saves."""
     if checkpoint is None:
         return OrbaxSaver(run.orbax_store(model, keep))
-    manager = run.checkpoint_manager(checkpoint, keep, worker_index)
-    return Saver(manager, checkpoint, asynchronous=workers == 1)
+    return Saver(run.checkpoint_manager(checkpoint, keep), checkpoint, asynchronous=True)
 
 
 __all__ = ["OrbaxStore", "restore", "saver"]

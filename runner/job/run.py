@@ -298,9 +298,7 @@ def _build_and_restore(
             log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
     facts.resumed_from_step = plan.start_step
     # In the background on one worker: training waits only for the copy of the weights.
-    saver = checkpoints.saver(
-        attempt.run, model, checkpoint, spec.checkpoint.keep, accelerator.worker_index, accelerator.workers
-    )
+    saver = checkpoints.saver(attempt.run, model, checkpoint, spec.checkpoint.keep)
     return model, saver, plan
 
 

@@ -64,7 +64,6 @@ import logging
 import math
 import posixpath
 import re
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -149,6 +148,7 @@ class RunFolder:
                 )
         except tf.errors.OpError as exc:
             raise self.storage_fault(exc) from None
+        self._reader = worker_index != 0  # another process of the job writes the folder's own files
         if worker_index == 0:
             self._lease = Lease.take(self.path, spec.name, spec.storage.timeout_s)
         try:
@@ -339,7 +339,7 @@ class RunFolder:
                 f"{self._lease.where} was taken over by another run: this run stopped without saving, so as "
                 "not to overwrite that run's checkpoints"
             )
-        if self._pin_written:
+        if self._pin_written or self._reader:
             return
         if self._pin is None and self._spec is not None:  # check_checkpoints not called: the data is not known
             self._pin = {**self._spec.to_dict(), "pinned": pinned(self._spec, None)}
@@ -389,17 +389,12 @@ class RunFolder:
             return
         self.write_json("summary.json", summary)
 
-    def checkpoint_manager(
-        self, checkpoint: tf.train.Checkpoint, keep: int, worker_index: int = 0
-    ) -> tf.train.CheckpointManager:
-        """Multi-worker saves are collective: every worker saves, only the chief (worker 0) into the run folder."""
-        if worker_index:
-            directory = self._worker_scratch(worker_index, "checkpoints")
-            return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=keep, checkpoint_name="ckpt")
+    def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, keep: int) -> tf.train.CheckpointManager:
+        """TensorFlow's checkpoints of the job (one process: several run under JAX, with Orbax's)."""
         return _Checkpoints(self, checkpoint, self.checkpoints, max_to_keep=keep, checkpoint_name="ckpt")
 
     def latest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint (every worker restores from the chief's), of this process's backend."""
+        """The newest complete checkpoint (every process of a job restores the same), of this process's backend."""
         if backend.active().name == "jax":
             return orbax_store.latest_in(self.checkpoints) if tf.io.gfile.isdir(self.checkpoints) else None
         return tf.train.latest_checkpoint(self.checkpoints)
@@ -409,11 +404,8 @@ class RunFolder:
 
     def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:
         """Writes model.keras whole-or-nothing, then saved_model/ (runner/rundir/serving.py: `examples_to_inputs`
-        gives it the `serve_examples` endpoint); other workers take part in the save into scratch space."""
-        if worker_index:
-            scratch = self._worker_scratch(worker_index, "model.keras")
-            model.save(scratch)
-            tf.io.gfile.remove(scratch)
+        gives it the `serve_examples` endpoint); by process 0 alone."""
+        if worker_index:  # process 0 of a job of several writes it; the variables are the same on every process
             return None
         if self._lease is not None and self._lease.lost:
             raise StorageError(f"{self._lease.where} was taken over by another run: model.keras not written")
@@ -425,12 +417,6 @@ class RunFolder:
         # interrupted export never leaves a run without its .keras file).
         serving.export(model, self.file("saved_model"), examples_to_inputs)
         return path
-
-    def _worker_scratch(self, worker_index: int, name: str) -> str:
-        folder = posixpath.join(tempfile.gettempdir(), f"runner-{posixpath.basename(self.path)}-worker{worker_index}")
-        tf.io.gfile.makedirs(folder)
-        return posixpath.join(folder, name)
-
 
 def _step_of(checkpoint: str) -> int | None:
     match = re.search(r"ckpt-(\d+)$", checkpoint)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import posixpath
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -235,8 +236,21 @@ def build_compiled(
 
 
 def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
-    """Restores a TensorFlow checkpoint (weights, optimizer slots, step); returns the step it was saved at."""
-    return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
+    """Restores a TensorFlow checkpoint (weights, optimizer slots, step); returns the step it was saved at. A
+    model whose variables no longer have the checkpoint's shapes (an edited model) is refused (SpecError)."""
+    try:
+        return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
+    except ValueError as exc:
+        found = re.search(r"incompatible tensor with shape (\(.*?\)) when attempting to restore variable with "
+                          r"shape (\(.*?\)) and name (\S+?)\.?$", " ".join(str(exc).split()))
+        if found is None:
+            raise
+        saved, now, name = found.groups()
+        raise SpecError(
+            f"the model changed since {path} was saved: variable {name.removesuffix(':0')} is {now} in the "
+            f"model and {saved} in the checkpoint. Start the job over with `runner run --fresh` (the run folder is "
+            "moved aside, not deleted), or give the changed model a new job name (`--set name=...`)"
+        ) from None
 
 
 def keeping_rate(optimizer: Any, restore: Callable[[], Any]) -> int:
