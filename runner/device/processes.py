@@ -277,6 +277,20 @@ def gather(key: str, mine: dict, timeout_s: float) -> list[dict | None] | None:
     return found
 
 
+def finished(key: str, timeout_s: float) -> None:
+    """Process 0 says it is done (its summary and exports written); the others wait for that, at most timeout_s
+    (JAX's heartbeat still ends them sooner if process 0 is gone)."""
+    if not _joined.several:
+        return
+    if _joined.chief:
+        tell(key, "done")
+        return
+    try:
+        _client().blocking_key_value_get(f"runner/{key}", int(timeout_s * 1000))
+    except Exception as exc:  # noqa: BLE001 - process 0 is gone or late: this one ends anyway
+        log.warning("process 0 did not say it finished within %g s: %s", timeout_s, " ".join(str(exc).split())[:200])
+
+
 def _client():
     # The coordination service's client that jax.distributed.initialize connected: its key-value store and
     # barriers need no device and no compiled program (jax.experimental.multihost_utils's do).

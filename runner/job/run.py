@@ -207,9 +207,12 @@ class _Job:
                 flops_per_example, method, summary["timing"]["examples_per_sec"],
                 self.attempt.accelerator.replicas, value, source,
             )
-        if processes.joined().several:
+        several = processes.joined().several
+        if several:
             _per_process(summary, status, self.attempt.number)
         self.attempt.finish(summary)
+        if several:  # every process ends once process 0 has written (JAX's exit barrier waits only minutes)
+            processes.finished(f"finished/{self.attempt.number}", 60.0 if status == "failed" else 3600.0)
         return summary
 
 

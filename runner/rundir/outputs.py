@@ -64,6 +64,7 @@ import logging
 import math
 import posixpath
 import re
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -404,8 +405,13 @@ class RunFolder:
 
     def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:
         """Writes model.keras whole-or-nothing, then saved_model/ (runner/rundir/serving.py: `examples_to_inputs`
-        gives it the `serve_examples` endpoint); by process 0 alone."""
-        if worker_index:  # process 0 of a job of several writes it; the variables are the same on every process
+        gives it the `serve_examples` endpoint); by process 0 alone, the others taking part in the reads."""
+        if worker_index:
+            # Process 0 writes it. Reading a variable replicated over several processes' devices is a collective
+            # under JAX: every process reads them as process 0 does, into a scratch file, or process 0 waits forever.
+            scratch = posixpath.join(tempfile.mkdtemp(prefix=f"runner-process{worker_index}-"), "model.keras")
+            model.save(scratch)
+            tf.io.gfile.rmtree(posixpath.dirname(scratch))
             return None
         if self._lease is not None and self._lease.lost:
             raise StorageError(f"{self._lease.where} was taken over by another run: model.keras not written")
