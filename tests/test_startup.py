@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cloud import submit, tpu_api
+from runner.cloud import request, submit, tpu_api
 from tests.conftest import cli_env, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, invoke
 from tests.support.metadata_fake import MetadataFake
@@ -68,7 +68,7 @@ class Vm:
         env = vm_env(self.folder / f"vm{self.boots}", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint,
                      job=job, gcs_dir=self.gcs, credential_helper=credential_helper, logging_endpoint=logging_endpoint,
                      RUNNER_METADATA_TRIES="3", RUNNER_UPLOAD_EVERY_S="1", **extra)
-        script = submit.startup_script(sub)
+        script = request.startup_script(sub)
         if background:
             process = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True)
@@ -114,7 +114,7 @@ def test_first_run_pulls_checks_runs_records_and_worker_0_deletes_the_queued_res
     assert "-e RUNNER_TPU_RUNTIME_VERSION=v2-alpha-tpuv5-lite" in job, "the summary records the VM's runtime"
     assert f"--name runner-mnist-cnn-{sub.submission_id}-w0" in job
     assert job.endswith(f"{IMAGE} run /job/spec.yaml --set train.max_duration=86400 --set train.stall_timeout=1800")
-    assert "rm -f /tmp/libtpu_lockfile" not in submit.startup_script(sub)
+    assert "rm -f /tmp/libtpu_lockfile" not in request.startup_script(sub)
 
     started, ended = vm.record(sub, "worker-0.started.json"), vm.record(sub, "worker-0.exit.json")
     assert started["submission"] == ended["submission"] == sub.submission_id

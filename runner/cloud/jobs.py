@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from runner import RunnerError, SpecError
-from runner.cloud import durations, record, submit, tpu_api, tpu_types, usage
+from runner.cloud import durations, record, request, submit, tpu_api, tpu_types, usage
 from runner.data import storage
 from runner.spec.types import JobSpec
 
@@ -47,7 +47,7 @@ def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str
             # a runtime version no source names for JAX on this type; the user allowed it (--allow-unverified)
             "unverified": sub.unverified,
             "allow_unverified": sub.allow_unverified,
-            "spec_yaml": submit.spec_yaml(sub.spec),
+            "spec_yaml": request.spec_yaml(sub.spec),
         },
         "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
         "restarts": [],
@@ -75,7 +75,7 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
     """A job record rebuilt from a queued resource's own request (when job.json could not be written)."""
     node_spec = resource.tpu.node_spec[0]
     node = node_spec.node
-    settings = submit.settings_of(node.metadata.get("startup-script", ""))
+    settings = request.settings_of(node.metadata.get("startup-script", ""))
     if "RUNNER_RUN_DIR" not in settings:
         raise SpecError(
             f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)"

@@ -20,7 +20,8 @@ out and Vertex's 7 days apply. Whether Vertex restarts a worker that exits 124 i
 The machine types are Vertex AI's for training on TPU VMs, read from the TPU table (runner/device/tpus.json:
 https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
 `cloud-tpu` machine with 8 TPU cores). A generation the table gives no Vertex machine (v6e, v5p, v4, TPU7x)
-is refused with the table's reason. The container runs
+is refused with the table's reason, and so is every multi-host slice: no Vertex AI page read here documents a TPU
+slice of more than one VM for a custom container (the table's source `vertex-no-multi-host`). The container runs
 as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and Vertex's
 ContainerSpec has no user setting. None of this has run on Vertex from this project.
 """
@@ -54,6 +55,10 @@ class VertexApiError(AcceleratorError):
 
 
 def machine_spec(sub: Submission) -> dict[str, Any]:
+    if not sub.tpu.single_host:
+        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: a slice of {sub.tpu.hosts} hosts, which Vertex AI "
+                        f"does not document for a custom container ({tpus.source('vertex-no-multi-host')}); run it "
+                        f"with --on tpu-vm, skypilot or gke ({tpu_types.DOCS})")
     try:
         tpu_types.refuse_on(sub.tpu, "vertex")
     except SpecError as error:
