@@ -37,7 +37,8 @@ FAKE_BOOT/console.log. Deleting or failing the queued resource kills those proce
 Control endpoints for the tests:
     GET  /_fake/requests            every API request so far: method, path, query, body (parsed JSON)
     POST /_fake/state               {"name": ID, "state": "ACTIVE", "node_state": "READY"} moves a resource on
-    POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N}}
+    POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N,
+                                    "worker_env": [{...}, ...]}}: worker_env[i] adds to worker i's environment
     POST /_fake/preempt             {"name": ID, "grace_s": 20}
     POST /_fake/fail                {"count": N}: the next N TPU API requests answer 503 UNAVAILABLE (which gcloud
                                     retries for about 30 s); {"count": N, "status": 403}: 403 PERMISSION_DENIED
@@ -329,8 +330,10 @@ class Fake(Recorder):
         for worker in range(int(self.boot.get("workers", 1))):
             worker_folder = folder / f"w{worker}"
             worker_folder.mkdir(parents=True, exist_ok=True)
+            own = self.boot.get("worker_env") or []
             env = {
                 **self.boot.get("env", {}),
+                **(own[worker] if worker < len(own) else {}),  # a slice's worker: its metadata server, its state
                 "FAKE_BOOT": str(worker_folder),
                 "FAKE_NODE": node_name,
                 "FAKE_WORKER": str(worker),
