@@ -22,9 +22,8 @@ https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8
 `cloud-tpu` machine with 8 TPU cores). A generation the table gives no Vertex machine (v6e, v5p, v4, TPU7x)
 is refused with the table's reason, and so is every multi-host slice: no Vertex AI page read here documents a TPU
 slice of more than one VM for a custom container (the v5e row's `vertex.multi_host`, with its source). The
-container runs
-as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and Vertex's
-ContainerSpec has no user setting. None of this has run on Vertex from this project.
+container runs as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and
+Vertex's ContainerSpec has no user setting. None of this has run on Vertex from this project.
 """
 
 from __future__ import annotations
