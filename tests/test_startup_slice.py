@@ -146,6 +146,9 @@ def test_both_workers_run_the_job_and_worker_0_deletes_the_slice_once_it_succeed
     assert (one["exit_code"], one["worker"]) == (0, 1) and one["delete"].startswith("left to worker 0")
     assert "worker 1: waiting for worker 0 to delete queued resource mnist-cnn" in slice_vms.log(1)
     assert "worker 0 of 2: job mnist-cnn" in slice_vms.log(0)
+    doctors = [[c for c in calls(env) if c.startswith("docker run") and " doctor " in c] for env in slice_vms.envs]
+    assert doctors[0][-1].endswith("doctor --json --save /job/spec.yaml"), "worker 0's report goes to the run folder"
+    assert doctors[1][-1].endswith("doctor --json /job/spec.yaml"), "worker 1's to its log only"
 
 
 def test_a_failed_job_still_frees_the_slice_once(slice_vms):

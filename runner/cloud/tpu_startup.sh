@@ -295,6 +295,8 @@ cloud_logging=(--log-driver=gcplogs --log-opt gcp-log-cmd=false --log-opt labels
 labels=(--label "runner-job=$RUNNER_NAME" --label "runner-submission=$RUNNER_SUBMISSION")
 doctor=(--rm --net=host --privileged --user 0:0 "${tpu_env[@]}" -v "$workdir:/job:ro")
 doctor_args=(doctor --json --save /job/spec.yaml)
+# One report in the run folder: worker 0's; another worker's goes to its own log.
+[ "$worker" = 0 ] || doctor_args=(doctor --json /job/spec.yaml)
 # The doctor's report is kept beside the summary; the job runs either way (a failing check names the cause
 # in the log before the job meets it). It also tries Cloud Logging: docker refuses to start a container
 # (exit 125) when its log driver cannot reach Cloud Logging, and then the job logs to the bucket only.
