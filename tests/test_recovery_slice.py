@@ -123,7 +123,10 @@ def test_when_worker_0_is_lost_the_watcher_reads_worker_1s_exit_and_restarts_the
     assert len(slice_world.creates()) == 2
     first = final["submissions"][0]
     ended = json.loads(slice_world.gcs.read(slice_world.bucket, f"runs/mnist_cnn/logs/{first}/worker-1.exit.json"))
-    assert (ended["exit_code"], ended["delete"]) == (3, "requested"), "worker 1 deleted the first slice"
+    assert ended["exit_code"] == 3
+    # Its log goes to the bucket before the delete, which ends its VM (the exit record may stay "pending").
+    log = slice_world.gcs.read(slice_world.bucket, f"runs/mnist_cnn/logs/{first}/worker-1.log").decode()
+    assert "worker 0 is lost (its heartbeat has not changed for" in log and "worker 1 deletes queued resource" in log
 
 
 def _kill_session(pid: int) -> None:
