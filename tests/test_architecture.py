@@ -51,7 +51,7 @@ TENSORFLOW_FREE_AREAS = ("root", "models", "spec", "cli", "compare")
 TENSORFLOW_FREE_MODULES = (
     "runner.data.storage", "runner.device.host", "runner.device.tpu_env", "runner.device.tpus", "runner.device.flavour",
     "runner.device.backend",
-    "runner.rundir.timing", "runner.cloud.submit", "runner.cloud.logs", "runner.cloud.pricing",
+    "runner.rundir.timing", "runner.cloud.submit", "runner.cloud.request", "runner.cloud.logs", "runner.cloud.pricing",
     "runner.cloud.jobs", "runner.doctor", "runner.doctor.checks", "runner.doctor.report",
     "runner.train.preemption", "runner.job.startup",
 )

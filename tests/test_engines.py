@@ -54,10 +54,10 @@ def test_the_container_command_hands_runner_the_same_spec(cloud_spec, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["skypilot", "gke", "vertex"])
-def test_every_engine_refuses_a_multi_host_slice_in_the_tpu_vms_words(cloud_spec, target):
+def test_every_engine_refuses_a_slice_the_table_gives_no_hosts_for_in_the_tpu_vms_words(cloud_spec, target):
     with pytest.raises(SpecError) as refused:
-        tpu_types.refuse_multi_host("v5litepod-16")
-    result = submit(cloud_spec, "--on", target, "--dry-run", tpu_type="v5litepod-16")
+        tpu_types.refuse_unknown_slice("v5litepod-64")
+    result = submit(cloud_spec, "--on", target, "--dry-run", tpu_type="v5litepod-64")
     assert result.returncode == 2, result.stderr
     assert str(refused.value) in " ".join(result.stderr.split()).replace("error: cannot submit: ", "")
     assert result.stdout == ""
@@ -107,6 +107,38 @@ def test_skypilot_task_is_read_by_skypilots_own_loader(cloud_spec):
     assert load_spec_b64(task.envs["RUNNER_SPEC_B64"], cloud_spec.parent) == load_spec(
         cloud_spec, ["accelerator.kind=tpu"])
     assert task.run.strip() == engines.command(submission(cloud_spec))
+
+
+def test_a_skypilot_slice_is_one_node_whose_every_host_runs_the_job_in_skypilots_own_code(cloud_spec):
+    """SkyPilot runs `run` on every host of a TPU VM pod (a TPU type not ending in -8: gcp_utils.is_tpu_vm_pod;
+    cloud_vm_ray_backend multiplies num_nodes by the pod's hosts), so a slice is one node, not one per host."""
+    sky = pytest.importorskip("sky")
+    from sky.clouds.utils import gcp_utils
+
+    result = submit(cloud_spec, "--on", "skypilot", "--dry-run", "--zone", "us-central1-b", tpu_type="v6e-16")
+    assert result.returncode == 0, result.stderr
+    doc = yaml.safe_load(result.stdout)
+    assert doc["num_nodes"] == 1
+    assert "The slice's 4 hosts are one SkyPilot node (num_nodes: 1)" in result.stdout
+    task = sky.Task.from_yaml_config(json.loads(json.dumps(doc)))
+    (resources,) = task.resources
+    assert task.num_nodes == 1 and resources.accelerators == {"tpu-v6e-16": 1}
+    assert gcp_utils.is_tpu_vm_pod(resources), "SkyPilot runs the task on each of the pod's hosts"
+    assert resources.accelerator_args["runtime_version"] == "v2-alpha-tpuv6e"
+    # JAX finds the slice from the TPU VM's metadata: no KERAS_DISTRIBUTION_* in the task.
+    assert not [key for key in task.envs if key.startswith("KERAS_DISTRIBUTION")]
+    assert "workers: 4 hosts of 4 chips: SkyPilot runs the task on each of the slice's 4 hosts" in result.stderr
+    assert "price: v6e-16 = 16 chips x $2.7 per chip-hour" in result.stderr
+
+
+def test_vertex_refuses_a_multi_host_slice_with_the_source_that_documents_none(cloud_spec):
+    result = submit(cloud_spec, "--on", "vertex", "--dry-run", tpu_type="v5litepod-16")
+    assert result.returncode == 2
+    said = " ".join(result.stderr.split())
+    assert ("--on vertex --tpu-type v5litepod-16: a slice of 4 hosts: Vertex AI documents no TPU slice of more than "
+            "one VM for a custom container") in said
+    assert "https://cloud.google.com/vertex-ai/docs/training/training-with-tpu-vm" in said
+    assert "run it with --on tpu-vm, skypilot or gke" in said and result.stdout == ""
 
 
 def test_skypilot_launch_without_skypilot_says_how_to_install_it(cloud_spec, tmp_path):

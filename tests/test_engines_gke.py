@@ -25,6 +25,7 @@ import yaml
 
 from runner.cloud import engines
 from runner.cloud.engines import gke
+from runner.device import tpus
 from tests.conftest import REPO, cli_env, last_json
 from tests.support.engine_fake import start_engine_fake
 from tests.support.engines import IMAGE, missing, submission, submit
@@ -334,7 +335,7 @@ def their_job_spec(jobset: dict[str, Any]) -> dict[str, Any]:
     return replicated["template"]["spec"]
 
 
-def test_single_host_table_agrees_with_xpks_catalog(tmp_path):
+def test_the_gke_host_table_agrees_with_xpks_catalog(tmp_path):
     needs_xpk()
     code = ("import json; from xpk.core.system_characteristics import UserFacingNameToSystemCharacteristics as U; "
             "print(json.dumps({k: [s.gke_accelerator, s.topology, s.chips_per_vm, s.vms_per_slice] "
@@ -343,14 +344,15 @@ def test_single_host_table_agrees_with_xpks_catalog(tmp_path):
     assert done.returncode == 0, done.stderr
     catalog = json.loads(done.stdout)
     for name, host in gke.HOSTS.items():
+        hosts = tpus.parse_tpu_type(name).hosts
         if host.xpk_hosts == 0:
             assert name not in catalog
-        elif host.xpk_hosts == 1:
-            assert catalog[name] == [host.accelerator, host.topology, host.chips, 1], name
+        elif host.xpk_hosts == hosts:  # xpk runs it as the runner does: one host, or the slice's hosts
+            assert catalog[name] == [host.accelerator, host.topology, host.chips, hosts], name
         else:  # xpk runs the type on several smaller hosts of the same accelerator and topology
-            accelerator, topology, chips, hosts = catalog[name]
-            assert (accelerator, topology, chips * hosts, hosts) == (host.accelerator, host.topology, host.chips,
-                                                                     host.xpk_hosts), name
+            accelerator, topology, chips, xpk_hosts = catalog[name]
+            assert (accelerator, topology, chips * xpk_hosts, xpk_hosts) == (host.accelerator, host.topology,
+                                                                             host.chips, host.xpk_hosts), name
 
 
 def test_xpk_format_refuses_a_type_xpk_runs_on_two_hosts(cloud_spec):
@@ -488,3 +490,79 @@ def test_a_namespace_that_enforces_restricted_pod_security_is_refused(cloud_spec
         assert taken.returncode == 0, taken.stderr
         assert [r["path"] for r in cluster.requests() if r["method"] == "POST"] == [
             "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ml/jobsets"]
+
+
+# --- a multi-host slice: one pod per host ----------------------------------------------------------------
+
+
+def test_a_v6e_16_jobset_is_one_pod_per_host_with_the_slices_selector_and_dns_names(cloud_spec):
+    """Checked as the single-host JobSet is: JobSet's schema subset, Kubernetes's Job validation, JobSet's own
+    types; then its shape: parallelism = completions = 4 hosts, each pod on a 4x4 ct6e-standard-4t node asking
+    for its 4 chips, and the headless service (network.enableDNSHostnames) through which the hosts meet."""
+    jsonschema = pytest.importorskip("jsonschema")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    result = submit(cloud_spec, "--on", "gke", "--dry-run", "--zone", "us-central1-b", tpu_type="v6e-16")
+    assert result.returncode == 0, result.stderr
+    assert "workers: 4 hosts of 4 chips: the JobSet runs 4 pods, one per host" in result.stderr
+    assert "price: v6e-16 = 16 chips x $2.7 per chip-hour" in result.stderr
+    manifest = yaml.safe_load(result.stdout)
+    jsonschema.validate(manifest, jobset_schema())
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    job_spec = replicated["template"]["spec"]
+    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice-job"},
+                                  "spec": job_spec}, KUBERNETES, strict=True)
+    assert lost_on_read_back(manifest, jobset_types().from_dict(manifest).to_dict()) == []
+    assert (replicated["replicas"], job_spec["parallelism"], job_spec["completions"]) == (1, 4, 4)
+    assert manifest["spec"]["network"] == {"enableDNSHostnames": True}
+    pod = job_spec["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4",
+                                   gke.INSTANCE_TYPE: "ct6e-standard-4t"}
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+    assert pod["hostNetwork"] is True
+    # The longest pod name of the slice (pod index 3) is one the JobSet webhook takes.
+    longest = f"{'a' * gke.NAME_LIMIT}-{replicated['name']}-0-{job_spec['completions'] - 1}-abcde"
+    assert len(longest) <= 63 and DNS_1035_LABEL.fullmatch(longest)
+
+
+def test_the_v6e_16_jobset_has_the_shape_xpk_makes_for_the_same_slice(cloud_spec, tmp_path):
+    needs_xpk()
+    result = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "tpu-cluster", "--zone",
+                    "us-central1-b", tpu_type="v6e-16")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "xpk.yaml"
+    words = [*shlex.split(result.stdout.strip())[1:], "--dry-run", "--skip-validation", "--quiet",
+             "--output-manifest-file", str(out)]
+    made = subprocess.run([str(XPK.parent / "xpk"), *words], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, check=False,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TELEMETRY_ENABLED": "false"})
+    assert made.returncode == 0, made.stdout + made.stderr
+    theirs = yaml.safe_load(out.read_text())
+    ours = yaml.safe_load(submit(cloud_spec, "--on", "gke", "--dry-run", "--zone", "us-central1-b",
+                                 tpu_type="v6e-16").stdout)
+    our_spec, their_spec = their_job_spec(ours), their_job_spec(theirs)
+    for key in ("parallelism", "completions", "backoffLimit"):
+        assert our_spec[key] == their_spec[key], key
+    assert their_spec["parallelism"] == 4
+    our_pod, their_pod = our_spec["template"]["spec"], their_spec["template"]["spec"]
+    assert {k: v for k, v in our_pod["nodeSelector"].items() if k != gke.INSTANCE_TYPE} == \
+        {k: v for k, v in their_pod["nodeSelector"].items() if v is not None}
+    for key in ("restartPolicy", "hostNetwork", "dnsPolicy", "tolerations"):
+        assert our_pod[key] == their_pod[key], key
+    assert our_pod["containers"][0]["resources"]["limits"] == their_pod["containers"][0]["resources"]["limits"]
+    assert ours["metadata"]["annotations"] == theirs["metadata"]["annotations"]  # all pods on one node pool
+    # xpk leaves network out: JobSet's webhook makes it enableDNSHostnames: true, which ours says outright.
+    assert "network" not in theirs["spec"] and ours["spec"]["network"] == {"enableDNSHostnames": True}
+
+
+@pytest.mark.parametrize("tpu_type, hosts, topology", [("v5litepod-16", 4, "4x4"), ("v5litepod-32", 8, "4x8"),
+                                                       ("v6e-32", 8, "4x8"), ("v5p-16", 2, "2x2x2"),
+                                                       ("v5p-32", 4, "2x2x4")])
+def test_every_multi_host_type_has_one_pod_per_host_of_its_chips(cloud_spec, tpu_type, hosts, topology):
+    manifest = gke_manifest(cloud_spec, tpu_type=tpu_type)
+    job_spec = their_job_spec(manifest)
+    assert (job_spec["parallelism"], job_spec["completions"]) == (hosts, hosts)
+    pod = job_spec["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == topology
+    chips = pod["containers"][0]["resources"]["limits"]["google.com/tpu"]
+    assert chips * hosts == tpus.parse_tpu_type(tpu_type).chips

@@ -174,7 +174,7 @@ def test_a_cpu_spec_is_set_to_the_tpu_as_said(cloud_spec, tmp_path) -> None:
     ("v5e-8", r"the Cloud TPU API calls it (\S+)"),
     ("v5lp-8", r"did you mean (\S+)\?"),
     ("v5litepod-3", r"v5litepod comes in sizes (\d+),"),
-    ("v5litepod-16", r"Single-host types work: .*?\b(v5litepod-\d+)\b"),
+    ("v5litepod-64", r"Single-host types work: .*?\b(v5litepod-\d+)\b"),
     ("v4-16", r"Single-host types work: .*?\b(v4-\d+)\b"),
 ])
 def test_a_tpu_type_refused_takes_the_type_the_message_offers(typed, pattern, cloud_spec, tmp_path) -> None:
@@ -287,8 +287,8 @@ def test_a_choice_refused_takes_one_of_those_listed(args, pattern, cloud_spec, t
 
 
 @pytest.mark.parametrize("on, tpu_type, extra, pattern", [
-    ("gke", "v3-8", [], r"single-host types on GKE: ([\w-]+),"),
-    ("gke", "v5litepod-8", ["--format", "xpk", "--cluster", "c"], r"a type xpk runs on one host: ([\w-]+),"),
+    ("gke", "v3-8", [], r"types on GKE: ([\w-]+),"),
+    ("gke", "v5litepod-8", ["--format", "xpk", "--cluster", "c"], r"a type xpk runs as this runner does: ([\w-]+),"),
     ("vertex", "v6e-8", [], r"or pick one of ([\w-]+),"),
     ("vertex", "v5p-8", [], r"or pick one of ([\w-]+),"),
 ])

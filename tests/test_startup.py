@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cloud import submit, tpu_api
+from runner.cloud import request, submit, tpu_api
 from tests.conftest import cli_env, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, invoke
 from tests.support.metadata_fake import MetadataFake
@@ -47,13 +47,13 @@ class Vm:
         })
         self.boots = 0
 
-    def submission(self, **flags) -> submit.Submission:
+    def submission(self, tpu_type: str = "v5litepod-8", **flags) -> submit.Submission:
         """A new submission, created in the TPU API fake as `runner submit` creates it."""
         from google.api_core.client_options import ClientOptions
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import tpu_v2
 
-        sub = submit.prepare_submission(self.spec, tpu_type="v5litepod-8", zone=ZONE, image=IMAGE, project=PROJECT,
+        sub = submit.prepare_submission(self.spec, tpu_type=tpu_type, zone=ZONE, image=IMAGE, project=PROJECT,
                                         **flags)
         client = tpu_v2.TpuClient(credentials=AnonymousCredentials(), transport="rest",
                                   client_options=ClientOptions(api_endpoint=self.api.endpoint))
@@ -68,7 +68,7 @@ class Vm:
         env = vm_env(self.folder / f"vm{self.boots}", metadata_host=self.metadata.host, tpu_endpoint=self.api.endpoint,
                      job=job, gcs_dir=self.gcs, credential_helper=credential_helper, logging_endpoint=logging_endpoint,
                      RUNNER_METADATA_TRIES="3", RUNNER_UPLOAD_EVERY_S="1", **extra)
-        script = submit.startup_script(sub)
+        script = request.startup_script(sub)
         if background:
             process = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True)
@@ -114,7 +114,7 @@ def test_first_run_pulls_checks_runs_records_and_worker_0_deletes_the_queued_res
     assert "-e RUNNER_TPU_RUNTIME_VERSION=v2-alpha-tpuv5-lite" in job, "the summary records the VM's runtime"
     assert f"--name runner-mnist-cnn-{sub.submission_id}-w0" in job
     assert job.endswith(f"{IMAGE} run /job/spec.yaml --set train.max_duration=86400 --set train.stall_timeout=1800")
-    assert "rm -f /tmp/libtpu_lockfile" not in submit.startup_script(sub)
+    assert "rm -f /tmp/libtpu_lockfile" not in request.startup_script(sub)
 
     started, ended = vm.record(sub, "worker-0.started.json"), vm.record(sub, "worker-0.exit.json")
     assert started["submission"] == ended["submission"] == sub.submission_id
@@ -185,7 +185,7 @@ def test_a_reboot_does_not_run_a_submission_twice_but_still_frees_the_slice(vm):
 
 
 def test_a_worker_that_cannot_read_its_number_runs_as_worker_0_of_its_single_host_slice(vm):
-    sub = vm.submission()  # runner submit creates single-host slices only (RUNNER_HOSTS=1)
+    sub = vm.submission()  # a single-host type (RUNNER_HOSTS=1)
     vm.metadata.fail(503)
     _, env = vm.boot(sub)
     assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c], "the job runs"
@@ -292,17 +292,23 @@ def test_other_workers_and_kept_jobs_leave_the_queued_resource(vm):
     assert "keeping queued resource mnist-cnn (--keep)" in vm.log(kept)
 
 
-def test_a_multi_host_slice_runs_nothing_and_worker_0_frees_it(vm):
-    sub = vm.submission()
-    vm.metadata.set(agent_worker_number=1, worker_network_endpoints=",".join(f"u:u:10.0.0.{n}" for n in range(4)))
+def test_on_a_multi_host_slice_a_worker_without_its_number_runs_nothing_and_deletes_nothing(vm):
+    sub = vm.submission(tpu_type="v5p-16")  # two hosts: a worker that may not be worker 0 must not act as it
+    vm.metadata.fail(503)
     _, env = vm.boot(sub)
     assert not docker_runs(env) and vm.deletes() == []
-    vm.metadata.set(agent_worker_number=0)
+    record = vm.record(sub, "worker-unknown.exit.json")
+    assert (record["exit_code"], record["ran"], record["worker"]) == (3, False, "unknown")
+    assert record["delete"] == "not this worker: its number is unknown"
+    assert "on a slice of 2 hosts: ran nothing" in record["reason"]
+
+
+def test_a_slice_whose_metadata_lists_other_workers_than_the_table_says_so_and_runs(vm):
+    sub = vm.submission()  # v5litepod-8: one host in the TPU table
+    vm.metadata.set(worker_network_endpoints=",".join(f"u:u:10.0.0.{n}" for n in range(4)))
     _, env = vm.boot(sub)
-    assert not docker_runs(env)
-    record = vm.record(sub, "worker-0.exit.json")
-    assert ((record["exit_code"], record["ran"]) == (2, False)
-            and "multi-host slices are not supported" in record["reason"])
+    assert [c for c in docker_runs(env) if " run /job/spec.yaml" in c]
+    assert "the metadata server lists 4 workers in this slice, the submission expected 1" in vm.log(sub)
     assert len(vm.deletes()) == 1
 
 

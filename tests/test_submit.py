@@ -39,9 +39,10 @@ def api(tpu_fake, gcs, bucket, tmp_path: Path) -> Iterator[dict[str, str]]:
     yield cloud_env(tpu_fake.endpoint, tmp_path, **gcs.env)
 
 
-def submit(spec: Path, env: dict[str, str], *extra: str, where: bool = True) -> subprocess.CompletedProcess:
-    place = ("--zone", ZONE, "--project", PROJECT) if where else ()
-    return invoke("submit", spec, "--tpu-type", "v5litepod-8", *place, "--image", IMAGE, *extra, env=env)
+def submit(spec: Path, env: dict[str, str], *extra: str, where: bool = True, tpu_type: str = "v5litepod-8",
+           zone: str = ZONE) -> subprocess.CompletedProcess:
+    place = ("--zone", zone, "--project", PROJECT) if where else ()
+    return invoke("submit", spec, "--tpu-type", tpu_type, *place, "--image", IMAGE, *extra, env=env)
 
 
 def as_proto(body: dict[str, Any]):
@@ -180,8 +181,8 @@ def test_the_dry_run_sends_nothing_and_its_gcloud_script_sends_the_same_request(
     assert by_gcloud["body"].get("queueingPolicy") == by_runner["body"].get("queueingPolicy")
 
 
-def sent_by_gcloud_then_runner(script: str, api, tpu_fake, cloud_spec, tmp_path: Path,
-                               flags: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+def sent_by_gcloud_then_runner(script: str, api, tpu_fake, cloud_spec, tmp_path: Path, flags: tuple[str, ...],
+                               **where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The create request a gcloud script sends to the fake, then the one `runner submit FLAGS` sends (with the
     submission id gcloud's startup script carries, so that the two can be the same)."""
     launch = tmp_path / "launch.sh"
@@ -192,9 +193,45 @@ def sent_by_gcloud_then_runner(script: str, api, tpu_fake, cloud_spec, tmp_path:
 
     tpu_fake.reset()
     same_id = setting(the_script(by_gcloud["body"]), "RUNNER_SUBMISSION")
-    assert submit(cloud_spec, api, *flags, "--submission-id", same_id).returncode == 0
+    assert submit(cloud_spec, api, *flags, "--submission-id", same_id, **where).returncode == 0
     [by_runner] = creates(tpu_fake.requests())
     return by_gcloud, by_runner
+
+
+def test_a_v6e_16_dry_run_shows_the_request_gcloud_sends_the_price_of_16_chips_and_the_4_workers(
+        api, tpu_fake, cloud_spec, tmp_path):
+    """The multi-host slice of Done-when: its request is the same body as gcloud's for the same flags; one node of
+    type v6e-16 whose startup script runs on each of its 4 TPU VMs; the price is that of all 16 chips."""
+    assert GCLOUD, "gcloud is not installed on this machine"
+    where = {"tpu_type": "v6e-16", "zone": "us-central1-b"}
+    dry = submit(cloud_spec, api, "--spot", "--dry-run", **where)
+    assert dry.returncode == 0, dry.stderr
+    assert tpu_fake.requests() == []
+    said = " ".join(dry.stderr.split())
+    assert "price: v6e-16 = 16 chips x $0.54421 per chip-hour Spot in us-central1 = $8.71 per hour" in said
+    assert ("workers: 4 hosts of 4 chips: the startup script runs the container on each of the 4 TPU VMs (workers "
+            "0-3), one JAX process per host") in said
+    assert "worker 0 deletes the slice when its job ends, another worker if worker 0 is lost" in said
+    assert "runtime: v2-alpha-tpuv6e" in said
+
+    by_gcloud, by_runner = sent_by_gcloud_then_runner(dry.stdout, api, tpu_fake, cloud_spec, tmp_path, ("--spot",),
+                                                      **where)
+    assert as_proto(by_gcloud["body"]) == as_proto(by_runner["body"])
+    node = node_of(by_runner["body"])
+    assert (node["acceleratorType"], node["runtimeVersion"]) == ("v6e-16", "v2-alpha-tpuv6e")
+    assert setting(the_script(by_runner["body"]), "RUNNER_HOSTS") == "4"
+
+
+def test_a_multi_host_slice_refuses_a_local_run_folder_saying_its_hosts_share_no_disk(api, tmp_path):
+    spec = tmp_path / "local.yaml"
+    spec.write_text(yaml.safe_dump({"name": "mnist_cnn", "data": {"train": "gs://runner-test/data/train-*.tfrecord",
+                                                                  "eval": None}, "output": {"dir": "runs"}}))
+    refused = submit(spec, api, "--dry-run", tpu_type="v5p-16")
+    assert refused.returncode == 2
+    said = " ".join(refused.stderr.split())
+    assert (f"output.dir is '{tmp_path / 'runs'}': the 2 hosts of a multi-host slice share no disk: process 0 "
+            "writes the run folder, every host its own log and its part of each checkpoint, all in one place they "
+            "can all reach; write to a bucket, e.g. --set output.dir=gs://runner-test/runs") in said
 
 
 @pytest.mark.host

@@ -1,5 +1,6 @@
 """The TPU device API (runner/device/tpu_env.py): chosen per generation, set before TensorFlow loads, recorded in the
-summary, a crash of TPU initialisation reported by the doctor, and multi-host slices refused.
+summary, a crash of TPU initialisation reported by the doctor, and the multi-host slices the TPU table gives no
+hosts for refused.
 
 No TPU exists here. What is real: the processes (`runner run`, `runner doctor`, `runner submit`), the metadata
 server's protocol (tests/support/metadata_fake.py on 127.0.0.1), TensorFlow (the CPU wheel), and a process that
@@ -26,7 +27,7 @@ import jsonschema
 import pytest
 
 from runner import SpecError
-from runner.cloud.tpu_types import parse_tpu_type, refuse_multi_host, single_host_types
+from runner.cloud.tpu_types import multi_host_types, parse_tpu_type, refuse_unknown_slice, single_host_types
 from runner.device.tpu_env import MLIR_BRIDGE_FLAGS, choose_tpu_env
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
@@ -307,44 +308,48 @@ def test_the_real_tensorflow_tpu_under_pjrt_on_a_machine_without_a_tpu(tmp_path:
 
 
 SINGLE_HOST = ("v6e-1, v6e-4, v6e-8, v5litepod-1, v5litepod-4, v5litepod-8, v5p-8, v4-8, v3-8, v2-8")
+MULTI_HOST = "v6e-16, v6e-32, v5litepod-16, v5litepod-32, v5p-16, v5p-32"
 
 
-@pytest.mark.parametrize("tpu_type, chips, hosts, per_host", [
-    ("v5litepod-16", 16, 2, 8), ("v5litepod-256", 256, 32, 8), ("v6e-16", 16, 2, 8), ("v6e-256", 256, 32, 8),
-    ("v5p-16", 8, 2, 4), ("v5p-128", 64, 16, 4), ("v4-16", 8, 2, 4), ("v4-32", 16, 4, 4),
-    ("v3-32", 16, 4, 4), ("v2-32", 16, 4, 4), ("tpu7x-16", 8, 2, 4),
+@pytest.mark.parametrize("tpu_type, chips, hosts", [
+    ("v5litepod-64", 64, 16), ("v5litepod-256", 256, 64), ("v6e-64", 64, 16), ("v6e-256", 256, 64),
+    ("v5p-128", 64, 16), ("v4-16", 8, 2), ("v4-32", 16, 4), ("v3-32", 16, 4), ("v2-32", 16, 4), ("tpu7x-16", 8, 2),
 ])
-def test_every_multi_host_type_is_refused_with_what_works_and_why(tpu_type, chips, hosts, per_host) -> None:
+def test_a_multi_host_type_the_table_gives_no_hosts_for_is_refused_with_what_works(tpu_type, chips, hosts) -> None:
     with pytest.raises(SpecError) as refused:
-        refuse_multi_host(tpu_type)
+        refuse_unknown_slice(tpu_type)
     assert str(refused.value) == (
-        f"--tpu-type {tpu_type} is a multi-host slice ({chips} chips on {hosts} hosts of {per_host}), which this "
-        "runner does not support yet: every host must run the job as one JAX process group "
-        "(jax.distributed.initialize, started and restarted together), and the runner starts and checkpoints one "
-        f"process on one host. Single-host types work: {SINGLE_HOST}; tpu7x-8 with --on gke (see docs/tpu.md)"
+        f"--tpu-type {tpu_type} is a multi-host slice ({chips} chips on {hosts} hosts) that this runner's TPU table "
+        "gives no hosts for: every host runs the job as one JAX process (jax.distributed.initialize), so the startup "
+        f"script must know how many there are. Multi-host types work: {MULTI_HOST}. Single-host types work: "
+        f"{SINGLE_HOST}; tpu7x-8 with --on gke (see docs/tpu.md)"
     )
     assert refused.value.exit_code == 2
 
 
-def test_the_single_host_types_pass_and_are_the_ones_listed() -> None:
+def test_the_single_and_multi_host_types_pass_and_are_the_ones_listed() -> None:
     assert ", ".join(single_host_types()) == f"{SINGLE_HOST}, tpu7x-8"
+    assert ", ".join(multi_host_types()) == MULTI_HOST
     for name in single_host_types():
-        refuse_multi_host(name)
+        refuse_unknown_slice(name)
         assert parse_tpu_type(name).hosts == 1
+    for name in multi_host_types():
+        refuse_unknown_slice(name)
+        assert parse_tpu_type(name).hosts > 1
 
 
-def test_submit_refuses_a_multi_host_type_before_any_call(tmp_path: Path) -> None:
+def test_submit_refuses_a_multi_host_type_without_hosts_before_any_call(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, {
         "name": "pod", "accelerator": {"kind": "tpu"},
         "data": {"train": "gs://bucket/mnist/train-*.tfrecord", "eval": None, "global_batch_size": 128},
         "output": {"dir": "gs://bucket/runs"},
     })
     endpoint = f"http://127.0.0.1:{closed_port()}/"  # a request sent anyway would fail with exit 3, not 2
-    result = invoke("submit", spec, "--tpu-type", "v5litepod-16", "--zone", "us-central1-a", "--project", "p",
+    result = invoke("submit", spec, "--tpu-type", "v5litepod-64", "--zone", "us-central1-a", "--project", "p",
                     "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu",
                     env=cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=endpoint, CLOUDSDK_AUTH_ACCESS_TOKEN="fake"))
     assert result.returncode == 2, result.stderr
-    assert "--tpu-type v5litepod-16 is a multi-host slice (16 chips on 2 hosts of 8)" in result.stderr
+    assert "--tpu-type v5litepod-64 is a multi-host slice (64 chips on 16 hosts)" in result.stderr
     assert "Single-host types work: v6e-1, v6e-4, v6e-8, v5litepod-1" in result.stderr
     help_text = invoke("submit", "--help").stdout
     assert "TPU_NAME=local" not in help_text

@@ -69,6 +69,19 @@ def test_the_jax_runtimes_are_the_ones_googles_runtimes_page_names() -> None:
     assert "TensorFlow is not supported on TPU7x" in GENERATIONS["tpu7x"].runtime("tensorflow")[1]
 
 
+@pytest.mark.parametrize("tpu_type, hosts, chips", [("v6e-16", 4, 16), ("v6e-32", 8, 32), ("v5litepod-16", 4, 16),
+                                                    ("v5litepod-32", 8, 32), ("v5p-16", 2, 8), ("v5p-32", 4, 16)])
+def test_the_multi_host_slices_have_the_hosts_googles_tables_give(tpu_type, hosts, chips) -> None:
+    """One TPU VM (a JAX process) per 4 chips: Google's v6e table (4x4: 4 VMs), its v5e page (VMs of 1, 4 or 8
+    chips), its v5p page (4 chips per host); GKE's pods ask for the same chips each."""
+    tpu = tpus.parse_tpu_type(tpu_type)
+    assert (tpu.hosts, tpu.chips) == (hosts, chips)
+    assert tpu.facts.multi_host_source and "xpk" in tpu.facts.multi_host_source
+    host = gke.HOSTS[tpu_type]
+    assert host.chips * tpu.hosts == tpu.chips and host.xpk_hosts == tpu.hosts
+    assert host.source == tpu.facts.multi_host_source
+
+
 def test_the_zone_table_says_its_source_and_the_date_it_was_read() -> None:
     assert TABLE["zones_read"] == "2026-11-27"
     assert "us-central1-a" in GENERATIONS["v5p"].zones and "us-west1-c" not in GENERATIONS["v5p"].zones
@@ -177,6 +190,8 @@ def test_docs_tpu_md_shows_the_tables_runtimes_peaks_and_zones_source() -> None:
         version = generation.runtime("jax")[0]
         assert (f"`{version}`" if version else "none: no Cloud TPU API") in row, row
         assert ", ".join(generation.single_host_types()) in row, row
+        multi = [f"{name} ({tpus.parse_tpu_type(name).hosts})" for name in generation.multi_host_types()]
+        assert f"| {', '.join(multi) or 'none'} |" in row, row
         peak = generation.peak
         assert (f"{peak[0]} ({peak[1]})" if peak else "none in the table") in row, row
         assert ("no list price" in row) == bool(generation.no_price), row

@@ -122,8 +122,9 @@ def _opt(help_text: str, *names: str, panel: str | None = None, **extra):
 
 
 Spec = Annotated[Path, typer.Argument(help="Job spec (YAML); data and output.dir must be gs:// paths.")]
-TpuType = Annotated[str, _opt("Accelerator type of one host, e.g. v5litepod-8, v6e-8, v5p-8, v4-8; tpu7x-8 with "
-                              "--on gke (multi-host slices are refused: docs/tpu.md).", "--tpu-type")]
+TpuType = Annotated[str, _opt("Accelerator type, e.g. v5litepod-8, v6e-8, v5p-8, v4-8; the multi-host slices "
+                              "v6e-16/32, v5litepod-16/32, v5p-16/32 (one process per host); tpu7x-8 with --on gke "
+                              "(docs/tpu.md).", "--tpu-type")]
 Image = Annotated[str | None, _opt("The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu.",
                                    envvar="RUNNER_IMAGE")]
 Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher restarts it).", "--spot")]
@@ -187,8 +188,9 @@ def submit(
     epochs should cost; the zone must offer the TPU type (docs/tpu.md has the table). Then it
     checks the cloud as `runner doctor --cloud` does (--no-preflight skips it; a dry run skips it unless
     --preflight), and a failed check stops it (exit 3) before anything is created. The job
-    runs in `docker run --net=host --privileged IMAGE run SPEC` for at most --max-run-duration; `runner logs
-    NAME --follow` shows it; when it ends, worker 0 deletes the queued resource unless --keep. With --watch
+    runs in `docker run --net=host --privileged IMAGE run SPEC` on every host of the slice for at most
+    --max-run-duration; `runner logs NAME --follow [--worker N]` shows it; when it ends, worker 0 deletes the
+    queued resource (another worker if worker 0 is lost) unless --keep. With --watch
     (or `runner watch NAME`) a preempted job is created again, up to --max-restarts times. Prints one JSON
     line (--watch: the final summary). Exit 2 on a bad flag or spec (before any call), 3 when a preflight
     check fails or the Cloud TPU API cannot be reached or refuses; with --watch, the job's.
@@ -197,6 +199,7 @@ def submit(
 
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --zone us-central1-a --image IMAGE --dry-run`
     * `runner submit jobs/mnist_cnn.yaml --tpu-type v5litepod-8 --spot --watch --max-run-duration 6h --image IMAGE`
+    * `runner submit jobs/mnist_cnn.yaml --tpu-type v6e-16 --zone us-central1-b --image IMAGE --dry-run`
     """
     from runner import RunnerError
     from runner.cli.common import fail

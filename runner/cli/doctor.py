@@ -32,7 +32,7 @@ def _table(report) -> str:
 
 def cloud_clients():
     """The clients `runner submit` uses, for the doctor's cloud checks (the two do not import each other)."""
-    from runner.cloud import gcloud_config, submit, tpu_api
+    from runner.cloud import gcloud_config, request, tpu_api
     from runner.doctor.cloud import CloudClients
 
     def vertex_client(region: str):
@@ -41,7 +41,7 @@ def cloud_clients():
         return vertex.make_client(region)
 
     return CloudClients(tpu=tpu_api.make_client, vertex=vertex_client, default_project=gcloud_config.default_project,
-                        scope=submit.SCOPE)
+                        scope=request.SCOPE)
 
 
 def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):

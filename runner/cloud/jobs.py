@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from runner import RunnerError, SpecError
-from runner.cloud import durations, record, submit, tpu_api, tpu_types, usage
+from runner.cloud import durations, record, request, submit, tpu_api, tpu_types, usage
 from runner.data import storage
 from runner.spec.types import JobSpec
 
@@ -47,7 +47,7 @@ def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str
             # a runtime version no source names for JAX on this type; the user allowed it (--allow-unverified)
             "unverified": sub.unverified,
             "allow_unverified": sub.allow_unverified,
-            "spec_yaml": submit.spec_yaml(sub.spec),
+            "spec_yaml": request.spec_yaml(sub.spec),
         },
         "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
         "restarts": [],
@@ -75,7 +75,7 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
     """A job record rebuilt from a queued resource's own request (when job.json could not be written)."""
     node_spec = resource.tpu.node_spec[0]
     node = node_spec.node
-    settings = submit.settings_of(node.metadata.get("startup-script", ""))
+    settings = request.settings_of(node.metadata.get("startup-script", ""))
     if "RUNNER_RUN_DIR" not in settings:
         raise SpecError(
             f"queued resource {node_spec.node_id!r} was not created by runner submit (no RUNNER_* settings)"
@@ -285,14 +285,16 @@ def status(name: str, project: str | None, zone: str | None, client=None) -> dic
 
 
 def _delete_failed(job: dict[str, Any], seen: dict[str, Any] | None) -> str | None:
-    """What to say when worker 0 gave up deleting the slice (its exit record says so) and it still exists."""
+    """What to say when the worker that deleted the slice gave up (its exit record says so) and it still exists."""
     if seen is None:
         return None  # gone: nothing bills
-    try:
-        ended = record.exit_record(job["run_dir"], record.current_submission(job), 0)
+    current = record.current_submission(job)
+    try:  # on a multi-host slice the worker that tried may not be worker 0
+        tried = [record.exit_record(job["run_dir"], current, w) for w in range(_hosts(job))]
     except RunnerError:
         return None
-    if not ended or not str(ended.get("delete", "")).startswith("failed"):
+    ended = next((r for r in tried if r and str(r.get("delete", "")).startswith("failed")), None)
+    if not ended:
         return None
     return (
         f"delete failed: still billing, run `runner cancel {job['name']}` (the VM tried "
@@ -308,10 +310,14 @@ def _ended_state(job: dict[str, Any]) -> str:
     try:
         if record.read_text(record.cancelled_path(job["run_dir"], current)) is not None:
             return "cancelled"
-        ended = record.exit_record(job["run_dir"], current, 0) or record.exit_record(job["run_dir"], current, "unknown")
+        ended = record.slice_exit_record(job["run_dir"], current, _hosts(job), settled=True)
     except RunnerError:
         return "gone"
     return f"exited {ended['exit_code']}" if ended else "gone"
+
+
+def _hosts(job: dict[str, Any]) -> int:
+    return tpu_types.parse_tpu_type(job["request"]["tpu_type"]).hosts
 
 
 def cancel(name: str, project: str | None, zone: str | None, client=None) -> dict[str, Any]:

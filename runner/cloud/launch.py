@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import RunnerError
-from runner.cloud import engines, gcloud_config, jobs, pricing, record, submit, tpu_api, tpu_types
+from runner.cloud import engines, gcloud_config, jobs, pricing, record, request, submit, tpu_api, tpu_types
 from runner.cloud.durations import LIMIT_GRACE_S
 
 
@@ -105,6 +105,25 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
     if estimate:
         lines.append(estimate)
     return lines
+
+
+def workers_line(sub: submit.Submission, on: str) -> str | None:
+    """What starts the job on a multi-host slice's hosts (one process each; process 0 writes the run folder);
+    None for one host."""
+    hosts = sub.tpu.hosts
+    if hosts == 1:
+        return None
+    each = {
+        "tpu-vm": f"the startup script runs the container on each of the {hosts} TPU VMs (workers 0-{hosts - 1})",
+        "skypilot": f"SkyPilot runs the task on each of the slice's {hosts} hosts (one node, num_nodes: 1)",
+        "gke": f"the JobSet runs {hosts} pods, one per host (parallelism = completions = {hosts})",
+    }[on]
+    line = (f"workers: {hosts} hosts of {sub.tpu.chips // hosts} chips: {each}, one JAX process per host, which "
+            "finds the slice itself (jax.distributed.initialize); process 0 writes the run folder, every host its "
+            "own log")
+    if on == "tpu-vm":
+        line += "; worker 0 deletes the slice when its job ends, another worker if worker 0 is lost"
+    return line
 
 
 def runtime_line(sub: submit.Submission) -> str:
@@ -193,18 +212,22 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     unverified = unverified_line(sub, dry_run)
     if on != "tpu-vm":
         vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
-        for line in [*vm_runtime, *price_lines(sub)[:1], *([unverified] if unverified else [])]:
+        workers = workers_line(sub, on) if on != "vertex" else None  # Vertex AI refuses a multi-host slice
+        for line in [*vm_runtime, *price_lines(sub)[:1], *([workers] if workers else []),
+                     *([unverified] if unverified else [])]:
             say(line)
         text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
         return Launched(text=text if sent is None else "", doc=sent)
-    for line in [runtime_line(sub), *price_lines(sub, _previous_run(sub, say)), *([unverified] if unverified else [])]:
+    workers = workers_line(sub, on)
+    for line in [runtime_line(sub), *price_lines(sub, _previous_run(sub, say)), *([workers] if workers else []),
+                 *([unverified] if unverified else [])]:
         say(line)
     if not dry_run:
         submit.check_verified(sub)
     if check is not None:
         check()
     if dry_run:
-        return Launched(text=submit.gcloud_script(sub))
+        return Launched(text=request.gcloud_script(sub))
     jobs.refuse_a_second_job(sub)
     result = tpu_api.create(sub)
     job = jobs.job_record(sub, result["operation"])

@@ -143,6 +143,16 @@ def exit_record(run_dir: str, submission: str, worker: int | str = 0) -> dict[st
     return read_json(exit_path(run_dir, submission, worker))
 
 
+def slice_exit_record(run_dir: str, submission: str, hosts: int = 1, settled: bool = False) -> dict[str, Any] | None:
+    """The exit record that speaks for the job of a slice of `hosts`: worker 0's (process 0 writes the run folder
+    and ends last), else one written by a worker that could not learn its number; and, once no worker can still
+    write (`settled`: the queued resource is gone or DELETING), another worker's, as when worker 0 was lost."""
+    found = exit_record(run_dir, submission, 0) or exit_record(run_dir, submission, "unknown")
+    for worker in range(1, hosts if settled else 1):
+        found = found or exit_record(run_dir, submission, worker)
+    return found
+
+
 def started_record(run_dir: str, submission: str, worker: int | str = 0) -> dict[str, Any] | None:
     return read_json(started_path(run_dir, submission, worker))
 

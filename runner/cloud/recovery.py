@@ -5,7 +5,9 @@
 
 Each poll (every --interval seconds) the watcher reads the queued resource and its node from the Cloud
 TPU API, and the current submission's exit record, the job's summary and newest checkpoint from the run
-folder, then does what `decide` says:
+folder, then does what `decide` says. A multi-host slice is one queued resource and one job: its exit record
+is worker 0's, or, once the slice is DELETING or gone (worker 0 lost, another worker deleted it), any
+worker's; a restart deletes and creates the whole slice again.
 
     what it sees                                                  what it does
     ACCEPTED / WAITING_FOR_RESOURCES / PROVISIONING / CREATING    waits (the request is queued)
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runner import EXIT_TIME_LIMIT, AcceleratorError, RunnerError, SpecError, StorageError
-from runner.cloud import durations, jobs, record, tpu_api, usage
+from runner.cloud import durations, jobs, record, tpu_api, tpu_types, usage
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}
@@ -167,7 +169,9 @@ class Watcher:
         if resource is not None:
             seen = Seen(**tpu_api.describe(resource, self.client))
         seen.cancelled = record.read_text(record.cancelled_path(run_dir, sub)) is not None
-        seen.exit = record.exit_record(run_dir, sub, 0) or record.exit_record(run_dir, sub, "unknown")
+        # A slice is one resource: its job's end is worker 0's record, or, once the slice is going, any worker's.
+        hosts = tpu_types.parse_tpu_type(self.job["request"]["tpu_type"]).hosts
+        seen.exit = record.slice_exit_record(run_dir, sub, hosts, settled=seen.state in (None, "DELETING"))
         seen.started = record.started_record(run_dir, sub, 0)
         preempting = seen.state == "SUSPENDING" or (seen.state == "ACTIVE" and seen.node_state in LOST_NODE)
         if not preempting:

@@ -13,13 +13,8 @@ import os
 from typing import Any
 
 from runner import AcceleratorError, RunnerError, SpecError
-from runner.cloud.submit import (
-    SCOPE,
-    Submission,
-    check_zone,
-    request_json,
-    settings_of,
-)
+from runner.cloud.request import SCOPE, request_json, settings_of
+from runner.cloud.submit import Submission, check_zone
 
 _CALL_TIMEOUT_S = 60.0
 

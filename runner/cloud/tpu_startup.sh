@@ -1,22 +1,28 @@
-# The body of a TPU VM startup script written by `runner submit` (runner/cloud/submit.py puts the job's
-# settings, RUNNER_*, above it). It runs as root on every worker of the TPU VM at every boot:
-#   1. reads this worker's number from the metadata server. `runner submit` creates single-host slices only
-#      (RUNNER_HOSTS=1), so a worker that cannot learn its number is the slice's only worker: it goes on as
-#      worker 0 and says so. On a slice of several hosts it would run nothing and delete nothing;
+# The body of a TPU VM startup script written by `runner submit` (runner/cloud/request.py puts the job's
+# settings, RUNNER_*, above it). It runs as root on every worker (TPU VM) of the slice at every boot:
+#   1. reads this worker's number from the metadata server. A worker that cannot learn its number goes on as
+#      worker 0 only on a slice of one host (RUNNER_HOSTS=1) and says so; on a slice of several it runs nothing
+#      and deletes nothing;
 #   2. stops early when the job is already complete (RUN_DIR/summary.json: succeeded for the requested
 #      epochs) or when this submission already ran on this worker (a reboot);
 #   3. pulls the runner image (Artifact Registry credentials come from the VM's service account);
 #   4. runs `runner doctor` (its report goes to RUN_DIR/doctor.json), then the job: `--net=host --privileged`
-#      give the container the TPU chips, TPU_NAME=local says the TPU is this VM's own. The container's
-#      output goes to Cloud Logging (docker's gcplogs driver: seconds behind) and to
-#      RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the end: the durable record). A slice of
-#      several hosts (refused by `runner submit`) runs nothing. The job gets its limits on its command line
-#      (`--set train.max_duration=S --set train.stall_timeout=S`: it saves and exits 124 at either), and the
-#      container is killed RUNNER_LIMIT_GRACE_S after the wall-clock limit if it is still there (`timeout`);
+#      give the container the TPU chips and the metadata server, from which `runner run` on every worker of a
+#      multi-host slice joins one JAX process group (jax.distributed.initialize() finds the slice itself);
+#      TPU_NAME=local says the TPU is this VM's own. The container's output goes to Cloud Logging (docker's
+#      gcplogs driver: seconds behind) and to RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the
+#      end: the durable record). The job gets its limits on its command line (`--set train.max_duration=S
+#      --set train.stall_timeout=S`: it saves and exits 124 at either), and the container is killed
+#      RUNNER_LIMIT_GRACE_S after the wall-clock limit if it is still there (`timeout`);
 #   5. writes RUN_DIR/logs/SUB/worker-N.exit.json (exit code, or why nothing ran; start and end; TPU type);
-#   6. on worker 0, deletes the queued resource that holds the VM, unless the job was submitted with --keep,
-#      retrying with backoff for up to RUNNER_DELETE_FOR_S (10 min), and writes the outcome into the exit
-#      record ("delete": requested | failed: still billing | kept | ...), which `runner status` shows.
+#   6. deletes the queued resource that holds the slice, unless the job was submitted with --keep, retrying with
+#      backoff for up to RUNNER_DELETE_FOR_S (10 min), and writes the outcome into the exit record ("delete":
+#      requested | failed: still billing | kept | ...), which `runner status` shows. Worker 0 deletes when its
+#      job ends. On a multi-host slice every other worker, once its own job has ended, waits for that and
+#      deletes only if worker 0 is lost: worker 0's heartbeat (RUN_DIR/logs/SUB/worker-0.alive, rewritten every
+#      RUNNER_UPLOAD_EVERY_S while its script runs) has not changed for RUNNER_WORKER_LOST_S (300 s) and the
+#      queued resource is neither DELETING nor gone. Worker N looks again (N-1) x RUNNER_PEER_STAGGER_S later
+#      before it deletes, so that of several survivors the first one does: the slice is deleted once.
 # Every path that runs no job still does 5 and 6, and says why in the log. SUB is this submission's id.
 # Every call that waits on the network, the registry or a container is bounded in time (`bounded`): the image
 # pull (RUNNER_PULL_TIMEOUT_S per attempt, RUNNER_PULL_FOR_S in all), the doctor (RUNNER_DOCTOR_TIMEOUT_S),
@@ -83,25 +89,90 @@ write_exit_record() {
   say "could not copy the exit record to $logs/worker-$worker.exit.json"
 }
 
-# Frees the slice once its job is over: only worker 0, and not with --keep. REASON is logged. A refused or
-# unanswered delete is tried again with backoff (RUNNER_DELETE_RETRY_S, whole seconds, doubling to 60) for up to
-# RUNNER_DELETE_FOR_S; either way the outcome goes into the exit record (when one was written).
+# Frees the slice once its job is over: worker 0, or on a multi-host slice another worker when worker 0 is lost
+# (await_worker_0); never with --keep. REASON is logged. A refused or unanswered delete is tried again with backoff
+# (RUNNER_DELETE_RETRY_S, whole seconds, doubling to 60) for up to RUNNER_DELETE_FOR_S; either way the outcome
+# goes into the exit record (when one was written).
 release() {
   if [ "$known_worker" != 1 ]; then
     delete_outcome="not this worker: its number is unknown"
     say "not deleting queued resource $RUNNER_NAME: this worker does not know its number, and only worker 0 deletes (the watcher, or runner cancel $RUNNER_NAME, frees it)"
-  elif [ "$worker" != 0 ]; then
-    delete_outcome="left to worker 0"
   elif [ "$RUNNER_KEEP" = 1 ]; then
     delete_outcome="kept (--keep): still billing until runner cancel $RUNNER_NAME"
-    say "keeping queued resource $RUNNER_NAME (--keep) after: $1; it bills until runner cancel $RUNNER_NAME"
-  else
+    [ "$worker" != 0 ] || say "keeping queued resource $RUNNER_NAME (--keep) after: $1; it bills until runner cancel $RUNNER_NAME"
+  elif [ "$worker" = 0 ]; then
     say "deleting queued resource $RUNNER_NAME: $1"
     upload  # deleting the queued resource ends this VM: the log goes first
     delete_slice
+  elif [ "${RUNNER_HOSTS:-1}" -gt 1 ]; then
+    await_worker_0 "$1"
+  else
+    delete_outcome="left to worker 0"
   fi
   [ "${#exit_args[@]}" = 0 ] || write_exit_record
   upload
+}
+
+# The queued resource's state as the API gives it (ACTIVE, DELETING, ...), `gone`, or `unknown` (no answer).
+slice_state() {
+  local answer
+  if answer="$(bounded 120 gcloud compute tpus queued-resources describe "$RUNNER_NAME" --project "$RUNNER_PROJECT" \
+    --zone "$RUNNER_ZONE" --format 'value(state.state)' 2>&1)"; then
+    printf '%s\n' "$answer" | tail -n 1
+  elif [[ "$answer" == *NOT_FOUND* ]]; then
+    echo gone
+  else
+    echo unknown
+  fi
+}
+
+# Another worker of a multi-host slice, its own job over: worker 0 deletes the slice when its job ends (JAX ends
+# every process of the group when one fails, within its heartbeat timeout). This worker waits for that, and
+# deletes the slice itself only when worker 0 is lost: its heartbeat has not changed for RUNNER_WORKER_LOST_S
+# (as this worker sees it: no clocks compared), and the queued resource is still there and not DELETING, also
+# (N-1) x RUNNER_PEER_STAGGER_S later, when worker N looks again.
+await_worker_0() {
+  local seen="" since=$SECONDS beat state lost_s="${RUNNER_WORKER_LOST_S:-300}"
+  delete_outcome="left to worker 0"
+  say "worker $worker: waiting for worker 0 to delete queued resource $RUNNER_NAME (worker 0 counts as lost once its heartbeat $logs/worker-0.alive stops for $lost_s s)"
+  while true; do
+    state="$(slice_state)"
+    if [ "$state" = gone ] || [ "$state" = DELETING ]; then
+      say "queued resource $RUNNER_NAME is ${state}: deleted by another worker"
+      delete_outcome="left to worker 0 (the slice was $state)"
+      return 0
+    fi
+    beat="$(bounded 60 gcloud storage cat "$logs/worker-0.alive" 2>/dev/null)"
+    if [ "$beat" != "$seen" ]; then
+      seen="$beat"
+      since=$SECONDS
+    elif [ $((SECONDS - since)) -ge "$lost_s" ]; then
+      sleep $(((worker - 1) * ${RUNNER_PEER_STAGGER_S:-60}))
+      state="$(slice_state)"
+      if [ "$state" = gone ] || [ "$state" = DELETING ]; then
+        say "queued resource $RUNNER_NAME is ${state}: deleted by another worker"
+        delete_outcome="left to another worker (the slice was $state)"
+        return 0
+      fi
+      say "worker 0 is lost (its heartbeat has not changed for $((SECONDS - since)) s): worker $worker deletes queued resource $RUNNER_NAME: $1"
+      upload
+      delete_slice
+      return
+    fi
+    sleep "${RUNNER_PEER_POLL_S:-15}"
+  done
+}
+
+# Worker 0's heartbeat on a multi-host slice, for the other workers (await_worker_0): a count and a time,
+# rewritten every RUNNER_UPLOAD_EVERY_S while this script runs; it stops with the script, or with the VM.
+beat() {
+  local count=0
+  while true; do
+    count=$((count + 1))
+    printf '%s %s\n' "$count" "$(stamp)" >"$workdir/alive"
+    bounded 60 gcloud storage cp --quiet "$workdir/alive" "$logs/worker-0.alive" >/dev/null 2>&1
+    sleep "${RUNNER_UPLOAD_EVERY_S:-30}"
+  done
 }
 
 delete_slice() {
@@ -141,8 +212,13 @@ end_without_job() {
   exit 0
 }
 
-say "worker $worker: job $RUNNER_NAME, submission $RUNNER_SUBMISSION, image $RUNNER_IMAGE, run folder $RUNNER_RUN_DIR"
+say "worker $worker of ${RUNNER_HOSTS:-1}: job $RUNNER_NAME, submission $RUNNER_SUBMISSION, image $RUNNER_IMAGE, run folder $RUNNER_RUN_DIR"
 [ -z "$worker_note" ] || say "$worker_note"
+if [ "${RUNNER_HOSTS:-1}" -gt 1 ] && [ "$worker" = 0 ]; then
+  beat </dev/null >/dev/null 2>&1 &
+  heartbeat=$!
+  trap 'kill "$heartbeat" 2>/dev/null' EXIT
+fi
 if [ "$known_worker" != 1 ]; then
   end_without_job 3 "cannot read this worker's number from the metadata server ($metadata_host) on a slice of $RUNNER_HOSTS hosts: ran nothing, since a worker that may not be worker 0 must neither drive the slice nor delete it"
 fi
@@ -167,17 +243,13 @@ sys.exit(0 if s.get("status") == "succeeded" and int(s.get("train_epochs") or 0)
   fi
 fi
 
-# `runner submit` refuses multi-host types (docs/tpu.md says why); a slice of several hosts that gets here
-# anyway runs nothing, and worker 0 frees it rather than let it bill.
+# The slice's hosts as the metadata server lists them; JAX reads the same list (worker-network-endpoints), so a
+# count that differs from the submission's is said (the TPU table would be wrong for this type).
 hosts="$(metadata worker-network-endpoints | tr ',' '\n' | grep -c . || true)"
-tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
-if [ "${hosts:-0}" -gt 1 ]; then
-  if [ "$worker" != 0 ]; then
-    say "worker $worker of $hosts: multi-host slices are not supported; worker 0 frees the slice"
-    exit 0
-  fi
-  end_without_job 2 "this slice has $hosts hosts: multi-host slices are not supported (docs/tpu.md); ran nothing"
+if [ "${hosts:-0}" -gt 0 ] && [ "$hosts" != "${RUNNER_HOSTS:-1}" ]; then
+  say "the metadata server lists $hosts workers in this slice, the submission expected ${RUNNER_HOSTS:-1} (runner/device/tpus.json); JAX follows the metadata server"
 fi
+tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
 printf '%s' "$RUNNER_SPEC_B64" | base64 -d >"$workdir/spec.yaml"
 
 # Artifact Registry: docker asks gcloud's credential helper, which must be on PATH; without it, a
@@ -223,6 +295,8 @@ cloud_logging=(--log-driver=gcplogs --log-opt gcp-log-cmd=false --log-opt labels
 labels=(--label "runner-job=$RUNNER_NAME" --label "runner-submission=$RUNNER_SUBMISSION")
 doctor=(--rm --net=host --privileged --user 0:0 "${tpu_env[@]}" -v "$workdir:/job:ro")
 doctor_args=(doctor --json --save /job/spec.yaml)
+# One report in the run folder: worker 0's; another worker's goes to its own log.
+[ "$worker" = 0 ] || doctor_args=(doctor --json /job/spec.yaml)
 # The doctor's report is kept beside the summary; the job runs either way (a failing check names the cause
 # in the log before the job meets it). It also tries Cloud Logging: docker refuses to start a container
 # (exit 125) when its log driver cannot reach Cloud Logging, and then the job logs to the bucket only.

@@ -1,6 +1,7 @@
 """What `runner submit` accepts of a TPU type, zone and software version; the facts are runner/device/tpus.py's.
 
-  - Single-host slices only: `refuse_multi_host` says why and which types work.
+  - Single-host slices, and the multi-host slices the table gives the hosts of (v5e, v6e and v5p at 16 and 32):
+    `refuse_unknown_slice` refuses any other, saying why and which types work.
   - The zone must offer the type: `check_zone_offers` refuses any other with the zones that do, and the
     table's source for them and the date it was read.
   - The TPU VM is created with the software version Google's runtimes page names for JAX on the generation
@@ -15,10 +16,11 @@ Nothing here ran on a TPU (docs/tpu.md). Imports no cloud client and no TensorFl
 from __future__ import annotations
 
 from runner import SpecError
-from runner.device.tpus import TpuType, generations, parse_tpu_type, single_host_types
+from runner.device.tpus import TpuType, multi_host_types, parse_tpu_type, single_host_types
 
-__all__ = ["DOCS", "TpuType", "check_zone_offers", "parse_tpu_type", "refuse_multi_host", "refuse_on",
-           "runtime_of", "single_host_type", "single_host_types", "unverified_reason", "where_problems"]
+__all__ = ["DOCS", "TpuType", "check_zone_offers", "multi_host_types", "parse_tpu_type", "refuse_on",
+           "refuse_unknown_slice", "runtime_of", "single_host_types", "slice_type", "unverified_reason",
+           "where_problems"]
 
 DOCS = "docs/tpu.md"
 BACKEND = "jax"  # what the runner's TPU image runs (docs/image.md)
@@ -74,30 +76,29 @@ def where_problems(tpu: TpuType, zone: str | None, creates_vm: bool) -> list[str
     return problems
 
 
-def refuse_multi_host(tpu_type: str) -> None:
-    """Raises SpecError (exit 2) for a type that spans more than one host, saying what works and why.
+def refuse_unknown_slice(tpu_type: str) -> None:
+    """Raises SpecError (exit 2) for a multi-host type the table gives no hosts for, saying what works and why.
 
-    A multi-host slice runs the same program on every host, which must join one JAX process group
-    (`jax.distributed.initialize`, all hosts started together and restarted together after any host fails:
-    JAX's multi_process and fault_tolerance docs). The runner starts one container on one host and its job
-    and checkpoint code assume one process, so it refuses rather than start a slice that would hang.
+    A multi-host slice runs the same program on every host (TPU VM), all of which join one JAX process group
+    (`jax.distributed.initialize`, started together and restarted together after any host fails: JAX's
+    multi_process and fault_tolerance docs). The startup script starts that program on every worker; what it
+    must know is how many workers there are, and the table says so, with a source, only for the types listed.
     """
     tpu = parse_tpu_type(tpu_type)
-    if tpu.single_host:
+    if tpu.single_host or tpu.name in tpu.facts.multi_host_types():
         return
-    per_host = generations()[tpu.generation].chips_per_host
     on_vm = [name for name in single_host_types() if not parse_tpu_type(name).facts.refusal("tpu_vm")]
     gke_only = [name for name in single_host_types() if name not in on_vm]
     raise SpecError(
-        f"--tpu-type {tpu.name} is a multi-host slice ({tpu.chips} chips on {tpu.hosts} hosts of {per_host}), which "
-        "this runner does not support yet: every host must run the job as one JAX process group "
-        "(jax.distributed.initialize, started and restarted together), and the runner starts and checkpoints one "
-        f"process on one host. Single-host types work: {', '.join(on_vm)}; {', '.join(gke_only)} with --on gke "
-        f"(see {DOCS})"
+        f"--tpu-type {tpu.name} is a multi-host slice ({tpu.chips} chips on {tpu.hosts} hosts) that this runner's TPU "
+        "table gives no hosts for: every host runs the job as one JAX process (jax.distributed.initialize), so the "
+        "startup script must know how many there are. Multi-host types work: "
+        f"{', '.join(multi_host_types())}. Single-host types work: {', '.join(on_vm)}; {', '.join(gke_only)} with "
+        f"--on gke (see {DOCS})"
     )
 
 
-def single_host_type(text: str) -> TpuType:
-    """`parse_tpu_type`, after `refuse_multi_host`: what `runner submit` accepts."""
-    refuse_multi_host(text)
+def slice_type(text: str) -> TpuType:
+    """`parse_tpu_type`, after `refuse_unknown_slice`: what `runner submit` accepts."""
+    refuse_unknown_slice(text)
     return parse_tpu_type(text)

@@ -1,9 +1,10 @@
 """Cloud TPU hardware facts: one table (runner/device/tpus.json), one parser of an accelerator type.
 
 Each generation's row holds what is known of it, every fact with a key of the table's `sources`: how the type
-counts (chips, or TensorCores at two per chip), chips per host, the bf16 peak per chip and the devices JAX makes
-of a chip, the TPU VM software version per backend, GKE's and Vertex AI's machine types, the zones that offer
-it, and, where a generation has none, why there is no list price. Per-region prices are the table's `prices`
+counts (chips, or TensorCores at two per chip), chips per host, the multi-host slices it is submitted as (and the
+chips of their VMs), the bf16 peak per chip and the devices JAX makes of a chip, the TPU VM software version per
+backend, GKE's and Vertex AI's machine types, the zones that offer it, and, where a generation has none, why
+there is no list price. Per-region prices are the table's `prices`
 (runner/cloud/pricing.py reads them). `runner submit`, the engines, the MFU peak (runner/device/peak.py), the
 TPU device API (runner/device/tpu_env.py) and the doctor read these rows; no other module names a generation.
 
@@ -69,6 +70,23 @@ class Generation:
     def single_host_types(self) -> list[str]:
         sizes = self.row["sizes"] or range(8, 8 * self.chips_per_host + 1, 8)
         return [f"{self.name}-{s}" for s in sizes if self.chips(s) <= self.chips_per_host]
+
+    def multi_host_types(self) -> list[str]:
+        """The slices of more than one host the table gives with a source (`multi_host`), smallest first."""
+        return list((self.row.get("multi_host") or {}).get("types", []))
+
+    def hosts(self, chips: int) -> int:
+        """The hosts (TPU VMs, one JAX process each) of a slice of `chips`: one when it fits on one host, else
+        chips / the chips of a multi-host slice's VM (4 on v5e and v6e, whose single host holds 8)."""
+        if chips <= self.chips_per_host:
+            return 1
+        per_vm = (self.row.get("multi_host") or {}).get("chips_per_vm", self.chips_per_host)
+        return max(1, math.ceil(chips / per_vm))
+
+    @property
+    def multi_host_source(self) -> str | None:
+        found = self.row.get("multi_host")
+        return source(found["source"]) if found else None
 
     def runtime(self, backend: str = "jax") -> tuple[str | None, str]:
         """(the TPU VM software version for `backend`, its source), or (None, why there is none)."""
@@ -136,7 +154,7 @@ class TpuType:
     name: str  # as the API wants it, e.g. v5litepod-8
     generation: str
     chips: int
-    hosts: int
+    hosts: int  # TPU VMs, each running the job as one JAX process (Google's tables call them VMs)
 
     @property
     def single_host(self) -> bool:
@@ -165,9 +183,14 @@ def parse_tpu_type(text: str) -> TpuType:
     if not generation.valid(size):
         raise SpecError(f"--tpu-type {text!r}: {name} comes in sizes {generation.sizes_text()}, not {size}")
     chips = generation.chips(size)
-    return TpuType(f"{name}-{size}", name, chips, max(1, math.ceil(chips / generation.chips_per_host)))
+    return TpuType(f"{name}-{size}", name, chips, generation.hosts(chips))
 
 
 def single_host_types() -> list[str]:
     """Every type that fits on one host, in the table's order."""
     return [name for generation in generations().values() for name in generation.single_host_types()]
+
+
+def multi_host_types() -> list[str]:
+    """Every multi-host type the table gives the hosts of, in the table's order."""
+    return [name for generation in generations().values() for name in generation.multi_host_types()]

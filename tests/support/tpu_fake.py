@@ -14,7 +14,7 @@ What it serves, in the JSON form of the real APIs (proto3 JSON, camelCase):
     POST   /v2/entries:write, /v2/entries:list                              Cloud Logging (a filter subset)
     POST   /v1/projects/P[/locations/L]/builds                             -> Operation carrying the Build
 and what `runner submit`'s preflight reads (runner/doctor/cloud.py), so that a submission runs it for real:
-    GET    /v2/projects/P/locations/Z/nodes | acceleratorTypes             the nodes; every single-host type
+    GET    /v2/projects/P/locations/Z/nodes | acceleratorTypes             the nodes; every type runner submits
     GET    /v2/NAME/manifests/REF                                          a registry holding every image but
                                                                            those POST /_fake/registry removes
 Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS,
@@ -37,7 +37,8 @@ FAKE_BOOT/console.log. Deleting or failing the queued resource kills those proce
 Control endpoints for the tests:
     GET  /_fake/requests            every API request so far: method, path, query, body (parsed JSON)
     POST /_fake/state               {"name": ID, "state": "ACTIVE", "node_state": "READY"} moves a resource on
-    POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N}}
+    POST /_fake/config              {"lifecycle": {...}, "boot": {"env": {...}, "folder": DIR, "workers": N,
+                                    "worker_env": [{...}, ...]}}: worker_env[i] adds to worker i's environment
     POST /_fake/preempt             {"name": ID, "grace_s": 20}
     POST /_fake/fail                {"count": N}: the next N TPU API requests answer 503 UNAVAILABLE (which gcloud
                                     retries for about 30 s); {"count": N, "status": 403}: 403 PERMISSION_DENIED
@@ -69,7 +70,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from runner.cloud.tpu_types import single_host_types
+from runner.cloud.tpu_types import multi_host_types, single_host_types
 from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
 from tests.support.preflight_fake import manifest_answer
 
@@ -329,8 +330,10 @@ class Fake(Recorder):
         for worker in range(int(self.boot.get("workers", 1))):
             worker_folder = folder / f"w{worker}"
             worker_folder.mkdir(parents=True, exist_ok=True)
+            own = self.boot.get("worker_env") or []
             env = {
                 **self.boot.get("env", {}),
+                **(own[worker] if worker < len(own) else {}),  # a slice's worker: its metadata server, its state
                 "FAKE_BOOT": str(worker_folder),
                 "FAKE_NODE": node_name,
                 "FAKE_WORKER": str(worker),
@@ -491,7 +494,7 @@ def handle(fake: Fake, method: str, path: str, query: dict[str, list[str]], body
             return fake.delete(name, force)
     if collection == "acceleratorTypes" and method == "GET" and short is None:
         return 200, {"acceleratorTypes": [{"name": f"{parent}/acceleratorTypes/{t}", "type": t}
-                                          for t in single_host_types()]}
+                                          for t in [*single_host_types(), *multi_host_types()]]}
     if collection == "nodes" and method == "GET" and short is None:
         items = [n for key, n in fake.nodes.items() if key.startswith(parent + "/")]
         return 200, ({"nodes": items} if items else {})

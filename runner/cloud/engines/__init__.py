@@ -16,6 +16,10 @@ codes decide what the engine does next (docs/engines.md):
                                                               start the clock again and bill the limit again
     1 2 training failed / bad spec or data                 -> never restarted (Vertex AI: see vertex.py)
 
+A multi-host slice (runner/cloud/tpu_types.py: the types the TPU table gives the hosts of) runs one process per
+host on every engine that can start them: SkyPilot runs the task on every host of a TPU slice, GKE's JobSet has
+one pod per host; Vertex AI documents no multi-host TPU slice for a custom container and refuses it (vertex.py).
+
 Each engine's client library is imported only when a job is sent; none is needed for --dry-run.
 """
 
@@ -37,9 +41,9 @@ from runner import (
     EXIT_USAGE,
     SpecError,
 )
-from runner.cloud import tpu_types
 from runner.cloud.durations import LIMIT_GRACE_S, limit_overrides
-from runner.cloud.submit import Submission, check_verified, spec_yaml
+from runner.cloud.request import spec_yaml
+from runner.cloud.submit import Submission, check_verified
 
 TARGETS = ("tpu-vm", "skypilot", "gke", "vertex")
 CONTAINER = "runner"  # the container's name where an engine names it (GKE's pod failure policy does)
@@ -161,18 +165,12 @@ def dump_yaml(doc: dict[str, Any]) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
 
 
-def refuse_multi_host(sub: Submission) -> None:
-    """Every engine refuses what a TPU VM refuses, in the same words (runner/cloud/tpu_types.py)."""
-    tpu_types.refuse_multi_host(sub.tpu.name)
-
-
 def submit(on: str, sub: Submission, options: Options, *, dry_run: bool,
            preflight: Callable[[], None] | None = None) -> tuple[str, dict | None]:
     """What to print (the engine's own document with --dry-run) and, when sent, the engine's answer.
 
     `preflight` runs once the engine's document is made (every check without a call has passed) and before
     anything is sent; it raises to stop the submission."""
-    refuse_multi_host(sub)
     if not dry_run:
         check_verified(sub)  # SkyPilot's TPU VM runtime
     check = preflight or (lambda: None)

@@ -29,13 +29,23 @@ GKE Autopilot refuses such pods, and so does a namespace that enforces the basel
 Security Standard: `preflight` checks both before anything is created, so this runs on GKE Standard
 clusters with TPU node pools.
 
-Only single-host slices run (runner/cloud/tpu_types.py). GKE names the host's TPU by accelerator and topology;
-HOSTS is read from the TPU table (runner/device/tpus.json: GKE's "Plan TPUs in GKE" page, and xpk's system
-characteristics for TPU7x, tpu7x-8 a 2x2x1 host of 4 chips, tpu7x-standard-4t). v5litepod-8 and v6e-8 have a 2x4
-topology both as one 8-chip host and as two 4-chip hosts (xpk's catalog makes the latter), so every pod also
-selects its machine type (`node.kubernetes.io/instance-type`, Kubernetes's well-known label): it lands on a
-one-host node pool of that type or nowhere, and NODE_POOL says how to make one. --format xpk is refused for those
-two types.
+GKE names a node's TPU by accelerator and topology; HOSTS is read from the TPU table (runner/device/tpus.json:
+GKE's "Plan TPUs in GKE" page, xpk's system characteristics for TPU7x, tpu7x-8 a 2x2x1 host of 4 chips,
+tpu7x-standard-4t, and for the multi-host slices, e.g. v6e-16: topology 4x4, 4 nodes of 4 chips, ct6e-standard-4t,
+with Google's own table as the source). v5litepod-8 and v6e-8 have a 2x4 topology both as one 8-chip host and
+as two 4-chip hosts (xpk's catalog makes the latter), so every pod also selects its machine type
+(`node.kubernetes.io/instance-type`, Kubernetes's well-known label): it lands on a node pool of that type or
+nowhere, and NODE_POOL says how to make a one-host one. --format xpk is refused for those two types.
+
+A multi-host slice is one Job of one pod per host, as xpk makes it: `parallelism` and `completions` the slice's
+hosts, all pods on one node pool (the exclusive-topology annotation; JobSet's "TPU Multislice Training" page),
+and `network.enableDNSHostnames`, the headless service that gives each pod a DNS name
+(NAME-slice-job-0-INDEX.NAME; JobSet's Network type, api/jobset/v1alpha2/jobset_types.go). JobSet's webhook
+sets both that and `completionMode: Indexed` when they are missing (pkg/webhooks/jobset_webhook.go, Default);
+the first is written here so that the manifest says it. GKE's TPU webhook gives each pod TPU_WORKER_ID and
+TPU_WORKER_HOSTNAMES, from which `jax.distributed.initialize()` finds the slice (jax
+`jax/_src/clusters/cloud_tpu_cluster.py`, GkeTpuCluster). One pod failing fails the Job (backoffLimit 0), and
+the JobSet's restart makes the whole slice again: JAX's processes share fate (docs/fault_tolerance.rst).
 """
 
 from __future__ import annotations
@@ -72,10 +82,10 @@ INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 AUTOPILOT_WEBHOOKS = ("workload-defaulter.config.common-webhooks.networking.gke.io",
                       "sasecret-redacter.config.common-webhooks.networking.gke.io")
 POD_SECURITY = "pod-security.kubernetes.io/enforce"  # the namespace label of Kubernetes Pod Security Admission
-# GKE's command for a one-host TPU node pool (https://cloud.google.com/kubernetes-engine/docs/how-to/tpus,
-# "Create a single-host TPU slice node pool").
+# GKE's command for a TPU node pool (https://cloud.google.com/kubernetes-engine/docs/how-to/tpus, "Create a
+# single-host TPU slice node pool"; a multi-host one adds --tpu-topology, "Create a multi-host TPU slice node pool").
 NODE_POOL = ("gcloud container node-pools create NAME --cluster CLUSTER --location LOCATION "
-             "--node-locations {zone} --machine-type {machine} --num-nodes 1{spot}")
+             "--node-locations {zone} --machine-type {machine}{topology} --num-nodes {hosts}{spot}")
 INSTALL = "pip install 'tpu-job-runner[gke]'   (or: pip install kubernetes)"
 # JobSet's installation page (kubernetes-sigs/jobset site/content/en/docs/installation/_index.md) installs a release
 # with this command; v0.10.1 is the release xpk installs (above).
@@ -89,12 +99,14 @@ class Host:
     accelerator: str  # cloud.google.com/gke-tpu-accelerator
     topology: str  # cloud.google.com/gke-tpu-topology
     machine_type: str
-    chips: int  # google.com/tpu per host
+    chips: int  # google.com/tpu per host (per pod)
     xpk_hosts: int  # how many hosts xpk's catalog gives the same type name
+    source: str  # the table's source for this host
 
 
 HOSTS = {
-    name: Host(generation.row["gke"]["accelerator"], h["topology"], h["machine_type"], h["chips"], h["xpk_hosts"])
+    name: Host(generation.row["gke"]["accelerator"], h["topology"], h["machine_type"], h["chips"], h["xpk_hosts"],
+               tpus.source(h.get("source", generation.row["gke"]["source"])))
     for generation in tpus.generations().values()
     for name, h in generation.row["gke"].get("hosts", {}).items()
 }
@@ -104,8 +116,7 @@ def host_of(sub: Submission) -> Host:
     host = HOSTS.get(sub.tpu.name)
     if host is None:
         why = sub.tpu.facts.refusal("gke") or "none in runner/device/tpus.json"
-        raise SpecError(f"--tpu-type {sub.tpu.name} has no GKE node type ({why}); single-host types on GKE: "
-                        f"{', '.join(HOSTS)}")
+        raise SpecError(f"--tpu-type {sub.tpu.name} has no GKE node type ({why}); types on GKE: {', '.join(HOSTS)}")
     return host
 
 
@@ -118,7 +129,9 @@ def max_restarts(sub: Submission, options: Options) -> int:
 
 
 def node_pool_command(sub: Submission, host: Host) -> str:
-    return NODE_POOL.format(zone=sub.zone, machine=host.machine_type, spot=" --spot" if sub.spot else "")
+    topology = f" --tpu-topology {host.topology}" if sub.tpu.hosts > 1 else ""
+    return NODE_POOL.format(zone=sub.zone, machine=host.machine_type, topology=topology, hosts=sub.tpu.hosts,
+                            spot=" --spot" if sub.spot else "")
 
 
 def check_name(name: str) -> str:
@@ -161,8 +174,9 @@ def pod_template(sub: Submission, host: Host) -> dict[str, Any]:
 
 
 def jobset(sub: Submission, options: Options) -> dict[str, Any]:
-    """The JobSet for one single-host slice."""
+    """The JobSet for one slice: one pod per host."""
     host = host_of(sub)
+    hosts = sub.tpu.hosts
     deadline = deadline_s(sub)
     labels = {"runner-job": check_name(sub.name)}
     if options.queue:
@@ -190,8 +204,8 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
                 "name": "slice-job",
                 "replicas": 1,
                 "template": {"spec": {
-                    "parallelism": 1,
-                    "completions": 1,
+                    "parallelism": hosts,
+                    "completions": hosts,
                     "backoffLimit": 0,
                     **({} if deadline is None else {"activeDeadlineSeconds": deadline}),
                     "podFailurePolicy": {"rules": [
@@ -203,6 +217,9 @@ def jobset(sub: Submission, options: Options) -> dict[str, Any]:
                     "template": pod_template(sub, host),
                 }},
             }],
+            # The headless service of the pods' DNS names (JobSet's default, said here): a slice's hosts find each
+            # other through it.
+            **({"network": {"enableDNSHostnames": True}} if hosts > 1 else {}),
         },
     }
 
@@ -222,14 +239,14 @@ def xpk_command(sub: Submission, options: Options) -> str:
     """`xpk workload create` for the same job. xpk makes its own manifest, with these differences: its
     container is not run as root (xpk has no flag for it) and its priority class is xpk's `medium`."""
     host = host_of(sub)
-    if host.xpk_hosts != 1:
+    if host.xpk_hosts != sub.tpu.hosts:
         why = ("is not in xpk's catalog" if host.xpk_hosts == 0 else
-               f"is {host.xpk_hosts} hosts of {host.chips // host.xpk_hosts} chips in xpk's catalog")
-        one_host = [name for name, h in HOSTS.items() if h.xpk_hosts == 1]
-        raise SpecError(f"--format xpk: {sub.tpu.name} {why}, and this runner runs single-host slices only; "
-                        f"use the JobSet manifest (--format manifest: one {host.machine_type} host; node pool: "
-                        f"{node_pool_command(sub, host)}) or a type "
-                        f"xpk runs on one host: {', '.join(one_host)}")
+               f"is {host.xpk_hosts} hosts of {sub.tpu.chips // host.xpk_hosts} chips in xpk's catalog")
+        same = [name for name, h in HOSTS.items() if h.xpk_hosts == tpus.parse_tpu_type(name).hosts]
+        raise SpecError(f"--format xpk: {sub.tpu.name} {why}, and this runner runs it as {sub.tpu.hosts} host(s) of "
+                        f"{host.chips} chips; use the JobSet manifest (--format manifest: {host.machine_type} hosts; "
+                        f"node pool: {node_pool_command(sub, host)}) or a type xpk runs as this runner does: "
+                        f"{', '.join(same)}")
     if not options.cluster:
         raise SpecError("--format xpk needs --cluster: the GKE cluster xpk created (xpk cluster create)")
     if options.queue and options.queue != XPK_QUEUE:

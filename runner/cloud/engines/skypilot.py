@@ -13,6 +13,14 @@ container with --privileged on TPU VMs and runs `run:` inside it). Recovery is S
 it and their schema refuses unknown job_recovery keys), hence MIN_VERSION. Exit 124 (a time limit reached) is
 not in it, so it ends the job, as on a TPU VM.
 
+A multi-host TPU slice (v6e-16, ...) is one SkyPilot node, `num_nodes: 1`, whose hosts each run `run:`: SkyPilot's
+"Multi-Host TPU Pods" docs (docs/source/reference/tpu.rst: it will "execute the setup/run commands on every host of
+the pod") and its code (SkyPilot 0.14.1: sky/clouds/utils/gcp_utils.py `is_tpu_vm_pod`, a TPU VM type not ending
+in -8; sky/backends/cloud_vm_ray_backend.py: "If TPU VM Pods is used, #num_nodes should be num_nodes *
+num_node_ips"). `num_nodes: HOSTS` would ask for HOSTS slices. Each host's container starts `runner run`, and
+`jax.distributed.initialize()` finds the slice from the TPU VM's metadata server, which SkyPilot's `--net=host`
+container reaches (sky/provision/docker_utils.py), as on a TPU VM: no KERAS_DISTRIBUTION_* is set.
+
 Time limits: only the job's own (`runner run ... --set train.max_duration=S --set train.stall_timeout=S`).
 SkyPilot has no deadline for a managed job on a TPU VM: its one run duration, `gcp.managed_instance_group.
 run_duration`, belongs to nodes it creates through a managed instance group, and a TPU VM is a node of its
@@ -43,6 +51,7 @@ from runner import AcceleratorError, SpecError
 from runner.cloud import pricing
 from runner.cloud.engines import RETRY_UNBOUNDED, command, container_env, dump_yaml
 from runner.cloud.submit import Submission
+from runner.device.tpus import parse_tpu_type
 
 INSTALL = "pip install 'tpu-job-runner[skypilot]' (the client; its API server needs skypilot[gcp])"
 MIN_VERSION = "0.11.2"  # the first SkyPilot whose schema has job_recovery.recover_on_exit_codes
@@ -77,6 +86,7 @@ def task(sub: Submission, *, dry_run: bool = True) -> dict[str, Any]:
     region = pricing.region_of(sub.zone)
     doc: dict[str, Any] = {
         "name": sub.name,
+        **({"num_nodes": 1} if sub.tpu.hosts > 1 else {}),  # one slice; SkyPilot runs `run` on each of its hosts
         "resources": {
             "infra": f"gcp/{region}/{sub.zone}",
             "accelerators": f"tpu-{sub.tpu.name}",
@@ -107,6 +117,10 @@ def task_yaml(doc: dict[str, Any]) -> str:
         "# exits 1, 2, 3 and 124 (a time limit, enforced by the job itself) end it. The spec is base64 in",
         "# envs.RUNNER_SPEC_B64. The TPU is created in the GCP project of SkyPilot's API server (sky check gcp).",
     ]
+    hosts = parse_tpu_type(doc["resources"]["accelerators"].removeprefix("tpu-")).hosts
+    if hosts > 1:
+        header.append(f"# The slice's {hosts} hosts are one SkyPilot node (num_nodes: 1): SkyPilot runs `run` on each "
+                      "host, one JAX process per host.")
     if "secrets" in doc:
         header.append(f"# The registry key: sky jobs launch THIS_FILE --secret {PASSWORD}=\"$(cat KEY.json)\"")
     return "\n".join(header) + "\n" + dump_yaml(doc)

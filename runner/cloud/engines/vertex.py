@@ -20,9 +20,10 @@ out and Vertex's 7 days apply. Whether Vertex restarts a worker that exits 124 i
 The machine types are Vertex AI's for training on TPU VMs, read from the TPU table (runner/device/tpus.json:
 https://cloud.google.com/vertex-ai/docs/training/configure-compute, "TPUs"; v2-8 and v3-8 are the legacy
 `cloud-tpu` machine with 8 TPU cores). A generation the table gives no Vertex machine (v6e, v5p, v4, TPU7x)
-is refused with the table's reason. The container runs
-as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and Vertex's
-ContainerSpec has no user setting. None of this has run on Vertex from this project.
+is refused with the table's reason, and so is every multi-host slice: no Vertex AI page read here documents a TPU
+slice of more than one VM for a custom container (the v5e row's `vertex.multi_host`, with its source). The
+container runs as the image's user: the TPU image's is root (Dockerfile), since libtpu opens the TPU devices and
+Vertex's ContainerSpec has no user setting. None of this has run on Vertex from this project.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def machine_spec(sub: Submission) -> dict[str, Any]:
     except SpecError as error:
         raise SpecError(f"{error}; run {sub.tpu.generation} with another --on, or pick one of "
                         f"{', '.join(MACHINES)}") from None
+    if not sub.tpu.single_host:
+        why = sub.tpu.facts.row["vertex"].get("multi_host") or {"refused": "no Vertex AI machine for it"}
+        source = f" ({tpus.source(why['source'])})" if why.get("source") else ""
+        raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: a slice of {sub.tpu.hosts} hosts: {why['refused']}"
+                        f"{source}; run it with --on tpu-vm, skypilot or gke ({tpu_types.DOCS})")
     if sub.tpu.name not in MACHINES:
         raise SpecError(f"--on vertex --tpu-type {sub.tpu.name}: no Vertex AI training machine for it; Vertex runs "
                         f"{', '.join(MACHINES)}")
