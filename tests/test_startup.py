@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from runner.cloud import request, submit, tpu_api
-from tests.conftest import cli_env, write_spec
+from tests.conftest import cli_env
 from tests.support.cloud import IMAGE, PROJECT, ZONE, invoke
 from tests.support.metadata_fake import MetadataFake
 from tests.support.tpu_fake import TpuFake
-from tests.support.tpu_vm import calls, run_startup_script, vm_env
+from tests.support.tpu_vm import calls, gcs_job_spec, run_startup_script, vm_env
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
@@ -39,12 +39,7 @@ class Vm:
     def __init__(self, api: TpuFake, metadata: MetadataFake, folder: Path):
         self.api, self.metadata, self.folder = api, metadata, folder
         self.gcs = folder / "gcs"
-        self.spec = write_spec(folder, {
-            "name": "mnist_cnn",
-            "data": {"train": "gs://runner-test/data/train-*.tfrecord", "eval": None},
-            "train": {"epochs": 2},
-            "output": {"dir": "gs://runner-test/runs"},
-        })
+        self.spec = gcs_job_spec(folder)
         self.boots = 0
 
     def submission(self, tpu_type: str = "v5litepod-8", **flags) -> submit.Submission:

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 
 from runner.cloud import request, submit, tpu_api
-from tests.conftest import write_spec
 from tests.support.cloud import IMAGE, PROJECT
 from tests.support.metadata_fake import MetadataFake, start_metadata_fake
 from tests.support.tpu_fake import TpuFake
-from tests.support.tpu_vm import calls, release, vm_env
+from tests.support.tpu_vm import calls, gcs_job_spec, release, vm_env
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VMs' describe and delete calls
@@ -58,12 +57,7 @@ class Slice:
     def __init__(self, api: TpuFake, metadata: list[MetadataFake], folder: Path):
         self.api, self.metadata, self.folder = api, metadata, folder
         self.gcs = folder / "gcs"
-        self.spec = write_spec(folder, {
-            "name": "mnist_cnn",
-            "data": {"train": "gs://runner-test/data/train-*.tfrecord", "eval": None},
-            "train": {"epochs": 2},
-            "output": {"dir": "gs://runner-test/runs"},
-        })
+        self.spec = gcs_job_spec(folder)
         self.sub = self.create()
         self.envs: list[dict[str, str]] = []
         self.processes: list[subprocess.Popen] = []

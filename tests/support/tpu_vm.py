@@ -411,3 +411,15 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def gcs_job_spec(folder: Path) -> Path:
+    """The job every simulated TPU VM runs: MNIST from gs://runner-test, its run folder there too."""
+    from tests.conftest import write_spec
+
+    return write_spec(folder, {
+        "name": "mnist_cnn",
+        "data": {"train": "gs://runner-test/data/train-*.tfrecord", "eval": None},
+        "train": {"epochs": 2},
+        "output": {"dir": "gs://runner-test/runs"},
+    })
