@@ -85,6 +85,12 @@ def submit_cli(spec: Path, env: dict[str, str], *extra: str):
                    IMAGE, *extra, env=env, timeout=180)
 
 
+def startup_script_sent(tpu_fake) -> str:
+    """The startup script of the newest queued resource `runner submit` created in the TPU API fake."""
+    creates = [r for r in tpu_fake.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
+    return creates[-1]["body"]["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+
+
 def sent(stderr: str) -> tuple[str, str]:
     """The archive's URL and sha256 as `runner submit` printed them."""
     found = SHA.search(stderr)
@@ -229,8 +235,7 @@ class Submitted:
         done = invoke("submit", self.spec, "--tpu-type", "v5litepod-8", "--zone", ZONE, "--project", PROJECT,
                       "--image", IMAGE, "--no-preflight", env=self.env)
         assert done.returncode == 0, done.stderr
-        creates = [r for r in self.tpu_fake.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
-        script = creates[-1]["body"]["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+        script = startup_script_sent(self.tpu_fake)
         return done, request.settings_of(script)["RUNNER_CODE"]
 
     def cancel(self) -> None:
@@ -302,8 +307,7 @@ def test_the_simulated_tpu_vm_trains_a_model_from_a_package_sent_by_runner_submi
     url, sha = sent(submitted.stderr)
     assert f"code: uploaded {url}" in submitted.stderr
     assert url.removeprefix(f"gs://{bucket}/") in gcs.objects(bucket, "runs/sendcode/code/")
-    [create] = [r for r in tpu_fake.requests() if r["method"] == "POST" and r["path"].endswith("/queuedResources")]
-    script = create["body"]["tpu"]["nodeSpec"][0]["node"]["metadata"]["startup-script"]
+    script = startup_script_sent(tpu_fake)
     shutil.rmtree(project)
     shutil.rmtree(src)  # from here on the code exists only in the bucket
 
@@ -314,7 +318,7 @@ def test_the_simulated_tpu_vm_trains_a_model_from_a_package_sent_by_runner_submi
     [job] = [c for c in calls(vm) if c.startswith("docker run") and " run /job/spec.yaml" in c]
     assert f"-e RUNNER_CODE={url}#sha256={sha} " in job, "the startup script hands the container the archive"
     summary = json.loads(gcs.read(bucket, "runs/sendcode/summary.json"))
-    sub = summary.get("submission") or create["body"]["tpu"]["nodeSpec"][0]["node"]["labels"]["runner-submission"]
+    sub = request.settings_of(script)["RUNNER_SUBMISSION"]
     log = gcs.read(bucket, f"runs/sendcode/logs/{sub}/worker-0.log").decode()
     assert f"code: {url} (sha256 checked): 5 files unpacked" in log, log[-3000:]
     assert summary["status"] == "succeeded" and summary["final_step"] == 4, log[-3000:]

@@ -253,7 +253,7 @@ fi
 tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
 # The code sent with the job (docs/cloud.md, "Sending your code"): `runner run` fetches, checks and unpacks it.
 code_env=()
-[ -z "${RUNNER_CODE:-}" ] || code_env=(-e "RUNNER_CODE=$RUNNER_CODE")
+[ -z "${RUNNER_CODE:-}" ] || code_env=(-e "RUNNER_CODE=${RUNNER_CODE:-}")
 printf '%s' "$RUNNER_SPEC_B64" | base64 -d >"$workdir/spec.yaml"
 
 # Artifact Registry: docker asks gcloud's credential helper, which must be on PATH; without it, a
