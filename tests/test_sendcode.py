@@ -293,6 +293,29 @@ def test_a_tampered_or_missing_archive_is_refused_naming_it(tpu_fake, gcs, tmp_p
 # --- on the simulated TPU VM ------------------------------------------------------------------------------
 
 
+@pytest.mark.host  # the real gcloud sends the VM's delete
+def test_the_startup_script_hands_the_container_the_archive_and_nothing_without_code(tpu_fake, metadata_fake,
+                                                                                     tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "dense.py").write_text(DENSE)
+    for name, model in (("with", "dense:build"), ("without", "mnist_cnn")):
+        spec = cloud_job(project, "runner-test", model={"name": model}, code={"packages": []},
+                         data={"preprocess": None})
+        sub = submit.prepare_submission(spec, tpu_type="v5litepod-8", zone=ZONE, image=IMAGE, project=PROJECT)
+        vm = vm_env(tmp_path / f"vm-{name}", metadata_host=metadata_fake.host, tpu_endpoint=tpu_fake.endpoint,
+                    gcs_dir=tmp_path / f"gcs-{name}", RUNNER_METADATA_TRIES="3", RUNNER_UPLOAD_EVERY_S="1")
+        booted = run_startup_script(request.startup_script(sub), vm)
+        assert booted.returncode == 0, booted.stderr
+        [job] = [c for c in calls(vm) if c.startswith("docker run") and " run /job/spec.yaml" in c]
+        doctor = next(c for c in calls(vm) if c.startswith("docker run") and " doctor " in c)
+        if sub.code_ref:
+            assert f" -e RUNNER_CODE={sub.code_ref} -e RUNNER_WORKER=0 " in job
+        else:
+            assert "RUNNER_CODE" not in job
+        assert "RUNNER_CODE" not in doctor, "the doctor checks the VM, not the user's code"
+
+
 @pytest.mark.slow
 @pytest.mark.host  # the real gcloud sends the VM's delete
 def test_the_simulated_tpu_vm_trains_a_model_from_a_package_sent_by_runner_submit(

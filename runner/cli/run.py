@@ -89,9 +89,10 @@ Fresh = Annotated[
 Code = Annotated[
     str | None,
     typer.Option(
-        "--code", envvar="RUNNER_CODE", metavar="gs://...tar.gz#sha256=HEX",
-        help="Code sent with the job (`runner submit` sets RUNNER_CODE): fetched, its sha256 checked, unpacked "
-        "and used as code.folder (its packages put on the path) before the spec is read.",
+        "--code", envvar="RUNNER_CODE", metavar="ARCHIVE",
+        help="Code sent with the job, gs://.../SHA256.tar.gz#sha256=SHA256 (`runner submit` sets RUNNER_CODE): "
+        "fetched, its sha256 checked, unpacked and used as code.folder (its packages put on the path) before the "
+        "spec is read.",
     ),
 ]
 

@@ -5,7 +5,9 @@ The command only gathers the flags: the TPU VM's into `TpuVmOptions`, GKE's into
 chosen target does not use is refused (exit 2), never dropped. Before anything is sent (and in a dry run) the
 TPU VM path says the TPU VM's software version and its source, what the slice costs per hour, its time limits,
 whether a --runtime-version no source names is unverified, and, when the bucket holds a previous run of the job,
-what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none).
+what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none). Every
+target says what of the user's code it sends (runner/cloud/codepack.py), and a real submission uploads that
+archive after every check, just before the job is sent (runner/cloud/codefetch.py).
 
 `preflight` (handed in by the command line: the cloud checks of `runner doctor --cloud`, which this package
 does not import) runs after every check that needs no call and before the first call that could create

@@ -8,7 +8,9 @@
         its startup script (runner/cloud/tpu_startup.sh) runs `docker run --net=host --privileged IMAGE run
         spec.yaml` on every worker (one JAX process per host), writes RUN_DIR/logs/SUB/, and deletes the queued
         resource when the job ends: worker 0, or another worker when worker 0 is lost. RUN_DIR/job.json records
-        the submission, so a watcher (runner/cloud/recovery.py) can create it again after a preemption.
+        the submission, so a watcher (runner/cloud/recovery.py) can create it again after a preemption. Code
+        the spec names from this machine is packed (runner/cloud/codepack.py) and handed to the container as
+        RUNNER_CODE.
     runner status [NAME] / cancel NAME / logs NAME / watch NAME     (runner/cloud/jobs.py finds NAME)
 
 Nothing bills unwatched: the job runs at most --max-run-duration (default 24h; `none` for no limit) and
