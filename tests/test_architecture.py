@@ -52,7 +52,8 @@ TENSORFLOW_FREE_MODULES = (
     "runner.data.storage", "runner.device.host", "runner.device.tpu_env", "runner.device.tpus", "runner.device.flavour",
     "runner.device.backend",
     "runner.rundir.timing", "runner.cloud.submit", "runner.cloud.request", "runner.cloud.logs", "runner.cloud.pricing",
-    "runner.cloud.jobs", "runner.doctor", "runner.doctor.checks", "runner.doctor.report",
+    "runner.cloud.jobs", "runner.cloud.codepack", "runner.cloud.codefetch",
+    "runner.doctor", "runner.doctor.checks", "runner.doctor.report",
     "runner.train.preemption", "runner.job.startup",
 )
 

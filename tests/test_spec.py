@@ -578,8 +578,9 @@ def test_the_quick_path_from_another_folder_reads_and_writes_beside_the_spec(tin
     assert list(third.iterdir()) == []
 
 
-def test_submit_refuses_code_that_stays_on_this_machine(project: Path, tmp_path: Path) -> None:
-    """A TPU VM runs the image: code from the spec's folder is not there, an installed package listed can be."""
+def test_submit_sends_code_from_the_spec_folder_without_importing_it(project: Path, tmp_path: Path) -> None:
+    """A TPU VM runs the image: `runner submit` sends the code folder with the job (tests/test_sendcode.py), found
+    as validate finds it, never imported; a listed package not installed here is left to the image."""
     spec = write_spec(project, {
         "name": "remote", "model": {"name": "mymodels:build"}, "train": {"loss": "ownpkg.losses:focal"},
         "code": {"packages": ["ownpkg"]},
@@ -590,9 +591,10 @@ def test_submit_refuses_code_that_stays_on_this_machine(project: Path, tmp_path:
         "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu", "--dry-run",
         env=cli_env(RUNNER_STATE_DIR=str(tmp_path / "state"), CLOUDSDK_CONFIG=str(tmp_path / "gcloud")), timeout=120,
     )
-    assert result.returncode == 2, result.stderr
-    assert f"model.name 'mymodels:build' is code from {project}, which the TPU VM does not have" in result.stderr
-    assert "train.loss" not in result.stderr, "a listed package is installed in the image"
+    assert result.returncode == 0, result.stderr
+    assert f"from code.folder {project}" in result.stderr and "code:   folder/mymodels.py (" in result.stderr
+    assert "code.packages 'ownpkg' is not installed here, so it is not sent: the image must have it" in result.stderr
+    assert not (project / "imported").exists(), "found and packed, never imported"
 
 
 @pytest.mark.parametrize(("name", "rule"), [

@@ -86,10 +86,21 @@ Fresh = Annotated[
 ]
 
 
+Code = Annotated[
+    str | None,
+    typer.Option(
+        "--code", envvar="RUNNER_CODE", metavar="ARCHIVE",
+        help="Code sent with the job, gs://.../SHA256.tar.gz#sha256=SHA256 (`runner submit` sets RUNNER_CODE): "
+        "fetched, its sha256 checked, unpacked and used as code.folder (its packages put on the path) before the "
+        "spec is read.",
+    ),
+]
+
+
 @app.command()
 def run(
     spec: SpecPath, overrides: Overrides = None, debug: Debug = False, progress_every: ProgressEvery = 30.0,
-    fresh: Fresh = False,
+    fresh: Fresh = False, code: Code = None,
 ) -> None:
     """Train the job (or resume it from its newest checkpoint); the JSON summary is the last stdout line.
 
@@ -107,6 +118,8 @@ def run(
     * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --fresh` (an earlier run of the job is moved aside)
     """
     early = early_notice()
+    if code:
+        overrides = [*(overrides or []), *_fetch_code(code, debug)]
     job = load(spec, overrides)
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
@@ -142,6 +155,18 @@ def run(
         if processes.in_job():
             processes.leave(ended.exit_code)  # not JAX's exit barrier, which waits on processes that are gone
         raise ended
+
+
+def _fetch_code(ref: str, debug: bool) -> list[str]:
+    """The sent code unpacked and on the path; the `--set` that makes it the spec's code folder."""
+    from runner.cloud import codefetch
+
+    try:
+        unpacked = codefetch.fetch(ref)
+    except RunnerError as error:
+        raise fail(error, debug) from None
+    typer.echo(unpacked.line(), err=True)
+    return unpacked.overrides()
 
 
 Scale = Annotated[

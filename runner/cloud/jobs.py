@@ -48,6 +48,7 @@ def job_record(sub: submit.Submission, operation: str | None = None) -> dict[str
             "unverified": sub.unverified,
             "allow_unverified": sub.allow_unverified,
             "spec_yaml": request.spec_yaml(sub.spec),
+            "code_ref": sub.code_ref,  # the code archive a relaunch hands the container again
         },
         "submissions": [{"id": sub.submission_id, "requested_at": record.now_text(), "operation": operation}],
         "restarts": [],
@@ -67,7 +68,7 @@ def submission_from_job(job: dict[str, Any], submission_id: str) -> submit.Submi
         service_account=request.get("service_account"), reservation=request.get("reservation"),
         valid_until=request.get("valid_until"), max_run_s=request.get("max_run_s"),
         stall_timeout_s=request.get("stall_timeout_s"), unverified=request.get("unverified"),
-        allow_unverified=bool(request.get("allow_unverified")),
+        allow_unverified=bool(request.get("allow_unverified")), code_ref=request.get("code_ref"),
     )
 
 
@@ -116,6 +117,7 @@ def job_from_resource(resource, project: str, zone: str) -> dict[str, Any]:
             ),
             "allow_unverified": True,  # it was created, so it was allowed
             "spec_yaml": base64.b64decode(settings["RUNNER_SPEC_B64"]).decode(),
+            "code_ref": settings.get("RUNNER_CODE") or None,
         },
         "submissions": [
             {

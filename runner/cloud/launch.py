@@ -5,7 +5,9 @@ The command only gathers the flags: the TPU VM's into `TpuVmOptions`, GKE's into
 chosen target does not use is refused (exit 2), never dropped. Before anything is sent (and in a dry run) the
 TPU VM path says the TPU VM's software version and its source, what the slice costs per hour, its time limits,
 whether a --runtime-version no source names is unverified, and, when the bucket holds a previous run of the job,
-what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none).
+what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none). Every
+target says what of the user's code it sends (runner/cloud/codepack.py), and a real submission uploads that
+archive after every check, just before the job is sent (runner/cloud/codefetch.py).
 
 `preflight` (handed in by the command line: the cloud checks of `runner doctor --cloud`, which this package
 does not import) runs after every check that needs no call and before the first call that could create
@@ -20,7 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from runner import RunnerError
-from runner.cloud import engines, gcloud_config, jobs, pricing, record, request, submit, tpu_api, tpu_types
+from runner.cloud import (
+    codefetch,
+    codepack,
+    engines,
+    gcloud_config,
+    jobs,
+    pricing,
+    record,
+    request,
+    submit,
+    tpu_api,
+    tpu_types,
+)
 from runner.cloud.durations import LIMIT_GRACE_S
 
 
@@ -145,6 +159,21 @@ def unverified_line(sub: submit.Submission, dry_run: bool) -> str | None:
         return f"unverified: {sub.unverified}; without --dry-run, submit refuses it unless --allow-unverified"
     return None  # check_verified refuses it, in the same words
 
+def code_lines(sub: submit.Submission, dry_run: bool) -> list[str]:
+    """What is sent of the user's code (files, sizes, the archive's name) and what is left out, and why."""
+    lines = codepack.describe(sub.code)
+    if dry_run and sub.code_ref:
+        lines.append("code: --dry-run uploads nothing; `runner submit` without it uploads the archive (once per "
+                     "content) just before the job is sent")
+    return lines
+
+
+def send_code(sub: submit.Submission, say: Callable[[str], None]) -> None:
+    """Uploads the code archive beside the run folder, unless the same bytes are there already."""
+    if sub.code is not None and sub.code_ref:
+        say(codefetch.upload(sub.code, sub.spec.storage.timeout_s))
+
+
 def _hours(seconds: int) -> str:
     return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds} s"
 
@@ -210,17 +239,26 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     )
     check = None if preflight is None else (lambda: preflight(sub, on))
     unverified = unverified_line(sub, dry_run)
+    code = code_lines(sub, dry_run)
     if on != "tpu-vm":
         vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
         workers = workers_line(sub, on) if on != "vertex" else None  # Vertex AI refuses a multi-host slice
         for line in [*vm_runtime, *price_lines(sub)[:1], *([workers] if workers else []),
-                     *([unverified] if unverified else [])]:
+                     *([unverified] if unverified else []), *code]:
             say(line)
-        text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run, preflight=check)
+
+        def before_sending() -> None:  # every check has passed: the code goes up just before the job does
+            if check is not None:
+                check()
+            if not dry_run:
+                send_code(sub, say)
+
+        text, sent = engines.submit(on, sub, engine.options(vm.max_restarts), dry_run=dry_run,
+                                    preflight=before_sending)
         return Launched(text=text if sent is None else "", doc=sent)
     workers = workers_line(sub, on)
     for line in [runtime_line(sub), *price_lines(sub, _previous_run(sub, say)), *([workers] if workers else []),
-                 *([unverified] if unverified else [])]:
+                 *([unverified] if unverified else []), *code]:
         say(line)
     if not dry_run:
         submit.check_verified(sub)
@@ -229,6 +267,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     if dry_run:
         return Launched(text=request.gcloud_script(sub))
     jobs.refuse_a_second_job(sub)
+    send_code(sub, say)
     result = tpu_api.create(sub)
     job = jobs.job_record(sub, result["operation"])
     record.remember(sub.name, sub.project, sub.zone, sub.spec.run_dir)

@@ -62,6 +62,8 @@ def startup_script(sub: Submission) -> str:
         "RUNNER_EPOCHS": str(sub.spec.train.epochs) if sub.spec.kind == "train" else "",
         "RUNNER_SPEC_B64": base64.b64encode(spec_yaml(sub.spec).encode()).decode(),
     }
+    if sub.code_ref:  # the code sent with the job: the container's `runner run` fetches it (runner/cloud/codefetch.py)
+        settings["RUNNER_CODE"] = sub.code_ref
     header = ["#!/bin/bash", f"# runner job {sub.spec.name!r}: written by `runner submit`"]
     for key, value in settings.items():
         if key == "RUNNER_MAX_RESTARTS":  # read back from the script by `runner watch`, not by the script
@@ -153,10 +155,15 @@ def gcloud_script(sub: Submission) -> str:
         f"--scopes={SCOPE}",
         "--async",
     ]
+    code = [] if not sub.code_ref else [
+        f"# The job's code: {sub.code_ref.partition('#')[0]}, which `runner submit` (without --dry-run) uploads",
+        "# before its request; this script uploads nothing, so the job finds its code only if it is there.",
+    ]
     lines = [
         "#!/bin/bash",
         f"# Job {sub.spec.name!r} on a {sub.tpu.name} in {sub.zone}: this script sends, with gcloud, the request",
         f"# `runner submit` sends to POST {API_HOST}/v2/{sub.parent}/queuedResources?queuedResourceId={sub.name}",
+        *code,
         *("#   " + line for line in json.dumps(shown, indent=2).splitlines()),
         "set -euo pipefail",
         'startup="$(mktemp)"',

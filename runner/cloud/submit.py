@@ -8,7 +8,9 @@
         its startup script (runner/cloud/tpu_startup.sh) runs `docker run --net=host --privileged IMAGE run
         spec.yaml` on every worker (one JAX process per host), writes RUN_DIR/logs/SUB/, and deletes the queued
         resource when the job ends: worker 0, or another worker when worker 0 is lost. RUN_DIR/job.json records
-        the submission, so a watcher (runner/cloud/recovery.py) can create it again after a preemption.
+        the submission, so a watcher (runner/cloud/recovery.py) can create it again after a preemption. Code
+        the spec names from this machine is packed (runner/cloud/codepack.py) and handed to the container as
+        RUNNER_CODE.
     runner status [NAME] / cancel NAME / logs NAME / watch NAME     (runner/cloud/jobs.py finds NAME)
 
 Nothing bills unwatched: the job runs at most --max-run-duration (default 24h; `none` for no limit) and
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import SpecError
-from runner.cloud import record, tpu_types
+from runner.cloud import codepack, record, tpu_types
 from runner.cloud.durations import limit_overrides, parse_limits, parse_valid_until, valid_until_text
 from runner.data import storage
 from runner.spec.load import load_spec
@@ -80,6 +82,10 @@ class Submission:
     stall_timeout_s: int | None = None  # stop after this long without progress (None: no guard)
     unverified: str | None = None  # why this TPU type's runtime version is unverified (tpu_types)
     allow_unverified: bool = False
+    # RUNNER_CODE for the job's container: the code archive's URL and sha256 (None: no code sent), and the
+    # archive itself on the first submission (runner/cloud/codepack.py); a relaunch has the reference only.
+    code_ref: str | None = None
+    code: codepack.CodePack | None = None
 
     @property
     def parent(self) -> str:
@@ -187,12 +193,6 @@ def _check_spec(spec: JobSpec, hosts: int = 1) -> list[str]:
     if spec.accelerator.kind in ("cpu", "gpu"):
         problems.append(f"accelerator.kind is {spec.accelerator.kind!r}: a TPU VM job needs 'tpu' (or 'auto'): "
                         "--set accelerator.kind=tpu")
-    for key, path in spec.import_paths.items():  # the VM runs the image: code.folder stays on this machine
-        if path.partition(":")[0].split(".")[0] not in spec.code.packages:
-            problems.append(
-                f"{key} {path!r} is code from {spec.code.folder}, which the TPU VM does not have: install your "
-                "package in the image and list it in code.packages (docs/own-model.md)"
-            )
     return problems
 
 
@@ -255,6 +255,9 @@ def prepare_submission(
         # On the VM the TPU must be found: a job that fell back to the CPU would still bill TPU hours.
         spec = load_spec(spec_path, [*overrides, "accelerator.kind=tpu"])
     problems += _check_spec(spec, checked["tpu"].hosts if "tpu" in checked else 1)
+    # The code the spec names travels with the job (runner/cloud/codepack.py), its run folder the archive's home.
+    code, code_problems = codepack.code_to_send(spec.import_paths, spec.code_roots, spec.run_dir)
+    problems += code_problems
     # The job's own bounds for its limits: the container gets them as --set; refuse here, not on the VM.
     for flag, given, override in (
         ("--max-run-duration", max_run_duration, limit_overrides(max_run_s, None)),
@@ -290,6 +293,8 @@ def prepare_submission(
         stall_timeout_s=stall_timeout_s,
         unverified=tpu_types.unverified_reason(tpu, runtime_version, vm=creates_vm),
         allow_unverified=allow_unverified,
+        code_ref=code.ref if code is not None else None,
+        code=code,
     )
 
 

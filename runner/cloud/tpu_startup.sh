@@ -13,7 +13,8 @@
 #      gcplogs driver: seconds behind) and to RUN_DIR/logs/SUB/worker-N.log (copied every 30 s and at the
 #      end: the durable record). The job gets its limits on its command line (`--set train.max_duration=S
 #      --set train.stall_timeout=S`: it saves and exits 124 at either), and the container is killed
-#      RUNNER_LIMIT_GRACE_S after the wall-clock limit if it is still there (`timeout`);
+#      RUNNER_LIMIT_GRACE_S after the wall-clock limit if it is still there (`timeout`). Code sent with the job
+#      reaches the container as RUNNER_CODE (the archive's URL and sha256), which `runner run` fetches;
 #   5. writes RUN_DIR/logs/SUB/worker-N.exit.json (exit code, or why nothing ran; start and end; TPU type);
 #   6. deletes the queued resource that holds the slice, unless the job was submitted with --keep, retrying with
 #      backoff for up to RUNNER_DELETE_FOR_S (10 min), and writes the outcome into the exit record ("delete":
@@ -250,6 +251,9 @@ if [ "${hosts:-0}" -gt 0 ] && [ "$hosts" != "${RUNNER_HOSTS:-1}" ]; then
   say "the metadata server lists $hosts workers in this slice, the submission expected ${RUNNER_HOSTS:-1} (runner/device/tpus.json); JAX follows the metadata server"
 fi
 tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
+# The code sent with the job (docs/cloud.md, "Sending your code"): `runner run` fetches, checks and unpacks it.
+code_env=()
+[ -z "${RUNNER_CODE:-}" ] || code_env=(-e "RUNNER_CODE=${RUNNER_CODE:-}")
 printf '%s' "$RUNNER_SPEC_B64" | base64 -d >"$workdir/spec.yaml"
 
 # Artifact Registry: docker asks gcloud's credential helper, which must be on PATH; without it, a
@@ -341,7 +345,7 @@ if [ -n "${RUNNER_MAX_RUN_S:-}" ]; then
 fi
 job_began=$SECONDS
 "${outside[@]}" docker run --rm --name "$container" --net=host --privileged --user 0:0 "${cloud_logging[@]}" \
-  "${labels[@]}" "${tpu_env[@]}" -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" \
+  "${labels[@]}" "${tpu_env[@]}" "${code_env[@]}" -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" \
   run /job/spec.yaml "${limits[@]}" >>"$log" 2>&1
 code=$?
 kill "$uploader" 2>/dev/null

@@ -254,7 +254,8 @@ class Transfer:
 
 
 class Uploader:
-    """Uploads local files to gs:// in parallel; each request retried with backoff until `timeout_s` has passed."""
+    """Uploads local files to gs:// in parallel (and reads single objects back); each request retried with
+    backoff until `timeout_s` has passed."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = 8):
         from google.api_core.retry import Retry
@@ -295,6 +296,39 @@ class Uploader:
         self.transfer.seconds += time.monotonic() - began
         return self.transfer
 
+    def md5_of(self, url: str) -> str | None:
+        """The object's MD5 as GCS gives it (base64; "" for a composite object), None when there is none: a
+        content-addressed object that is already there whole need not be uploaded again."""
+        from google.api_core import exceptions as api_exceptions
+
+        bucket, name = split_gcs(url)
+        blob = self.client.bucket(bucket).blob(name)
+        try:
+            blob.reload(retry=self.retry, timeout=self.request_timeout)
+        except api_exceptions.NotFound:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(bucket, exc, name, "storage.objects.get") from None
+        return blob.md5_hash or ""
+
+    def download(self, url: str, max_bytes: int) -> bytes | None:
+        """The object's bytes (None when there is no such object); StorageError past `max_bytes`."""
+        from google.api_core import exceptions as api_exceptions
+
+        bucket, name = split_gcs(url)
+        blob = self.client.bucket(bucket).blob(name)
+        try:
+            blob.reload(retry=self.retry, timeout=self.request_timeout)
+            if blob.size is not None and blob.size > max_bytes:
+                raise StorageError(f"{url} is {blob.size:,} bytes, more than the {max_bytes:,} expected")
+            return blob.download_as_bytes(retry=self.retry, timeout=self.request_timeout)
+        except api_exceptions.NotFound:
+            return None
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(bucket, exc, name, "storage.objects.get") from None
+
     def _upload_one(self, local: str, url: str) -> int:
         bucket, name = split_gcs(url)
         blob = self.client.bucket(bucket).blob(name)
@@ -305,7 +339,8 @@ class Uploader:
             raise self._error(bucket, exc, name) from None
         return os.path.getsize(local)
 
-    def _error(self, bucket: str, exc: Exception, name: str = "") -> StorageError:
+    def _error(self, bucket: str, exc: Exception, name: str = "",
+               permission: str = "storage.objects.create") -> StorageError:
         from google.api_core import exceptions as api_exceptions
 
         target = f"gs://{bucket}/{name}" if name else f"gs://{bucket}"
@@ -316,7 +351,7 @@ class Uploader:
                 f"({self.transfer.retries} retries; last: {type(cause).__name__}: {str(cause)[:200]})"
             )
         if isinstance(exc, api_exceptions.Forbidden):
-            return StorageError(f"{target}: permission denied; the account needs storage.objects.create on gs://{bucket}")
+            return StorageError(f"{target}: permission denied; the account needs {permission} on gs://{bucket}")
         return StorageError(f"{target}: {type(exc).__name__}: {str(exc)[:300]}")
 
 

@@ -134,10 +134,12 @@ def deadline_s(sub: Submission) -> int | None:
 
 
 def container_env(sub: Submission) -> dict[str, str]:
-    """The environment of the job's container: the spec, and the TPU as this host's own."""
+    """The environment of the job's container: the spec, the TPU as this host's own, and the code sent with
+    the job (RUNNER_CODE, which `runner run` reads: runner/cloud/codefetch.py)."""
     return {
         "TPU_NAME": "local",
         "RUNNER_SPEC_B64": base64.b64encode(spec_yaml(sub.spec).encode()).decode(),
+        **({"RUNNER_CODE": sub.code_ref} if sub.code_ref else {}),
     }
 
 
