@@ -221,7 +221,8 @@ def test_a_run_folder_resumes_only_under_the_keras_and_tensorflow_that_can_read_
     # them, so `--set accelerator.backend=tensorflow` would be advice that fails next.
     under_jax = run_cli("run", spec, "--set", "accelerator.backend=jax")
     assert under_jax.returncode == 2, under_jax.stderr[-3000:]
-    assert "tf-keras is no longer supported" in under_jax.stderr and "accelerator.backend" not in under_jax.stderr
+    assert "tf-keras is no longer supported" in under_jax.stderr, under_jax.stderr[-3000:]
+    assert "`--set accelerator.backend" not in under_jax.stderr
 
     # The same folder, as if an older TensorFlow had written it under Keras 3: this newer one resumes it.
     doc["pinned"].update({"keras.flavour": "keras3", "tensorflow.version": "2.0.0"})
