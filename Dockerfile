@@ -50,14 +50,11 @@ RUN image-install.sh list runtime >/requirements-runtime.txt \
 
 FROM base AS deps-cpu
 ARG TENSORFLOW="tensorflow-cpu==2.21.0"
-# tf-keras comes along for the jobs that need it (multi-worker training: runner/device/flavour.py picks it there).
-ARG TF_KERAS="tf-keras==2.21.0"
 ENV RUNNER_USER=1000:1000
 COPY requirements.lock ./
 COPY --from=requirements /requirements-runtime.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
-    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" \
-    && image-install.sh nodeps "$TF_KERAS"
+    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW"
 
 
 FROM base AS deps-tpu
@@ -65,7 +62,7 @@ FROM base AS deps-tpu
 # jax, which pins the libtpu that jax release was built with (from PyPI, as JAX's install guide says), and
 # tensorflow-cpu for tf.data alone: a CPU wheel has no TPU kernels, so TensorFlow never touches the TPU JAX drives.
 # requirements-tpu.lock pins the whole set. No tensorflow-tpu: Google's TensorFlow TPU runtimes stop at 2.18 and
-# TPU7x runs no TensorFlow; no tf-keras: multi-worker MirroredStrategy is a CPU/GPU matter.
+# TPU7x runs no TensorFlow.
 # The TPU image runs as root: libtpu opens the TPU devices (/dev/accel*, /dev/vfio), as `docker run
 # --privileged --user 0:0` does on a TPU VM, and Vertex AI runs the image's own user with no setting for
 # another (its ContainerSpec has none). docs/engines.md.

@@ -22,10 +22,10 @@ from runner import SpecError
 
 
 def _keras() -> Any:
-    """tf.keras: Keras 3, or tf-keras where the job chose it (runner/device/flavour.py) before TensorFlow loaded."""
-    import tensorflow as tf
+    """Keras 3, imported when a model is built: the table itself loads without it (runner/spec reads it)."""
+    import keras
 
-    return tf.keras
+    return keras
 
 
 # The image models' pixels: 0..PIXEL_MAX as the records hold them, divided by `pixel_max` inside the model.

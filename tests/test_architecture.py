@@ -49,8 +49,7 @@ RANK = {area: rank for rank, areas in enumerate(LAYERS) for area in areas}
 # command imports before TensorFlow should load.
 TENSORFLOW_FREE_AREAS = ("root", "models", "spec", "cli", "compare")
 TENSORFLOW_FREE_MODULES = (
-    "runner.data.storage", "runner.device.host", "runner.device.tpu_env", "runner.device.tpus", "runner.device.flavour",
-    "runner.device.backend",
+    "runner.data.storage", "runner.device.host", "runner.device.tpu_env", "runner.device.tpus", "runner.device.backend",
     "runner.rundir.timing", "runner.cloud.submit", "runner.cloud.request", "runner.cloud.logs", "runner.cloud.pricing",
     "runner.cloud.jobs", "runner.cloud.codepack", "runner.cloud.codefetch",
     "runner.doctor", "runner.doctor.checks", "runner.doctor.report",
@@ -200,8 +199,8 @@ def test_docs_draw_the_layers_this_file_enforces() -> None:
     assert "tests/test_architecture.py" in readme and "docs/architecture.md" in readme
 
 
-# The training core's modules that need nothing of TensorFlow but Keras: they take Keras from
-# runner/device/flavour.py (Keras 3 on the job's backend), so a JAX job's training loop is TensorFlow-free there.
+# The training core's modules that need nothing of TensorFlow but Keras: they import Keras 3 itself (on the job's
+# backend), not `tf.keras`, so a JAX job's training loop is TensorFlow-free there.
 KERAS_ONLY_MODULES = ("runner.train.progress", "runner.train.limits", "runner.train.preemption",
                       "runner.train.verdict", "runner.device.backend", "runner.rundir.orbax_store",
                       "runner.device.processes")
@@ -212,4 +211,4 @@ def test_the_backend_seam_keeps_tensorflow_out_of_modules_that_need_only_keras(m
     tree = ast.parse(MODULES[module].read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not {name for name in imported if name.split(".")[0] in ("tensorflow", "tf_keras")}
+    assert not {name for name in imported if name.split(".")[0] == "tensorflow"}

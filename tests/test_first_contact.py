@@ -200,34 +200,41 @@ def test_an_unusable_credentials_file_is_named(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.slow
 def test_a_run_folder_resumes_only_under_the_keras_and_tensorflow_that_can_read_it(mnist_job, tmp_path: Path) -> None:
-    """A real tf-keras checkpoint, then a Keras 3 run of the same job: refused, naming both; the TensorFlow
-    version may rise between attempts, never fall."""
+    """A run folder whose pins say tf-keras wrote its checkpoints (an older runner's, TF_USE_LEGACY_KERAS=1):
+    refused, tf-keras named as no longer supported and `--fresh` as the way on; the TensorFlow version may rise
+    between attempts, never fall."""
     spec = mnist_job("flavours", train={"epochs": 2, "steps_per_epoch": 3, "allow_chance": True},
                      data={"eval": None}, output={"tensorboard": False})
-    keras3 = {k: v for k, v in cli_env().items() if k != "TF_USE_LEGACY_KERAS"}
-    legacy = run_cli("run", spec, "--set", "train.epochs=1", env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
-    assert legacy.returncode == 0, legacy.stderr[-3000:]
+    first = run_cli("run", spec, "--set", "train.epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "runs" / "flavours"
-    pins = json.loads((run_dir / "spec.json").read_text())["pinned"]
-    assert pins["keras.flavour"] == "tf-keras" and pins["tensorflow.version"]
-
-    refused = run_cli("run", spec, env=keras3)
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "written with tf-keras and this run trains with keras3" in refused.stderr
-    assert "TF_USE_LEGACY_KERAS=1" in refused.stderr and "--fresh" in refused.stderr
-
-    # The same folder, as if an older TensorFlow had written it: this newer one resumes it.
     doc = json.loads((run_dir / "spec.json").read_text())
-    doc["pinned"]["tensorflow.version"] = "2.0.0"
+    assert doc["pinned"]["keras.flavour"] == "keras3" and doc["pinned"]["tensorflow.version"]
+
+    doc["pinned"]["keras.flavour"] = "tf-keras"  # what an older runner under TF_USE_LEGACY_KERAS=1 wrote
     (run_dir / "spec.json").write_text(json.dumps(doc))
-    resumed = run_cli("run", spec, env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"{run_dir}'s checkpoints were written by tf-keras" in refused.stderr, refused.stderr[-3000:]
+    assert "tf-keras is no longer supported" in refused.stderr and "`runner run --fresh`" in refused.stderr
+    # Under JAX the TensorFlow checkpoints are invisible, and still tf-keras is what is named: no backend restores
+    # them, so `--set accelerator.backend=tensorflow` would be advice that fails next.
+    under_jax = run_cli("run", spec, "--set", "accelerator.backend=jax")
+    assert under_jax.returncode == 2, under_jax.stderr[-3000:]
+    assert "tf-keras is no longer supported" in under_jax.stderr, under_jax.stderr[-3000:]
+    assert "`--set accelerator.backend" not in under_jax.stderr
+
+    # The same folder, as if an older TensorFlow had written it under Keras 3: this newer one resumes it.
+    doc["pinned"].update({"keras.flavour": "keras3", "tensorflow.version": "2.0.0"})
+    (run_dir / "spec.json").write_text(json.dumps(doc))
+    resumed = run_cli("run", spec)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert last_json(resumed.stdout)["resumed_from_step"] == 3
 
     doc = json.loads((run_dir / "spec.json").read_text())
     doc["pinned"]["tensorflow.version"] = "9.0.0"
     (run_dir / "spec.json").write_text(json.dumps(doc))
-    newer = run_cli("run", spec, "--set", "train.epochs=3", env={**keras3, "TF_USE_LEGACY_KERAS": "1"})
+    newer = run_cli("run", spec, "--set", "train.epochs=3")
     assert newer.returncode == 2, newer.stderr[-3000:]
     assert "written by TensorFlow 9.0.0" in newer.stderr and "reads checkpoints of older versions" in newer.stderr
 

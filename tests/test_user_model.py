@@ -106,21 +106,6 @@ def test_example_trains_through_the_cli(fashion_data: Path, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_example_trains_under_tf_keras_as_on_tpu_images(fashion_data: Path, tmp_path: Path):
-    """TPU images and multi-worker runs train with tf-keras: the example builds with tf.keras, so it follows."""
-    env = {**example_env(), "TF_USE_LEGACY_KERAS": "1"}
-    result = run_cli(
-        "run", EXAMPLE / "job.yaml", *example_overrides(fashion_data, tmp_path / "runs"), "--set", "train.epochs=1",
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = last_json(result.stdout)
-    assert summary["accelerator"]["keras"].startswith("tf-keras")
-    assert summary["metrics"]["accuracy"] > 0.3
-    served_examples(summary, fashion_data)
-
-
-@pytest.mark.slow
 @pytest.mark.host
 def test_example_image_built_on_the_runner_image_trains_the_job(
     docker_engine: Engine, runner_image: str, fashion_data: Path, tmp_path: Path

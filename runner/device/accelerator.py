@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import os
 from typing import Any
 
 import tensorflow as tf
@@ -34,7 +33,6 @@ class Accelerator:
         return self.worker_index == 0
 
     def to_dict(self) -> dict[str, Any]:
-        legacy = os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true", "yes")
         return {
             "kind": self.kind,
             "backend": self.backend.to_dict(),
@@ -42,7 +40,7 @@ class Accelerator:
             "workers": self.workers,
             "detail": self.detail,
             "tensorflow": tf.__version__,
-            "keras": f"{'tf-keras' if legacy else 'keras'} {_version('tf-keras' if legacy else 'keras')}",
+            "keras": f"keras {_version('keras')}",  # the form runner report compares across runs
             **({"jax": _version("jax")} if self.backend.name == "jax" else {}),
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
             "allocator": host.allocator_in_use()[0],

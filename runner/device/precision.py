@@ -86,8 +86,7 @@ def output_not_float32(model: keras.Model) -> str | None:
     for tensor in model.outputs:
         dtype = getattr(tensor.dtype, "name", tensor.dtype)
         if dtype != "float32":
-            history = getattr(tensor, "_keras_history", None)  # Keras 3: .operation; tf-keras: .layer
-            layer = getattr(history, "operation", None) or getattr(history, "layer", None)
+            layer = getattr(getattr(tensor, "_keras_history", None), "operation", None)
             named = f"its output layer {layer.name!r}" if layer is not None else "its output"
             return f"{named} computes in {dtype} (give that layer dtype='float32' to train the rest in bfloat16)"
     return None

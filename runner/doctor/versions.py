@@ -28,7 +28,7 @@ TENSORFLOW_DISTRIBUTIONS = (
 RETIRED_ON_TPU = ("tensorflow-tpu", "tf-nightly-tpu")
 # What jax's `tpu` extra pins beside jax itself.
 TPU_EXTRA_PINS = ("jaxlib", "libtpu")
-_WATCHED = (*TENSORFLOW_DISTRIBUTIONS, "keras", "jax", "jaxlib", "libtpu", "libtpu-nightly", "tf-keras")
+_WATCHED = (*TENSORFLOW_DISTRIBUTIONS, "keras", "jax", "jaxlib", "libtpu", "libtpu-nightly")
 
 
 def installed_versions(paths: list[str] | None = None) -> dict[str, str]:
@@ -101,7 +101,7 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
         evidence = (f"{retired[0]} {versions[retired[0]]} is installed: TensorFlow no longer drives TPUs here "
                     "(Google's TensorFlow TPU runtimes stop at 2.18, TPU7x runs none); the TPU engine is Keras on JAX, "
                     f"with tensorflow-cpu for tf.data ({shown})")
-        action = f"run the TPU image, or pip uninstall -y {' '.join(retired)} tf-keras, then pip install {tpu_install}"
+        action = f"run the TPU image, or pip uninstall -y {' '.join(retired)}, then pip install {tpu_install}"
         return Check("versions", "fail", evidence, action, data=data)
     if not tensorflows:
         evidence = f"no TensorFlow distribution is installed; the input pipeline is tf.data ({shown})"
@@ -111,7 +111,7 @@ def check_versions(tpu_wanted: bool, paths: list[str] | None = None, table: Path
             "versions", "fail",
             f"{len(tensorflows)} TensorFlow distributions share one environment ({', '.join(tensorflows)}): "
             "the one installed last overwrote the other's files",
-            f"pip uninstall -y {' '.join(tensorflows)}, then install one (tf-keras pulls `tensorflow`: add --no-deps)",
+            f"pip uninstall -y {' '.join(tensorflows)}, then install one",
             data=data,
         )
     # libtpu installed means a TPU image, TPU or not: its set is judged as the TPU would see it.

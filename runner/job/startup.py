@@ -2,7 +2,8 @@
 read these settings once, while they load, so a command calls `before_tensorflow` and then `load_tensorflow`.
 
 1. the gs:// client's retries and timeouts from `storage.timeout_s` (runner/data/storage.py);
-2. the Keras flavour: tf-keras when several workers train (runner/device/flavour.py);
+2. Keras 3, never tf-keras: TensorFlow hands `tf.keras` to tf-keras (Keras 2) when TF_USE_LEGACY_KERAS is
+   set, so the variable is refused before anything reads it (`refuse_legacy_keras`);
 3. the backend Keras computes with, KERAS_BACKEND (runner/device/backend.py): `import tensorflow` imports
    Keras, so this is the one place it can be set;
 4. under TensorFlow, the TPU device API (PJRT or stream executor) for the TPU the job would try
@@ -18,10 +19,11 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 
+from runner import SpecError
 from runner.data.storage import configure_tensorflow
 from runner.device import backend
-from runner.device.flavour import choose_keras
 from runner.device.tpu_env import prepare_tpu_env
 from runner.spec.types import JobSpec
 
@@ -29,13 +31,27 @@ from runner.spec.types import JobSpec
 def before_tensorflow(spec: JobSpec) -> None:
     """Sets, in order, everything the job's TensorFlow must find in the environment when it loads.
 
-    Raises AcceleratorError when the Keras flavour the job needs is not installed."""
+    Raises SpecError for TF_USE_LEGACY_KERAS, AcceleratorError for a backend that cannot be set."""
     configure_tensorflow(spec.storage.timeout_s)
-    choose_keras()
+    refuse_legacy_keras(os.environ)
     chosen = backend.choose(spec.accelerator)
     backend.apply(chosen, spec.accelerator)
     if chosen.name == "tensorflow":
         prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
+
+
+def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
+    """Refuses the values TensorFlow reads as "use tf-keras" (tensorflow/__init__.py: "true", "True", "1").
+
+    Exit 2, not 3: the variable is the user's setting, and a relaunch (which the cloud engines give exit 3)
+    would meet it again. Refused rather than cleared: a job that asked for Keras 2 is told it gets none."""
+    value = environ.get("TF_USE_LEGACY_KERAS", "")
+    if value in ("true", "True", "1"):
+        raise SpecError(
+            f"TF_USE_LEGACY_KERAS={value} asks TensorFlow for tf-keras (Keras 2), which the runner no longer "
+            "supports: it trains with Keras 3 only. Unset TF_USE_LEGACY_KERAS (`unset TF_USE_LEGACY_KERAS`, or "
+            "drop it from the container's environment) and run again"
+        )
 
 
 # What TensorFlow's C++ start-up writes to stderr before its log level applies: absl's warning about logging

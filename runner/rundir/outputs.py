@@ -317,7 +317,7 @@ class RunFolder:
                 "`runner run --fresh` (the folder is moved aside, not deleted)"
             )
 
-    def check_backend(self) -> None:  # precedence 5: checkpoints another backend wrote
+    def check_backend(self) -> None:  # precedence 5: checkpoints another backend (or tf-keras) wrote
         previous = self.read_json("spec.json")
         if previous is None or not tf.io.gfile.isdir(self.checkpoints) or not tf.io.gfile.listdir(self.checkpoints):
             return
@@ -325,7 +325,7 @@ class RunFolder:
             self._refuse(problem)
 
     def _check_software(self, spec: JobSpec, before: dict[str, Any], now: dict[str, Any]) -> None:
-        """The backend and Keras flavour must be the ones that wrote the checkpoints; TensorFlow the same or newer."""
+        """Keras 3 (not tf-keras) and the backend must be what wrote the checkpoints; TensorFlow the same or newer."""
         self.check_backend()
         if problem := software_problem(self.path, before, now):
             self._refuse(problem)

@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from runner.data import pipeline
-from runner.device import backend, flavour
+from runner.device import backend
 from runner.spec.train import optimizer_identity
 from runner.spec.types import JobSpec
 
@@ -29,10 +29,12 @@ PINNED_KEYS = (
     "data.global_batch_size", "data.inputs", "data.label", "data.features", "data.preprocess",
 )
 FINGERPRINT = "data.fingerprint"
-# What wrote the checkpoints (runner/rundir/outputs.py `_check_software`): a tf-keras checkpoint does not restore
-# under Keras 3 (ValueError, measured), so the flavour must match; TensorFlow reads checkpoints an older
+# What wrote the checkpoints (runner/rundir/outputs.py `_check_software`). The Keras flavour is always keras3 now;
+# older runners' folders may say tf-keras (Keras 2, TF_USE_LEGACY_KERAS=1), whose checkpoints do not restore
+# under Keras 3 (ValueError, measured): `backend_problem` refuses them. TensorFlow reads checkpoints an older
 # TensorFlow wrote, not the other way round, so its version may only rise.
 FLAVOUR, TENSORFLOW = "keras.flavour", "tensorflow.version"
+KERAS3 = "keras3"
 # The backend that wrote them (runner/device/backend.py): TensorFlow checkpoints and Orbax's are different
 # formats of different variable sets. Folders written before backends were chosen are TensorFlow's.
 BACKEND = "keras.backend"
@@ -56,7 +58,7 @@ def pinned(spec: JobSpec, fingerprint: str | None) -> dict[str, Any]:
     doc["train"]["optimizer_class"] = optimizer_identity(spec.train)  # its slots are in the checkpoints
     return {
         **{key: dotted(doc, key) for key in PINNED_KEYS}, FINGERPRINT: fingerprint,
-        FLAVOUR: flavour.active(), TENSORFLOW: tf.__version__, BACKEND: backend.active().name,
+        FLAVOUR: KERAS3, TENSORFLOW: tf.__version__, BACKEND: backend.active().name,
     }
 
 
@@ -77,8 +79,16 @@ def show(value: Any) -> str:
 
 
 def backend_problem(path: str, previous: dict[str, Any]) -> str | None:
-    """Why checkpoints that `previous` (spec.json) pins cannot be resumed by this process's backend, or None."""
-    wrote, runs = (previous.get("pinned") or {}).get(BACKEND, "tensorflow"), backend.active()
+    """Why checkpoints that `previous` (spec.json) pins cannot be resumed by this process's Keras and backend, or
+    None. tf-keras's are named first: no backend restores them, so `--set accelerator.backend` would not help."""
+    pins = previous.get("pinned") or {}
+    if pins.get(FLAVOUR) == "tf-keras":
+        return (
+            f"{path}'s checkpoints were written by tf-keras (Keras 2, TF_USE_LEGACY_KERAS=1 under an older runner): "
+            "tf-keras is no longer supported, and Keras 3 cannot restore its checkpoints. Start this job over "
+            "with `runner run --fresh` (the folder is moved aside, not deleted), or choose a new job name"
+        )
+    wrote, runs = pins.get(BACKEND, "tensorflow"), backend.active()
     if wrote == runs.name:
         return None
     return (
@@ -90,16 +100,8 @@ def backend_problem(path: str, previous: dict[str, Any]) -> str | None:
 
 
 def software_problem(path: str, before: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """Why checkpoints written with `before`'s Keras flavour or TensorFlow cannot be restored by `now`'s, or None."""
-    wrote, runs = before.get(FLAVOUR), now[FLAVOUR]
-    if wrote and wrote != runs:
-        where = {"tf-keras": "TF_USE_LEGACY_KERAS=1 with tf-keras installed",
-                 "keras3": "Keras 3, TensorFlow's default (unset TF_USE_LEGACY_KERAS)"}
-        return (
-            f"{path}'s checkpoints were written with {wrote} and this run trains with {runs}: a checkpoint of one "
-            f"does not restore under the other. Resume it with {where[wrote]}, or start this job over with "
-            "`runner run --fresh` (the folder is moved aside, not deleted)"
-        )
+    """Why checkpoints written with `before`'s TensorFlow cannot be restored by `now`'s, or None (their Keras and
+    backend: `backend_problem`)."""
     older = before.get(TENSORFLOW)
     if older and version(now[TENSORFLOW]) < version(older):
         return (

@@ -17,7 +17,6 @@ alone and a warning says why.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +46,7 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
             log.warning("saved_model: no %s endpoint: data.preprocess could not be traced on the input features "
                         "alone (%s: %s)", SERVE_EXAMPLES, type(cause).__name__, (str(cause).splitlines() or [""])[0])
     if parse is None:
-        model.export(path, **_quiet(model.export))
+        model.export(path, verbose=False)  # Keras prints every exported variable unless told not to
         return [SERVE]
     archive = tf.keras.export.ExportArchive()
     archive.track(model)
@@ -67,7 +66,7 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
             tf.function(lambda records: model(examples_to_inputs(records), training=False),
                         input_signature=[_RECORDS]),
         )
-    archive.write_out(path, **_quiet(archive.write_out))
+    archive.write_out(path, verbose=False)
     return [SERVE, SERVE_EXAMPLES]
 
 
@@ -80,8 +79,3 @@ def _first_cause(exc: BaseException) -> BaseException:
             break
         exc = earlier
     return exc
-
-
-def _quiet(method: Callable) -> dict[str, Any]:
-    # Keras 3 prints every exported variable unless told not to; tf-keras has no such argument.
-    return {"verbose": False} if "verbose" in inspect.signature(method).parameters else {}

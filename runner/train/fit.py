@@ -130,8 +130,7 @@ def _diverged(what: str, epoch: int, step: int) -> Diverged:
 
 def weights_finite(model: keras.Model) -> bool:
     """Whether every floating-point variable of the model and its optimizer (slots included) is finite."""
-    slots = model.optimizer.variables
-    variables = [*model.weights, *(slots() if callable(slots) else slots)]  # a method in tf-keras' optimizers
+    variables = [*model.weights, *model.optimizer.variables]
     checks = [tf.reduce_all(tf.math.is_finite(v)) for v in variables if tf.as_dtype(v.dtype).is_floating]
     return bool(tf.reduce_all(tf.stack(checks))) if checks else True
 

@@ -14,11 +14,11 @@ import logging
 import threading
 import time
 
+import keras
+
 from runner import EXIT_TIME_LIMIT, PROCESS_START
-from runner.device.flavour import keras_module
 from runner.train.preemption import PreemptionNotice, exit_now
 
-keras = keras_module()
 log = logging.getLogger(__name__)
 
 

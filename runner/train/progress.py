@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Any, TextIO
 
-from runner.device.flavour import keras_module
+import keras
 
-keras = keras_module()
 log = logging.getLogger(__name__)
 
 DEFAULT_EVERY_S = 30.0

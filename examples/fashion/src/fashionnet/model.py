@@ -6,7 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-# tf.keras is the Keras the runner trains with: Keras 3, or tf-keras on TPU images and multi-worker runs.
+# tf.keras is Keras 3, the Keras the runner trains with.
 keras = tf.keras
 
 # The defaults are the documentation; a job spec's `model.params` holds only what differs.
