@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import keras
 import tensorflow as tf
 
 from runner import models
 from runner.device import host
 
 log = logging.getLogger(__name__)
-keras = tf.keras
 
 
 

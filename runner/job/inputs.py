@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import keras
 import tensorflow as tf
 
 from runner import DataError, SpecError
@@ -256,7 +257,7 @@ def user_callbacks(spec: JobSpec) -> list:
             raise SpecError(
                 f"{key}: {path!r} raised {type(exc).__name__} when called with no arguments: {exc}"
             ) from exc
-        if not isinstance(callback, tf.keras.callbacks.Callback):
+        if not isinstance(callback, keras.callbacks.Callback):
             raise SpecError(
                 f"{key}: {path!r} gave a {type(callback).__name__}, not a keras.callbacks.Callback (subclass "
                 "tf.keras.callbacks.Callback, and take no arguments in __init__)"

@@ -21,6 +21,7 @@ import logging
 import posixpath
 from pathlib import Path
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Trained:
-    model: tf.keras.Model
+    model: keras.Model
     accelerator: Accelerator
     checkpoint: str
     step: int

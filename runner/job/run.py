@@ -14,6 +14,7 @@ import posixpath
 import time
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
@@ -29,7 +30,6 @@ from runner.train import build, fit, flops, limits, loop, observe, progress, ver
 from runner.train.preemption import EarlyNotice, PreemptionNotice
 
 log = logging.getLogger(__name__)
-keras = tf.keras
 
 __all__ = ["JobResult", "run_job"]
 

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
     if parse is None:
         model.export(path, verbose=False)  # Keras prints every exported variable unless told not to
         return [SERVE]
-    archive = tf.keras.export.ExportArchive()
+    archive = keras.export.ExportArchive()
     archive.track(model)
     # The model's inputs are what the parser produces, with the batch dimension left open.
     inputs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parse.structured_outputs)
-    if tf.keras.backend.backend() == "jax":
+    if keras.backend.backend() == "jax":
         # Keras converts a JAX model's call to TensorFlow (jax2tf) when handed the plain function; the parser,
         # TensorFlow already, then calls that converted endpoint.
         serve = archive.add_endpoint(SERVE, lambda x: model(x, training=False), input_signature=[inputs])

@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -31,7 +32,6 @@ from runner.spec.keras import TABLE, Serialized
 from runner.spec.train import TrainSpec
 from runner.spec.types import JobSpec
 
-keras = tf.keras
 log = logging.getLogger(__name__)
 
 # Output activations that make probabilities; a loss without from_logits expects them.

@@ -10,13 +10,12 @@ import math
 import time
 from collections.abc import Callable
 
+import keras
 import tensorflow as tf
 
 from runner import Diverged
 from runner.rundir.timing import EpochRecord
 from runner.train.preemption import PreemptionNotice
-
-keras = tf.keras
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import keras
 import tensorflow as tf
 
 from runner import Diverged
@@ -20,8 +21,6 @@ from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.train import build, fit, limits, observe, progress
 from runner.train.preemption import PreemptionNotice
 from runner.train.saver import Saver
-
-keras = tf.keras
 
 
 @dataclasses.dataclass

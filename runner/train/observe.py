@@ -18,13 +18,13 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from runner.device.accelerator import Accelerator
 from runner.rundir.timing import EpochRecord
 
 log = logging.getLogger(__name__)
-keras = tf.keras
 
 INPUT_WAIT_METHOD = "getnext_blocked"
 
