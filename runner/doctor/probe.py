@@ -75,6 +75,13 @@ def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
     if kind in ("gpu", "cpu"):
         yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r} (the TPU {target!r} is left alone)")
         return
+    from runner.device import backend
+
+    chosen = backend.choose(spec.accelerator)
+    if chosen.name == "jax":  # TensorFlow (tensorflow-cpu beside JAX) never touches the TPU: the jax check asks JAX
+        yield Check("tpu", "ok", f"not tried through TensorFlow: the job computes with JAX ({chosen.reason}); the "
+                                 "jax check lists JAX's TPU devices")
+        return
     began = time.monotonic()
     try:
         # Four fifths of the bound, so connect_tpu's own timeout (naming the step that hung) fires before the
