@@ -76,26 +76,51 @@ def test_a_backend_that_does_not_exist_is_refused_naming_the_choices(mnist_job):
     assert "accelerator.backend" in result.stderr and "jax" in result.stderr
 
 
-def test_keras_already_loaded_with_another_backend_is_refused_not_used():
-    """Keras loaded on JAX (which imports no TensorFlow: seconds, not the ten TensorFlow takes), then a job that
-    asks for TensorFlow; the other way round is the same comparison."""
+@pytest.fixture(scope="module")
+def keras_on_jax() -> dict:
+    """One Python process with Keras loaded on JAX, as a library user has it: a job that then asks for
+    TensorFlow, and the built-in CNN's forward pass counted by XLA's cost analysis and by the per-layer arithmetic."""
     code = (
-        "import os, sys, keras\n"
+        "import json, os, sys, keras\n"
         "from runner import AcceleratorError\n"
         "from runner.device import backend\n"
         "from runner.spec.types import AcceleratorSpec\n"
+        "seen = {}\n"
         "spec = AcceleratorSpec(kind='cpu', backend='tensorflow')\n"
         "try:\n"
         "    backend.apply(backend.choose(spec), spec)\n"
         "except AcceleratorError as exc:\n"
-        "    print('refused:', exc)\n"
-        "print('KERAS_BACKEND', os.environ['KERAS_BACKEND'], 'tensorflow' in sys.modules)\n"
+        "    seen['refused'] = str(exc)\n"
+        "seen['after'] = [os.environ['KERAS_BACKEND'], 'tensorflow' in sys.modules]\n"
+        "from runner.models import build\n"
+        "from runner.data.schema import Feature\n"
+        "from runner.train import flops\n"
+        "features = {'image': Feature('uint8', (28, 28, 1)), 'label': Feature('int64', ())}\n"
+        "model = build('mnist_cnn', {}, features, ('image',))\n"
+        "seen['lowered'] = flops._lowered_forward(model, 8)[0]\n"
+        "seen['layers'], seen['unknown'] = flops._layer_forward(model)\n"
+        "print(json.dumps(seen))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
-    assert "refused: Keras was imported with the jax backend before the job chose tensorflow" in result.stdout, \
-        result.stderr[-2000:]
-    assert "KERAS_BACKEND jax False" in result.stdout, "nothing was changed, and TensorFlow never loaded"
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.xdist_group("keras_on_jax")
+def test_keras_already_loaded_with_another_backend_is_refused_not_used(keras_on_jax):
+    """Keras on JAX, then a job asking for TensorFlow (the other way round is the same comparison)."""
+    assert keras_on_jax["refused"].startswith("Keras was imported with the jax backend before the job chose "
+                                              "tensorflow"), keras_on_jax
+    assert keras_on_jax["after"] == ["jax", False], "nothing was changed, and TensorFlow never loaded"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("keras_on_jax")
+def test_xla_cost_analysis_and_the_per_layer_count_agree_on_the_built_in_cnn(keras_on_jax):
+    assert not keras_on_jax["unknown"]
+    # XLA counts the elementwise work (activations, pooling) the per-layer arithmetic leaves out: a few percent.
+    assert keras_on_jax["layers"] <= keras_on_jax["lowered"] <= keras_on_jax["layers"] * 1.15
 
 
 # --- what the job in tests/test_jax_job.py does not show ---------------------------------------------------
@@ -127,30 +152,6 @@ def test_a_tensorflow_run_folder_is_refused_under_jax_and_its_model_keras_evalua
     report = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert report["accelerator"]["backend"]["name"] == "jax" and report["checkpoint"].endswith("model.keras")
     assert report["metrics"]["accuracy"] == pytest.approx(last_json(first.stdout)["metrics"]["accuracy"], abs=1e-3)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_xla_cost_analysis_and_the_per_layer_count_agree_on_the_built_in_cnn():
-    code = (
-        "import json\n"
-        "from runner.models import build\n"
-        "from runner.data.schema import Feature\n"
-        "from runner.train import flops\n"
-        "features = {'image': Feature('uint8', (28, 28, 1)), 'label': Feature('int64', ())}\n"
-        "model = build('mnist_cnn', {}, features, ('image',))\n"
-        "lowered, _ = flops._lowered_forward(model, 8)\n"
-        "layers, unknown = flops._layer_forward(model)\n"
-        "print(json.dumps([lowered, layers, unknown]))\n"
-    )
-    env = cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lowered, layers, unknown = json.loads(result.stdout.strip().splitlines()[-1])
-    assert not unknown
-    # XLA counts the elementwise work (activations, pooling) the per-layer arithmetic leaves out: a few percent.
-    assert layers <= lowered <= layers * 1.15
 
 
 @pytest.mark.slow
