@@ -39,6 +39,8 @@ SCHEDULE = {"class_name": "ExponentialDecay",
             "config": {"initial_learning_rate": 0.01, "decay_steps": 10, "decay_rate": 0.5}}
 # Class 0 weighs (almost) nothing: a model trained with these weights almost never answers 0.
 CLASS_WEIGHT = {c: (1e-6 if c == 0 else 1.0) for c in range(10)}
+# The steps at which the attempts are held: Ctrl-C in epoch 2; kill -9 in epoch 3; the stall and SIGTERM in epoch 4.
+INTERRUPT_AT, KILL_AT, STALL_AT, TERM_AT = 8, 14, 20, 22
 
 MODEL = """
 import keras
@@ -139,8 +141,8 @@ class Job:
             act(process, held)
         code, out, err = finish(process, timeout=600)
         read = [json.loads(line) for line in marks.read_text().splitlines()] if marks.exists() else []
-        listed = sorted(p.name for p in (self.run_dir / "attempts").iterdir()) if (self.run_dir / "attempts").is_dir() \
-            else []
+        attempts = self.run_dir / "attempts"
+        listed = sorted(p.name for p in attempts.iterdir()) if attempts.is_dir() else []
         self.tries[name] = Attempt(code, out, err, (orbax_steps(self.run_dir) or [None])[-1], read, listed)
         return self.tries[name]
 
@@ -162,10 +164,7 @@ def killed_once_saved(run_dir: Path, step: int):
 
 @pytest.fixture(scope="module")
 def job(tiny_mnist: Path, tmp_path_factory) -> Job:
-    return run_the_job(tiny_mnist, tmp_path_factory.mktemp("jax-job"))
-
-
-def run_the_job(tiny_mnist: Path, folder: Path) -> Job:
+    folder = tmp_path_factory.mktemp("jax-job")
     code = folder / "code"
     code.mkdir()
     (code / "tinynet.py").write_text(MODEL)
@@ -185,15 +184,15 @@ def run_the_job(tiny_mnist: Path, folder: Path) -> Job:
     })
     job = Job(spec, folder / "runs" / "jax-job", folder, tiny_mnist)
     # Steps 1-30, epochs of 6. Each attempt resumes from where the one before it left its newest checkpoint.
-    job.attempt("interrupted", hold=8, act=signalled(signal.SIGINT))  # Ctrl-C in epoch 2: saves step 9
-    job.attempt("killed", hold=14, act=killed_once_saved(job.run_dir, 14))  # kill -9 once step 14 is saved
+    job.attempt("interrupted", hold=INTERRUPT_AT, act=signalled(signal.SIGINT))  # saves at the next step
+    job.attempt("killed", hold=KILL_AT, act=killed_once_saved(job.run_dir, KILL_AT))  # once that step is saved
     # What a save cut short by a kill leaves: Orbax's temporary folder of a step never made whole.
-    leftover = job.run_dir / "checkpoints" / "ckpt_16.orbax-checkpoint-tmp-1795770000000000"
+    leftover = job.run_dir / "checkpoints" / f"ckpt_{KILL_AT + 2}.orbax-checkpoint-tmp-1795770000000000"
     leftover.mkdir()
     (leftover / "junk").write_bytes(os.urandom(999))
     job.attempt("time_limit", "--set", "train.max_duration=1")  # past at its first step: saves and stops
-    job.attempt("stalled", "--set", "train.stall_timeout=10", hold=20)  # held, never released: the guard ends it
-    job.attempt("preempted", hold=22, act=signalled(signal.SIGTERM))
+    job.attempt("stalled", "--set", "train.stall_timeout=10", hold=STALL_AT)  # never released: the guard ends it
+    job.attempt("preempted", hold=TERM_AT, act=signalled(signal.SIGTERM))
     job.attempt("succeeded")
     return job
 
@@ -205,7 +204,7 @@ def test_ctrl_c_under_jax_saves_the_next_step_exits_130_and_the_rerun_continues_
     stopped = job.tries["interrupted"]
     assert stopped.code == 130, stopped.err[-3000:]
     saved = stopped.newest
-    assert STEPS < saved < 2 * STEPS and saved % EVERY, f"the interruption's own save, mid-epoch 2: {saved}"
+    assert INTERRUPT_AT < saved < 2 * STEPS, f"a save after the notice, mid-epoch 2: {saved}"
     assert f"interrupted: saved step {saved}; run the same job again to continue" in stopped.err
     assert "Traceback" not in stopped.err and "KeyboardInterrupt" not in stopped.err
     summary = stopped.summary
@@ -220,10 +219,10 @@ def test_ctrl_c_under_jax_saves_the_next_step_exits_130_and_the_rerun_continues_
 def test_kill_9_under_jax_resumes_from_the_newest_whole_checkpoint_and_removes_a_cut_save(job):
     killed, after = job.tries["killed"], job.tries["time_limit"]
     assert killed.code == -signal.SIGKILL
-    assert killed.newest == 14
+    assert killed.newest == KILL_AT
     assert killed.attempts == job.tries["interrupted"].attempts, "a killed process writes nothing more"
-    # The next attempt resumes from step 14, not from the leftover of a save of step 16 cut short.
-    assert after.summary["resumed_from_step"] == 14
+    # The next attempt resumes from that step, not from the leftover of a later save cut short.
+    assert after.summary["resumed_from_step"] == KILL_AT
     assert not [p.name for p in (job.run_dir / "checkpoints").iterdir() if "tmp" in p.name]
 
 
@@ -236,20 +235,20 @@ def test_max_duration_under_jax_saves_exits_124_and_the_rerun_continues(job):
     assert "interrupted after" in stopped.err and "time limit at step" in stopped.err
     saved = stopped.newest
     mine = [e for e in summary["epochs"] if e["attempt"] == summary["attempt"]]
-    assert [e["partial"] for e in mine] == [True] and mine[0]["steps"] == saved - 14, mine
+    assert [e["partial"] for e in mine] == [True] and mine[0]["steps"] == saved - KILL_AT, mine
     assert job.tries["stalled"].began == saved
 
 
 def test_the_stall_guard_under_jax_exits_124_and_the_rerun_resumes_from_the_newest_checkpoint(job):
     stalled = job.tries["stalled"]
     assert stalled.code == 124, stalled.err[-3000:]
-    said = re.search(r"stalled: nothing progressed for (\d+) s since step 20 ended \(train\.stall_timeout 10 s\)",
-                     stalled.err)
+    said = re.search(rf"stalled: nothing progressed for (\d+) s since step {STALL_AT} ended "
+                     r"\(train\.stall_timeout 10 s\)", stalled.err)
     assert said, stalled.err[-2000:]
     assert int(said.group(1)) < 40, f"the guard waited {said.group(1)} s for a 10 s stall timeout"
-    assert stalled.newest == 20, "the save of the held step had 10 s to complete"
+    assert stalled.newest == STALL_AT, "the save of the held step had 10 s to complete"
     assert stalled.attempts == job.tries["time_limit"].attempts, "the guard exits at once, writing nothing"
-    assert job.tries["preempted"].summary["resumed_from_step"] == 20
+    assert job.tries["preempted"].summary["resumed_from_step"] == STALL_AT
 
 
 def test_sigterm_under_jax_saves_exits_75_and_the_last_attempt_trains_exactly_the_missing_steps(job):
@@ -259,7 +258,7 @@ def test_sigterm_under_jax_saves_exits_75_and_the_last_attempt_trains_exactly_th
     assert stopped.summary["preemption"]["saved_after_notice_s"] is not None
     assert "run the same job again to continue" in stopped.err
     saved = stopped.newest
-    assert 20 < saved < 4 * STEPS and saved % EVERY, saved
+    assert TERM_AT < saved < 4 * STEPS, f"a save after the notice, mid-epoch 4: {saved}"
 
     assert last.code == 0, last.err[-3000:]
     summary = last.summary
