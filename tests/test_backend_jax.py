@@ -1,26 +1,24 @@
-"""The JAX backend (`accelerator.backend: jax`): the job's core under Keras 3 on JAX, run as a user runs it.
+"""The JAX backend (`accelerator.backend: jax`): how it is chosen and refused, and what one job run through
+(tests/test_jax_job.py) does not show: a TensorFlow run folder met under JAX, XLA's FLOPs count, a gs:// run
+folder, a model that calls TensorFlow, the matmul benchmark.
 
 XLA on these CPUs is several times slower than TensorFlow (benchmarks/RESULTS.md, "Backends"), so each job here
-is small: tiny MNIST at a batch of 64 and a few steps per epoch. The run folder keeps JAX's compiled programs
-(`jax_cache/`), so a rerun of the same job skips the compile its first attempt paid for.
+is small: tiny MNIST at a batch of 64, a one-layer model and a few steps. The run folder keeps JAX's compiled
+programs (`jax_cache/`), so a rerun of the same job skips the compile its first attempt paid for.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import yaml
 
 from runner.device import backend
 from runner.spec.types import AcceleratorSpec
 from tests.conftest import REPO, cli_env, last_json, run_cli
-from tests.support.runs import finish, start_run, wait_for
 
 JAX = ["--set", "accelerator.backend=jax"]
 STEPS, EPOCHS = 6, 2
@@ -51,14 +49,6 @@ def tiny_model(folder) -> str:
     return "tinynet:build"
 
 
-def orbax_steps(run_dir) -> list[int]:
-    """The whole Orbax checkpoints in the run folder (a save in progress is a `.orbax-checkpoint-tmp` folder)."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted(int(p.name.split("_")[1]) for p in folder.iterdir() if p.name.split("_")[-1].isdigit())
-
-
 # --- the choice, before anything heavy loads ----------------------------------------------------------------
 
 
@@ -86,125 +76,62 @@ def test_a_backend_that_does_not_exist_is_refused_naming_the_choices(mnist_job):
     assert "accelerator.backend" in result.stderr and "jax" in result.stderr
 
 
-def test_keras_already_loaded_with_another_backend_is_refused_not_used():
+@pytest.fixture(scope="module")
+def keras_on_jax() -> dict:
+    """One Python process with Keras loaded on JAX, as a library user has it: a job that then asks for
+    TensorFlow, and the built-in CNN's forward pass counted by XLA's cost analysis and by the per-layer arithmetic."""
     code = (
-        "import os, keras\n"
+        "import json, os, sys, keras\n"
         "from runner import AcceleratorError\n"
         "from runner.device import backend\n"
         "from runner.spec.types import AcceleratorSpec\n"
-        "spec = AcceleratorSpec(kind='cpu', backend='jax')\n"
+        "seen = {}\n"
+        "spec = AcceleratorSpec(kind='cpu', backend='tensorflow')\n"
         "try:\n"
         "    backend.apply(backend.choose(spec), spec)\n"
         "except AcceleratorError as exc:\n"
-        "    print('refused:', exc)\n"
+        "    seen['refused'] = str(exc)\n"
+        "seen['after'] = [os.environ['KERAS_BACKEND'], 'tensorflow' in sys.modules]\n"
+        "from runner.models import build\n"
+        "from runner.data.schema import Feature\n"
+        "from runner.train import flops\n"
+        "features = {'image': Feature('uint8', (28, 28, 1)), 'label': Feature('int64', ())}\n"
+        "model = build('mnist_cnn', {}, features, ('image',))\n"
+        "seen['lowered'] = flops._lowered_forward(model, 8)[0]\n"
+        "seen['layers'], seen['unknown'] = flops._layer_forward(model)\n"
+        "print(json.dumps(seen))\n"
     )
-    env = {k: v for k, v in cli_env().items() if k != "KERAS_BACKEND"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=600)
-    assert "refused: Keras was imported with the tensorflow backend" in result.stdout, result.stderr[-2000:]
-
-
-# --- a job, end to end ----------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_a_jax_job_trains_evaluates_predicts_and_exports_with_its_backend_in_the_summary(mnist_job, tmp_path):
-    spec = jax_job(mnist_job, "jax-e2e")
-    result = run_cli("run", spec, timeout=600)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = last_json(result.stdout)
-    assert summary["accelerator"]["backend"] == {"name": "jax", "reason": "accelerator.backend: jax"}
-    assert "jax" in summary["accelerator"]
-    assert "backend jax" in result.stderr or "on jax" in result.stderr  # the accelerator line says it too
-    assert summary["final_step"] == EPOCHS * STEPS
-    assert summary["metrics"]["examples"] == 512  # every test record, once
-    assert summary["checkpoint_saves"]["store"] == "orbax" and summary["checkpoint_saves"]["mode"] == "async"
-    assert summary["throughput"]["flops_method"].startswith("xla:")
-    assert summary["throughput"]["mfu"] > 0
-    run_dir = tmp_path / "runs" / "jax-e2e"
-    assert orbax_steps(run_dir) == [STEPS, EPOCHS * STEPS]
-    assert any((run_dir / "jax_cache").iterdir())
-    assert (run_dir / "model.keras").is_file()
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
-    # evaluate restores the Orbax checkpoint and measures what the run measured
-    evaluated = run_cli("evaluate", spec, timeout=600)
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    again = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert again["examples"] == 512
-    assert again["metrics"]["accuracy"] == pytest.approx(summary["metrics"]["accuracy"], abs=1e-6)
 
-    # predict on rows, with its input checks
-    from runner.prepare.datasets import load_dataset
+@pytest.mark.xdist_group("keras_on_jax")
+def test_keras_already_loaded_with_another_backend_is_refused_not_used(keras_on_jax):
+    """Keras on JAX, then a job asking for TensorFlow (the other way round is the same comparison)."""
+    assert keras_on_jax.get("refused", "").startswith("Keras was imported with the jax backend before the job chose "
+                                              "tensorflow"), keras_on_jax
+    assert keras_on_jax["after"] == ["jax", False], "nothing was changed, and TensorFlow never loaded"
 
-    digits = tmp_path / "digits.npy"
-    np.save(digits, load_dataset("mnist").splits["test"]["image"][:5])
-    predicted = run_cli("predict", spec, "--input", digits, timeout=600)
-    assert predicted.returncode == 0, predicted.stderr[-3000:]
-    assert len([line for line in predicted.stdout.splitlines() if line.startswith("{")]) == 5
 
-    # the SavedModel serves records through the runner's own parser, converted from JAX
-    import tensorflow as tf
+@pytest.mark.slow
+@pytest.mark.xdist_group("keras_on_jax")
+def test_xla_cost_analysis_and_the_per_layer_count_agree_on_the_built_in_cnn(keras_on_jax):
+    assert not keras_on_jax["unknown"]
+    # XLA counts the elementwise work (activations, pooling) the per-layer arithmetic leaves out: a few percent.
+    assert keras_on_jax["layers"] <= keras_on_jax["lowered"] <= keras_on_jax["layers"] * 1.15
 
-    loaded = tf.saved_model.load(str(run_dir / "saved_model"))
-    pattern = yaml.safe_load(spec.read_text())["data"]["eval"]
-    records = [r.numpy() for r in tf.data.TFRecordDataset(tf.io.gfile.glob(pattern)).take(3)]
-    outputs = loaded.serve_examples(tf.constant(records)).numpy()
-    assert outputs.shape == (3, 10)
-    np.testing.assert_allclose(outputs.sum(axis=1), 1.0, atol=1e-4)
+
+# --- what the job in tests/test_jax_job.py does not show ---------------------------------------------------
+# (that module trains one JAX job, stops it every way a job stops, resumes it, evaluates, predicts and exports)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_sigterm_under_jax_saves_exits_75_and_the_rerun_ends_at_the_planned_step(mnist_job, tmp_path):
-    spec = jax_job(mnist_job, "jax-term", train={"epochs": 3, "steps_per_epoch": STEPS, "allow_chance": True},
-                   checkpoint={"every_steps": 2}, data={"eval": None, "global_batch_size": 64})
-    run_dir = tmp_path / "runs" / "jax-term"
-    process = start_run(spec)
-    wait_for(lambda: (s := orbax_steps(run_dir)) and s[-1] >= 2 or None, process, timeout=600)
-    process.send_signal(signal.SIGTERM)
-    code, out, err = finish(process, timeout=300)
-    assert code == 75, err[-3000:]
-    first = last_json(out)
-    assert first["status"] == "preempted"
-    assert first["preemption"]["saved_after_notice_s"] is not None
-    saved = orbax_steps(run_dir)[-1]
-    assert 2 <= saved < 3 * STEPS
-
-    result = run_cli("run", spec, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = last_json(result.stdout)
-    assert summary["resumed_from_step"] == saved
-    assert summary["final_step"] == 3 * STEPS
-    mine = [e for e in summary["epochs"] if e["attempt"] == summary["attempt"]]
-    assert sum(e["steps"] for e in mine) == 3 * STEPS - saved  # none twice, none skipped
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_kill_9_under_jax_resumes_from_the_newest_whole_checkpoint(mnist_job, tmp_path):
-    spec = jax_job(mnist_job, "jax-kill", train={"epochs": 3, "steps_per_epoch": STEPS, "allow_chance": True},
-                   checkpoint={"every_steps": 2}, data={"eval": None, "global_batch_size": 64})
-    run_dir = tmp_path / "runs" / "jax-kill"
-    process = start_run(spec)
-    wait_for(lambda: (s := orbax_steps(run_dir)) and s[-1] >= 4 or None, process, timeout=600)
-    os.kill(process.pid, signal.SIGKILL)
-    code, _, _ = finish(process)
-    assert code == -signal.SIGKILL
-    latest = orbax_steps(run_dir)[-1]
-
-    result = run_cli("run", spec, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = last_json(result.stdout)
-    assert summary["resumed_from_step"] == latest
-    assert summary["final_step"] == 3 * STEPS
-    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # leftovers cleaned
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_a_run_folder_pins_its_backend_both_ways(mnist_job, tmp_path):
-    spec = mnist_job("pinned", data={"global_batch_size": 64},
+def test_a_tensorflow_run_folder_is_refused_under_jax_and_its_model_keras_evaluates_there(mnist_job, tmp_path):
+    """The other way round (a JAX run folder under TensorFlow) is in tests/test_jax_job.py."""
+    spec = mnist_job("pinned", data={"global_batch_size": 64}, model={"name": tiny_model(tmp_path)},
                      train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True}, output={"tensorboard": False})
     first = run_cli("run", spec)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -225,30 +152,6 @@ def test_a_run_folder_pins_its_backend_both_ways(mnist_job, tmp_path):
     report = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert report["accelerator"]["backend"]["name"] == "jax" and report["checkpoint"].endswith("model.keras")
     assert report["metrics"]["accuracy"] == pytest.approx(last_json(first.stdout)["metrics"]["accuracy"], abs=1e-3)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_xla_cost_analysis_and_the_per_layer_count_agree_on_the_built_in_cnn():
-    code = (
-        "import json\n"
-        "from runner.models import build\n"
-        "from runner.data.schema import Feature\n"
-        "from runner.train import flops\n"
-        "features = {'image': Feature('uint8', (28, 28, 1)), 'label': Feature('int64', ())}\n"
-        "model = build('mnist_cnn', {}, features, ('image',))\n"
-        "lowered, _ = flops._lowered_forward(model, 8)\n"
-        "layers, unknown = flops._layer_forward(model)\n"
-        "print(json.dumps([lowered, layers, unknown]))\n"
-    )
-    env = cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lowered, layers, unknown = json.loads(result.stdout.strip().splitlines()[-1])
-    assert not unknown
-    # XLA counts the elementwise work (activations, pooling) the per-layer arithmetic leaves out: a few percent.
-    assert layers <= lowered <= layers * 1.15
 
 
 @pytest.mark.slow
@@ -299,15 +202,22 @@ def test_a_model_that_calls_tensorflow_is_refused_under_jax_before_training(mnis
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
-def test_matmul_bench_under_jax_multiplies_the_same_chain_as_under_tensorflow(tmp_path):
-    runs = {}
-    for name in ("tensorflow", "jax"):
-        result = run_cli("run", REPO / "jobs" / "matmul_bench.yaml", "--set", f"accelerator.backend={name}",
-                         "--set", "matmul.size=128", "--set", "accelerator.cpu_devices=2", "--set",
-                         f"output.dir={tmp_path}", "--set", f"name=mm-{name}", timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = last_json(result.stdout)
-    assert runs["jax"]["accelerator"]["backend"]["name"] == "jax"
-    assert runs["jax"]["matmul"]["replicas"] == runs["tensorflow"]["matmul"]["replicas"] == 2
-    assert runs["jax"]["matmul"]["checksum"] == pytest.approx(runs["tensorflow"]["matmul"]["checksum"], rel=1e-3)
-    assert runs["jax"]["tflops"]["warm"] > 0
+def test_matmul_bench_under_jax_multiplies_the_chain_the_host_computes(tmp_path):
+    """tests/test_workloads.py checks TensorFlow's chain the same way: both multiply the same operands."""
+    import tensorflow as tf
+
+    size, chain = 128, 4
+    result = run_cli("run", REPO / "jobs" / "matmul_bench.yaml", *JAX, "--set", f"matmul.size={size}",
+                     "--set", f"matmul.chain={chain}", "--set", "accelerator.cpu_devices=2",
+                     "--set", f"output.dir={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["accelerator"]["backend"]["name"] == "jax"
+    assert summary["matmul"]["replicas"] == 2
+    assert summary["tflops"]["warm"] > 0
+    a = tf.random.stateless_normal((size, size), seed=(0, 1)).numpy().astype(np.float64)
+    b = (tf.random.stateless_normal((size, size), seed=(0, 2)) / np.sqrt(size)).numpy().astype(np.float64)
+    product = a
+    for _ in range(chain):
+        product = product @ b
+    assert summary["matmul"]["checksum"] == pytest.approx(2 * product.sum(), abs=1e-3 * size)

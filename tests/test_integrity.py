@@ -422,6 +422,7 @@ def trained(tiny_mnist, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("integrity_trained")  # its tests share a worker, so the module's job trains once
 def test_a_trained_job_reports_what_verifying_by_sha256_cost(trained, tiny_mnist):
     import jsonschema
 
@@ -436,6 +437,7 @@ def test_a_trained_job_reports_what_verifying_by_sha256_cost(trained, tiny_mnist
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("integrity_trained")
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_job_with_checkpoints_on_faulty_data_keeps_its_run_folder_byte_for_byte(fault, trained, tiny_mnist):
     spec, data_dir, run_dir, before, _ = trained

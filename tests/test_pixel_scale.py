@@ -44,6 +44,7 @@ def _spec(folder: Path, data: Path, **model) -> Path:
     })
 
 
+@pytest.mark.xdist_group("unit_pixels")  # its tests share a worker, so the digits are prepared once
 def test_unit_pixels_under_a_255_model_are_refused_and_the_fix_trains(unit_pixels: Path, tmp_path: Path):
     spec = _spec(tmp_path, unit_pixels)
     refused = invoke("validate", spec)
@@ -74,6 +75,7 @@ def test_pixels_of_255_under_pixel_max_1_are_refused(tmp_path: Path):
     assert "records float32 values 0..255" in refused.stderr and "`model.params.pixel_max: 255`" in refused.stderr
 
 
+@pytest.mark.xdist_group("unit_pixels")
 def test_a_preprocess_may_rescale_so_it_is_not_judged(unit_pixels: Path, tmp_path: Path):
     (tmp_path / "scale.py").write_text("def up(batch):\n    return {**batch, 'image': batch['image'] * 255}\n")
     spec = _spec(tmp_path, unit_pixels)

@@ -122,6 +122,7 @@ def assert_no_traceback(stderr: str) -> None:
 # --- what is pinned, and when --------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("run_folder_finished")  # its tests share a worker, so the module's job trains once
 def test_a_start_that_failed_does_not_lock_the_job_name(finished: Finished, tiny_mnist: Path) -> None:
     typo, model, batch = (finished.failed_starts[k] for k in ("typo", "model", "batch"))
     assert typo.returncode == 2 and "no files match" in typo.stderr, typo.stderr[-3000:]
@@ -220,6 +221,7 @@ def test_fewer_epochs_than_the_checkpoints_hold_is_refused(mnist_job, tmp_path: 
 # --- storage faults: exit 3, naming the path ------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("run_folder_finished")
 def test_a_read_only_run_folder_exits_3_naming_it(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
     spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     with read_only(run_dir):
@@ -231,6 +233,7 @@ def test_a_read_only_run_folder_exits_3_naming_it(finished: Finished, tiny_mnist
     assert snapshot(run_dir) == finished.files
 
 
+@pytest.mark.xdist_group("run_folder_finished")
 def test_a_file_in_place_of_checkpoints_exits_3_naming_it(finished: Finished, tiny_mnist: Path, tmp_path: Path) -> None:
     spec, run_dir = copy_of(finished, tiny_mnist, tmp_path)
     (run_dir / "checkpoints").rename(tmp_path / "checkpoints-aside")

@@ -52,6 +52,7 @@ def _runs_folder(tmp_path: Path, trained: Path) -> Path:
     return runs
 
 
+@pytest.mark.xdist_group("runs_trained")  # its tests share a worker, so the module's job trains once
 def test_runs_lists_each_folder_from_its_summary_and_lease(tmp_path: Path, trained: Path) -> None:
     runs = _runs_folder(tmp_path, trained)
     summary = json.loads((trained / "summary.json").read_text())
@@ -78,6 +79,7 @@ def test_runs_lists_each_folder_from_its_summary_and_lease(tmp_path: Path, train
     assert "succeeded" in done_line and " 2/2 " in done_line and f"accuracy {done['best']['value']:.4f}" in done_line
 
 
+@pytest.mark.xdist_group("runs_trained")
 def test_rm_asks_first_and_never_removes_a_folder_a_run_holds(tmp_path: Path, trained: Path) -> None:
     runs = _runs_folder(tmp_path, trained)
     held = invoke("runs", "rm", "busy", runs, "--yes")
@@ -98,6 +100,7 @@ def test_rm_asks_first_and_never_removes_a_folder_a_run_holds(tmp_path: Path, tr
     assert missing.returncode == 2 and "no run folder 'nope'" in missing.stderr
 
 
+@pytest.mark.xdist_group("runs_trained")
 def test_runs_on_a_bucket_lists_and_removes_through_the_emulator(gcs, trained: Path) -> None:
     bucket = gcs.bucket()
     client = gcs.client().bucket(bucket)

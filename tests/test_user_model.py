@@ -83,6 +83,7 @@ def served_examples(summary: dict, data: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("fashion_data")  # its tests share a worker, so the example's data is prepared once
 def test_example_trains_through_the_cli(fashion_data: Path, tmp_path: Path):
     result = run_cli(
         "run", EXAMPLE / "job.yaml", *example_overrides(fashion_data, tmp_path / "runs"), "--set", "train.epochs=2",

@@ -51,6 +51,7 @@ class StallGuard(keras.callbacks.Callback):
         self.timeout = timeout
         self._last = time.monotonic()
         self._what = "the job's start"
+        self._epoch_began_at = 0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,11 +69,16 @@ class StallGuard(keras.callbacks.Callback):
         self.start()
         self.beat("training began (the first step compiles)")
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch_began_at = int(self.model.optimizer.iterations.numpy())
+
     def on_test_begin(self, logs: dict | None = None) -> None:
         self.beat("evaluation began")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._last = time.monotonic()
+        # The job's step, as checkpoints and progress lines count it: a stall mid-training names where it stopped
+        # (`batch` is the epoch's last step index of the call, steps_per_execution steps per call).
+        self.beat(f"step {self._epoch_began_at + batch + 1} ended")
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._last = time.monotonic()
