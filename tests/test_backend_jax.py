@@ -158,14 +158,17 @@ def test_a_tensorflow_run_folder_is_refused_under_jax_and_its_model_keras_evalua
 @pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
 def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mnist_job, tmp_path):
     """Orbax writes the arrays through TensorStore's GCS client (pointed at the emulator with
-    TENSORSTORE_GCS_HTTP_URL) and its metadata through TensorFlow's gs:// client (the rig's TLS proxy)."""
+    TENSORSTORE_GCS_HTTP_URL) and its metadata through TensorFlow's gs:// client (the rig's TLS proxy); the job
+    computes in bfloat16, as on a TPU."""
     bucket = gcs.bucket()
     spec = jax_job(mnist_job, "jax-gcs", data={"eval": None, "global_batch_size": 64},
                    model={"name": tiny_model(tmp_path)},
-                   train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True},
+                   train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True, "mixed_precision": "bfloat16"},
                    output={"dir": f"gs://{bucket}/runs", "tensorboard": False})
     first = run_cli("run", spec, env=cli_env(**gcs.env), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
+    # bfloat16 asked for (this CPU has no native bf16: `auto` would choose float32): computed, saved, resumed.
+    assert last_json(first.stdout)["accelerator"]["precision"]["policy"] == "bfloat16"
     assert last_json(first.stdout)["compile_cache"] == f"gs://{bucket}/runs/jax-gcs/jax_cache"
     names = gcs.objects(bucket, "runs/jax-gcs/")
     assert "runs/jax-gcs/checkpoints/ckpt_3/commit_success.txt" in names  # Orbax's mark of a whole step on GCS
