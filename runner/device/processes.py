@@ -26,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
+import sys
 import time
 from collections.abc import Mapping
 
@@ -173,8 +176,6 @@ def _not_joined(processes: Processes, exc: BaseException, timeout_s: float) -> s
 
 def _missing_tasks(text: str) -> str | None:
     """The processes the coordination service says never connected, as it lists them (/job:jax_worker/task:N)."""
-    import re
-
     tasks = sorted({int(n) for n in re.findall(r"task:(\d+)", text)})
     return ", ".join(f"process {n}" for n in tasks) or None
 
@@ -249,9 +250,6 @@ def lost_peer(exc: BaseException) -> AcceleratorError | None:
 def leave(code: int) -> None:
     """Ends this process of a job of several now, with `code`: output flushed, JAX's shutdown barrier (which
     waits for every process, gone ones too, until accelerator.heartbeat_s) not waited for."""
-    import os
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
