@@ -118,6 +118,15 @@ def test_save_needs_a_spec(env) -> None:
     assert result.returncode == 2 and "--save needs a SPEC" in result.stderr
 
 
+def test_a_set_without_a_spec_is_checked_against_the_defaults(env) -> None:
+    """`runner doctor --set accelerator.backend=tensorflow` is not dropped for want of a spec (the TPU test in
+    tests/test_tpu_runtime.py follows it to TensorFlow's TPU start); a wrong key is refused before any check."""
+    result = invoke("doctor", "--set", "accelerator.bakend=tensorflow", env=env)
+    assert result.returncode == 2
+    assert "--set 'accelerator.bakend=tensorflow': accelerator.bakend: unknown key 'bakend'; did you mean 'backend'?" \
+        in result.stderr
+
+
 def test_batch_arithmetic_for_the_replicas_found_or_asked() -> None:
     spec = JobSpec.model_validate({"data": {"global_batch_size": 1000}})
     records = {"train": 60000, "eval": 10000}

@@ -272,7 +272,8 @@ def test_the_doctor_reports_a_tpu_initialisation_that_dies_by_sigsegv(tmp_path: 
                   TPU_NAME="local", TPU_ACCELERATOR_TYPE="v4-8", RUNNER_LIBTPU_LOCKFILE=str(tmp_path / "lock"),
                   **no_metadata)
     began = time.monotonic()
-    result = run_cli("doctor", "--json", "--timeout", "30", env=env, timeout=120)
+    result = run_cli("doctor", "--json", "--timeout", "30", "--set", "accelerator.backend=tensorflow", env=env,
+                     timeout=120)
     seconds = time.monotonic() - began
     report = last_json(result.stdout)
     checks = {check["name"]: check for check in report["checks"]}

@@ -89,7 +89,7 @@ def fail(error: RunnerError, debug: bool = False) -> typer.Exit:
     return typer.Exit(error.exit_code)
 
 
-def load(spec: Path, overrides: list[str] | None) -> JobSpec:
+def load(spec: Path | None, overrides: list[str] | None) -> JobSpec:
     try:
         return load_spec(spec, overrides or [])
     except RunnerError as error:

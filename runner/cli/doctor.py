@@ -141,7 +141,9 @@ def doctor(
     else:
         from runner.doctor import run_doctor
 
-        report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save)
+        settings = load(None, overrides) if spec is None and overrides else None  # `--set` without a spec
+        report = run_doctor(job, spec_path=str(spec) if spec else None, timeout=timeout, replicas=replicas, save=save,
+                            settings=settings)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), separators=(",", ":")))
     else:

@@ -270,11 +270,13 @@ def run_doctor(
     environ: dict[str, str] | None = None,
     lockfile: str | None = None,
     dev_root: str = "/dev",
+    settings: JobSpec | None = None,
 ) -> Report:
-    """Runs every check (the spec's too when given) and returns the report; never raises for a failed check."""
+    """Runs every check (the spec's too when given) and returns the report; never raises for a failed check.
+    `settings`: without a spec, the defaults with `--set` options (the accelerator and backend to check)."""
     began = time.monotonic()
     environ = dict(os.environ if environ is None else environ)
-    job = spec or JobSpec()
+    job = spec or settings or JobSpec()
     needs_gcs = spec is not None and bool(buckets_in(job.data.train, job.data.eval, job.output.dir))
     tpu_here = bool(host.named_tpu(job.accelerator.tpu, environ) or host.tpu_devices(dev_root))
     tpu_wanted = job.accelerator.kind == "tpu" or (job.accelerator.kind == "auto" and tpu_here)

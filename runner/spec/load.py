@@ -44,7 +44,6 @@ MAX_PROBLEMS = 20
 _KEY = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-
 def _read(path: Path) -> str:
     try:
         info = path.stat()
@@ -235,13 +234,15 @@ class Source:
         return f"--set {shown(texts[-1])}" if texts else str(self.path)
 
 
-def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[JobSpec, Source]:
-    path = Path(path)
-    text = _read(path)
-    try:
-        doc, node = parse_yaml(text)
-    except SpecError as exc:
-        raise exc.at(path) from None
+def _load(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> tuple[JobSpec, Source]:
+    if path is None:  # no file: the defaults with the --set options (`runner doctor --set ...`)
+        path, doc, node = Path("the defaults"), {}, None
+    else:
+        path = Path(path)
+        try:
+            doc, node = parse_yaml(_read(path))
+        except SpecError as exc:
+            raise exc.at(path) from None
     if doc is None:
         raise SpecError("the file is empty; a job spec is a mapping such as `name: my_job`", file=path)
     if not isinstance(doc, dict):
@@ -280,8 +281,8 @@ def _load(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[Job
         raise SpecError(f"cannot be checked ({type(exc).__name__}: {shown(str(exc))})", file=path) from None
 
 
-def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Reads, checks and returns the job spec at `path` with `--set key=value` overrides applied."""
+def load_spec(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Reads, checks and returns the job spec at `path` (None: the defaults) with `--set key=value` applied."""
     return _load(path, overrides)[0]
 
 

@@ -5,6 +5,7 @@ child process (tests/conftest.py: run_cli)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -26,5 +27,11 @@ def invoke(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.C
     changes: dict[str, str | None] = {key: value for key, value in env.items() if os.environ.get(key) != value}
     changes.update({key: None for key in os.environ if key not in env})
     argv = [str(arg) for arg in args]
-    result = CliRunner().invoke(app, argv, env=changes, catch_exceptions=False)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        result = CliRunner().invoke(app, argv, env=changes, catch_exceptions=False)
+    finally:  # the command's log handler writes to CliRunner's stream, which is closed once it returns
+        root.handlers[:] = handlers
+        root.setLevel(level)
     return subprocess.CompletedProcess(["runner", *argv], result.exit_code, result.stdout, result.stderr)
