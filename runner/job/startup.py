@@ -15,6 +15,7 @@ This module must never import TensorFlow itself.
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import re
 import sys
@@ -60,10 +61,42 @@ def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
 _STARTUP_NOTICE = re.compile(r"absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|TF_ENABLE_ONEDNN_OPTS")
 
 
+class _SkipOptional(importlib.abc.MetaPathFinder):
+    """While TensorFlow loads: the optional imports it and Keras try (`try: import ... except ImportError`) for
+    features the runner never calls fail at once instead of loading. TensorFlow Lite imports JAX for its JAX
+    converter and Keras imports matplotlib.pyplot for `keras.visualization`: 1.2-1.9 s of a 5.8 s start on a
+    2-core AMD EPYC. Under the JAX backend Keras needs JAX, so only matplotlib is skipped. Removed once
+    TensorFlow is loaded: a later `import jax` or `import matplotlib` (runner plot) loads them as usual."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname.partition(".")[0] in self.names:
+            raise ImportError(f"{fullname} is not loaded with TensorFlow (runner/job/startup.py)", name=fullname)
+        return None
+
+
+def _optional_imports() -> frozenset[str]:
+    skipped = {"matplotlib"} if os.environ.get("KERAS_BACKEND") == "jax" else {"matplotlib", "jax", "jaxlib"}
+    return frozenset(name for name in skipped if name not in sys.modules)
+
+
 def load_tensorflow(debug: bool) -> None:
     """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
     writes to stderr while loading is passed on. Call after `before_tensorflow`."""
-    if debug or "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
+        return
+    skip = _SkipOptional(_optional_imports())
+    sys.meta_path.insert(0, skip)
+    try:
+        _import_quietly(debug)
+    finally:
+        sys.meta_path.remove(skip)
+
+
+def _import_quietly(debug: bool) -> None:
+    if debug:
         import tensorflow  # noqa: F401
         return
     sys.stderr.flush()
