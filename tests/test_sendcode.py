@@ -13,8 +13,10 @@ import json
 import re
 import shlex
 import shutil
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -263,6 +265,20 @@ def test_runner_run_trains_a_model_that_lives_only_in_the_uploaded_archive(tpu_f
     assert f"code: {url} (sha256 checked): 2 files unpacked in " in result.stderr  # dense.py and job.yaml
     summary = last_json(result.stdout)
     assert summary["status"] == "succeeded" and summary["final_step"] > 0
+    assert not list(Path(tempfile.gettempdir()).glob(f"runner-code-{sha[:12]}-*")), "each process's copy is removed"
+
+    without = run_cli("evaluate", spec, env=cli_env(**gcs.env), timeout=300)
+    assert without.returncode == 2 and "dense" in without.stderr, "the model is in the archive only"
+    evaluated = run_cli("evaluate", spec, "--code", ref, env=cli_env(**gcs.env), timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert f"code: {url} (sha256 checked)" in evaluated.stderr
+    assert last_json(evaluated.stdout)["examples"] == 512, "every test record of tiny_mnist"
+    np.save(tmp_path / "digits.npy", np.zeros((3, 28, 28, 1), np.uint8))
+    predicted = run_cli("predict", spec, "--input", tmp_path / "digits.npy", "--no-check",
+                        env=cli_env(RUNNER_CODE=ref, **gcs.env), timeout=300)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    rows = [json.loads(line) for line in predicted.stdout.splitlines()[-3:]]
+    assert [row["index"] for row in rows] == [0, 1, 2] and all(len(row["probabilities"]) == 10 for row in rows)
 
 
 def test_a_tampered_or_missing_archive_is_refused_naming_it(tpu_fake, gcs, tmp_path, tiny_mnist):

@@ -198,6 +198,7 @@ def evaluate(
     checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
+    code: Code = None,
 ) -> None:
     """Evaluate the job on `data.eval` (or `--input`), on whatever device this machine has.
 
@@ -215,8 +216,9 @@ def evaluate(
     * `runner evaluate jobs/mnist_cnn.yaml --set data.eval='gs://my-bucket/mnist/test-*.tfrecord'`
     * `runner evaluate jobs/mnist_cnn.yaml --input labelled.npz` (arrays `image` and `label`)
     * `runner evaluate job.yaml --input labelled.csv` (a table prepared with `runner prepare csv`, its label column)
+    * `runner evaluate job.yaml --code gs://b/runs/job/code/SHA.tar.gz#sha256=SHA` (the model code `submit` sent)
     """
-    job = trained_command_setup(spec, overrides, debug)
+    job = trained_command_setup(spec, [*(overrides or []), *(_fetch_code(code, debug) if code else [])], debug)
     from runner.job import predict as predict_mod
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
@@ -244,6 +246,7 @@ def predict(
     checkpoint: Checkpoint = None,
     overrides: Overrides = None,
     debug: Debug = False,
+    code: Code = None,
 ) -> None:
     """Predict with the job's reported weights (as `runner evaluate`), any number of rows, on whatever device.
 
@@ -263,7 +266,7 @@ def predict(
     * `runner predict job.yaml --input new_rows.csv` (a table prepared with `runner prepare csv`)
     * `runner predict job.yaml --input photos/` (a model trained on `runner prepare images`)
     """
-    job = trained_command_setup(spec, overrides, debug)
+    job = trained_command_setup(spec, [*(overrides or []), *(_fetch_code(code, debug) if code else [])], debug)
     import numpy as np
 
     from runner.job import predict as predict_mod

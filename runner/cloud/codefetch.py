@@ -1,8 +1,8 @@
 """The code archive's trip (docs/cloud.md, "Sending your code"): `runner submit` uploads the archive that
 runner/cloud/codepack.py made, once per content; the job's container is handed its URL and sha256 in
-RUNNER_CODE (`gs://BUCKET/.../RUN/code/SHA256.tar.gz#sha256=SHA256`; `runner run --code` takes the same), and
-`runner run` fetches it, checks the hash, unpacks it into a fresh folder and puts it where the spec's code
-boundary looks, before the spec is loaded:
+RUNNER_CODE (`gs://BUCKET/.../RUN/code/SHA256.tar.gz#sha256=SHA256`; `runner run`, `evaluate` and `predict`
+take the same as --code), and the command fetches it, checks the hash, unpacks it into a fresh folder (removed
+when the process ends) and puts it where the spec's code boundary looks, before the spec is loaded:
   - `folder/` becomes code.folder (`--set code.folder=...` added to the job's overrides);
   - `packages/` is appended to sys.path, never put in front: it adds packages, it replaces none. A package
     the archive holds that Python would import from elsewhere (the image has one of that name) is refused,
@@ -14,11 +14,13 @@ before anything TensorFlow reads at start-up is set.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import os
 import posixpath
 import re
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -94,6 +96,7 @@ def fetch(ref: str, timeout_s: float = storage.DEFAULT_TIMEOUT_S, into: str | No
                         "changed after it was uploaded, so it is not run. Submit the job again: the archive is "
                         "uploaded anew")
     root = tempfile.mkdtemp(prefix=f"runner-code-{sha[:12]}-", dir=into)
+    atexit.register(shutil.rmtree, root, True)  # the process's own copy: the bucket keeps the archive
     files = _unpack(data, root, url)
     os.makedirs(os.path.join(root, FOLDER), exist_ok=True)
     return Unpacked(url, sha, root, files, _use_packages(os.path.join(root, PACKAGES), url))
