@@ -43,3 +43,27 @@ def test_blocks_read_every_record_once_and_mix_all_shards_in_each_batch(tiny_mni
     for batch in in_blocks:
         assert Counter(shard_of[d] for d in batch) == {0: 64, 1: 64, 2: 64, 3: 64}
     assert in_blocks != one_by_one, "the order differs: blocks of 64, not single records, per shard"
+
+
+def test_a_preprocess_that_branches_on_tensors_still_works_streamed_and_in_memory(tiny_mnist: Path) -> None:
+    """The runner's own input functions are traced without AutoGraph (runner/data/schema.py `plain`); the user's
+    data.preprocess still gets it, so Python control flow on a tensor works in both input paths."""
+    import numpy as np
+    import tensorflow as tf
+
+    from runner.data import in_memory, pipeline
+
+    def scale_if_bright(features: dict) -> dict:
+        image = features["image"]
+        if tf.reduce_max(image) > 1.0:  # a tensor in a Python `if`: AutoGraph makes it a tf.cond
+            image = image / 255.0
+        return {**features, "image": image}
+
+    shards = pipeline.find_shards(f"{tiny_mnist}/test-*.tfrecord")
+    streamed = pipeline.make_dataset(shards, 128, ("image",), "label", training=False, preprocess=scale_if_bright)
+    held = in_memory.load(shards, ("image", "label"), "data.eval")
+    memory = in_memory.make_dataset(held, shards.features, 128, ("image",), "label", shuffle=False, seed=0,
+                                    preprocess=scale_if_bright)
+    for images, _ in [*streamed.take(2), *memory.take(2)]:
+        values = images.numpy()
+        assert 0.0 <= values.min() and 0.5 < values.max() <= 1.0 and np.isfinite(values).all()

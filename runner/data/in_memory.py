@@ -134,10 +134,11 @@ def load(shards: pipeline.Shards, names: tuple[str, ...], key: str) -> Held:
     files = tf.data.Dataset.from_tensor_slices(list(shards.files))
 
     def read(path: tf.Tensor) -> tf.data.Dataset:
-        return tf.data.TFRecordDataset(path).batch(_LOAD_BLOCK).map(lambda block: schema.parse_stored(block, used))
+        return tf.data.TFRecordDataset(path).batch(_LOAD_BLOCK).map(
+            schema.plain(lambda block: schema.parse_stored(block, used)))
 
     # In shard order (deterministic), several shards read at once.
-    blocks = files.interleave(read, cycle_length=min(len(shards.files), pipeline.MAX_OPEN_SHARDS),
+    blocks = files.interleave(schema.plain(read), cycle_length=min(len(shards.files), pipeline.MAX_OPEN_SHARDS),
                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     parts: dict[str, list[tf.Tensor]] = {name: [] for name in used}
     try:
@@ -203,4 +204,5 @@ def make_dataset(
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF  # one worker
     passes = tf.data.Dataset.range(2**62)  # unending, as a streamed training split repeats
     # A batch is one gather: two ready ahead are enough for the step never to wait on the next.
-    return passes.flat_map(one_pass).map(take).with_options(options).prefetch(2)
+    mapped = passes.flat_map(schema.plain(one_pass)).map(schema.plain(take, preprocess))
+    return mapped.with_options(options).prefetch(2)

@@ -181,7 +181,7 @@ def check_labels(spec: JobSpec, shards: pipeline.Shards) -> None:
 def _first_label_outside(path: str, feature: schema.Feature, label: str, classes: int) -> tuple[int, int] | None:
     """(record index, label) of the shard's first record whose label is not a class id, if its bytes read."""
     records = tf.data.TFRecordDataset(path).batch(4096)
-    parsed = records.map(lambda batch: schema.parse_batch(batch, {label: feature})[label])
+    parsed = records.map(schema.plain(lambda batch: schema.parse_batch(batch, {label: feature})[label]))
     seen = 0
     try:
         for batch in parsed:

@@ -202,7 +202,7 @@ def _decoder(features: dict[str, Feature], inputs: tuple[str, ...], label: str, 
             parsed = preprocess(parsed)
         return model_inputs(parsed, inputs), parsed[label]
 
-    return decode
+    return schema.plain(decode, preprocess)
 
 
 def example_inputs(features: dict[str, Feature], inputs: tuple[str, ...], preprocess: Callable | None = None):
@@ -216,7 +216,7 @@ def example_inputs(features: dict[str, Feature], inputs: tuple[str, ...], prepro
             parsed = preprocess(parsed)
         return model_inputs(parsed, inputs)
 
-    return to_inputs
+    return schema.plain(to_inputs, preprocess)
 
 
 def model_inputs(parsed: dict[str, tf.Tensor], inputs: tuple[str, ...]):
@@ -259,7 +259,7 @@ def _interleave_records(files: tf.data.Dataset, cycle: int, block: int, determin
             return tf.data.TFRecordDataset(path).batch(block)
 
     records = files.interleave(
-        read, cycle_length=cycle, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic
+        schema.plain(read), cycle_length=cycle, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic
     )
     return records if block == 1 else records.unbatch()
 
@@ -322,7 +322,7 @@ def make_dataset(
         if training:
             raise ValueError("weighted batches are for evaluation: training=False")
         records = _weighted_records(records, shards, batch_size)
-        decode = _weighted(decode)
+        decode = _weighted(decode, preprocess)
     if by == "records":
         # Process i keeps records i, i+n, ...: its batch k and the others' make up the job's batch k exactly.
         records = records.shard(processes, index)
@@ -366,18 +366,20 @@ def _weighted_records(records: tf.data.Dataset, shards: Shards, batch_size: int)
     """
     padded = eval_steps(shards, batch_size, "evaluation") * batch_size
     weight = tf.constant(padded / shards.records, tf.float32)
-    real = records.apply(tf.data.experimental.assert_cardinality(shards.records)).map(lambda record: (record, weight))
+    counted = records.apply(tf.data.experimental.assert_cardinality(shards.records))
+    real = counted.map(schema.plain(lambda record: (record, weight)))
     if padded == shards.records:
         return real
-    padding = records.take(1).repeat(padded - shards.records).map(lambda record: (record, tf.constant(0.0)))
+    padding = records.take(1).repeat(padded - shards.records)
+    padding = padding.map(schema.plain(lambda record: (record, tf.constant(0.0))))
     return real.concatenate(padding)
 
 
-def _weighted(decode: Callable):
+def _weighted(decode: Callable, preprocess: Callable | None):
     def decode_weighted(serialized: tf.Tensor, weight: tf.Tensor):
         return (*decode(serialized), weight)
 
-    return decode_weighted
+    return schema.plain(decode_weighted, preprocess)
 
 
 def eval_steps(shards: Shards, batch_size: int, key: str) -> int:

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from runner import DataError, SpecError
-from runner.data import in_memory, integrity, pipeline, splits
+from runner.data import in_memory, integrity, pipeline, schema, splits
 from runner.device import host
 from runner.device.accelerator import Accelerator
 from runner.rundir.attempt import Facts
@@ -205,7 +205,7 @@ def with_sample_weight(dataset: tf.data.Dataset, inputs: tuple[str, ...], weight
             weights = tf.identity(weights if not padding else weights * padding[0])
         return pipeline.model_inputs(features, inputs), label, weights
 
-    return dataset.map(split, num_parallel_calls=tf.data.AUTOTUNE)
+    return dataset.map(schema.plain(split), num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def one_hot_labels(dataset: tf.data.Dataset, classes: int) -> tf.data.Dataset:
@@ -214,7 +214,7 @@ def one_hot_labels(dataset: tf.data.Dataset, classes: int) -> tf.data.Dataset:
     def encode(features, label, *weights):
         return (features, tf.one_hot(tf.reshape(tf.cast(label, tf.int32), [-1]), classes), *weights)
 
-    return dataset.map(encode, num_parallel_calls=tf.data.AUTOTUNE)
+    return dataset.map(schema.plain(encode), num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def class_weight_of(asked: dict[int, float] | str | None, shards: pipeline.Shards) -> dict[int, float] | None:

@@ -61,7 +61,8 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
         examples.get_concrete_function()
         archive.add_endpoint(SERVE_EXAMPLES, examples)
     else:
-        archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs]))
+        archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs],
+                                                autograph=False))  # as Keras's own export
         archive.add_endpoint(
             SERVE_EXAMPLES,
             tf.function(lambda records: model(examples_to_inputs(records), training=False),

@@ -61,7 +61,7 @@ def _traced_forward(model: Any, batch: int) -> tuple[float | None, str]:
 
     try:
         specs = _input_specs(model, batch)
-        graph = tf.function(lambda x: model(x, training=True)).get_concrete_function(specs).graph
+        graph = tf.function(lambda x: model(x, training=True), autograph=False).get_concrete_function(specs).graph
     except Exception as exc:  # a model without symbolic inputs (subclassed, never built): the per-layer count
         return None, f"the forward pass could not be traced ({type(exc).__name__}: {exc})"
     loops = sorted({op.type for op in graph.get_operations() if op.type in CONTROL_FLOW_OPS})
@@ -188,7 +188,7 @@ def step_flops(model: Any, batch_size: int) -> float | None:
             loss = model.compute_loss(x, y, model(x, training=True))
         return tape.gradient(loss, model.trainable_variables)
 
-    graph = tf.function(step).get_concrete_function(specs, label).graph
+    graph = tf.function(step, autograph=False).get_concrete_function(specs, label).graph  # as Keras's own step
     if any(op.type in CONTROL_FLOW_OPS for op in graph.get_operations()):
         return None
     options = option_builder.ProfileOptionBuilder.float_operation()

@@ -21,6 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from runner.data.schema import plain
 from runner.device.accelerator import Accelerator
 from runner.rundir.timing import EpochRecord
 
@@ -37,7 +38,7 @@ class InputClock:
             self._waited = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="input_wait_s")
 
     def wrap(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        asked = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat().map(lambda _: tf.timestamp())
+        asked = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat().map(plain(lambda _: tf.timestamp()))
 
         def add_wait(asked_at: tf.Tensor, batch: Any) -> Any:
             update = self._waited.assign_add(tf.timestamp() - asked_at)
@@ -48,7 +49,7 @@ class InputClock:
         # tf.data would otherwise put a prefetch after the last stage, and the clock would then time the
         # prefetch thread instead of the training loop.
         options.experimental_optimization.inject_prefetch = False
-        return tf.data.Dataset.zip((asked, dataset)).map(add_wait).with_options(options)
+        return tf.data.Dataset.zip((asked, dataset)).map(plain(add_wait)).with_options(options)
 
     def seconds(self) -> float:
         return float(self._waited.numpy())
