@@ -27,6 +27,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("LINES", None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory) -> Path:
+    """One XLA compilation cache for the session's JAX jobs, as a user's JAX_COMPILATION_CACHE_DIR gives (the
+    runner then uses it instead of each run folder's jax_cache/): a job of a model another test compiled starts
+    warm. The workers of one session share it; tests of the run folder's own cache take the variable away."""
+    folder = tmp_path_factory.getbasetemp().parent / "jax-compile-cache"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
+    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})

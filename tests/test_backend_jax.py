@@ -165,7 +165,9 @@ def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mn
                    model={"name": tiny_model(tmp_path)},
                    train={"epochs": 1, "steps_per_epoch": 3, "allow_chance": True, "mixed_precision": "bfloat16"},
                    output={"dir": f"gs://{bucket}/runs", "tensorboard": False})
-    first = run_cli("run", spec, env=cli_env(**gcs.env), timeout=600)
+    env = cli_env(**gcs.env)
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # no cache of the user's own: the run folder keeps one
+    first = run_cli("run", spec, env=env, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     # bfloat16 asked for (this CPU has no native bf16: `auto` would choose float32): computed, saved, resumed.
     assert last_json(first.stdout)["accelerator"]["precision"]["policy"] == "bfloat16"
@@ -174,7 +176,7 @@ def test_a_gs_run_folder_under_jax_checkpoints_through_orbax_and_resumes(gcs, mn
     assert "runs/jax-gcs/checkpoints/ckpt_3/commit_success.txt" in names  # Orbax's mark of a whole step on GCS
     assert any(n.startswith("runs/jax-gcs/jax_cache/jit_train_step") for n in names)
 
-    again = run_cli("run", spec, "--set", "train.epochs=2", env=cli_env(**gcs.env), timeout=600)
+    again = run_cli("run", spec, "--set", "train.epochs=2", env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     summary = last_json(again.stdout)
     assert summary["resumed_from_step"] == 3 and summary["final_step"] == 6

@@ -2,11 +2,11 @@
 the stall guard, a preemption notice), run again after each stop until it finishes, then evaluated, predicted
 and exported.
 
-XLA on these CPUs compiles slowly (benchmarks/RESULTS.md, "Backends"), so the job is trained once, in the
-module's fixture, and every test reads what it left. The six attempts share the run folder, and so its
-`jax_cache/`: only the first compiles the job's programs. The model and the callback are a user's own (in the
-spec's code folder); the job also sets class weights, a learning-rate schedule and validation every second
-epoch, so the same run shows each of them working under JAX across every resume.
+XLA on these CPUs compiles slowly (benchmarks/RESULTS.md, "Backends"), so the job is trained once, in the module's
+fixture, and every test reads what it left. The six attempts share the suite's XLA cache (JAX_COMPILATION_CACHE_DIR,
+tests/conftest.py): only the first compiles the job's programs. The model and the callback are a user's own (in the
+spec's code folder); the job also sets class weights, a learning-rate schedule and validation every second epoch, so
+the same run shows each of them working under JAX across every resume.
 
 The user's callback is also how the tests know where a run is: at the end of step HOLD_AT_STEP it holds the
 run (as a step that does not return) until the test removes the file HOLD_FILE. A signal sent while a step is
@@ -310,7 +310,10 @@ def test_the_finished_jax_job_reports_its_backend_flops_and_orbax_checkpoints(jo
     assert summary["throughput"]["flops_method"].startswith("xla:")
     assert summary["throughput"]["mfu"] > 0
     assert orbax_steps(job.run_dir)[-1] == TOTAL and len(orbax_steps(job.run_dir)) == 3  # checkpoint.keep
-    assert any((job.run_dir / "jax_cache").iterdir())
+    # JAX_COMPILATION_CACHE_DIR (the suite's, tests/conftest.py) is used instead of the run folder's jax_cache/
+    assert summary["compile_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert not (job.run_dir / "jax_cache").exists()
+    assert list(Path(summary["compile_cache"]).glob("jit_train_step*"))
     assert (job.run_dir / "model.keras").is_file()
 
 

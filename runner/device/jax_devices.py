@@ -11,6 +11,7 @@ tf.data: it is told to see no GPU. Every step that can wait on a device is bound
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Mapping
 
@@ -96,6 +97,12 @@ def _accelerator(kind: str, devices: list) -> Accelerator:
         detail += f" in {joined.count} processes, this one process {joined.index}"
     return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
                        worker_index=joined.index, detail=detail)
+
+
+def compile_cache(in_run_folder: str) -> str:
+    """Where XLA's compiled programs are kept: JAX's own JAX_COMPILATION_CACHE_DIR when it is set (one cache for
+    every job on the machine or bucket, which jobs of one model share), else the run folder's `jax_cache/`."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or in_run_folder
 
 
 def use_compile_cache(folder: str) -> None:

@@ -145,7 +145,7 @@ class _Job:
         if attempt.accelerator.backend.name == "jax":
             from runner.device import jax_devices
 
-            attempt.facts.compile_cache = attempt.run.file("jax_cache")
+            attempt.facts.compile_cache = jax_devices.compile_cache(attempt.run.file("jax_cache"))
             jax_devices.use_compile_cache(attempt.facts.compile_cache)
         per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
         self.precision = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)

@@ -1,0 +1,105 @@
+"""What a job pays before its first step, and what two start-up changes took off it, measured side by side.
+
+Arms, each in fresh processes, alternated, the median of the repetitions (wall seconds and CPU seconds):
+    import_tensorflow   `import tensorflow`, as any script does: TensorFlow Lite tries JAX and Keras tries
+                        matplotlib.pyplot on the way
+    import_runner       the runner's own load (runner/job/startup.py `load_tensorflow`), which skips those two
+                        optional imports while TensorFlow loads
+    job_autograph       `runner run` of the MNIST CNN for 3 steps with the runner's input functions rewritten by
+                        AutoGraph before tracing, as tf.data does by default (runner/data/schema.py `plain` undone)
+    job_plain           the same job as the runner runs it: its input functions traced as written
+Printed: each arm, then the ratios runner/TensorFlow for the import and plain/AutoGraph for the job's
+`timing.data_init_s` (the input pipeline's set-up, where the traces happen) and its whole wall time.
+
+    .venv/bin/python benchmarks/startup.py [--quick] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import MNIST, REPO, prepared
+from runner_vs_keras import cpu
+
+IMPORTS = {
+    "import_tensorflow": "import tensorflow",
+    "import_runner": "from runner.job import startup; startup.load_tensorflow(False)",
+}
+# `runner run` in this process, with the runner's input functions handed to AutoGraph (the arm's only change).
+_JOB = """
+import sys
+from runner.data import schema
+if sys.argv[1] == "autograph":
+    schema.plain = lambda fn, user=None: fn
+from runner.cli import main
+sys.argv = ["runner", "run", *sys.argv[2:]]
+main()
+"""
+
+
+def _timed(command: list[str]) -> tuple[float, float, str]:
+    """(wall s, CPU s of the child, its stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False, timeout=900)
+    wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:4])} ... exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
+
+
+def _job(arm: str, data, out: str, index: int) -> tuple[float, float, float]:
+    """(wall s, CPU s, timing.data_init_s) of one 3-step run of the MNIST CNN under TensorFlow."""
+    overrides = [f"data.train={data}/train-*.tfrecord", f"data.eval={data}/test-*.tfrecord", "train.epochs=1",
+                 "train.steps_per_epoch=3", "accelerator.backend=tensorflow", f"output.dir={out}",
+                 f"name=startup_{arm}_{index}", "output.tensorboard=false"]
+    command = [sys.executable, "-c", _JOB, "autograph" if arm == "job_autograph" else "plain",
+               "jobs/mnist_cnn.yaml", *[word for o in overrides for word in ("--set", o)]]
+    wall, cpu_s, stdout = _timed(command)
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    return wall, cpu_s, summary["timing"]["data_init_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one repetition instead of --repeat")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    repeat = 1 if args.quick else args.repeat
+    data = prepared(MNIST)
+    seen: dict[str, list[tuple[float, ...]]] = {arm: [] for arm in [*IMPORTS, "job_autograph", "job_plain"]}
+    with tempfile.TemporaryDirectory() as out:
+        for index in range(repeat):
+            for arm, code in IMPORTS.items():
+                seen[arm].append(_timed([sys.executable, "-c", code])[:2])
+            for arm in ("job_autograph", "job_plain"):
+                seen[arm].append(_job(arm, data, out, index))
+    median = {arm: [statistics.median(column) for column in zip(*rows, strict=True)] for arm, rows in seen.items()}
+    print(f"CPU: {cpu()}; {repeat} repetition(s) per arm, medians")
+    print(f"{'arm':<20}{'wall s':>10}{'CPU s':>10}{'data_init_s':>14}")
+    for arm, values in median.items():
+        extra = f"{values[2]:>14.2f}" if len(values) > 2 else ""
+        print(f"{arm:<20}{values[0]:>10.2f}{values[1]:>10.2f}{extra}")
+    ratios = [
+        ("startup_import", median["import_runner"][0] / median["import_tensorflow"][0], "< 1",
+         {"runner_s": median["import_runner"][0], "tensorflow_s": median["import_tensorflow"][0]}),
+        ("startup_input_setup", median["job_plain"][2] / median["job_autograph"][2], "< 1",
+         {"plain_s": median["job_plain"][2], "autograph_s": median["job_autograph"][2]}),
+        ("startup_job_wall", median["job_plain"][0] / median["job_autograph"][0], "no goal",
+         {"plain_s": median["job_plain"][0], "autograph_s": median["job_autograph"][0]}),
+    ]
+    for name, ratio, goal, detail in ratios:
+        print(json.dumps({"benchmark": name, "ratio": round(ratio, 3), "goal": goal,
+                          "detail": {k: round(v, 2) for k, v in detail.items()} | {"cpu": cpu()}}))
+
+
+if __name__ == "__main__":
+    main()
