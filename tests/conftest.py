@@ -47,11 +47,17 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_cli(
     *args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time."""
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or REPO,
-    )
+    """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time; a child that outlives
+    `timeout` fails the test naming the command, the bound and the last words it wrote."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "runner", *map(str, args)],
+            capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or REPO,
+        )
+    except subprocess.TimeoutExpired as expired:
+        said = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
+        raise AssertionError(f"`runner {' '.join(map(str, args))}` did not end within its {timeout:g} s bound "
+                             f"(killed); its stderr ended: {(said or '')[-3000:]}") from None
 
 
 def last_json(stdout: str) -> dict[str, Any]:
