@@ -145,3 +145,6 @@ def pytest_collection_modifyitems(config, items):
             names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
             if names and not item.nodeid.endswith("@" + "_".join(names)):
                 item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+        # A group is one unit of work for one worker, handed out in collection order: the longest (the Docker
+        # builds and containers) go first, so that no worker is left alone with one at the end of the suite.
+        items.sort(key=lambda item: 0 if item.nodeid.endswith("@docker") else 1)
