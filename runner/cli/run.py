@@ -118,9 +118,7 @@ def run(
     * `runner run jobs/mnist_cnn.yaml --set train.epochs=3 --fresh` (an earlier run of the job is moved aside)
     """
     early = early_notice()
-    if code:
-        overrides = [*(overrides or []), *_fetch_code(code, debug)]
-    job = load(spec, overrides)
+    job = load(spec, _with_code(overrides, code, debug))
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
     from runner.job.run import run_job
@@ -157,8 +155,11 @@ def run(
         raise ended
 
 
-def _fetch_code(ref: str, debug: bool) -> list[str]:
-    """The sent code unpacked and on the path; the `--set` that makes it the spec's code folder."""
+def _with_code(overrides: list[str] | None, ref: str | None, debug: bool) -> list[str]:
+    """The overrides, and with --code (RUNNER_CODE) the sent code unpacked and on the path, plus the `--set`
+    that makes it the spec's code folder."""
+    if not ref:
+        return list(overrides or [])
     from runner.cloud import codefetch
 
     try:
@@ -166,7 +167,7 @@ def _fetch_code(ref: str, debug: bool) -> list[str]:
     except RunnerError as error:
         raise fail(error, debug) from None
     typer.echo(unpacked.line(), err=True)
-    return unpacked.overrides()
+    return [*(overrides or []), *unpacked.overrides()]
 
 
 Scale = Annotated[
@@ -218,7 +219,7 @@ def evaluate(
     * `runner evaluate job.yaml --input labelled.csv` (a table prepared with `runner prepare csv`, its label column)
     * `runner evaluate job.yaml --code gs://b/runs/job/code/SHA.tar.gz#sha256=SHA` (the model code `submit` sent)
     """
-    job = trained_command_setup(spec, [*(overrides or []), *(_fetch_code(code, debug) if code else [])], debug)
+    job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
     from runner.job import predict as predict_mod
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
@@ -266,7 +267,7 @@ def predict(
     * `runner predict job.yaml --input new_rows.csv` (a table prepared with `runner prepare csv`)
     * `runner predict job.yaml --input photos/` (a model trained on `runner prepare images`)
     """
-    job = trained_command_setup(spec, [*(overrides or []), *(_fetch_code(code, debug) if code else [])], debug)
+    job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
     import numpy as np
 
     from runner.job import predict as predict_mod
