@@ -45,18 +45,27 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time; a child that outlives
-    `timeout` fails the test naming the command, the bound and the last words it wrote."""
+    `timeout` fails the test naming the command, the bound and the last words it wrote.
+
+    The child is forked from a process that has TensorFlow loaded (tests/support/zygote.py) unless `fresh`, the
+    command's spec asks TensorFlow to load otherwise (`zygote.needs_fresh`), or RUNNER_TEST_FRESH=1 is set."""
+    from tests.support import zygote
+
+    argv = [str(arg) for arg in args]
+    env = env or cli_env()
+    cwd = cwd or REPO
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "runner", *map(str, args)],
-            capture_output=True, text=True, timeout=timeout, env=env or cli_env(), cwd=cwd or REPO,
-        )
+        if fresh or os.environ.get("RUNNER_TEST_FRESH") == "1" or zygote.needs_fresh(argv, cwd):
+            return subprocess.run([sys.executable, "-m", "runner", *argv], capture_output=True, text=True,
+                                  timeout=timeout, env=env, cwd=cwd)
+        return zygote.run(argv, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         said = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
-        raise AssertionError(f"`runner {' '.join(map(str, args))}` did not end within its {timeout:g} s bound "
+        raise AssertionError(f"`runner {' '.join(argv)}` did not end within its {timeout:g} s bound "
                              f"(killed); its stderr ended: {(said or '')[-3000:]}") from None
 
 

@@ -157,7 +157,7 @@ def timed_run(tiny_mnist: Path, tmp_path_factory) -> tuple[dict, Path]:
         f"train: {{epochs: 3}}\ncheckpoint: {{every_steps: 8}}\nprofile: {{start_step: 20, steps: 3}}\n"
         f"output: {{dir: '{folder / 'runs'}'}}\n"
     )
-    result = run_cli("run", spec)
+    result = run_cli("run", spec, fresh=True)  # a start of its own: loading TensorFlow is one of its phases
     assert result.returncode == 0, result.stderr
     return last_json(result.stdout), folder / "runs" / "timed"
 

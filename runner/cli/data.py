@@ -327,6 +327,7 @@ def manifest(
     """
     job = load(spec, overrides)
     setup_logging(debug)
+    configure_tensorflow(job.storage.timeout_s)  # gs:// data is read under the spec's own bound
     load_tensorflow(debug)
     from runner.prepare.manifest import write_user_manifests
 
