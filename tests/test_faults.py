@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 from runner.data.storage import storage_error, tensorflow_env
-from tests.conftest import cli_env, last_json, run_cli
+from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.runs import finish, indexed_step, start_run, wait_for
 
 ANY = r"^(GET|POST|PUT|DELETE) "
@@ -192,3 +193,20 @@ def test_no_folder_in_a_bucket_that_does_not_answer_is_the_outage_not_a_file_in_
     local = storage_error(OSError(f"{in_the_way} is not a directory"), (str(tmp_path / "d"), None, str(tmp_path)), 2)
     assert str(local).startswith(
         f"storage fault: {in_the_way}: Not a directory; a file stands where a folder is needed")
+
+
+def test_manifest_of_an_unreachable_bucket_stops_within_the_specs_storage_timeout(gcs_faults, tmp_path: Path):
+    bucket = gcs_faults.bucket()
+    gcs_faults.faults.set([{"match": ANY, "action": "status", "status": 503}])
+    spec = write_spec(tmp_path, {
+        "name": "own", "data": {"train": f"gs://{bucket}/own/train-*.tfrecord",
+                                "features": {"x": {"shape": [2], "dtype": "float32"}, "label": {"dtype": "int64"}},
+                                "inputs": ["x"], "label": "label"},
+        "storage": {"timeout_s": 1},
+    })
+    began = time.monotonic()
+    result = run_cli("manifest", spec, env=cli_env(**gcs_faults.env), timeout=180)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert time.monotonic() - began < 60, "TensorFlow's gs:// client retried past storage.timeout_s"
+    assert f"gs://{bucket} did not answer within storage.timeout_s (1 s)" in result.stderr
+    assert "Traceback" not in result.stderr

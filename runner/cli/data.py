@@ -329,11 +329,17 @@ def manifest(
     setup_logging(debug)
     configure_tensorflow(job.storage.timeout_s)  # gs:// data is read under the spec's own bound
     load_tensorflow(debug)
+    from runner.data.storage import storage_error
     from runner.prepare.manifest import write_user_manifests
 
     try:
         paths = write_user_manifests(job, str(spec), force=force)
     except RunnerError as error:
+        raise fail(error, debug) from None
+    except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
+        error = storage_error(exc, [job.data.train, job.data.eval], job.storage.timeout_s)
+        if error is None:
+            raise
         raise fail(error, debug) from None
     for path in paths:
         typer.echo(path)
