@@ -23,6 +23,7 @@ import atexit
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -218,6 +219,7 @@ class _Zygote:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _zygotes: dict[tuple, _Zygote] = {}
@@ -268,6 +270,13 @@ def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> s
         conn.connect(zygote.path)
         request = {"args": args, "env": env, "cwd": str(cwd)}
         socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
+    except OSError:  # the zygote is gone (its socket with it): this command starts fresh
+        conn.close()
+        for fd in (out_r, err_r):
+            os.close(fd)
+        zygote.proc.kill()
+        return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=cwd)
     finally:
         for fd in (null, out_w, err_w):
             os.close(fd)
