@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +59,7 @@ def run_cli(
     cwd = cwd or REPO
     try:
         if fresh or os.environ.get("RUNNER_TEST_FRESH") == "1" or zygote.needs_fresh(argv, cwd):
-            return subprocess.run([sys.executable, "-m", "runner", *argv], capture_output=True, text=True,
-                                  timeout=timeout, env=env, cwd=cwd)
+            return zygote.fresh(argv, env=env, cwd=cwd, timeout=timeout)
         return zygote.run(argv, env=env, cwd=cwd, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         said = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr

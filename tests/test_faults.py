@@ -210,3 +210,4 @@ def test_manifest_of_an_unreachable_bucket_stops_within_the_specs_storage_timeou
     assert time.monotonic() - began < 60, "TensorFlow's gs:// client retried past storage.timeout_s"
     assert f"gs://{bucket} did not answer within storage.timeout_s (1 s)" in result.stderr
     assert "Traceback" not in result.stderr
+

@@ -201,7 +201,6 @@ def verify(
     import tensorflow as tf
 
     from runner.data import pipeline
-    from runner.data.storage import storage_error
 
     try:
         checked, manifest = pipeline.verify_folder(folder)
@@ -209,11 +208,8 @@ def verify(
         # A bucket object given for the folder: its manifest.json is not found.
         given_a_file = "://" in folder and tf.io.gfile.exists(folder) and not tf.io.gfile.isdir(folder)
         raise fail(not_a_dataset_folder(folder, local=False) if given_a_file else exc, debug) from None
-    except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
-        error = storage_error(exc, [folder], DEFAULT_TIMEOUT_S)
-        if error is None:
-            raise
-        raise fail(error, debug) from None
+    except Exception as exc:
+        raise _storage_fault(exc, [folder], DEFAULT_TIMEOUT_S, debug) from None
     for problem in checked.problems:
         typer.secho(problem, err=True, fg=typer.colors.RED)
     if checked.problems:
@@ -329,17 +325,23 @@ def manifest(
     setup_logging(debug)
     configure_tensorflow(job.storage.timeout_s)  # gs:// data is read under the spec's own bound
     load_tensorflow(debug)
-    from runner.data.storage import storage_error
     from runner.prepare.manifest import write_user_manifests
 
     try:
         paths = write_user_manifests(job, str(spec), force=force)
     except RunnerError as error:
         raise fail(error, debug) from None
-    except Exception as exc:  # TensorFlow giving up on a bucket: exit 3 naming it
-        error = storage_error(exc, [job.data.train, job.data.eval], job.storage.timeout_s)
-        if error is None:
-            raise
-        raise fail(error, debug) from None
+    except Exception as exc:
+        raise _storage_fault(exc, [job.data.train, job.data.eval], job.storage.timeout_s, debug) from None
     for path in paths:
         typer.echo(path)
+
+
+def _storage_fault(exc: Exception, paths: list[str | None], timeout_s: float, debug: bool) -> Exception:
+    """TensorFlow giving up on a bucket, as the exit 3 that names it; any other error goes on as it was."""
+    from runner.data.storage import storage_error
+
+    error = storage_error(exc, paths, timeout_s)
+    if error is None:
+        raise exc
+    return fail(error, debug)

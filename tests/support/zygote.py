@@ -47,8 +47,9 @@ def _loading_env(env: dict[str, str]) -> dict[str, str]:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def _prime() -> dict[str, str]:
-    """Loads TensorFlow as `runner run` does for the default spec; returns the environment it loaded under."""
+def _prime() -> tuple[dict[str, str], dict[str, str]]:
+    """Loads TensorFlow as `runner run` does for the default spec. Returns the environment it loaded under, and
+    the variables its import set (TF2_BEHAVIOR, ...), which a fresh process has from then on."""
     import logging
 
     from runner.job import startup
@@ -57,18 +58,19 @@ def _prime() -> dict[str, str]:
     # TensorFlow's backend whatever the environment says of a TPU (auto would pick JAX beside TPU_NAME): a job
     # that asks for JAX meets backend.apply's refusal ("Keras was imported with ...") and runs fresh instead.
     startup.before_tensorflow(load_spec(None, ["accelerator.kind=cpu"]))
-    startup.load_tensorflow(False)
     loaded = dict(os.environ)
+    startup.load_tensorflow(False)
+    set_by_import = {k: v for k, v in os.environ.items() if loaded.get(k) != v}
     for name in [n for n in sys.modules if n == "runner" or n.startswith("runner.")]:
         del sys.modules[name]
     manager = logging.root.manager
     for name in [n for n in manager.loggerDict if n == "runner" or n.startswith("runner.")]:
         del manager.loggerDict[name]
     logging.root.handlers.clear()
-    return loaded
+    return loaded, set_by_import
 
 
-def _child(request: dict, loaded: dict[str, str]) -> None:
+def _child(request: dict, loaded: dict[str, str], set_by_import: dict[str, str]) -> None:
     """Runs in the forked child: becomes `python -m runner ARGS` and never returns (SystemExit ends it)."""
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
@@ -100,6 +102,7 @@ def _child(request: dict, loaded: dict[str, str]) -> None:
                 "this command sets: run it with run_cli(..., fresh=True)\n")
             sys.stderr.flush()
             os._exit(MISMATCH)
+        os.environ.update(set_by_import)
 
     startup.load_tensorflow = load_tensorflow
     runpy.run_module("runner", run_name="__main__", alter_sys=True)
@@ -107,7 +110,7 @@ def _child(request: dict, loaded: dict[str, str]) -> None:
 
 
 def serve(path: str) -> None:
-    loaded = _prime()
+    loaded, set_by_import = _prime()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -143,7 +146,7 @@ def serve(path: str) -> None:
                     os.dup2(fd, target)
                     os.close(fd)
                 conn.close()
-                _child(request, loaded)
+                _child(request, loaded, set_by_import)
             for fd in fds:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode())
@@ -255,13 +258,18 @@ def _stop_all() -> None:
         zygote.stop()
 
 
+def fresh(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` started afresh, as a user starts it."""
+    return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd)
+
+
 def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run([python, -m, runner, *args], capture_output=True, text=True)` through a zygote. On a
     timeout the child is killed and subprocess.TimeoutExpired raised, with what it wrote."""
     zygote = _zygote_for(env)
     if zygote is None:
-        return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=cwd)
+        return fresh(args, env=env, cwd=cwd, timeout=timeout)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -275,8 +283,7 @@ def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> s
         for fd in (out_r, err_r):
             os.close(fd)
         zygote.proc.kill()
-        return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=cwd)
+        return fresh(args, env=env, cwd=cwd, timeout=timeout)
     finally:
         for fd in (null, out_w, err_w):
             os.close(fd)
@@ -291,13 +298,14 @@ def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> s
     readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
     for reader in readers:
         reader.start()
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
     conn.settimeout(timeout)
     try:
         returncode = json.loads(conn.recv(1 << 16))["returncode"]
     except TimeoutError:
         os.kill(pid, signal.SIGKILL)
-        returncode = json.loads(conn.settimeout(30) or conn.recv(1 << 16))["returncode"]
+        conn.settimeout(30)
+        conn.recv(1 << 16)  # reaped
         for reader in readers:
             reader.join(10)
         raise subprocess.TimeoutExpired(
@@ -305,8 +313,8 @@ def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> s
     finally:
         conn.close()
     for reader in readers:
-        reader.join(max(1.0, deadline - time.monotonic()))
-    _trace("run", command=args[0], seconds=round(time.monotonic() - deadline + timeout, 2))
+        reader.join(max(1.0, began + timeout - time.monotonic()))
+    _trace("run", command=args[0], seconds=round(time.monotonic() - began, 2))
     # as text=True reads: the locale's UTF-8 and universal newlines
     text = {fd: b"".join(parts).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
             for fd, parts in chunks.items()}
