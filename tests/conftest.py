@@ -36,6 +36,18 @@ def shared_compile_cache(tmp_path_factory) -> Path:
     return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
+@pytest.fixture(autouse=True)
+def _environment_put_back(shared_compile_cache):
+    """Each test leaves this process's environment as it found it. A command run in this process (Typer's
+    CliRunner: `runner verify` sets the gs:// client's GCS_* variables before TensorFlow loads) would otherwise
+    hand its settings to every later test's commands, which keep a value already set as the user's."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
