@@ -63,16 +63,12 @@ def run_cli(
     `timeout` fails the test naming the command, the bound and the last words it wrote.
 
     The child is forked from a process that has TensorFlow loaded (tests/support/zygote.py) unless `fresh`, the
-    command's spec asks TensorFlow to load otherwise (`zygote.needs_fresh`), or RUNNER_TEST_FRESH=1 is set."""
+    command's spec asks TensorFlow to load otherwise (`zygote.kind_for`), or RUNNER_TEST_FRESH=1 is set."""
     from tests.support import zygote
 
     argv = [str(arg) for arg in args]
-    env = env or cli_env()
-    cwd = cwd or REPO
     try:
-        if fresh or os.environ.get("RUNNER_TEST_FRESH") == "1" or zygote.needs_fresh(argv, cwd):
-            return zygote.fresh(argv, env=env, cwd=cwd, timeout=timeout)
-        return zygote.run(argv, env=env, cwd=cwd, timeout=timeout)
+        return zygote.run(argv, env=env or cli_env(), cwd=cwd or REPO, timeout=timeout, kind=None if fresh else "auto")
     except subprocess.TimeoutExpired as expired:
         said = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
         raise AssertionError(f"`runner {' '.join(argv)}` did not end within its {timeout:g} s bound "

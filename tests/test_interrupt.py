@@ -76,7 +76,7 @@ def test_a_signal_while_tensorflow_imports_ends_the_run_having_saved_nothing(
     as such in the summary, locally and in the run folder, and leaves no checkpoint."""
     spec = job(mnist_job, "early")
     run_dir = tmp_path / "runs" / "early"
-    process = start_run(spec)
+    process = start_run(spec, fresh=True)
     wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
     process.send_signal(sent)
     exit_code, out, err = finish(process)
@@ -95,7 +95,7 @@ def test_a_sigterm_while_the_command_line_imports_is_a_preemption_too(mnist_job,
     then is held as well: exit 75 with its summary, never 143. Python reports each import as it completes
     (PYTHONPROFILEIMPORTTIME): the signal goes the moment Typer's is reported."""
     spec = job(mnist_job, "imports")
-    process = start_run(spec, env=cli_env(PYTHONPROFILEIMPORTTIME="1"))
+    process = start_run(spec, fresh=True, env=cli_env(PYTHONPROFILEIMPORTTIME="1"))
     seen = []
     for line in process.stderr:
         seen.append(line)
@@ -114,7 +114,7 @@ def test_a_sigterm_while_the_command_line_imports_is_a_preemption_too(mnist_job,
 
 def test_a_second_ctrl_c_while_tensorflow_imports_exits_at_once(mnist_job, tmp_path):
     spec = job(mnist_job, "twice")
-    process = start_run(spec)
+    process = start_run(spec, fresh=True)
     wait_for(lambda: tensorflow_loading(process.pid), process, timeout=60, every=0.01)
     process.send_signal(signal.SIGINT)
     # Two signals sent before the first is taken reach the process as one: the second waits for that.

@@ -24,6 +24,7 @@ from runner import EXIT_INFRA, EXIT_PREEMPTED
 from runner.device import backend, processes
 from runner.spec.types import AcceleratorSpec
 from tests.conftest import REPO, cli_env, last_json
+from tests.support import zygote
 
 BATCH, STEPS = 64, 6
 
@@ -68,9 +69,9 @@ def start(spec: Path, count: int, *args: str, port: int | None = None, only: lis
         env = cli_env(KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
                       KERAS_DISTRIBUTION_NUM_PROCESSES=str(count), KERAS_DISTRIBUTION_PROCESS_ID=str(index))
         log = spec.parent / f"{spec.stem}-process{index}.log"
-        with open(log, "w") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec), *args],
-                                    stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO)
+        with open(log, "w") as stderr:  # forked from a process that has loaded Keras on JAX (tests/support/zygote.py)
+            proc = zygote.popen(["run", str(spec), *args], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr,
+                                text=True)
         proc.log = log
         started.append(proc)
     return started
@@ -291,8 +292,8 @@ def test_two_processes_share_a_gs_run_folder(gcs, mnist_job, tmp_path: Path) -> 
                       KERAS_DISTRIBUTION_NUM_PROCESSES="2", KERAS_DISTRIBUTION_PROCESS_ID=str(index))
         log = tmp_path / f"gcs-process{index}.log"
         with open(log, "w") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "runner", "run", str(spec)], stdout=subprocess.PIPE,
-                                    stderr=stderr, text=True, env=env, cwd=REPO)
+            proc = zygote.popen(["run", str(spec)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr,
+                                text=True)
         proc.log = log
         started.append(proc)
     ended = finish(started)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.conftest import REPO, cli_env
+from tests.support import zygote
 
 T = TypeVar("T")
 
@@ -33,20 +34,20 @@ def interruptible_job(mnist_job, name: str, **checkpoint) -> Path:
     )
 
 
-def start_run(spec: Path, *args: str, env: dict[str, str] | None = None, progress: bool = False) -> subprocess.Popen:
-    """`python -m runner run SPEC` as a child process the test can signal. `progress`: a progress line every
-    0.1 s, its stderr in a file read as it grows (signal_in_second_epoch waits for a step of epoch 2 in it)."""
+def start_run(spec: Path, *args: str, env: dict[str, str] | None = None, progress: bool = False,
+              fresh: bool = False) -> subprocess.Popen:
+    """`python -m runner run SPEC` as a child process the test can signal, forked from a process that has loaded
+    TensorFlow (tests/support/zygote.py) unless `fresh` (a test of what happens while TensorFlow loads).
+    `progress`: a progress line every 0.1 s, its stderr in a file read as it grows (signal_in_second_epoch waits
+    for a step of epoch 2 in it)."""
+    args = ("run", str(spec), *args, *(["--progress-every", "0.1"] if progress else []))
+    start = functools.partial(zygote.popen, args, env=env or cli_env(), cwd=REPO, kind=None if fresh else "auto",
+                              stdout=subprocess.PIPE, text=True)
     if not progress:
-        return subprocess.Popen(
-            [sys.executable, "-m", "runner", "run", str(spec), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or cli_env(), cwd=REPO,
-        )
+        return start(stderr=subprocess.PIPE)
     log = Path(tempfile.mkstemp(prefix="runner-stderr-", suffix=".log")[1])
     with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "runner", "run", str(spec), *args, "--progress-every", "0.1"],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env or cli_env(), cwd=REPO,
-        )
+        process = start(stderr=stderr)
     process.stderr_log = log  # type: ignore[attr-defined]
     return process
 

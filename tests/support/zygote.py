@@ -9,12 +9,16 @@ fork). The child is an ordinary process with its own PID: signals, exit codes, f
 children behave as for `subprocess.run`. Its exit status comes back through the zygote, which reaps it.
 
 What TensorFlow reads while it loads cannot change afterwards. So:
-- the zygote loads TensorFlow for a CPU job (Keras on TensorFlow);
-- one zygote per environment (less the keys nothing reads at import: `_INERT`);
+- a zygote loads TensorFlow for a CPU job, with Keras on TensorFlow or (the `jax` kind) on JAX, whose
+  devices are not yet made (JAX's distributed runtime can still be joined in the child);
+- one zygote per kind and environment (less the keys nothing reads at import: `_INERT`);
 - in the child, the environment the runner has made by the time it loads TensorFlow must equal the zygote's;
   if the job's spec asked for anything else (storage.timeout_s, another backend, `--debug`), the child stops
   with exit `MISMATCH` and names the variables, so that no test runs with settings it did not ask for. Such a
-  command runs as a fresh child (`run_cli(..., fresh=True)`, or a spec the router sees: `needs_fresh`).
+  command runs as a fresh child (`run_cli(..., fresh=True)`, or a spec the router sees: `kind_for`).
+
+`popen` is `subprocess.Popen` for such a command (a subclass whose child the zygote forks and reaps: `pid`,
+`send_signal`, `poll`, `wait` and `communicate` behave as for any child); `run` is `subprocess.run`.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 MISMATCH = 97
-# Variables read at run time only (by the runner, pytest, Rich), never by TensorFlow while it loads.
-_INERT_PREFIXES = ("RUNNER_", "PYTEST_")
-_INERT = {"PWD", "OLDPWD", "COLUMNS", "LINES", "_"}
+# Variables read at run time only (by the runner, pytest, Rich, `keras.distribution.initialize`, the tests'
+# own model code), never by TensorFlow, Keras or JAX while they load.
+_INERT_PREFIXES = ("RUNNER_", "PYTEST_", "KERAS_DISTRIBUTION_")
+_INERT = {"PWD", "OLDPWD", "COLUMNS", "LINES", "_", "MARKS", "HOLD_FILE"}
+# What each kind of zygote loads, as `--set` overrides of the default spec.
+KINDS = {"tensorflow": ["accelerator.kind=cpu"], "jax": ["accelerator.kind=cpu", "accelerator.backend=jax"]}
 
 
 def _loading_env(env: dict[str, str]) -> dict[str, str]:
@@ -47,19 +56,21 @@ def _loading_env(env: dict[str, str]) -> dict[str, str]:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def _prime() -> tuple[dict[str, str], dict[str, str]]:
-    """Loads TensorFlow as `runner run` does for the default spec. Returns the environment it loaded under, and
-    the variables its import set (TF2_BEHAVIOR, ...), which a fresh process has from then on."""
+def _prime(kind: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Loads TensorFlow as `runner run` does for the default spec on this kind's backend. Returns the environment
+    it loaded under, and the variables its import set (TF2_BEHAVIOR, ...), which a fresh process has from then
+    on. JAX is imported, never asked for its devices: that would start its runtime's threads."""
     import logging
 
     from runner.job import startup
     from runner.spec.load import load_spec
 
-    # TensorFlow's backend whatever the environment says of a TPU (auto would pick JAX beside TPU_NAME): a job
-    # that asks for JAX meets backend.apply's refusal ("Keras was imported with ...") and runs fresh instead.
-    startup.before_tensorflow(load_spec(None, ["accelerator.kind=cpu"]))
+    # The kind's backend whatever the environment says of a TPU (auto would pick JAX beside TPU_NAME): a job
+    # that asks for the other meets backend.apply's refusal ("Keras was imported with ...").
+    startup.before_tensorflow(load_spec(None, KINDS[kind]))
     loaded = dict(os.environ)
     startup.load_tensorflow(False)
+    import keras  # noqa: F401  (TensorFlow imports it lazily)
     set_by_import = {k: v for k, v in os.environ.items() if loaded.get(k) != v}
     for name in [n for n in sys.modules if n == "runner" or n.startswith("runner.")]:
         del sys.modules[name]
@@ -109,8 +120,8 @@ def _child(request: dict, loaded: dict[str, str], set_by_import: dict[str, str])
     raise SystemExit(0)
 
 
-def serve(path: str) -> None:
-    loaded, set_by_import = _prime()
+def serve(path: str, kind: str) -> None:
+    loaded, set_by_import = _prime(kind)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -157,7 +168,7 @@ def serve(path: str) -> None:
                 break
             conn = waiting.pop(pid)
             try:
-                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+                conn.sendall(json.dumps({"status": status}).encode())
             except OSError:
                 pass
             conn.close()
@@ -167,41 +178,54 @@ def serve(path: str) -> None:
 
 # --- which commands it can run -----------------------------------------------------------------------------
 
-# What in a command's words or spec makes TensorFlow load otherwise than for the default spec.
-_OTHER_LOADING = ("jax", "timeout", "--debug", "backend")
-
-
 # The commands that load TensorFlow. The others start in a second or two on their own: a zygote of their
 # environment would cost them TensorFlow's whole import.
 _LOADING = {"run", "evaluate", "predict", "prepare", "verify", "manifest"}
 
 
-def needs_fresh(args: list[str], cwd: Path) -> bool:
-    """True for a command that does not load TensorFlow, or one whose words or spec file mention what changes
-    how it loads; the child's own check (`load_tensorflow` above) stops any other such command with MISMATCH."""
-    if not args or args[0] not in _LOADING:
-        return True
-    for arg in args:
-        if any(word in arg for word in _OTHER_LOADING):
-            return True
-        path = Path(cwd, arg)
-        if path.suffix in (".yaml", ".yml") and path.is_file():
-            text = path.read_text(errors="replace")
-            if any(word in text for word in _OTHER_LOADING):
-                return True
-    return False
+def kind_for(args: list[str], cwd: Path, env: Mapping[str, str]) -> str | None:
+    """The kind of zygote that loads TensorFlow as this command would, or None for a command to start fresh:
+    one that loads no TensorFlow, or asks for `--debug`, another gs:// timeout, another device or several JAX
+    devices. The spec is read as the runner reads it (`load_spec`, `backend.choose`: no TensorFlow); the
+    child's own check (`load_tensorflow` above) stops with MISMATCH any command this misjudges."""
+    from runner.device import backend
+    from runner.spec.load import load_spec
+
+    if not args or args[0] not in _LOADING or "--debug" in args:
+        return None
+    spec_path, overrides = None, []
+    for before, arg in zip(["", *args], args, strict=False):
+        if before in ("--set", "-s"):
+            overrides.append(arg)
+        elif arg.endswith((".yaml", ".yml")) and Path(cwd, arg).is_file():
+            spec_path = Path(cwd, arg)
+        elif "timeout" in arg:  # --storage-timeout
+            return None
+    if spec_path is None:
+        return "tensorflow"
+    try:
+        spec = load_spec(spec_path, overrides)
+        chosen = backend.choose(spec.accelerator, dict(env)).name
+    except Exception:  # noqa: BLE001  (refused before TensorFlow loads, by the child as by a fresh process)
+        return "tensorflow"
+    accelerator = spec.accelerator
+    if spec.storage.timeout_s != load_spec(None, []).storage.timeout_s or accelerator.kind not in ("cpu", "auto"):
+        return None
+    if chosen == "jax" and (accelerator.kind != "cpu" or accelerator.cpu_devices != 1):
+        return None
+    return chosen
 
 
 # --- the client ----------------------------------------------------------------------------------------------
 
 
 class _Zygote:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, kind: str, env: Mapping[str, str]) -> None:
         self.folder = tempfile.mkdtemp(prefix="runner-zygote-")
         self.path = os.path.join(self.folder, "socket")
         self.log = open(os.path.join(self.folder, "stderr.log"), "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.zygote", self.path], cwd=REPO, env=env,
+            [sys.executable, "-m", "tests.support.zygote", self.path, kind], cwd=REPO, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
         )
         self.ready = False
@@ -230,13 +254,13 @@ _lock = threading.Lock()
 _MOST = 6
 
 
-def _zygote_for(env: dict[str, str]) -> _Zygote | None:
-    key = tuple(sorted(_loading_env(env).items()))
+def _zygote_for(kind: str, env: Mapping[str, str]) -> _Zygote | None:
+    key = (kind, *sorted(_loading_env(dict(env)).items()))
     with _lock:
         zygote = _zygotes.pop(key, None)
         if zygote is None or (zygote.ready and zygote.proc.poll() is not None):
-            zygote = _Zygote(env)
-            _trace("zygote", key=hash(key), keys=sorted(k for k, v in key if os.environ.get(k) != v))
+            zygote = _Zygote(kind, env)
+            _trace("zygote", kind=kind, keys=sorted(k for k, v in key[1:] if os.environ.get(k) != v))
         _zygotes[key] = zygote  # the newest last
         while len(_zygotes) > _MOST:
             _zygotes.pop(next(iter(_zygotes))).stop()
@@ -258,69 +282,107 @@ def _stop_all() -> None:
         zygote.stop()
 
 
-def fresh(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m runner ARGS` started afresh, as a user starts it."""
-    return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=cwd)
+class Forked(subprocess.Popen):
+    """subprocess.Popen of `python -m runner ARGS` whose child a zygote forks and reaps: the child's standard
+    streams are the ones Popen made (passed to the zygote over its socket, /dev/null for an inherited stdin)
+    and its exit status comes back on the same socket. If the zygote is gone, the child starts fresh."""
+
+    def __init__(self, zygote: _Zygote, args: list[str], **kwargs: Any) -> None:
+        self._zygote: _Zygote | None = zygote
+        self._conn: socket.socket | None = None
+        self._status: int | None = None
+        super().__init__([sys.executable, "-m", "runner", *args], **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # noqa: ANN001
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        null = os.open(os.devnull, os.O_RDONLY)
+        request = {"args": list(args[3:]), "env": dict(os.environ if env is None else env),
+                   "cwd": os.fspath(cwd or os.getcwd())}
+        streams = [null if p2cread == -1 else p2cread, 1 if c2pwrite == -1 else c2pwrite,
+                   2 if errwrite == -1 else errwrite]
+        try:
+            conn.connect(self._zygote.path)
+            socket.send_fds(conn, [json.dumps(request).encode()], streams)
+            self.pid = json.loads(conn.recv(1 << 16))["pid"]
+        except OSError:  # the zygote is gone (its socket with it): this command starts fresh
+            conn.close()
+            self._zygote.proc.kill()
+            self._zygote = None
+            super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                   creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                                   *rest)
+            return
+        finally:
+            os.close(null)
+        self._conn = conn
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        if self._zygote is None:
+            return super()._try_wait(wait_flags)
+        if self._status is None:
+            self._conn.setblocking(not wait_flags & os.WNOHANG)
+            try:
+                message = self._conn.recv(1 << 16)
+            except BlockingIOError:
+                return 0, 0
+            # No message: the zygote ended, having killed the children it waited for.
+            self._status = json.loads(message)["status"] if message else signal.SIGKILL
+            self._conn.close()
+        return self.pid, self._status
+
+    def _internal_poll(self, _deadstate: int | None = None, **_: Any) -> int | None:
+        if self._zygote is None:
+            return super()._internal_poll(_deadstate)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = self._try_wait(os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
 
 
-def run(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """`subprocess.run([python, -m, runner, *args], capture_output=True, text=True)` through a zygote. On a
-    timeout the child is killed and subprocess.TimeoutExpired raised, with what it wrote."""
-    zygote = _zygote_for(env)
+def popen(args: list[str], *, env: Mapping[str, str], cwd: Path, kind: str | None = "auto",
+          **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen([python, -m, runner, *args], env=env, cwd=cwd, **kwargs)`, its child forked by a
+    zygote of `kind`: "auto" is `kind_for`'s choice (a fresh process under RUNNER_TEST_FRESH=1), None a fresh
+    process as a user starts it."""
+    args = [str(arg) for arg in args]
+    if kind == "auto":
+        kind = None if os.environ.get("RUNNER_TEST_FRESH") == "1" else kind_for(args, Path(cwd), env)
+    zygote = _zygote_for(kind, env) if kind else None
     if zygote is None:
-        return fresh(args, env=env, cwd=cwd, timeout=timeout)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        conn.connect(zygote.path)
-        request = {"args": args, "env": env, "cwd": str(cwd)}
-        socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
-    except OSError:  # the zygote is gone (its socket with it): this command starts fresh
-        conn.close()
-        for fd in (out_r, err_r):
-            os.close(fd)
-        zygote.proc.kill()
-        return fresh(args, env=env, cwd=cwd, timeout=timeout)
-    finally:
-        for fd in (null, out_w, err_w):
-            os.close(fd)
-    pid = json.loads(conn.recv(1 << 16))["pid"]
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        return subprocess.Popen([sys.executable, "-m", "runner", *args], env=env, cwd=cwd, **kwargs)
+    return Forked(zygote, args, env=env, cwd=cwd, **kwargs)
 
-    def drain(fd: int) -> None:
-        with os.fdopen(fd, "rb") as stream:
-            for block in iter(lambda: stream.read1(1 << 16), b""):
-                chunks[fd].append(block)
 
-    readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
-    for reader in readers:
-        reader.start()
+def run(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float,
+        kind: str | None = "auto") -> subprocess.CompletedProcess:
+    """`subprocess.run([python, -m, runner, *args], capture_output=True, text=True, timeout=timeout)`, the child
+    as `popen` starts it. On a timeout the child is killed and TimeoutExpired raised with what it wrote."""
     began = time.monotonic()
-    conn.settimeout(timeout)
-    try:
-        returncode = json.loads(conn.recv(1 << 16))["returncode"]
-    except TimeoutError:
-        os.kill(pid, signal.SIGKILL)
-        conn.settimeout(30)
-        conn.recv(1 << 16)  # reaped
-        for reader in readers:
-            reader.join(10)
-        raise subprocess.TimeoutExpired(
-            ["runner", *args], timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r])) from None
-    finally:
-        conn.close()
-    for reader in readers:
-        reader.join(max(1.0, began + timeout - time.monotonic()))
-    _trace("run", command=args[0], seconds=round(time.monotonic() - began, 2))
-    # as text=True reads: the locale's UTF-8 and universal newlines
-    text = {fd: b"".join(parts).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-            for fd, parts in chunks.items()}
-    return subprocess.CompletedProcess(
-        [sys.executable, "-m", "runner", *args], returncode, text[out_r], text[err_r])
+    with popen(args, env=env, cwd=cwd, kind=kind, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               text=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            raise subprocess.TimeoutExpired(process.args, timeout, out, err) from None
+    _trace("run", command=str(args[0]), forked=isinstance(process, Forked),
+           seconds=round(time.monotonic() - began, 2))
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def fresh(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` started afresh, as a user starts it."""
+    return run(args, env=env, cwd=cwd, timeout=timeout, kind=None)
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2])
