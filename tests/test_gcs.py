@@ -21,6 +21,26 @@ def run_python(code: str, env: dict[str, str], timeout: float = 120) -> subproce
     )
 
 
+def test_tensorstore_reads_each_objects_generation_and_writes_on_the_condition_it_holds(gcs):
+    """Orbax writes a JAX run's arrays through TensorStore, whose OCDBT database re-reads its manifest and writes
+    it back on the generation it read when two commits meet (more often on a busy machine). The rig answers a
+    read with `x-goog-generation` as GCS does, and refuses a write whose generation no longer holds (412)."""
+    bucket = gcs.bucket()
+    code = f"""
+        import tensorstore as ts
+        store = ts.KvStore.open({{"driver": "gcs", "bucket": "{bucket}"}}).result()
+        written = store.write("db/manifest", b"one").result().generation
+        read = store.read("db/manifest").result()
+        print(read.stamp.generation == written)
+        store.write("db/manifest", b"two", if_equal=read.stamp.generation).result()
+        stale = store.write("db/manifest", b"three", if_equal=read.stamp.generation).result()
+        print(stale.generation == b"", bytes(store.read("db/manifest").result().value).decode())  # b"": not written
+    """
+    result = run_python(code, gcs.env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "two"]
+
+
 def test_tensorflow_gs_client_round_trips_through_the_rig(gcs):
     bucket = gcs.bucket()
     code = f"""

@@ -15,6 +15,7 @@ import pytest
 import tomllib
 
 from tests.conftest import REPO, cli_env, last_json
+from tests.support import zygote
 
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
@@ -116,18 +117,17 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")
     makefile = (REPO / "Makefile").read_text().replace("$(DATA)", "data/mnist").replace("$(BIN)/", "")
     demo = [shlex.split(line) for line in makefile.splitlines() if line.startswith("\trunner ")]
-    for words in demo:
-        command = [sys.executable, "-m", "runner", *words[1:], *FASTER.get(words[1], [])]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=tmp_path)
+    for words in demo:  # each `runner` command forked from a process that has loaded TensorFlow (zygote.py)
+        result = zygote.run([*words[1:], *FASTER.get(words[1], [])], env=cli_env(), cwd=tmp_path, timeout=600)
         assert result.returncode == 0, (
             f"make demo: {shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}")
     outputs = {}
     for words in quick_start_commands():
         if words[0] == "runner":
-            command = [sys.executable, "-m", "runner", *words[1:], *FASTER.get(words[1], [])]
+            result = zygote.run([*words[1:], *FASTER.get(words[1], [])], env=cli_env(), cwd=tmp_path, timeout=600)
         else:
-            command = [sys.executable, *words[1:]]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=tmp_path)
+            result = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, timeout=600,
+                                    env=cli_env(), cwd=tmp_path)
         assert result.returncode == 0, f"{shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}"
         outputs[words[1]] = result
     summary = last_json(outputs["run"].stdout)

@@ -22,6 +22,7 @@ It also honours `ifGenerationMatch` on uploads, downloads and deletes (412 when 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -376,6 +377,36 @@ def _answer_empty_upload_status_like_gcs() -> None:
     objects._resumable_incomplete = answer
 
 
+def _name_the_generation_of_each_download_like_gcs() -> None:
+    """GCS answers a download with the object's generation in `x-goog-generation` (and `x-goog-metageneration`);
+    the emulator sends neither. TensorStore (Orbax's writer) takes a read's generation from that header for its
+    next conditional write: without it the generation is empty and the write fails "Malformed StorageGeneration"
+    (OCDBT re-reads its manifest and writes it back so when two commits meet)."""
+    from gcp_storage_emulator import server as emulator_server
+    from gcp_storage_emulator.exceptions import NotFound
+
+    def with_generation(handler):
+        @functools.wraps(handler)
+        def answered(request, response, storage, *args, **kwargs):
+            obj = None
+            try:
+                if "object_id" in request.params:  # not a bucket's `get`
+                    obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            except NotFound:
+                pass
+            if obj is not None:
+                response["x-goog-generation"] = str(obj["generation"])
+                response["x-goog-metageneration"] = str(obj["metageneration"])
+            return handler(request, response, storage, *args, **kwargs)
+
+        return answered
+
+    for _, handlers in emulator_server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler.__name__ in ("get", "download"):  # `get` with alt=media downloads
+                handlers[method] = with_generation(handler)
+
+
 def _honour_generation_preconditions() -> None:
     """GCS refuses an upload, download or delete whose `ifGenerationMatch` does not hold with 412 (0: the object
     must not exist yet); the emulator ignores the parameter, so its object handlers are wrapped to check it.
@@ -446,6 +477,7 @@ def main(argv: list[str]) -> None:
         # It writes headers and body separately: with Nagle on, each answer waits 40 ms for a delayed ACK.
         emulator_server.RequestHandler.disable_nagle_algorithm = True
         _answer_empty_upload_status_like_gcs()
+        _name_the_generation_of_each_download_like_gcs()
         _honour_generation_preconditions()
         server = emulator_server.create_server("127.0.0.1", 0, in_memory=True, default_bucket=args.health_bucket)
         server.start()

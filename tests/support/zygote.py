@@ -295,6 +295,13 @@ class Forked(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # noqa: ANN001
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        restore_signals, gid, gids, uid, umask, start_new_session, process_group = rest
+        if preexec_fn or pass_fds or start_new_session or process_group not in (None, -1) or executable:
+            self._zygote = None  # what a fork from the zygote cannot give: a fresh process
+        if self._zygote is None:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                                          errwrite, *rest)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDONLY)
         request = {"args": list(args[3:]), "env": dict(os.environ if env is None else env),
@@ -309,10 +316,9 @@ class Forked(subprocess.Popen):
             conn.close()
             self._zygote.proc.kill()
             self._zygote = None
-            super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                                   creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
-                                   *rest)
-            return
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                                          errwrite, *rest)
         finally:
             os.close(null)
         self._conn = conn
