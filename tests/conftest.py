@@ -127,7 +127,8 @@ def mnist_job(tiny_mnist: Path, tmp_path: Path):
                 "shuffle_buffer": 512,
             },
             "train": {"epochs": 2},
-            "output": {"dir": str(tmp_path / "runs")},
+            # No SavedModel unless a test asks (output={"saved_model": True}): its export is 2 s of each run.
+            "output": {"dir": str(tmp_path / "runs"), "saved_model": False},
         }
         for section, values in sections.items():
             if isinstance(values, dict):

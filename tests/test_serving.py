@@ -61,3 +61,24 @@ def test_a_preprocess_that_needs_the_label_leaves_serve_alone_and_says_why(tmp_p
     loaded = tf.saved_model.load(path)
     assert not hasattr(loaded, "serve_examples")
     assert loaded.serve(tf.ones((1, 3))).shape == (1, 2)
+
+
+def test_a_run_exports_a_saved_model_unless_told_not_to_and_never_keeps_one_of_other_weights(mnist_job, tmp_path):
+    """output.saved_model: true (the default) writes saved_model/ beside model.keras; false skips the export, and
+    removes an earlier attempt's, whose weights are no longer the ones model.keras holds."""
+    from tests.conftest import last_json, run_cli
+
+    spec = mnist_job("exported", data={"eval": None}, train={"epochs": 1, "steps_per_epoch": 4},
+                     output={"saved_model": True})
+    run_dir = tmp_path / "runs" / "exported"
+    first = run_cli("run", spec)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run_dir / "saved_model" / "saved_model.pb").is_file() and (run_dir / "model.keras").is_file()
+    loaded = tf.saved_model.load(str(run_dir / "saved_model"))
+    assert "serve" in loaded.signatures
+
+    longer = run_cli("run", spec, "--set", "train.epochs=2", "--set", "output.saved_model=false")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert last_json(longer.stdout)["final_step"] == 8
+    assert not (run_dir / "saved_model").exists()
+    assert f"output.saved_model is false: removed {run_dir}/saved_model" in longer.stderr

@@ -385,8 +385,10 @@ def _judge(spec: JobSpec, attempt: Attempt, warnings: list[str]) -> str:
 def _export(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs) -> None:
     """The trained model for serving, with example inputs (runner/rundir/serving.py); written by the chief."""
     with attempt.phases.phase("export"):
-        serve_examples = pipeline.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
-        attempt.facts.model = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples)
+        serve_examples = (pipeline.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
+                          if spec.output.saved_model else None)
+        attempt.facts.model = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples,
+                                                     saved_model=spec.output.saved_model)
 
 
 def _diverged(exc: Diverged, spec: JobSpec, attempt: Attempt) -> Diverged:

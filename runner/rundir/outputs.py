@@ -403,9 +403,11 @@ class RunFolder:
     def orbax_store(self, model: Any, keep: int) -> orbax_store.OrbaxStore:  # spec.json with its first save
         return orbax_store.OrbaxStore(self.checkpoints, model, keep, before_save=self._before_save)
 
-    def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None) -> str | None:
-        """Writes model.keras whole-or-nothing, then saved_model/ (runner/rundir/serving.py: `examples_to_inputs`
-        gives it the `serve_examples` endpoint); by process 0 alone, the others taking part in the reads."""
+    def save_model(self, model: Any, worker_index: int = 0, examples_to_inputs: Callable | None = None,
+                   saved_model: bool = True) -> str | None:
+        """Writes model.keras whole-or-nothing, then (with `saved_model`) saved_model/ (runner/rundir/serving.py:
+        `examples_to_inputs` gives it the `serve_examples` endpoint); by process 0 alone, the others taking part
+        in the reads."""
         if worker_index:
             # Process 0 writes it. Reading a variable replicated over several processes' devices is a collective
             # under JAX: every process reads them as process 0 does, into a scratch file, or process 0 waits forever.
@@ -421,7 +423,13 @@ class RunFolder:
         tf.io.gfile.rename(partial, path, overwrite=True)
         # A SavedModel too, for TF Serving and TensorFlow without Keras (written after model.keras, so an
         # interrupted export never leaves a run without its .keras file).
-        serving.export(model, self.file("saved_model"), examples_to_inputs)
+        exported = self.file("saved_model")
+        if saved_model:
+            serving.export(model, exported, examples_to_inputs)
+        elif tf.io.gfile.exists(exported):  # an earlier attempt's: the weights of model.keras no longer
+            tf.io.gfile.rmtree(exported)
+            log.warning("output.saved_model is false: removed %s, an earlier attempt's export of other weights "
+                        "than model.keras now holds", exported)
         return path
 
 def _step_of(checkpoint: str) -> int | None:
