@@ -211,3 +211,16 @@ def test_manifest_of_an_unreachable_bucket_stops_within_the_specs_storage_timeou
     assert f"gs://{bucket} did not answer within storage.timeout_s (1 s)" in result.stderr
     assert "Traceback" not in result.stderr
 
+
+def test_verify_of_an_unreachable_bucket_stops_within_its_storage_timeout(gcs_faults):
+    """`runner verify gs://...` is bounded by --storage-timeout (the default, 300 s, would hold a user for
+    minutes on a bucket that answers nothing but 503)."""
+    bucket = gcs_faults.bucket()
+    gcs_faults.faults.set([{"match": ANY, "action": "status", "status": 503}])
+    began = time.monotonic()
+    result = run_cli("verify", f"gs://{bucket}/mnist", "--storage-timeout", "1", env=cli_env(**gcs_faults.env),
+                     timeout=180)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert time.monotonic() - began < 60, "TensorFlow's gs:// client retried past --storage-timeout"
+    assert f"gs://{bucket} did not answer within --storage-timeout (1 s)" in result.stderr
+    assert "Traceback" not in result.stderr

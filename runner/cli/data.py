@@ -181,6 +181,10 @@ def verify(
             "(data.verify: size, the default, needs them).",
         ),
     ] = False,
+    storage_timeout: Annotated[
+        float, typer.Option(min=1, help="gs:// only: seconds an unanswered read is retried (with backoff) before "
+                            "exit 3.")
+    ] = DEFAULT_TIMEOUT_S,
     debug: Debug = False,
 ) -> None:
     """Check every shard of a prepared dataset against its manifest: present, its size, its sha256.
@@ -191,12 +195,13 @@ def verify(
 
     * `runner verify data/mnist`
     * `runner verify gs://my-bucket/mnist`
+    * `runner verify gs://my-bucket/mnist --storage-timeout 30`
     """
     setup_logging(debug)
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and os.path.exists(folder) and not os.path.isdir(folder):
         raise fail(not_a_dataset_folder(folder, local=True), debug)  # before TensorFlow loads: at once
-    configure_tensorflow(DEFAULT_TIMEOUT_S)
+    configure_tensorflow(storage_timeout)
     load_tensorflow(debug)
     import tensorflow as tf
 
@@ -209,7 +214,7 @@ def verify(
         given_a_file = "://" in folder and tf.io.gfile.exists(folder) and not tf.io.gfile.isdir(folder)
         raise fail(not_a_dataset_folder(folder, local=False) if given_a_file else exc, debug) from None
     except Exception as exc:
-        raise _storage_fault(exc, [folder], DEFAULT_TIMEOUT_S, debug) from None
+        raise _storage_fault(exc, [folder], storage_timeout, debug, "--storage-timeout") from None
     for problem in checked.problems:
         typer.secho(problem, err=True, fg=typer.colors.RED)
     if checked.problems:
@@ -337,11 +342,13 @@ def manifest(
         typer.echo(path)
 
 
-def _storage_fault(exc: Exception, paths: list[str | None], timeout_s: float, debug: bool) -> Exception:
-    """TensorFlow giving up on a bucket, as the exit 3 that names it; any other error goes on as it was."""
+def _storage_fault(exc: Exception, paths: list[str | None], timeout_s: float, debug: bool,
+                   setting: str = "storage.timeout_s") -> Exception:
+    """TensorFlow giving up on a bucket, as the exit 3 that names it (and `setting`, what bounded the wait); any
+    other error goes on as it was."""
     from runner.data.storage import storage_error
 
-    error = storage_error(exc, paths, timeout_s)
+    error = storage_error(exc, paths, timeout_s, setting)
     if error is None:
         raise exc
     return fail(error, debug)

@@ -110,7 +110,8 @@ _LOCAL_FAULTS = {
 }
 
 
-def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
+def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: float,
+                  setting: str = "storage.timeout_s") -> StorageError | None:
     """A StorageError naming the bucket when `exc` is TensorFlow giving up on GCS, or naming the path when a
     disk refused a write (full, read-only, a file where a folder belongs); None for other errors. It says nothing
     of checkpoints: the run's closing line says what the attempt kept (runner/train/progress.py), this cannot."""
@@ -129,18 +130,18 @@ def storage_error(exc: BaseException, paths: Iterable[str | None], timeout_s: fl
             "network); check the network, a proxy (https_proxy) or the bucket's name, then run the same job again"
         )
     if not (retried_out or kind in ("UnavailableError", "DeadlineExceededError")):
-        return _gcs_no_folder(message, paths, timeout_s) or _local_fault(exc, message)
+        return _gcs_no_folder(message, paths, timeout_s, setting) or _local_fault(exc, message)
     named = re.findall(r"gs://([a-z0-9][a-z0-9._-]*)", message)
     buckets = sorted(set(named)) or buckets_in(*paths)
     where = ", ".join(f"gs://{b}" for b in buckets) or "the bucket"
     first_line = message.splitlines()[0][:300] if message else kind
     return StorageError(
-        f"storage unreachable: {where} did not answer within storage.timeout_s ({timeout_s:g} s): {first_line}; "
+        f"storage unreachable: {where} did not answer within {setting} ({timeout_s:g} s): {first_line}; "
         "run the same job again when the bucket answers"
     )
 
 
-def _gcs_no_folder(message: str, paths: Iterable[str | None], timeout_s: float) -> StorageError | None:
+def _gcs_no_folder(message: str, paths: Iterable[str | None], timeout_s: float, setting: str) -> StorageError | None:
     """TensorFlow's gs:// client, asked whether a folder of a bucket exists while the bucket does not answer,
     says "/runs/job/checkpoints is not a directory" (no bucket in the path): that is the outage, not a file in
     the way, unless an object of that name really stands there. Only for a path under one of the job's gs://
@@ -158,7 +159,7 @@ def _gcs_no_folder(message: str, paths: Iterable[str | None], timeout_s: float) 
         return None
     bucket = split_gcs(under[0])[0]
     return StorageError(
-        f"storage unreachable: gs://{bucket} did not answer within storage.timeout_s ({timeout_s:g} s): TensorFlow's "
+        f"storage unreachable: gs://{bucket} did not answer within {setting} ({timeout_s:g} s): TensorFlow's "
         f"gs:// client found no folder gs://{bucket}/{name}; run the same job again "
         f"when the bucket answers (should an object named gs://{bucket}/{name} stand where that folder belongs, "
         "delete it first)"
