@@ -4,6 +4,7 @@ whose spec would load TensorFlow otherwise is stopped, never run with settings i
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,13 @@ def test_a_forked_child_is_signalled_and_reaped_as_a_popen_child(mnist_job) -> N
     while "step" not in first:
         assert process.poll() is None, first + process.stderr.read()
         first = process.stderr.readline()
+    fresh = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"], capture_output=True,
+                           text=True, timeout=60).stdout
+    with open(f"/proc/{process.pid}/status") as status:
+        forked = status.read()
+    ignored = [re.search(r"^SigIgn:\s+(\w+)", text, re.M).group(1) for text in (fresh, forked)]
+    assert [int(mask, 16) & (1 << (signal.SIGPIPE - 1)) for mask in ignored] == [1 << (signal.SIGPIPE - 1)] * 2, (
+        "SIGPIPE is ignored in a forked child as Python ignores it in a fresh one")
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 75 and process.wait() == 75, err[-2000:]

@@ -83,8 +83,12 @@ def _prime(kind: str) -> tuple[dict[str, str], dict[str, str]]:
 
 def _child(request: dict, loaded: dict[str, str], set_by_import: dict[str, str]) -> None:
     """Runs in the forked child: becomes `python -m runner ARGS` and never returns (SystemExit ends it)."""
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+    # As Python leaves them at start-up: SIGPIPE and SIGXFSZ ignored (a write to a closed pipe raises), SIGINT
+    # raises KeyboardInterrupt, the rest default.
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     os.environ.clear()
