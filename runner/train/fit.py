@@ -227,6 +227,25 @@ def plateau_callbacks(
     return callbacks
 
 
+def build_state(model: keras.Model, element_spec: object) -> None:
+    """Creates the optimizer's and the compiled loss's and metrics' variables from the shapes of a batch before
+    the first step, as Keras does itself before `fit` under a tf.distribute strategy (`_maybe_symbolic_build` in
+    keras/src/backend/tensorflow/trainer.py; Keras on JAX does it before every `fit`). Without a strategy, Keras
+    on TensorFlow creates them while it traces the first step, and TensorFlow then traces that step again (a
+    function that made variables is traced a second time without them): about half of the first step's time
+    (benchmarks/RESULTS.md, "The first step"). Restored optimizer slots are assigned as they are created. A
+    model Keras cannot build from shapes alone (a subclassed model whose call needs real values) is left to
+    build while the first step traces, as it did without this."""
+    symbolic_build = getattr(model, "_symbolic_build", None)
+    if keras.backend.backend() != "tensorflow" or symbolic_build is None:
+        return
+    try:
+        with model.distribute_strategy.scope():
+            symbolic_build(data_batch=element_spec)
+    except Exception:  # noqa: BLE001  (Keras's own message comes when the first step traces)
+        pass
+
+
 def fit(
     model: keras.Model,
     dataset: tf.data.Dataset,
@@ -246,6 +265,7 @@ def fit(
     job validates on the same epochs as one that ran through."""
     val_data, val_steps = validation if validation is not None else (None, None)
     finite = FiniteLoss()
+    build_state(model, dataset.element_spec)
     for initial_epoch, epochs, steps in plan.legs():
         model.fit(
             dataset,
