@@ -151,7 +151,7 @@ def test_auto_validates_only_a_split_small_against_an_epoch(mnist_job, tmp_path:
     """512 eval records: 10% of 40 steps x 128 (validated), 100% of 4 steps x 128 (not)."""
     for steps, share, validated in ((40, "10.0%", True), (4, "100.0%", False)):
         spec = mnist_job(f"auto{steps}", train={"epochs": 1, "steps_per_epoch": steps, "allow_chance": True},
-                         output={"tensorboard": False})
+                         data={"global_batch_size": 128}, output={"tensorboard": False})
         result = run_cli("run", spec)
         assert result.returncode == 0, result.stderr[-3000:]
         decision = "every epoch" if validated else "never"

@@ -226,16 +226,16 @@ def test_a_run_records_how_its_training_was_fed(mnist_job, tmp_path: Path):
     assert held_run.returncode == 0, held_run.stderr[-3000:]
     summary = last_json(held_run.stdout)
     assert summary["train_input"]["mode"] == "in_memory"
-    assert summary["train_input"]["why"].startswith("auto: 1.5 MiB decoded, within auto's limit of")
-    assert summary["train_input"]["bytes"] == 2048 * 792 and summary["train_input"]["load_s"] > 0
-    assert "data.train held in memory: 2048 records" in held_run.stderr
+    assert summary["train_input"]["why"].startswith("auto: 0.4 MiB decoded, within auto's limit of")
+    assert summary["train_input"]["bytes"] == 512 * 792 and summary["train_input"]["load_s"] > 0
+    assert "data.train held in memory: 512 records" in held_run.stderr
     assert summary["metrics"]["accuracy"] > 0.5, "it learned from the held split"
 
     streamed = run_cli("run", mnist_job("streamed", data={"in_memory": False}, accelerator={"cpu_devices": 2}),
                        timeout=300)
     assert streamed.returncode == 0, streamed.stderr[-3000:]
     assert last_json(streamed.stdout)["train_input"] == {"mode": "streamed", "why": "data.in_memory: false",
-                                                         "bytes": 2048 * 792, "load_s": None}
+                                                         "bytes": 512 * 792, "load_s": None}
     on_disk = json.loads((tmp_path / "runs" / "held" / "summary.json").read_text())
     assert on_disk["train_input"] == summary["train_input"]
 

@@ -30,7 +30,7 @@ def test_run_trains_then_reruns_as_complete_then_extends(mnist_job, tmp_path: Pa
     assert summary["status"] == "succeeded"
     assert summary["accelerator"]["kind"] == "cpu" and summary["accelerator"]["replicas"] == 1
     assert summary["accelerator"]["allocator"] == "glibc"
-    assert summary["steps_per_epoch"] == 2048 // 128
+    assert summary["steps_per_epoch"] == 512 // 32
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
     assert [e["steps"] for e in summary["epochs"]] == [16, 16]
     assert summary["final_step"] == 32
