@@ -27,6 +27,7 @@ import atexit
 import json
 import os
 import runpy
+import select
 import shutil
 import signal
 import socket
@@ -130,6 +131,12 @@ def serve(path: str, kind: str) -> None:
     listener.bind(path)
     listener.listen(64)
     parent = os.getppid()
+    # Asleep until a request or a child's end (SIGCHLD through a wake-up pipe), or a second has passed (to see
+    # whether the suite's worker is gone): an idle zygote costs no CPU.
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     print("ready", flush=True)
     waiting: dict[int, socket.socket] = {}
 
@@ -142,18 +149,20 @@ def serve(path: str, kind: str) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    listener.settimeout(0.02)
     while True:
-        try:
+        ready, _, _ = select.select([listener, woken], [], [], 1.0)
+        if woken in ready:
+            os.read(woken, 4096)
+        if listener in ready:
             conn, _ = listener.accept()
-        except TimeoutError:
-            conn = None
-        if conn is not None:
             conn.settimeout(10)
             message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
             request = json.loads(message)
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for fd in (woken, wake):
+                    os.close(fd)
                 listener.close()
                 for other in waiting.values():
                     other.close()
