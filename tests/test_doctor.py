@@ -77,7 +77,7 @@ def test_spec_with_local_data_passes_every_check(mnist_job, env, tmp_path: Path)
     code, report = doctor(mnist_job("local"), "--timeout", TIMEOUT, env=env)
     checks_ = named(report)
     assert code == 0, report
-    assert checks_["data_train"]["status"] == "ok" and checks_["data_train"]["data"]["records"] == 2048
+    assert checks_["data_train"]["status"] == "ok" and checks_["data_train"]["data"]["records"] == 512
     assert "sha256 of 4 match" in checks_["data_train"]["evidence"]
     assert checks_["data_eval"]["status"] == "ok" and checks_["data_eval"]["data"]["records"] == 512
     assert checks_["storage_write"]["status"] == "ok"

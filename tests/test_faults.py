@@ -47,9 +47,9 @@ FAST_RETRIES = {"timeout_s": 2}
 
 
 @pytest.mark.slow
-def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, tiny_mnist, mnist_job):
+def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, small_mnist, mnist_job):
     bucket = gcs_faults.bucket()
-    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")  # straight to the emulator, past the faults
+    data_url = gcs_faults.upload_folder(small_mnist, bucket, "mnist")  # straight to the emulator, past the faults
     spec = mnist_job(
         "faulty",
         data={"train": f"{data_url}/train-*.tfrecord", "eval": f"{data_url}/test-*.tfrecord"},
@@ -85,11 +85,11 @@ def test_a_short_job_completes_through_503s_drops_cuts_and_delays(gcs_faults, ti
 
 @pytest.mark.slow
 def test_an_outage_longer_than_storage_timeout_fails_with_exit_3_and_the_rerun_resumes(
-    gcs_faults, tiny_mnist, mnist_job
+    gcs_faults, small_mnist, mnist_job
 ):
     bucket = gcs_faults.bucket()
     # Data and run folder in one bucket: the error names the bucket of whichever request gives up first.
-    data_url = gcs_faults.upload_folder(tiny_mnist, bucket, "mnist")
+    data_url = gcs_faults.upload_folder(small_mnist, bucket, "mnist")
     spec = mnist_job(
         "outage",
         data={"train": f"{data_url}/train-*.tfrecord", "eval": None},

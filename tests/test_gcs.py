@@ -134,12 +134,12 @@ def test_prepare_to_a_missing_bucket_fails_fast_naming_it(gcs):
 
 @pytest.mark.slow
 def test_run_reads_and_writes_gs_the_same_spec_runs_on_local_paths_and_a_corrupt_shard_stops_the_resume(
-    gcs, tiny_mnist, mnist_job, tmp_path
+    gcs, small_mnist, mnist_job, tmp_path
 ):
     """One job trained on gs:// serves three checks: what it wrote to the bucket, the same spec on local paths,
     and (its checkpoints the set-up) a byte flipped in a bucket shard stopping one more epoch, naming the shard."""
     bucket = gcs.bucket()
-    data_url = gcs.upload_folder(tiny_mnist, bucket, "mnist")
+    data_url = gcs.upload_folder(small_mnist, bucket, "mnist")
     on_gs = {
         "data": {"train": f"{data_url}/train-*.tfrecord", "eval": f"{data_url}/test-*.tfrecord"},
         "output": {"dir": f"gs://{bucket}/runs"},

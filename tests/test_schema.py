@@ -216,7 +216,7 @@ def test_runner_manifest_command_indexes_user_records(tmp_path):
 # --- the spec against the manifest --------------------------------------------------------------
 
 
-def test_a_spec_that_disagrees_with_the_manifest_stops_before_training(tiny_mnist, mnist_job):
+def test_a_spec_that_disagrees_with_the_manifest_stops_before_training(small_mnist, mnist_job):
     spec = mnist_job("disagrees", data={
         "features": {"image": {"dtype": "uint8", "shape": [28, 28, 1], "decode": "png"}, "label": {"dtype": "int64"}},
     })
@@ -224,7 +224,7 @@ def test_a_spec_that_disagrees_with_the_manifest_stops_before_training(tiny_mnis
     assert result.returncode == 2, result.stderr
     assert (
         "data.features.image: the spec declares {dtype: uint8, shape: [28, 28, 1], var_len: false, decode: png}, "
-        f"but {tiny_mnist}/manifest.json says {{dtype: uint8, shape: [28, 28, 1], var_len: false, decode: raw}}"
+        f"but {small_mnist}/manifest.json says {{dtype: uint8, shape: [28, 28, 1], var_len: false, decode: raw}}"
     ) in result.stderr
     assert "data.features.label" not in result.stderr  # the label agrees
     summary = last_json(result.stdout)
