@@ -83,8 +83,8 @@ def test_spec_with_local_data_passes_every_check(mnist_job, env, tmp_path: Path)
     assert checks_["storage_write"]["status"] == "ok"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [], "the write probe is deleted"
     assert checks_["batch"]["status"] == "ok"
-    assert checks_["batch"]["evidence"].startswith("128 = 1 replica x 128 (accelerator.cpu_devices on the CPU)")
-    assert "train: 16 steps of 128" in checks_["batch"]["evidence"]
+    assert checks_["batch"]["evidence"].startswith("32 = 1 replica x 32 (accelerator.cpu_devices on the CPU)")
+    assert "train: 16 steps of 32 from 512 records" in checks_["batch"]["evidence"]
     assert "storage_read" not in checks_, "only gs:// folders get a read probe"
 
 

@@ -112,9 +112,9 @@ def _edited_copy(tiny_mnist: Path, tmp_path: Path, **image: object) -> Path:
     ids=["dtype", "shape"],
 )
 def test_a_manifest_schema_the_records_do_not_fit_names_the_manifest_and_the_shard(
-    tiny_mnist: Path, mnist_job, tmp_path: Path, image: dict, why: str
+    small_mnist: Path, mnist_job, tmp_path: Path, image: dict, why: str
 ):
-    folder = _edited_copy(tiny_mnist, tmp_path, **image)
+    folder = _edited_copy(small_mnist, tmp_path, **image)
     spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "in_memory": False},
                      train={"epochs": 1, "steps_per_epoch": 2})
     result = run_cli("run", spec)
@@ -130,8 +130,8 @@ def test_a_manifest_schema_the_records_do_not_fit_names_the_manifest_and_the_sha
 
 
 @pytest.mark.slow
-def test_the_command_it_gives_writes_a_manifest_that_trains(tiny_mnist: Path, mnist_job, tmp_path: Path):
-    folder = _edited_copy(tiny_mnist, tmp_path, dtype="float32")
+def test_the_command_it_gives_writes_a_manifest_that_trains(small_mnist: Path, mnist_job, tmp_path: Path):
+    folder = _edited_copy(small_mnist, tmp_path, dtype="float32")
     spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "in_memory": False},
                      train={"epochs": 1, "steps_per_epoch": 2, "allow_chance": True})
     refused = run_cli("run", spec)
@@ -142,8 +142,8 @@ def test_the_command_it_gives_writes_a_manifest_that_trains(tiny_mnist: Path, mn
     assert trained.returncode == 0, trained.stderr[-3000:]
 
 
-def test_held_in_memory_the_load_error_names_the_shard_and_the_manifest(tiny_mnist: Path, mnist_job, tmp_path: Path):
-    folder = _edited_copy(tiny_mnist, tmp_path, dtype="float32")
+def test_held_in_memory_the_load_error_names_the_shard_and_the_manifest(small_mnist: Path, mnist_job, tmp_path: Path):
+    folder = _edited_copy(small_mnist, tmp_path, dtype="float32")
     spec = mnist_job("misfit", data={"train": f"{folder}/train-*.tfrecord", "eval": None, "in_memory": True},
                      train={"epochs": 1, "steps_per_epoch": 2, "allow_chance": True})
     result = run_cli("run", spec)

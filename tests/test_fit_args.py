@@ -174,7 +174,7 @@ def test_the_older_per_epoch_key_keeps_its_meaning(tmp_path: Path) -> None:
         load_spec(both)
 
 
-def test_label_smoothing_on_class_ids_trains_and_reports_the_smoothed_loss(mnist_job, tiny_mnist: Path,
+def test_label_smoothing_on_class_ids_trains_and_reports_the_smoothed_loss(mnist_job, small_mnist: Path,
                                                                          tmp_path: Path) -> None:
     smoothing = 0.1
     spec = mnist_job(
@@ -191,7 +191,7 @@ def test_label_smoothing_on_class_ids_trains_and_reports_the_smoothed_loss(mnist
     import tensorflow as tf
 
     images, labels = [], []
-    for record in tf.data.TFRecordDataset([str(f) for f in sorted(tiny_mnist.glob("test-*.tfrecord"))]):
+    for record in tf.data.TFRecordDataset([str(f) for f in sorted(small_mnist.glob("test-*.tfrecord"))]):
         feature = tf.train.Example.FromString(record.numpy()).features.feature
         images.append(np.frombuffer(feature["image"].bytes_list.value[0], np.uint8).reshape(28, 28, 1))
         labels.append(feature["label"].int64_list.value[0])

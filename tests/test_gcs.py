@@ -192,9 +192,9 @@ def test_run_reads_and_writes_gs_the_same_spec_runs_on_local_paths_and_a_corrupt
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mnist_job, tmp_path):
+def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(small_mnist, mnist_job, tmp_path):
     folder = tmp_path / "mnist"
-    shutil.copytree(tiny_mnist, folder)
+    shutil.copytree(small_mnist, folder)
     shard = folder / "train-00001-of-00004.tfrecord"
     content = bytearray(shard.read_bytes())
     content[len(content) // 2] ^= 0x01  # inside a record: its CRC no longer matches
@@ -214,13 +214,13 @@ def test_a_flipped_byte_in_a_local_shard_stops_training_naming_it(tiny_mnist, mn
      (True, "data.train: a record could not be decoded while loading it into memory")],  # held: met loading it
 )
 def test_a_replaced_shard_whose_record_does_not_fit_stops_training_naming_it(
-    tiny_mnist, mnist_job, tmp_path, in_memory, said
+    small_mnist, mnist_job, tmp_path, in_memory, said
 ):
     """A readable shard swapped in after `runner prepare`, one image 10 bytes short: exit 2, not a traceback."""
     import tensorflow as tf
 
     folder = tmp_path / "mnist"
-    shutil.copytree(tiny_mnist, folder)
+    shutil.copytree(small_mnist, folder)
     shard = folder / "train-00003-of-00004.tfrecord"
     records = [r.numpy() for r in tf.data.TFRecordDataset(str(shard))]
     short = tf.train.Example.FromString(records[100])

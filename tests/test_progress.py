@@ -96,7 +96,7 @@ EVERY_S, LINES = 1, 8  # `--progress-every 1`: a long run's log, with as many li
 
 
 @pytest.mark.slow
-def test_a_run_without_a_terminal_logs_progress_every_n_seconds(tiny_mnist: Path, mnist_job, tmp_path: Path) -> None:
+def test_a_run_without_a_terminal_logs_progress_every_n_seconds(small_mnist: Path, mnist_job, tmp_path: Path) -> None:
     """A run longer than LINES progress intervals, whatever this machine's speed: far more epochs than that
     can train, Ctrl-C once LINES progress lines are in the log."""
     spec = mnist_job("lines", train={"epochs": 500})
@@ -147,7 +147,7 @@ def test_a_run_without_a_terminal_logs_progress_every_n_seconds(tiny_mnist: Path
 
 
 @pytest.mark.slow
-def test_a_finished_run_closes_with_a_line_and_counts_its_examples_as_counts(tiny_mnist: Path, mnist_job) -> None:
+def test_a_finished_run_closes_with_a_line_and_counts_its_examples_as_counts(small_mnist: Path, mnist_job) -> None:
     spec = mnist_job("closing", train={"epochs": 1})
     result = subprocess.run(
         [sys.executable, "-m", "runner", "run", str(spec)],
@@ -191,10 +191,10 @@ def test_on_a_terminal_a_bar_shows_progress_and_log_lines_stay_whole(mnist_job) 
 
 
 @pytest.mark.slow
-def test_the_closing_line_says_early_stopping_ended_the_run(mnist_job, tiny_mnist: Path) -> None:
+def test_the_closing_line_says_early_stopping_ended_the_run(mnist_job, small_mnist: Path) -> None:
     """A learning rate far below float32 resolution freezes the weights: val_loss repeats exactly, and patience 1
     stops the run after its second of four epochs."""
-    spec = mnist_job("stops", data={"validation": f"{tiny_mnist}/test-*.tfrecord", "eval": None},
+    spec = mnist_job("stops", data={"validation": f"{small_mnist}/test-*.tfrecord", "eval": None},
                      train={"epochs": 4, "steps_per_epoch": 2, "learning_rate": 1e-12,
                             "early_stopping_patience": 1, "allow_chance": True},
                      output={"tensorboard": False})

@@ -22,7 +22,7 @@ from tests.test_evaluation import by_hand, read_split
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # seven runner processes, each importing TensorFlow: minutes on a saturated machine
 def test_an_abandoned_extension_is_named_and_evaluate_and_predict_use_what_was_reported(
-    mnist_job, tiny_mnist, tmp_path
+    mnist_job, small_mnist, tmp_path
 ):
     spec = job(mnist_job, "extended")
     run_dir = tmp_path / "runs" / "extended"
@@ -50,9 +50,9 @@ def test_an_abandoned_extension_is_named_and_evaluate_and_predict_use_what_was_r
     # What evaluate and predict answer is what model.keras (the reported model) answers, computed here.
     import keras
 
-    images, labels = read_split(tiny_mnist, "test")
+    images, labels = read_split(small_mnist, "test")
     reported = keras.models.load_model(run_dir / "model.keras", compile=False).predict(images, verbose=0)
-    test = f"{tiny_mnist}/test-*.tfrecord"
+    test = f"{small_mnist}/test-*.tfrecord"
     evaluated = run_cli("evaluate", spec, "--set", "train.epochs=1", "--input", test)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     report = last_json(evaluated.stdout)

@@ -285,7 +285,7 @@ def test_a_full_disk_exits_3_naming_the_path_and_the_next_attempt_removes_the_cu
 
 
 def test_leftovers_of_a_save_killed_in_a_bucket_are_removed_and_the_checkpoints_kept(
-    gcs_faults, tiny_mnist, mnist_job
+    gcs_faults, small_mnist, mnist_job
 ) -> None:
     """kill -9 while a save to the bucket waits on its .index: the part files under ckpt-16_temp/ and the
     merged data file without its index are paid-for objects; the next attempt removes them, logs it, and

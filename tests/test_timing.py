@@ -265,10 +265,10 @@ def test_a_preempted_run_still_writes_its_summary(mnist_job, tmp_path: Path) -> 
      (True, "data_init_s")],  # held in memory: loading the split fails, before training
 )
 def test_a_run_failing_on_corrupt_data_still_writes_its_summary(
-    tiny_mnist: Path, mnist_job, tmp_path: Path, in_memory: bool, failed_in: str
+    small_mnist: Path, mnist_job, tmp_path: Path, in_memory: bool, failed_in: str
 ) -> None:
     data = tmp_path / "data"
-    shutil.copytree(tiny_mnist, data)
+    shutil.copytree(small_mnist, data)
     shard = data / "train-00001-of-00004.tfrecord"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # the record checksums no longer match

@@ -176,12 +176,12 @@ def serve(path: str, kind: str) -> None:
             conn.sendall(json.dumps({"pid": pid}).encode())
             waiting[pid] = conn
         while waiting:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = waiting.pop(pid)
             try:
-                conn.sendall(json.dumps({"status": status}).encode())
+                conn.sendall(json.dumps({"status": status, "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
             except OSError:
                 pass
             conn.close()
@@ -304,6 +304,7 @@ class Forked(subprocess.Popen):
         self._zygote: _Zygote | None = zygote
         self._conn: socket.socket | None = None
         self._status: int | None = None
+        self.cpu_s: float | None = None  # the child's CPU seconds, once it has ended (from the zygote's wait4)
         super().__init__([sys.executable, "-m", "runner", *args], **kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # noqa: ANN001
@@ -348,7 +349,8 @@ class Forked(subprocess.Popen):
             except BlockingIOError:
                 return 0, 0
             # No message: the zygote ended, having killed the children it waited for.
-            self._status = json.loads(message)["status"] if message else signal.SIGKILL
+            answer = json.loads(message) if message else {"status": signal.SIGKILL}
+            self._status, self.cpu_s = answer["status"], answer.get("cpu_s")
             self._conn.close()
         return self.pid, self._status
 
@@ -394,7 +396,8 @@ def run(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float,
             out, err = process.communicate()
             raise subprocess.TimeoutExpired(process.args, timeout, out, err) from None
     _trace("run", command=str(args[0]), forked=isinstance(process, Forked),
-           seconds=round(time.monotonic() - began, 2))
+           seconds=round(time.monotonic() - began, 2), cpu_s=getattr(process, "cpu_s", None),
+           test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
