@@ -45,7 +45,7 @@ MISMATCH = 97
 # Variables read at run time only (by the runner, pytest, Rich, `keras.distribution.initialize`, the tests'
 # own model code), never by TensorFlow, Keras or JAX while they load.
 _INERT_PREFIXES = ("RUNNER_", "PYTEST_", "KERAS_DISTRIBUTION_")
-_INERT = {"PWD", "OLDPWD", "COLUMNS", "LINES", "_", "MARKS", "HOLD_FILE"}
+_INERT = {"PWD", "OLDPWD", "COLUMNS", "LINES", "_", "MARKS", "HOLD_FILE", "HOLD_AT_STEP"}
 # What each kind of zygote loads, as `--set` overrides of the default spec.
 KINDS = {"tensorflow": ["accelerator.kind=cpu"], "jax": ["accelerator.kind=cpu", "accelerator.backend=jax"]}
 
