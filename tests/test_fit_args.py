@@ -244,3 +244,38 @@ def test_class_weight_takes_integer_keys_and_every_class_must_have_one(mnist_job
     trained = run_cli("run", partial, "--set", f"train.class_weight={every}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert last_json(trained.stdout)["status"] == "succeeded"
+
+
+def test_the_first_step_is_traced_once_and_trains_as_keras_alone_does() -> None:
+    """fit.build_state makes the optimizer's and metrics' variables before `fit`: Keras on TensorFlow without a
+    strategy would make them inside the first step's trace, which TensorFlow then traces a second time."""
+    import keras
+    import tensorflow as tf
+
+    from runner.train import fit
+
+    class Counted(keras.Sequential):
+        """Counts the traces of its train step (Python runs it once per trace)."""
+
+        traces = 0
+
+        def train_step(self, data):  # noqa: ANN001, ANN202
+            self.traces += 1
+            return super().train_step(data)
+
+    def trained(built: bool) -> tuple[int, list[np.ndarray]]:
+        keras.utils.set_random_seed(3)
+        model = Counted([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", weighted_metrics=["accuracy"])
+        rows = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+        dataset = tf.data.Dataset.from_tensor_slices((rows, np.arange(64) % 3)).batch(16)
+        if built:
+            fit.build_state(model, dataset.element_spec)
+            assert model.optimizer.built
+        model.fit(dataset, epochs=2, verbose=0)
+        return model.traces, model.get_weights()
+
+    once, weights = trained(built=True)
+    twice, keras_weights = trained(built=False)
+    assert (once, twice) == (1, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, keras_weights, strict=True))
