@@ -158,6 +158,30 @@ def mnist_job(small_mnist: Path, tmp_path: Path):
 _DOCKER_FIXTURES = {"docker_engine", "runner_image", "runner_tpu_image"}
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With RUNNER_TEST_ZYGOTE_LOG set, a line per test: its wall seconds and the CPU seconds of the worker and
+    of the children it waited for (forked commands report their own, tests/support/zygote.py): what the suite's
+    time goes to, and which tests wait rather than compute."""
+    if not os.environ.get("RUNNER_TEST_ZYGOTE_LOG"):
+        yield
+        return
+    import resource
+    import time
+
+    from tests.support import zygote
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    began, own, children = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    zygote._trace("test", test=item.nodeid, seconds=round(time.monotonic() - began, 3),
+                  own_cpu_s=round(cpu(resource.RUSAGE_SELF) - own, 3),
+                  children_cpu_s=round(cpu(resource.RUSAGE_CHILDREN) - children, 3))
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook: see below
 def pytest_collection_modifyitems(config, items):
     for item in items:

@@ -352,6 +352,8 @@ class Forked(subprocess.Popen):
             answer = json.loads(message) if message else {"status": signal.SIGKILL}
             self._status, self.cpu_s = answer["status"], answer.get("cpu_s")
             self._conn.close()
+            _trace("forked", command=str(self.args[3]), cpu_s=self.cpu_s,
+                   test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
         return self.pid, self._status
 
     def _internal_poll(self, _deadstate: int | None = None, **_: Any) -> int | None:
