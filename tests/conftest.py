@@ -15,7 +15,7 @@ import yaml
 # Session fixtures are imported here once: imported by two test modules, pytest would make two sessions'
 # worth of them (two emulators; two holders of the Docker engine's lock, which deadlock).
 from tests.support.docker import docker_engine, runner_image, runner_tpu_image  # noqa: E402,F401
-from tests.support.gcs import _gcs_fault_chain, gcs, gcs_faults  # noqa: E402,F401
+from tests.support.gcs import gcs, gcs_faults  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 

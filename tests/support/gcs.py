@@ -15,9 +15,9 @@ Fixtures (import them: `from tests.support.gcs import gcs, gcs_faults`):
                 its name; `gcs.client()` is a google-cloud-storage client on the emulator; `gcs.objects(b)`,
                 `gcs.read(b, name)`, `gcs.write(b, name, bytes)` and `gcs.upload_folder(dir, b, prefix)` work
                 on the emulator directly. Never put `gcs.env` into the test process's own os.environ.
-    gcs_faults  function: a `Gcs` whose TensorFlow and google-cloud-storage traffic passes the fault proxy;
-                `gcs_faults.faults.set([...rules])`, `.stats()`, `.clear()` (rules in gcs_servers.FaultProxy).
-                The rules are cleared after each test.
+    gcs_faults  function: the same `Gcs`, whose children's TensorFlow and google-cloud-storage traffic
+                passes the fault proxy (with no rules, as `gcs`'s does); `gcs_faults.faults.set([...rules])`,
+                `.stats()`, `.clear()` (rules in gcs_servers.FaultProxy). Cleared before and after each test.
 
 Outside pytest (benchmarks): `with start_gcs(folder) as gcs: ...`.
 """
@@ -222,18 +222,14 @@ def start_gcs(folder: Path, faults: bool = False) -> Iterator[Gcs]:
 
 @pytest.fixture(scope="session")
 def gcs(tmp_path_factory) -> Iterator[Gcs]:
-    with start_gcs(tmp_path_factory.mktemp("gcs")) as rig:
-        yield rig
-
-
-@pytest.fixture(scope="session")
-def _gcs_fault_chain(tmp_path_factory) -> Iterator[Gcs]:
-    with start_gcs(tmp_path_factory.mktemp("gcs-faults"), faults=True) as rig:
+    # One rig, the fault chain's, for both fixtures: the variables a child gets are then the same with and
+    # without faults, and its commands share one zygote (tests/support/zygote.py) instead of two.
+    with start_gcs(tmp_path_factory.mktemp("gcs"), faults=True) as rig:
         yield rig
 
 
 @pytest.fixture
-def gcs_faults(_gcs_fault_chain: Gcs) -> Iterator[Gcs]:
-    _gcs_fault_chain.faults.clear()
-    yield _gcs_fault_chain
-    _gcs_fault_chain.faults.clear()
+def gcs_faults(gcs: Gcs) -> Iterator[Gcs]:
+    gcs.faults.clear()
+    yield gcs
+    gcs.faults.clear()
