@@ -1,4 +1,4 @@
-"""What a job pays before its first step, and what two start-up changes took off it, measured side by side.
+"""What a job pays before its first step, and what the start-up changes took off it, measured side by side.
 
 Arms, each in fresh processes, alternated, the median of the repetitions (wall seconds and CPU seconds):
     import_tensorflow   `import tensorflow`, as any script does: TensorFlow Lite tries JAX and Keras tries
@@ -11,9 +11,12 @@ Arms, each in fresh processes, alternated, the median of the repetitions (wall s
     job_traced_twice    job_plain with the optimizer's and metrics' variables left for Keras to make while it
                         traces the first step, so that TensorFlow traces it twice (runner/train/fit.py
                         `build_state` undone)
+    import_unfrozen     import_runner with Python's garbage collector left as it is: running while TensorFlow
+    job_unfrozen        loads, and walking what it made at every full collection after (runner/job/startup.py
+                        `_import_frozen` undone)
 Printed: each arm, then the ratios runner/TensorFlow for the import, plain/AutoGraph for the job's
-`timing.data_init_s` (the input pipeline's set-up, where the traces happen) and its whole wall time, and
-plain/traced-twice for its `timing.first_step_s`.
+`timing.data_init_s` (the input pipeline's set-up, where the traces happen) and its whole wall time,
+plain/traced-twice for its `timing.first_step_s`, and frozen/unfrozen for the import's and the job's CPU time.
 
     .venv/bin/python benchmarks/startup.py [--quick] [--repeat N]
 """
@@ -35,16 +38,21 @@ from runner_vs_keras import cpu
 IMPORTS = {
     "import_tensorflow": "import tensorflow",
     "import_runner": "from runner.job import startup; startup.load_tensorflow(False)",
+    "import_unfrozen": "from runner.job import startup; startup._import_frozen = startup._import_quietly; "
+                       "startup.load_tensorflow(False)",
 }
 # `runner run` in this process, with the runner's input functions handed to AutoGraph (the arm's only change).
 _JOB = """
 import sys
 from runner.data import schema
+from runner.job import startup
 from runner.train import fit
 if sys.argv[1] == "autograph":
     schema.plain = lambda fn, user=None: fn
 if sys.argv[1] == "traced_twice":
     fit.build_state = lambda model, element_spec: None
+if sys.argv[1] == "unfrozen":
+    startup._import_frozen = startup._import_quietly
 from runner.cli import main
 sys.argv = ["runner", "run", *sys.argv[2:]]
 main()
@@ -83,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     repeat = 1 if args.quick else args.repeat
     data = prepared(MNIST)
-    jobs = ("job_autograph", "job_plain", "job_traced_twice")
+    jobs = ("job_autograph", "job_plain", "job_traced_twice", "job_unfrozen")
     seen: dict[str, list[tuple[float, ...]]] = {arm: [] for arm in [*IMPORTS, *jobs]}
     with tempfile.TemporaryDirectory() as out:
         for index in range(repeat):
@@ -106,6 +114,11 @@ def main() -> None:
          {"plain_s": median["job_plain"][0], "autograph_s": median["job_autograph"][0]}),
         ("startup_first_step", median["job_plain"][3] / median["job_traced_twice"][3], "< 1",
          {"built_first_s": median["job_plain"][3], "traced_twice_s": median["job_traced_twice"][3]}),
+        ("startup_import_frozen_cpu", median["import_runner"][1] / median["import_unfrozen"][1], "< 1",
+         {"frozen_cpu_s": median["import_runner"][1], "unfrozen_cpu_s": median["import_unfrozen"][1]}),
+        ("startup_job_frozen_cpu", median["job_plain"][1] / median["job_unfrozen"][1], "< 1",
+         {"frozen_cpu_s": median["job_plain"][1], "unfrozen_cpu_s": median["job_unfrozen"][1],
+          "frozen_wall_s": median["job_plain"][0], "unfrozen_wall_s": median["job_unfrozen"][0]}),
     ]
     for name, ratio, goal, detail in ratios:
         print(json.dumps({"benchmark": name, "ratio": round(ratio, 3), "goal": goal,

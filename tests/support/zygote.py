@@ -264,7 +264,10 @@ class _Zygote:
 
 _zygotes: dict[tuple, _Zygote] = {}
 _lock = threading.Lock()
-_MOST = 6
+# The zygotes a worker keeps, the least recently used stopped first. Each holds about 220 MB of its own (TensorFlow
+# loaded; JAX adds 130 MB). Six were too few: a run of tests with one-off environments (a TPU's variables, a
+# KERAS_HOME, a PYTHONPATH of their own) pushed out the default and gs:// ones, and each came back as 9 CPU-s.
+_MOST = 12
 
 
 def _zygote_for(kind: str, env: Mapping[str, str]) -> _Zygote | None:
