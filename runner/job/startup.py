@@ -100,9 +100,9 @@ def _import_frozen(debug: bool) -> None:
     """`_import_quietly`, with Python's cyclic garbage collector paused while TensorFlow and Keras load, and
     what they made then frozen (`gc.freeze`): their module-level objects (half a million: functions, classes,
     op wrappers) live as long as the process, yet every full collection walked them all again, during the
-    import and then through the job's tracing, input pipeline and steps. Frozen, collections skip them. A
-    3-step MNIST run took 2-3 s less on a 2-core AMD EPYC, with the same results (benchmarks/RESULTS.md,
-    "Start-up: the collector"). A process forked after the import (as a test harness does) shares the
+    import and then through the job's tracing, input pipeline and steps. Frozen, collections skip them. On a
+    2-core AMD EPYC the load took 4.8 CPU-s instead of 8.1, with the same training results (benchmarks/RESULTS.md,
+    "The garbage collector at start-up"). A process forked after the import (as a test harness does) shares the
     frozen pages instead of copying them when a collection touches them."""
     collecting = gc.isenabled()
     gc.disable()
