@@ -263,13 +263,13 @@ def test_a_keras_users_training_options_train_resume_and_report(mnist_job, tmp_p
     mid-epoch, resumed, reported."""
     import signal
 
-    from tests.support.runs import finish, signal_in_second_epoch, start_run
+    from tests.support.runs import STEPS, finish, signal_in_second_epoch, start_run
 
     package = tmp_path / "code" / "mine"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "marks.py").write_text(CALLBACK)
-    steps = 40
+    steps = STEPS  # as signal_in_second_epoch counts them
     spec = mnist_job(
         "keras_user", code={"folder": str(tmp_path / "code")}, output={"tensorboard": False},
         data={"eval": None, "global_batch_size": 32},

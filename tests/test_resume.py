@@ -1,7 +1,7 @@
 """Resume semantics (runner/rundir/outputs.py docstring), tested on real processes that are killed and re-run.
 
-Each job runs 3 epochs of 40 steps over tiny MNIST (the training data repeats), so an epoch lasts a few
-seconds on a CPU: long enough to interrupt it in the middle.
+Each job runs 3 epochs of 24 steps over small MNIST (the training data repeats) at a batch of 128, so an epoch
+lasts a second or more on a CPU: long enough to interrupt it in the middle (tests/support/runs.py).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(mnist_job, t
     spec = job(mnist_job, "killed", every_steps=5)
     run_dir = tmp_path / "runs" / "killed"
     process = start_run(spec)
-    # Step 50 is 10 steps into epoch 2: kill there, far from the epoch's end-of-epoch save at step 80.
-    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= 50 or None, process)
+    # 10 steps into epoch 2: kill there, far from the epoch's end-of-epoch save.
+    wait_for(lambda: (s := indexed_step(local_index(run_dir))) is not None and s >= STEPS + 10 or None, process)
     os.kill(process.pid, signal.SIGKILL)
     code, _, _ = finish(process)
     assert code == -signal.SIGKILL
     latest = indexed_step(local_index(run_dir))
-    assert latest >= 50 and latest % STEPS, f"killed at step {latest}, expected mid-epoch"
+    assert latest >= STEPS + 10 and latest % STEPS, f"killed at step {latest}, expected mid-epoch"
     assert not (run_dir / "attempts").exists()  # a killed process writes nothing more
 
     result = run_cli("run", spec)

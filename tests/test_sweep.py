@@ -165,9 +165,10 @@ def test_a_failed_variant_is_named_and_fixing_it_reuses_the_finished_ones(mnist_
 
 @pytest.mark.slow
 def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mnist_job, tmp_path: Path) -> None:
-    spec = mnist_job("pre", train={"epochs": 40, "steps_per_epoch": 2})  # short, so that continuing is quick
+    # Short epochs at small batches, so that continuing is quick (a step costs in proportion to its batch).
+    spec = mnist_job("pre", train={"epochs": 40, "steps_per_epoch": 2})
     sweep = subprocess.Popen(
-        [sys.executable, "-m", "runner", "sweep", str(spec), "--set", "data.global_batch_size=128,256"],
+        [sys.executable, "-m", "runner", "sweep", str(spec), "--set", "data.global_batch_size=16,32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO,
         start_new_session=True,  # its own process group: a failed test stops the sweep and its variant together
     )
@@ -183,18 +184,18 @@ def test_a_preemption_notice_reaches_the_running_variant_and_stops_the_sweep(mni
             os.killpg(sweep.pid, signal.SIGKILL)
             sweep.wait()
     assert sweep.returncode == 75, stderr
-    first = json.loads((tmp_path / "runs" / "pre-global_batch_size-128" / "summary.json").read_text())
+    first = json.loads((tmp_path / "runs" / "pre-global_batch_size-16" / "summary.json").read_text())
     assert first["status"] == "preempted" and "run the same job again" in first["error"]
-    assert list((tmp_path / "runs" / "pre-global_batch_size-128" / "checkpoints").glob("ckpt-*.index"))
-    assert not (tmp_path / "runs" / "pre-global_batch_size-256").exists(), "no variant starts after the notice"
+    assert list((tmp_path / "runs" / "pre-global_batch_size-16" / "checkpoints").glob("ckpt-*.index"))
+    assert not (tmp_path / "runs" / "pre-global_batch_size-32").exists(), "no variant starts after the notice"
     assert "stopped by a preemption notice: run the same sweep again to continue" in stderr
 
     # Following it: the stopped variant resumes, the other runs; the table says whose timing is one attempt's.
-    again = run_cli("sweep", spec, "--set", "data.global_batch_size=128,256")
+    again = run_cli("sweep", spec, "--set", "data.global_batch_size=16,32")
     assert again.returncode == 0, again.stderr
-    resumed = json.loads((tmp_path / "runs" / "pre-global_batch_size-128" / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "runs" / "pre-global_batch_size-16" / "summary.json").read_text())
     assert (resumed["status"], resumed["attempt"], resumed["epochs"][-1]["epoch"]) == ("succeeded", 2, 40)
-    assert "resumed runs: their timing columns cover the last attempt only: pre-global_batch_size-128" in again.stdout
+    assert "resumed runs: their timing columns cover the last attempt only: pre-global_batch_size-16" in again.stdout
     assert "run the same sweep again" not in again.stderr and "--set name=" not in again.stderr, "nothing to do"
 
 
