@@ -284,12 +284,14 @@ def _zygote_for(kind: str, env: Mapping[str, str]) -> _Zygote | None:
 
 
 def _trace(event: str, **fields: object) -> None:
-    """A line per zygote started and per command run, in RUNNER_TEST_ZYGOTE_LOG when set (to see what the
-    suite's commands cost)."""
+    """A line per zygote started, per command run and per forked child ended, with the test it was for, in
+    RUNNER_TEST_ZYGOTE_LOG when set (to see what the suite's commands cost)."""
     path = os.environ.get("RUNNER_TEST_ZYGOTE_LOG")
     if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
         with open(path, "a") as log:
-            log.write(json.dumps({"event": event, "at": time.time(), "pid": os.getpid(), **fields}) + "\n")
+            log.write(json.dumps({"event": event, "at": time.time(), "pid": os.getpid(), "test": test, **fields})
+                      + "\n")
 
 
 @atexit.register
@@ -355,8 +357,7 @@ class Forked(subprocess.Popen):
             answer = json.loads(message) if message else {"status": signal.SIGKILL}
             self._status, self.cpu_s = answer["status"], answer.get("cpu_s")
             self._conn.close()
-            _trace("forked", command=str(self.args[3]), cpu_s=self.cpu_s,
-                   test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
+            _trace("forked", command=str(self.args[3]), cpu_s=self.cpu_s)
         return self.pid, self._status
 
     def _internal_poll(self, _deadstate: int | None = None, **_: Any) -> int | None:
@@ -401,8 +402,7 @@ def run(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float,
             out, err = process.communicate()
             raise subprocess.TimeoutExpired(process.args, timeout, out, err) from None
     _trace("run", command=str(args[0]), forked=isinstance(process, Forked),
-           seconds=round(time.monotonic() - began, 2), cpu_s=getattr(process, "cpu_s", None),
-           test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
+           seconds=round(time.monotonic() - began, 2), cpu_s=getattr(process, "cpu_s", None))
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
