@@ -226,3 +226,21 @@ def test_matmul_bench_under_jax_multiplies_the_chain_the_host_computes(tmp_path)
     for _ in range(chain):
         product = product @ b
     assert summary["matmul"]["checksum"] == pytest.approx(2 * product.sum(), abs=1e-3 * size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU
+def test_a_profile_under_jax_is_traced_by_jax_and_holds_the_train_steps_computation(mnist_job, tmp_path):
+    """TensorFlow's profiler under JAX records only tf.data's host events: the trace must be JAX's, and show the
+    compiled train step (XLA's `jit_train_step`) running on the device."""
+    spec = jax_job(mnist_job, "jax-profile", model={"name": tiny_model(tmp_path)},
+                   train={"epochs": 2, "steps_per_epoch": 3, "allow_chance": True},
+                   profile={"start_step": 3, "steps": 2})
+    result = run_cli("run", spec, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    profile = last_json(result.stdout)["profile"]
+    assert profile["profiler"] == "jax" and profile["error"] is None
+    assert profile["traced_steps"] == [3, 4]  # across the epoch boundary: counted from the batches
+    traces = list((tmp_path / "runs" / "jax-profile" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1
+    assert b"jit_train_step" in traces[0].read_bytes()

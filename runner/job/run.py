@@ -313,7 +313,8 @@ def _train(
     """Trains the plan (runner/train/loop.py) and records how it ended; raises what stopped it."""
     profiler = None
     if spec.profile:
-        profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps)
+        profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps,
+                                        engine=attempt.accelerator.backend.name)
     validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
     feed = loop.Feed(inputs.train_ds, validation, spec.data.train, inputs.class_weight, inputs.validation_every or 1)
     outcome = loop.train(

@@ -123,38 +123,66 @@ class ScalarLog:
 
 
 class ProfileWindow(keras.callbacks.Callback):
-    """Traces global steps start_step .. start_step + steps - 1 (1-based) with the TensorFlow profiler.
+    """Traces global steps start_step .. start_step + steps - 1 (1-based) with the profiler of the engine that
+    computes: TensorFlow's under `tensorflow`, JAX's (`jax.profiler`, which records XLA's computations on the
+    device) under `jax`. TensorFlow's profiler under JAX would record only tf.data's host events.
 
     The trace is <folder>/plugins/profile/<time>/<host>.xplane.pb, which TensorBoard's profile plugin
     opens. The traced steps run slower; they stay in the epoch times, so trace a run you are not timing.
+    The step is read from the optimizer once, when training begins, then counted from the batches: under JAX
+    every read of a variable in a callback would copy the train state back from the device.
     """
 
-    def __init__(self, folder: str, start_step: int, steps: int):
+    def __init__(self, folder: str, start_step: int, steps: int, engine: str = "tensorflow"):
         super().__init__()
-        self.folder, self.start_step, self.steps = folder, start_step, steps
+        self.folder, self.start_step, self.steps, self.engine = folder, start_step, steps, engine
         self.traced: list[int] = []  # first and last step traced
         self.error: str | None = None
         self._active = False
+        self._done = 0  # the steps trained: read once when training begins, then counted
+        self._epoch_base = 0  # the steps trained when the epoch began (Keras numbers batches within an epoch)
 
-    def _next_step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy()) + 1
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._done = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch_base = self._done
+
+    def _start(self) -> None:
+        if self.engine == "jax":
+            import jax
+
+            jax.profiler.start_trace(self.folder)
+        else:
+            tf.profiler.experimental.start(self.folder)
+
+    def _stop(self) -> None:
+        if self.engine == "jax":
+            import jax
+
+            jax.effects_barrier()  # the traced steps' computations finish inside the trace
+            jax.profiler.stop_trace()
+        else:
+            tf.profiler.experimental.stop()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        step = self._next_step()
+        step = self._epoch_base + batch + 1  # with steps_per_execution, `batch` is the first of the execution's
         if self._active or self.traced or self.error or not self.start_step <= step < self.start_step + self.steps:
             return
         try:
-            tf.profiler.experimental.start(self.folder)
+            self._start()
         except Exception as exc:  # a trace is a diagnosis: it must never stop the training it watches
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("profiler did not start at step %d: %s", step, self.error)
             return
         self._active, self.traced = True, [step, step]
-        log.info("profiling steps %d-%d into %s", step, self.start_step + self.steps - 1, self.folder)
+        log.info("profiling steps %d-%d into %s (%s's profiler)", step, self.start_step + self.steps - 1,
+                 self.folder, "JAX" if self.engine == "jax" else "TensorFlow")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._done = self._epoch_base + batch + 1  # `batch`: the execution's last
         if self._active:
-            self.traced[1] = self._next_step() - 1
+            self.traced[1] = self._done
             if self.traced[1] >= self.start_step + self.steps - 1:
                 self.close()
 
@@ -164,13 +192,18 @@ class ProfileWindow(keras.callbacks.Callback):
     def close(self) -> None:
         if self._active:
             self._active = False
-            tf.profiler.experimental.stop()
+            try:
+                self._stop()
+            except Exception as exc:  # noqa: BLE001 - as above: the trace is lost, the training is not
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("profiler did not stop cleanly: %s", self.error)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "start_step": self.start_step,
             "steps": self.steps,
             "dir": self.folder,
+            "profiler": self.engine,
             "traced_steps": self.traced or None,
             "error": self.error,
         }
