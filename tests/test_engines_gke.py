@@ -355,6 +355,35 @@ def test_the_gke_host_table_agrees_with_xpks_catalog(tmp_path):
                                                                              host.chips, host.xpk_hosts), name
 
 
+def test_xpk_runs_one_container_per_tpu7x_host_whatever_its_default(cloud_spec, tmp_path):
+    """xpk runs two containers of half the chips on a tpu7x-standard-4t host when --use-parallel-containers is on
+    (xpk 1.9.0-1.13.1's default); the printed line turns it off, so each host runs one `runner run`. xpk's own dry
+    run is asked with the flag on before the printed words (argparse: the last one wins)."""
+    needs_xpk()
+    result = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "tpu-cluster", "--zone",
+                    "us-central1-c", tpu_type="tpu7x-8")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.strip())
+    assert "--no-use-parallel-containers" in words
+    catalog = xpk_run("import json; from xpk.core.system_characteristics import UserFacingNameToSystemCharacteristics "
+                      "as U; print(json.dumps(sorted({s.gke_accelerator + ' ' + s.gce_machine_type for s in U.values() "
+                      "if s.parallel_containers > 1})))", cwd=tmp_path)
+    assert catalog.returncode == 0, catalog.stderr
+    assert {line.split()[1] for line in json.loads(catalog.stdout)} == gke.XPK_PARALLEL_CONTAINERS
+    out = tmp_path / "xpk.yaml"
+    made = subprocess.run([str(XPK.parent / "xpk"), *words[1:3], "--use-parallel-containers", *words[3:],
+                           "--dry-run", "--skip-validation", "--quiet", "--output-manifest-file", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TELEMETRY_ENABLED": "false"})
+    assert made.returncode == 0, made.stdout + made.stderr
+    pod = their_job_spec(yaml.safe_load(out.read_text()))["template"]["spec"]
+    assert [(box["name"], box["resources"]["limits"]) for box in pod["containers"]] == \
+        [("runner", {"google.com/tpu": 4})]
+    # The other types' lines are left as they were: xpk runs one container there anyway.
+    other = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "tpu-cluster", tpu_type="v6e-4")
+    assert "--no-use-parallel-containers" not in other.stdout
+
+
 def test_xpk_format_refuses_a_type_xpk_runs_on_two_hosts(cloud_spec):
     result = submit(cloud_spec, "--on", "gke", "--format", "xpk", "--cluster", "c", tpu_type="v5litepod-8")
     assert result.returncode == 2

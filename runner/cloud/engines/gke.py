@@ -74,6 +74,11 @@ XPK_RESTART_CODES = (42, *range(127, 256))
 RESTART_CODES = tuple(sorted({*XPK_RESTART_CODES, *RETRY_BOUNDED}))
 XPK_QUEUE = "multislice-queue"  # the LocalQueue xpk labels every workload with
 NAME_LIMIT = 40  # xpk's limit for a workload: pod names add "-slice-job-0-0-" and a suffix within 63
+# The machine types xpk's catalog runs two containers on, each with half the host's chips (SystemCharacteristics
+# parallel_containers=2: tpu7-standard-4t, tpu7x-standard-4t). xpk 1.9.0 to 1.13.1 do so by default
+# (`--use-parallel-containers`, argparse.BooleanOptionalAction, default True: xpk/parser/workload.py), xpk 1.16.0
+# only when asked; `--no-use-parallel-containers` turns it off in every xpk since 1.9.0 (xpk PR #1136).
+XPK_PARALLEL_CONTAINERS = frozenset({"tpu7-standard-4t", "tpu7x-standard-4t"})
 TTL_SECONDS = 12 * 3600  # xpk's default: a finished JobSet is deleted after 12 hours
 DEFAULT_RESTARTS = DEFAULT_SPOT_RESTARTS  # JobSet restarts after exit 3, 75 or a signal, --spot or not
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
@@ -237,7 +242,8 @@ def manifest_yaml(doc: dict[str, Any]) -> str:
 
 def xpk_command(sub: Submission, options: Options) -> str:
     """`xpk workload create` for the same job. xpk makes its own manifest, with these differences: its
-    container is not run as root (xpk has no flag for it) and its priority class is xpk's `medium`."""
+    container is not run as root (xpk has no flag for it) and its priority class is xpk's `medium`. On TPU7x it
+    runs one container per host (--no-use-parallel-containers, XPK_PARALLEL_CONTAINERS)."""
     host = host_of(sub)
     if host.xpk_hosts != sub.tpu.hosts:
         why = ("is not in xpk's catalog" if host.xpk_hosts == 0 else
@@ -263,6 +269,8 @@ def xpk_command(sub: Submission, options: Options) -> str:
         "--restart-on-exit-codes", ",".join(map(str, RETRY_BOUNDED)),
         *(["--spot"] if sub.spot else []),
         *(["--namespace", options.namespace] if options.namespace != "default" else []),
+        # One container of all the host's chips, one `runner run` per host (one JAX process each).
+        *(["--no-use-parallel-containers"] if host.machine_type in XPK_PARALLEL_CONTAINERS else []),
     ]
     for key, value in container_env(sub).items():
         words += ["--env", f"{key}={value}"]
