@@ -161,6 +161,22 @@ def test_auto_validates_only_a_split_small_against_an_epoch(mnist_job, tmp_path:
         assert ("val_loss" in metrics) is validated, metrics
 
 
+def test_auto_validates_the_jobs_own_validation_split_every_epoch_as_keras_does(mnist_job, small_mnist) -> None:
+    """A split of the job's own (data.validation) is validated after every epoch, as Keras's validation_data is,
+    whatever its size (here 512 records against 64 trained an epoch); the log says what it costs and how to turn it
+    off. data.eval alone keeps the share rule (the test above)."""
+    spec = mnist_job("ownval", train={"epochs": 2, "steps_per_epoch": 2, "allow_chance": True},
+                     data={"eval": None, "validation": f"{small_mnist}/test-*.tfrecord"}, output={"tensorboard": False})
+    result = run_cli("run", spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("train.validation_every auto: every epoch, as Keras's validation_data: data.validation is the job's "
+            "validation split (512 records, 800.0% of the 64 one epoch trains") in result.stderr
+    assert "train.validation_every: never turns it off" in result.stderr
+    summary = last_json(result.stdout)
+    assert [("val_loss" in e["metrics"]) for e in summary["epochs"]] == [True, True]
+    assert summary["timing"]["eval_s"] > 0
+
+
 def test_the_older_per_epoch_key_keeps_its_meaning(tmp_path: Path) -> None:
     on = write_spec(tmp_path, {"name": "on", "train": {"validate_every_epoch": True}})
     assert load_spec(on).train.validation_every == 1

@@ -181,6 +181,14 @@ def validation_every(train: TrainSpec, key: str | None, records: int, per_epoch:
     if asking := train.needs_validation():
         log.info("train.validation_every auto: every epoch, as %s watches val_loss; %s", asking, figures)
         return 1
+    if key == "data.validation":
+        # The job's own validation split: Keras's validation_data runs after every epoch, and so does this.
+        log.info("train.validation_every auto: every epoch, as Keras's validation_data: %s is the job's validation "
+                 "split (%s records, %.1f%% of the %s one epoch trains: about %.1f%% more work per epoch, a "
+                 "validation step being a forward pass only; the summary's timing.eval_s measures it); "
+                 "train.validation_every: never turns it off", key, f"{records:,}", share * 100, f"{per_epoch:,}",
+                 share * 100 / 3)
+        return 1
     if share <= AUTO_VALIDATION_SHARE:
         log.info("train.validation_every auto: every epoch: %s", figures)
         return 1

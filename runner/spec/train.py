@@ -83,8 +83,9 @@ class TrainSpec(Strict):
     # NumPy, Python and TensorFlow are seeded with it (keras.utils.set_random_seed): 0 to 2**32 - 1.
     seed: Integer = Field(0, ge=0, le=2**32 - 1)
     # Evaluate on data.validation (unset: data.eval) every N epochs (Keras fit's validation_freq); val_* metrics
-    # join those epochs' records. auto: every epoch when that split holds at most AUTO_VALIDATION_SHARE of the
-    # records one epoch trains (runner/job/inputs.py), else never; 0 or never: never. The older key
+    # join those epochs' records. auto: every epoch on data.validation (as Keras's validation_data), and on
+    # data.eval when it holds at most AUTO_VALIDATION_SHARE of the records one epoch trains (runner/job/inputs.py),
+    # else never; 0 or never: never. The older key
     # `validate_every_epoch: true|false` still reads as 1|never.
     validation_every: Annotated[int | Literal["auto", "never"], PlainValidator(_validation_every)] = "auto"
     # Stop once val_loss has not improved for this many epochs and keep the best epoch's weights. Needs
