@@ -9,7 +9,8 @@
     RUN_DIR/logs/SUB/worker-N.started.json    written when the job's container starts (time, log driver)
     RUN_DIR/logs/SUB/worker-N.exit.json       the job's exit code, or why the startup script ran nothing
     RUN_DIR/logs/SUB/cancelled.json           `runner cancel` was here: a watcher stops instead of restarting
-    RUN_DIR/summary.json, checkpoints/        written by the job itself (runner/rundir/outputs.py)
+    RUN_DIR/summary.json, checkpoints/        written by the job itself (runner/rundir/outputs.py); the newest
+                                              whole step of either format: runner/rundir/checkpoints.py
 
 SUB is the submission id (time of submission and 4 random hex digits). Each submission writes only under
 its own folder, so an old exit record can never answer for a new submission.
@@ -32,6 +33,7 @@ from typing import Any
 
 from runner import StorageError
 from runner.data import storage
+from runner.rundir import checkpoints
 
 JOB_FILE = "job.json"
 
@@ -172,10 +174,8 @@ def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:
 
 
 def checkpoint_step(run_dir: str) -> int | None:
-    """The step of the checkpoint the CheckpointManager index names as the newest (None: no checkpoint)."""
-    text = read_text(join(run_dir, "checkpoints", "checkpoint"))
-    match = re.search(r'^model_checkpoint_path: "(?:.*/)?ckpt-(\d+)"', text or "", re.MULTILINE)
-    return int(match.group(1)) if match else None
+    """The step of the newest whole checkpoint, TensorFlow's or Orbax's (runner/rundir/checkpoints.py); None: none."""
+    return checkpoints.newest_step(run_dir)
 
 
 # --- job.json --------------------------------------------------------------------------------------
