@@ -80,8 +80,12 @@ def test_report_tabulates_runs_with_speed_up_over_the_baseline(real_run, tmp_pat
     assert len(cells[8].split(".")[1]) == (2 if summary["timing"]["steady_epoch_s"] >= 1 else 3)
     assert cells[10] == f"{rate:,.0f}"
     assert cells[12] == f"{summary['timing']['goodput']:.0%}"
-    assert cells[15] == f"{summary['timing']['total_s']:.1f}"
-    assert cells[16] == f"{round(rate / v1_rate, 2):.2f}x"
+    # What it learned: the last epoch's loss and the lowest (no validation split: val_loss -).
+    losses = [e["loss"] for e in summary["epochs"]]
+    assert cells[13:18] == [f"{summary['metrics']['accuracy']:.4f}", f"{losses[-1]:.4f}", f"{min(losses):.4f}",
+                            "-", "-"]
+    assert cells[19] == f"{summary['timing']['total_s']:.1f}"
+    assert cells[20] == f"{round(rate / v1_rate, 2):.2f}x"
     assert "| mnist_v1 | cpu | 1 | 128 | 3 | - | - |" in result.stdout and "1.00x" in result.stdout
     assert "read from schema_version 1 (no input wait recorded): mnist_v1" in result.stdout
     assert "b256: data.global_batch_size 256 (baseline 128), train.epochs 2 (baseline 3)" in result.stdout
@@ -395,3 +399,33 @@ def test_a_setting_given_as_a_name_a_config_or_unset_is_a_difference(mnist_job, 
     assert ("b: train.optimizer AdamW(weight_decay=0.004) (baseline adam), train.class_weight {0: 1.0, 1: 3.0} "
             "(baseline unset)") in note, result.stdout
     assert [line.split()[0] for line in result.stdout.splitlines()[2:4]] == ["a", "b*"]
+
+
+def test_report_compares_what_the_runs_learned_and_names_the_optimizer_each_used(tmp_path: Path) -> None:
+    """adam beside AdamW: the optimizer is a column of its own, readable, beside the last and best loss and
+    val_loss of each run; the plot draws each run's loss curves."""
+    base = json.loads(V1.read_text())["epochs"][0]
+
+    def run(name: str, optimizer, losses: list[float], val_losses: list[float]) -> Path:
+        epochs = [{**base, "epoch": n + 1, "loss": loss, "metrics": {"accuracy": 0.5, "val_loss": val}}
+                  for n, (loss, val) in enumerate(zip(losses, val_losses, strict=True))]
+        spec = {"kind": "train", "train": {"epochs": 3, "learning_rate": 0.001, "optimizer": optimizer}}
+        return _write_run(tmp_path / name, spec, epochs=epochs, train_epochs=3)
+
+    adam = run("adam", "adam", [0.9, 0.5, 0.4], [0.8, 0.6, 0.7])
+    adamw = run("adamw", {"class_name": "AdamW", "config": {"weight_decay": 0.004}}, [0.8, 0.3, 0.2],
+                [0.7, 0.5, 0.45])
+    result = invoke("report", adam, adamw, "--markdown", "--plot", tmp_path / "p.png", env=cli_env())
+    assert result.returncode == 0, result.stderr
+    header = [c.strip() for c in result.stdout.splitlines()[0].strip("|").split("|")]
+    assert header[7] == "train.optimizer", header
+    rows = {line.split("|")[1].strip().rstrip("\\*"): [c.strip() for c in line.strip("|").split("|")]
+            for line in result.stdout.splitlines() if line.startswith(("| adam", "| adamw"))}
+    learned = [header.index(t) for t in ("train.optimizer", "loss", "best loss", "val_loss", "best val_loss")]
+    assert [rows["adam"][i] for i in learned] == ["adam", "0.4000", "0.4000", "0.7000", "0.6000"]
+    assert [rows["adamw"][i] for i in learned] == ["AdamW(weight_decay=0.004)", "0.2000", "0.2000", "0.4500",
+                                                    "0.4500"]
+    from PIL import Image
+
+    description = Image.open(tmp_path / "p.png").text["Description"]
+    assert "adamw" in description and "loss 0.2000, val_loss 0.4500" in description

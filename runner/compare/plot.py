@@ -1,4 +1,5 @@
-"""`--plot`: epoch time and throughput by batch size as a PNG, with the runs named and their accuracy.
+"""`--plot`: epoch time and throughput by batch size as a PNG, with the runs named and their accuracy, and each
+run's loss curve (training loss, and val_loss where it validated) by epoch from its epoch records.
 
 matplotlib is the `plot` extra (pip install 'tpu-job-runner[plot]'): imported only here, and checked before
 a sweep trains anything.
@@ -49,6 +50,8 @@ def plot(rows: list[Row], path: str) -> str:
         + ("" if r.examples_per_sec is None else f", {r.examples_per_sec:,.0f} examples/s")
         + ("" if r.mfu is None else f", MFU {r.mfu:.1%}")
         + f", {r.epochs if r.epochs is not None else '-'} epochs" + (f", {r.precision}" if r.precision else "")
+        + ("" if r.loss is None else f", loss {r.loss:.4f}") + ("" if r.val_loss is None else
+                                                                f", val_loss {r.val_loss:.4f}")
         for r in usable
     ]
     if any(r.beyond_swept or r.not_asked for r in usable):
@@ -58,7 +61,11 @@ def plot(rows: list[Row], path: str) -> str:
     for row in usable:
         groups.setdefault(f"{row.device} x{row.replicas}", []).append(row)
     height = 4.6 + 0.17 * len(legend_rows)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, height))
+    curves = [r for r in rows if any(loss is not None for _, loss, _ in r.curve)]
+    figure, axes = plt.subplots(1, 3 if curves else 2, figsize=(16 if curves else 11, height))
+    left, right = axes[0], axes[1]
+    if curves:
+        _loss_curves(axes[2], curves, prefix)
     for label, members in sorted(groups.items()):
         members = sorted(members, key=lambda r: r.batch)
         batches = [r.batch for r in members]
@@ -105,6 +112,23 @@ def plot(rows: list[Row], path: str) -> str:
     else:
         Path(path).write_bytes(buffer.getvalue())
     return path
+
+
+def _loss_curves(axis, rows: list[Row], prefix: str) -> None:
+    """Each run's training loss (solid) and val_loss (dashed, same colour) by epoch."""
+    for row in rows:
+        name = row.job[len(prefix):] if prefix and row.job.startswith(prefix) else row.job
+        epochs = [n for n, loss, _ in row.curve if loss is not None]
+        line = axis.plot(epochs, [loss for _, loss, _ in row.curve if loss is not None], marker=".", label=name)[0]
+        validated = [(n, val) for n, _, val in row.curve if val is not None]
+        if validated:
+            axis.plot([n for n, _ in validated], [v for _, v in validated], linestyle="--", marker=".",
+                      color=line.get_color(), label=f"{name} val")
+    axis.set_xlabel("epoch")
+    axis.set_ylabel("loss")
+    axis.set_title("Loss by epoch (dashed: val_loss)")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=7, loc="upper right")
 
 
 def _marks(row: Row) -> str:

@@ -3,7 +3,9 @@
 A run is a run folder (holding summary.json) or a summary file, local or gs://. Each becomes one row:
 device, replicas, batch, epochs trained, learning rate, precision, first epoch, steady epoch, step time,
 examples/s, MFU, goodput, accuracy, input wait, total time, and the speed-up of its throughput over a
-baseline row. The settings each run was made with come from the spec.json beside its summary.
+baseline row; then what it learned (the last and the best training loss, the last and the best val_loss, from
+its epoch records), and a column for each other setting the runs differ in (an optimizer, as `adam` beside
+`AdamW(weight_decay=0.004)`). The settings each run was made with come from the spec.json beside its summary.
 
 The order and the baseline (`runner sweep` and `runner report` apply the same rule, `order_rows`): rows are
 sorted by the swept settings (those that differ between the runs and that every run's name holds as
@@ -60,6 +62,12 @@ class Row:
     settings: tuple[tuple[str, Any], ...] = ()  # (dotted key, value) the run was made with, comparable ones only
     beyond_swept: tuple[str, ...] = ()  # "key value (baseline value)": differs from the baseline beyond the sweep
     not_asked: tuple[str, ...] = ()  # "key: made with value, asked value" (runner sweep's check of spec.json)
+    loss: float | None = None  # the last epoch's training loss
+    best_loss: float | None = None  # the lowest epoch training loss
+    val_loss: float | None = None  # the last validated epoch's val_loss
+    best_val_loss: float | None = None  # the lowest val_loss
+    curve: tuple[tuple[int, float | None, float | None], ...] = ()  # (epoch, loss, val_loss), one per whole epoch
+    spec_known: bool = False  # the spec.json it was made with was found
 
 
 # --- rows --------------------------------------------------------------------------------------
@@ -97,7 +105,29 @@ def to_row(source: str, doc: dict[str, Any], spec: dict[str, Any] | None = None)
         attempts=tuple(sorted({e["attempt"] for e in epochs if isinstance(e.get("attempt"), int)})),
         attempt=doc.get("attempt"),
         settings=settings_of(doc, spec),
+        **_learning(epochs),
+        spec_known=spec is not None,
     )
+
+
+def _learning(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run learned, from its epoch records: the last and the best training loss and val_loss, and the
+    curve (one point per epoch: a resumed partial epoch's record gives way to the record that finished it)."""
+    by_epoch: dict[int, dict[str, Any]] = {}
+    for record in epochs:
+        if isinstance(record.get("epoch"), int):
+            by_epoch[record["epoch"]] = record
+    curve = tuple((n, _number(r.get("loss")), _number((r.get("metrics") or {}).get("val_loss")))
+                  for n, r in sorted(by_epoch.items()))
+    losses = [loss for _, loss, _ in curve if loss is not None]
+    validated = [val for _, _, val in curve if val is not None]
+    return {"loss": losses[-1] if losses else None, "best_loss": min(losses, default=None),
+            "val_loss": validated[-1] if validated else None, "best_val_loss": min(validated, default=None),
+            "curve": curve}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _learning_rate(spec: dict[str, Any] | None) -> str | None:
@@ -228,12 +258,32 @@ COLUMNS = (
     ("learning_rate", "learning rate"), ("precision", "precision"),
     ("first_epoch_s", "first epoch s"), ("steady_epoch_s", "steady epoch s"), ("step_time_ms", "step ms"),
     ("examples_per_sec", "examples/s"), ("mfu", "MFU"), ("goodput", "goodput"), ("accuracy", "accuracy"),
+    ("loss", "loss"), ("best_loss", "best loss"), ("val_loss", "val_loss"), ("best_val_loss", "best val_loss"),
     ("input_wait_fraction", "input wait"), ("total_s", "total s"), ("speedup", "speed-up"),
 )
 _TEXT_COLUMNS = ("job", "device", "learning_rate", "precision")  # aligned left; the others are numbers
+# Settings a fixed column shows already: no column of their own when they differ.
+_SHOWN = ("data.global_batch_size", "train.epochs", "train.learning_rate", "train.mixed_precision")
+_SETTING = "setting:"  # a column field naming a differing setting: "setting:train.optimizer"
+
+
+def columns(rows: list[Row]) -> list[tuple[str, str]]:
+    """COLUMNS with one column per other setting the runs differ in (titled by its key) after the settings
+    COLUMNS shows, so that what made two runs learn differently is in the table beside what they learned."""
+    # Only among runs whose spec.json is known: a run read from its summary alone has no settings to compare.
+    known = [r for r in rows if r.spec_known]
+    extra = [(f"{_SETTING}{k}", k) for k in (differing_keys(known) if len(known) > 1 else []) if k not in _SHOWN]
+    after = [field for field, _ in COLUMNS].index("precision") + 1  # with the other settings, before the measures
+    return [*COLUMNS[:after], *extra, *COLUMNS[after:]]
+
+
+def _is_text(field: str) -> bool:
+    return field in _TEXT_COLUMNS or field.startswith(_SETTING)
 
 
 def _cell(row: Row, field: str) -> str:
+    if field.startswith(_SETTING):
+        return readable(value_at(dict(row.settings), field[len(_SETTING):]))
     value = getattr(row, field)
     if value is None:
         return "-"
@@ -246,7 +296,7 @@ def _cell(row: Row, field: str) -> str:
         return f"{value:.1%}"
     if field == "total_s":
         return f"{value:.1f}"
-    if field == "accuracy":
+    if field in ("accuracy", "loss", "best_loss", "val_loss", "best_val_loss"):
         return f"{value:.4f}"
     if field == "speedup":
         return f"{value:.2f}x"
@@ -259,14 +309,16 @@ def _cell(row: Row, field: str) -> str:
 
 def table(rows: list[Row]) -> list[list[str]]:
     """Header row, then one row of text cells per run."""
-    return [[title for _, title in COLUMNS], *([_cell(r, f) for f, _ in COLUMNS] for r in rows)]
+    shown = columns(rows)
+    return [[title for _, title in shown], *([_cell(r, f) for f, _ in shown] for r in rows)]
 
 
 def notes(rows: list[Row], baseline: Row) -> list[str]:
     swept = swept_keys(rows)
     lines = [f"speed-up: examples/s over {baseline.job}'s (the first row unless --baseline names another; rows "
              f"sorted by {', '.join(swept) or 'the settings that differ, then job name'}); "
-             "first epoch includes compilation and is kept out of step time"]
+             "first epoch includes compilation and is kept out of step time; loss and val_loss: the last "
+             "epoch's, best: the lowest of any epoch"]
     beyond = [f"{r.job}: {', '.join(r.beyond_swept)}" for r in rows if r.beyond_swept]
     if beyond:
         lines.append(f"* made with other settings than the baseline {baseline.job}, beyond "
@@ -296,8 +348,9 @@ def notes(rows: list[Row], baseline: Row) -> list[str]:
 
 def markdown(rows: list[Row], baseline: Row) -> str:
     cells = table(rows)
-    numeric = [i for i, (field, _) in enumerate(COLUMNS) if field not in _TEXT_COLUMNS]
-    rule = ["---:" if i in numeric else "---" for i in range(len(COLUMNS))]
+    shown = columns(rows)
+    numeric = [i for i, (field, _) in enumerate(shown) if not _is_text(field)]
+    rule = ["---:" if i in numeric else "---" for i in range(len(shown))]
     cells = [[_literal(c) for c in line] for line in cells]
     lines = ["| " + " | ".join(r) + " |" for r in (cells[0], rule, *cells[1:])]
     return "\n".join(lines + [""] + [f"_{_literal(n)}_" for n in notes(rows, baseline)]) + "\n"
@@ -314,7 +367,7 @@ def terminal_width() -> int:
     return shutil.get_terminal_size(fallback=(_UNWRAPPED, 24)).columns
 
 
-_UNWRAPPED = 200
+_UNWRAPPED = 1000  # a pipe or a file: one row per run, however many columns
 
 
 def _common_prefix(jobs: list[str]) -> str:
@@ -340,7 +393,7 @@ def terminal(rows: list[Row], baseline: Row, width: int | None = None) -> str:
         cells = [cells[0], *([line[0][len(prefix):], *line[1:]] for line in cells[1:])]
     transposed = [[title, *(line[i] for line in cells[1:])] for i, title in enumerate(cells[0])]
     lines: list[str] | None = None
-    text_columns = {i for i, (field, _) in enumerate(COLUMNS) if field in _TEXT_COLUMNS}
+    text_columns = {i for i, (field, _) in enumerate(columns(rows)) if _is_text(field)}
     for grid, left in ((cells, text_columns), (transposed, set(range(len(transposed[0]))))):
         for widths in (_widths(grid, wrap=False), _widths(grid, wrap=True)):
             if sum(widths) + _GAP * (len(widths) - 1) <= width:
