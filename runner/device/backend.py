@@ -31,8 +31,9 @@ from runner.spec.types import AcceleratorSpec
 BACKENDS = ("tensorflow", "jax")
 
 # The figure `auto`'s CPU choice rests on (benchmarks/backends.py; benchmarks/RESULTS.md, "Backends").
-CPU_REASON = ("auto on a cpu: TensorFlow ran the MNIST CNN 6.7x faster than JAX on a 2-core AMD EPYC "
-              "(benchmarks/RESULTS.md, backends)")
+CPU_REASON = ("auto on a cpu: TensorFlow, measured faster than JAX for the MNIST CNN (6.7x on a 2-core AMD EPYC: "
+              "benchmarks/RESULTS.md, backends); a figure of that model on that machine, not of this model on this "
+              "host: accelerator.backend: jax runs it to compare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,9 @@ def choose(spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = Non
             "several processes runs on JAX's multi-process runtime; set accelerator.backend: jax (or auto)"
         )
     if spec.backend != "auto":
-        return Backend(spec.backend, f"accelerator.backend: {spec.backend}")
+        return Backend(spec.backend, f"accelerator.backend: {spec.backend}, as the spec asks"
+                       + (" (on a CPU, TensorFlow was measured faster: benchmarks/RESULTS.md, backends)"
+                          if spec.backend == "jax" and spec.kind == "cpu" else ""))
     if several.several:
         return Backend("jax", f"auto with {several.count} processes: JAX's multi-process runtime")
     if spec.kind == "tpu":
