@@ -233,7 +233,7 @@ def test_a_previous_run_in_the_bucket_gives_the_cost_of_the_remaining_epochs(api
     previous = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
     previous.update(status="preempted", final_step=16, steps_per_epoch=16)  # 1 of the spec's 2 epochs
     gcs.write(BUCKET, f"{RUN_DIR}/summary.json", json.dumps(previous).encode())
-    dry = submit_job(cloud_spec, api, "--dry-run", "--spot")
+    dry = submit_job(cloud_spec, api, "--dry-run", "--preflight", "--spot")  # a dry run reads the bucket only so
     assert dry.returncode == 0, dry.stderr
     per_epoch = previous["timing"]["steady_epoch_s"]
     usd = 8 * pricing.price_per_chip_hour("v5litepod-8", ZONE, spot=True).usd * per_epoch / 3600
@@ -243,9 +243,11 @@ def test_a_previous_run_in_the_bucket_gives_the_cost_of_the_remaining_epochs(api
 
 def test_a_bucket_that_does_not_answer_leaves_no_estimate_but_the_price(api, cloud_spec):
     closed = _closed_port()
-    dry = submit_job(cloud_spec, {**api, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{closed}"}, "--dry-run")
-    assert dry.returncode == 0, dry.stderr
-    assert "price: v5litepod-8" in dry.stderr and "previous run: not read" in dry.stderr
+    # A dry run reads the bucket only with --preflight, whose bucket checks then fail (exit 3) after the price.
+    dry = submit_job(cloud_spec, {**api, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{closed}"}, "--dry-run",
+                     "--preflight")
+    assert dry.returncode == 3, dry.stderr
+    assert "price: v5litepod-8" in dry.stderr and "previous run: not read (cannot read" in dry.stderr
 
 
 @pytest.mark.parametrize("tpu_type, runtime, usd", [

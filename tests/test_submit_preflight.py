@@ -110,7 +110,7 @@ def test_a_dry_run_stays_offline_unless_preflight_is_asked_for(api, tpu_fake, cl
     lose_the_image(tpu_fake)
     offline = submit(cloud_spec, api, "--dry-run")
     assert offline.returncode == 0, offline.stderr
-    assert tpu_fake.requests() == [] and "preflight" not in offline.stderr
+    assert tpu_fake.requests() == [] and "preflight:" not in offline.stderr  # no check ran
     checked = submit(cloud_spec, api, "--dry-run", "--preflight")
     assert checked.returncode == 3, checked.stderr
     assert "image: missing" in checked.stderr and checked.stdout == ""
@@ -146,3 +146,46 @@ def test_an_engine_submission_runs_the_same_checks_and_its_engines_own(api, tpu_
     assert last_json(taken.stdout)["on"] == "vertex"
     asked = engine_api.requests()[before:]
     assert [(r["method"], r["path"]) for r in asked][-2:] == [("GET", jobs_path), ("POST", jobs_path)]
+
+
+def test_a_dry_run_of_a_slice_reads_nothing_remote_and_prints_the_same_bytes(tpu_fake, cloud_spec, tmp_path):
+    """Every way out of this machine leads to one recorder (the TPU API fake): the metadata server Google's auth
+    library asks for credentials, the bucket (STORAGE_EMULATOR_HOST) and any proxied request. A dry run of a
+    4-host slice records nothing there, says it did not read the previous run, and prints the same bytes twice."""
+    host = tpu_fake.endpoint.removeprefix("http://")
+    env = cloud_env(tpu_fake.endpoint, tmp_path, STORAGE_EMULATOR_HOST=tpu_fake.endpoint, GCE_METADATA_HOST=host,
+                    GCE_METADATA_IP=host, HTTP_PROXY=tpu_fake.endpoint, HTTPS_PROXY=tpu_fake.endpoint,
+                    http_proxy=tpu_fake.endpoint, https_proxy=tpu_fake.endpoint)
+    for key in ("CLOUDSDK_AUTH_ACCESS_TOKEN", "NO_PROXY", "no_proxy", "GOOGLE_APPLICATION_CREDENTIALS"):
+        env.pop(key, None)
+    args = ("submit", cloud_spec, "--tpu-type", "v6e-16", "--zone", "us-east1-d", "--project", PROJECT, "--image",
+            IMAGE, "--dry-run", "--submission-id", "20260101-000000-abcd")
+    first, second = invoke(*args, env=env), invoke(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert tpu_fake.requests() == []
+    assert "previous run: not read (a dry run reads nothing remote; with --preflight it reads " \
+           "gs://runner-test/runs/mnist_cnn/summary.json" in first.stderr
+    assert (first.stdout, first.stderr) == (second.stdout, second.stderr)
+    # With --preflight the dry run reads the cloud, the previous run's summary included.
+    checked = invoke(*args, "--preflight", env={**env, "CLOUDSDK_AUTH_ACCESS_TOKEN": "fake-token"})
+    assert any("summary.json" in r["path"] for r in tpu_fake.requests()), checked.stderr
+
+
+_LABELS = """
+import json, sys
+from runner.cloud import request, submit
+sub = submit.prepare_submission(sys.argv[1], tpu_type="v6e-16", zone="us-east1-d", image=sys.argv[2],
+                                project="runner-test", submission_id="20260101-000000-abcd")
+print(json.dumps(list(request.request_json(sub)["tpu"]["nodeSpec"][0]["node"]["labels"])))
+"""
+
+
+def test_the_request_lists_its_labels_in_one_order_in_every_process(cloud_spec):
+    """google-cloud-tpu writes a proto map in an order that differs from process to process (two dry runs
+    differed in 2 of 6): each of six fresh processes must list the labels sorted."""
+    import subprocess
+    import sys
+
+    orders = {subprocess.run([sys.executable, "-c", _LABELS, str(cloud_spec), IMAGE], capture_output=True, text=True,
+                             check=True, timeout=120).stdout for _ in range(6)}
+    assert orders == {'["runner-job", "runner-submission"]\n'}

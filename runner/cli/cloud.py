@@ -131,8 +131,12 @@ Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher
 QrName = Annotated[str | None, _opt("Queued resource name (default: the job name, lowercased, '_' -> '-').")]
 Overrides = Annotated[list[str] | None, _opt("Override a spec key, e.g. `--set output.dir=gs://b/runs`.",
                                              "--set", "-s")]
-DryRun = Annotated[bool, _opt("Print the price and the request as a gcloud script; send nothing.", "--dry-run")]
-SubmissionId = Annotated[str | None, typer.Option("--submission-id", hidden=True)]
+DryRun = Annotated[bool, _opt("Print the price and the request as a gcloud script; send nothing and read nothing "
+                              "remote (no credentials looked for, no bucket read: the previous run's remaining "
+                              "epochs are not estimated) unless --preflight. The same inputs and --submission-id "
+                              "print the same bytes.", "--dry-run")]
+SubmissionId = Annotated[str | None, _opt("The submission's id, a label value (default: a new one from the time, "
+                                           "e.g. 20260315-101500-7f3a).", "--submission-id")]
 On = Annotated[str, _opt("Where to run: tpu-vm (a queued resource), skypilot (a managed job), gke (a JobSet) or "
                          "vertex (a CustomJob); docs/engines.md.", "--on")]
 RuntimeVersion = Annotated[str | None, _opt("TPU VM software (default: the one Google names for JAX on the TPU "
@@ -160,7 +164,8 @@ AllowUnverified = Annotated[bool, _opt("Create the TPU VM with a --runtime-versi
 Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner doctor --cloud` does: credentials, "
                                         "project, TPU API and type, engine, buckets, image; a failed check stops "
                                         "with exit 3 and nothing is created. Default: on; off with --dry-run "
-                                        "(offline) unless --preflight.", "--preflight/--no-preflight")]
+                                        "(offline) unless --preflight, which also reads the previous run's "
+                                        "summary.json for the estimate.", "--preflight/--no-preflight")]
 VmRestarts = Annotated[int | None, _opt("Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0).",
                                         "--max-restarts", min=0, panel=VM)]
 Queue = Annotated[str | None, _opt("The Kueue LocalQueue (kueue.x-k8s.io/queue-name).", panel=GKE)]

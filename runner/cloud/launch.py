@@ -36,6 +36,7 @@ from runner.cloud import (
     tpu_types,
 )
 from runner.cloud.durations import LIMIT_GRACE_S
+from runner.data import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,14 @@ def remaining_estimate(sub: submit.Submission, previous: dict[str, Any] | None,
     )
 
 
-def _previous_run(sub: submit.Submission, say: Callable[[str], None]) -> dict[str, Any] | None:
+def _previous_run(sub: submit.Submission, say: Callable[[str], None], remote: bool = True) -> dict[str, Any] | None:
+    """The previous run's summary.json, for the estimate of its remaining epochs; `remote` False (a dry run
+    without --preflight): not read, and said so, since a read of a bucket also asks for credentials (the metadata
+    server, a token endpoint)."""
+    if not remote and storage.is_gcs(sub.spec.run_dir):
+        say(f"previous run: not read (a dry run reads nothing remote; with --preflight it reads "
+            f"{record.join(sub.spec.run_dir, 'summary.json')} to estimate the remaining epochs)")
+        return None
     try:
         return record.summary(sub.spec.run_dir, patient=False)  # a price should not wait minutes for it
     except RunnerError as error:
@@ -257,7 +265,8 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
                                     preflight=before_sending)
         return Launched(text=text if sent is None else "", doc=sent)
     workers = workers_line(sub, on)
-    for line in [runtime_line(sub), *price_lines(sub, _previous_run(sub, say)), *([workers] if workers else []),
+    previous = _previous_run(sub, say, remote=not dry_run or check is not None)
+    for line in [runtime_line(sub), *price_lines(sub, previous), *([workers] if workers else []),
                  *([unverified] if unverified else []), *code]:
         say(line)
     if not dry_run:

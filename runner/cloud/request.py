@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -55,6 +56,9 @@ def startup_script(sub: Submission) -> str:
         # The job's limits in seconds (empty: none), passed to `runner run` and enforced from outside too.
         "RUNNER_MAX_RUN_S": "" if sub.max_run_s is None else str(sub.max_run_s),
         "RUNNER_STALL_TIMEOUT_S": "" if sub.stall_timeout_s is None else str(sub.stall_timeout_s),
+        # docker's stop timeout for the job's container (dockerd's default, 10 s, would cut a preemption's save
+        # short): the job's checkpoint.grace_s, and 30 s for its summary and exit after the save.
+        "RUNNER_STOP_TIMEOUT_S": str(math.ceil(sub.spec.checkpoint.grace_s) + 30),
         "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # the job's summary records it (runner/device/tpu_env.py)
         "RUNNER_SPOT": "true" if sub.spot else "false",
         "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
@@ -121,6 +125,10 @@ def request_json(sub: Submission) -> dict[str, Any]:
     from google.cloud import tpu_v2
 
     body = json.loads(tpu_v2.QueuedResource.to_json(build_request(sub), always_print_fields_with_no_presence=False))
+    for spec in body["tpu"]["nodeSpec"]:  # proto maps come out in no fixed order: the same request, the same bytes
+        for key in ("labels", "metadata"):
+            if key in spec["node"]:
+                spec["node"][key] = dict(sorted(spec["node"][key].items()))
     if "validUntilTime" in body.get("queueingPolicy", {}):
         body["queueingPolicy"]["validUntilTime"] = valid_until_text(str(sub.valid_until))
     return body
@@ -151,7 +159,7 @@ def gcloud_script(sub: Submission) -> str:
         *([f"--reservation-host-project={sub.reservation}"] if sub.reservation else []),
         *valid,
         '--metadata-from-file="startup-script=$startup"',
-        "--labels=" + ",".join(f"{k}={v}" for k, v in sub.labels.items()),
+        "--labels=" + ",".join(f"{k}={v}" for k, v in sorted(sub.labels.items())),
         f"--scopes={SCOPE}",
         "--async",
     ]

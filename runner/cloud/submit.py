@@ -18,7 +18,8 @@ stops after --stall-timeout (default 30m) without progress; the job enforces bot
 train.max_duration=S --set train.stall_timeout=S` on its `runner run` line: it saves and exits 124) and the
 startup script kills the container a grace period after the limit, then deletes the slice as after any end.
 
-`--dry-run` prints the request and a bash script sending it with gcloud, and sends nothing. The client honours
+`--dry-run` prints the request and a bash script sending it with gcloud, and sends nothing: without --preflight it
+reads nothing remote either (runner/cloud/launch.py leaves the previous run's summary unread). The client honours
 gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU and CLOUDSDK_AUTH_ACCESS_TOKEN (google-cloud-tpu, imported late).
 """
 
