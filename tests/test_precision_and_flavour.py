@@ -92,6 +92,36 @@ def test_the_built_in_models_kept_in_float32_are_the_measured_ones() -> None:
     assert load_spec(REPO / "jobs" / "mnist_cnn.yaml").train.mixed_precision == "auto"
 
 
+@pytest.mark.parametrize("cpuinfo", [ZEN4, ZEN3, GRAVITON3, None])
+def test_runner_cpu_bf16_makes_auto_act_as_on_a_cpu_with_or_without_the_flag(cpuinfo) -> None:
+    """RUNNER_CPU_BF16=1 runs on a CPU without avx512_bf16 what a CPU with it runs (the suite included), and 0
+    the other way; for a CPU only, and only under auto."""
+    assert host.cpu_bf16_override({"RUNNER_CPU_BF16": "1"}) is True
+    assert host.cpu_bf16_override({"RUNNER_CPU_BF16": "0"}) is False
+    assert host.cpu_bf16_override({"RUNNER_CPU_BF16": ""}) is host.cpu_bf16_override({}) is None
+    with_flag = decide("auto", "mnist_cnn", "cpu", cpuinfo, cpu_bf16=True)
+    assert with_flag.to_dict() == {"policy": "bfloat16", "reason": "RUNNER_CPU_BF16=1: as on a CPU with avx512_bf16"}
+    without = decide("auto", "mnist_cnn", "cpu", cpuinfo, cpu_bf16=False)
+    assert without.to_dict() == {
+        "policy": "float32", "reason": "RUNNER_CPU_BF16=0: as on a CPU without a bf16 flag: float32"}
+    # A model kept in float32 on a CPU stays so, as on a CPU with the flag.
+    kept = decide("auto", "imdb_lstm", "cpu", cpuinfo, cpu_bf16=True)
+    assert kept.policy == "float32"
+    assert kept.reason.startswith("RUNNER_CPU_BF16=1: as on a CPU with avx512_bf16, but model 'imdb_lstm': ")
+    assert decide("auto", "mnist_cnn", "tpu", cpuinfo, cpu_bf16=False).policy == "bfloat16"  # a TPU is a TPU
+    assert decide("float32", "mnist_cnn", "cpu", cpuinfo, cpu_bf16=True).policy == "float32"  # asked: taken
+
+
+def test_a_runner_cpu_bf16_that_is_neither_1_nor_0_is_refused_naming_both() -> None:
+    from runner import SpecError
+
+    with pytest.raises(SpecError) as refused:
+        host.cpu_bf16_override({"RUNNER_CPU_BF16": "yes"})
+    assert str(refused.value) == (
+        "RUNNER_CPU_BF16 is 'yes': set it to 1 (train.mixed_precision: auto acts as on a CPU with avx512_bf16), "
+        "0 (as on a CPU without a bf16 flag), or unset it (the flags in /proc/cpuinfo decide)")
+
+
 def test_cpu_flags_are_read_from_the_flags_line() -> None:
     assert {"avx512_bf16", "avx2"} <= host.cpu_flags(ZEN4)
     assert host.cpu_flags(GRAVITON3) == set()
@@ -138,8 +168,9 @@ def test_a_job_without_mixed_precision_trains_under_keras_3_with_autos_choice(mn
     assert summary["final_step"] == 32
     assert summary["metrics"]["accuracy"] > 0.5
     assert set(summary["timing"]) >= {"first_epoch_s", "steady_epoch_s", "step_time_ms", "examples_per_sec"}
-    # auto is the default: what this machine's /proc/cpuinfo says, decided by the same rule the tests above pin down.
-    policy, reason = host.native_precision("cpu", host.read_cpuinfo())
+    # auto is the default: what this machine's /proc/cpuinfo (or RUNNER_CPU_BF16) says, decided by the same rule
+    # the tests above pin down.
+    policy, reason = host.cpu_precision()
     assert summary["accelerator"]["precision"] == {"policy": policy, "reason": reason}
     assert summary["accelerator"]["onednn"] is True  # runner/__init__.py turns oneDNN's CPU kernels on
     import tensorflow as tf
@@ -237,6 +268,7 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
 
     # auto chose bfloat16 (as on a CPU with avx512_bf16), but the model's softmax would compute in bfloat16.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)
+    tf.keras.utils.set_random_seed(7)
     with caplog.at_level("INFO", logger="runner"):
         model = build("plain", chosen)
     # One line, the final decision with its reason: not bfloat16 first and float32 at the close.
@@ -248,6 +280,13 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
         "(give that layer dtype='float32' to train the rest in bfloat16): float32"
     )
     assert all(layer.compute_dtype == "float32" for layer in model.layers)
+    # Built again in float32, it starts from the weights auto's float32 (a CPU without the flag) gives it: the
+    # same seed trains the same model on both (the rebuild drew the next seeds, and a test's accuracy 0.742 was
+    # 0.697 on a CPU with avx512_bf16).
+    tf.keras.utils.set_random_seed(7)
+    at_once = build("plain", Precision("float32", "no bf16 flag in /proc/cpuinfo: float32", auto=True))
+    for fallen, direct in zip(model.get_weights(), at_once.get_weights(), strict=True):
+        assert (fallen == direct).all()
     # With dtype='float32' on its output layer, auto keeps bfloat16 for the rest.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)
     model = build("float32_out", chosen)

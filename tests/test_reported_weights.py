@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import last_json, run_cli
+from tests.support.precision import as_evaluated
 from tests.support.runs import STEPS, finish, indexed_step, local_index, start_run, wait_for
 from tests.support.runs import interruptible_job as job
 from tests.test_evaluation import by_hand, read_split
@@ -47,11 +48,10 @@ def test_an_abandoned_extension_is_named_and_evaluate_and_predict_use_what_was_r
     assert newer in again.stderr and by in again.stderr
     assert "`runner run --set train.epochs=3` continues it" in again.stderr
 
-    # What evaluate and predict answer is what model.keras (the reported model) answers, computed here.
-    import keras
-
+    # What evaluate and predict answer is what model.keras (the reported model) answers, computed here in the
+    # precision they compute in (float32).
     images, labels = read_split(small_mnist, "test")
-    reported = keras.models.load_model(run_dir / "model.keras", compile=False).predict(images, verbose=0)
+    reported = as_evaluated(run_dir / "model.keras").predict(images, verbose=0)
     test = f"{small_mnist}/test-*.tfrecord"
     evaluated = run_cli("evaluate", spec, "--set", "train.epochs=1", "--input", test)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Facts about this host that need no TensorFlow: which TPU a job points at, TPU device files, libtpu's
-lockfile, the malloc in use, whether the CPU computes bfloat16 natively, the memory a job may use. Read by
-runner/device/strategy.py (to choose a device), runner/device/precision.py (to choose what it computes in),
-runner/data/in_memory.py (whether training data fits in memory) and runner/doctor (to check it).
+lockfile, the malloc in use, whether the CPU computes bfloat16 natively (or $RUNNER_CPU_BF16 says to act as if),
+the memory a job may use. Read by runner/device/strategy.py (to choose a device), runner/device/precision.py (to
+choose what it computes in), runner/data/in_memory.py (whether training data fits in memory) and runner/doctor
+(to check it).
 """
 
 from __future__ import annotations
@@ -70,14 +71,37 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return set()
 
 
+# Set to 1 or 0, `train.mixed_precision: auto` acts on a CPU as if /proc/cpuinfo listed avx512_bf16, or no bf16
+# flag: a machine without the flag runs the suite as one with it does (TensorFlow emulates bfloat16 there:
+# slower, rounded to bfloat16 all the same), and one with the flag as one without. Unset or empty: the flags decide.
+CPU_BF16_ENV = "RUNNER_CPU_BF16"
+
+
+def cpu_bf16_override(environ: Mapping[str, str] | None = None) -> bool | None:
+    """What $RUNNER_CPU_BF16 says of this CPU: True (act as a CPU with avx512_bf16), False (as one without
+    a bf16 flag), None (unset or empty: read /proc/cpuinfo). Any other value is refused (SpecError)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(CPU_BF16_ENV, "").strip()
+    if value in ("", "1", "0"):
+        return None if not value else value == "1"
+    from runner import SpecError
+
+    raise SpecError(
+        f"{CPU_BF16_ENV} is {value!r}: set it to 1 (train.mixed_precision: auto acts as on a CPU with "
+        f"avx512_bf16), 0 (as on a CPU without a bf16 flag), or unset it (the flags in {CPUINFO} decide)"
+    )
+
+
 def native_precision(
-    kind: str, cpuinfo: str | None = None, gpus: list[tuple[str, tuple[int, int] | None]] = ()
+    kind: str, cpuinfo: str | None = None, gpus: list[tuple[str, tuple[int, int] | None]] = (),
+    cpu_bf16: bool | None = None,
 ) -> tuple[str, str]:
     """(bfloat16 | float32, why) for `train.mixed_precision: auto` on a device of this `kind` (tpu, gpu, cpu):
     bfloat16 where the device computes it natively, float32 elsewhere.
 
     `cpuinfo`: the text of /proc/cpuinfo (None: it could not be read); `gpus`: (name, compute capability or
-    None when unknown) of each GPU the job trains on: all of them must compute bfloat16 natively.
+    None when unknown) of each GPU the job trains on: all of them must compute bfloat16 natively; `cpu_bf16`:
+    $RUNNER_CPU_BF16 read by cpu_bf16_override(), which on a CPU decides in place of the flags when not None.
     """
     if kind == "tpu":
         return "bfloat16", "TPU"
@@ -91,6 +115,10 @@ def native_precision(
             return "float32", f"GPU {name} compute capability {shown} (below 8.0): float32"
         name, cap = min(gpus, key=lambda g: tuple(g[1]))
         return "bfloat16", f"GPU {name} compute capability {'.'.join(map(str, cap))}"
+    if cpu_bf16 is not None:
+        if cpu_bf16:
+            return "bfloat16", f"{CPU_BF16_ENV}=1: as on a CPU with avx512_bf16"
+        return "float32", f"{CPU_BF16_ENV}=0: as on a CPU without a bf16 flag: float32"
     if cpuinfo is None:
         return "float32", f"could not read {CPUINFO}: float32"
     flags = cpu_flags(cpuinfo)
@@ -98,6 +126,12 @@ def native_precision(
     if found:
         return "bfloat16", f"cpu flag {found[0]}"
     return "float32", f"no bf16 flag in {CPUINFO}: float32"
+
+
+def cpu_precision(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """native_precision() of this host's CPU: $RUNNER_CPU_BF16 when set, else its /proc/cpuinfo flags."""
+    override = cpu_bf16_override(environ)
+    return native_precision("cpu", None if override is not None else read_cpuinfo(), cpu_bf16=override)
 
 
 def read_cpuinfo(path: str = CPUINFO) -> str | None:

@@ -214,10 +214,12 @@ def build_compiled(
     `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     with accelerator.strategy.scope():
+        seeds = precision.random_state()
         model = build_model(spec, features, manifest)
         if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):
             if chosen.auto:
                 chosen.fall_back(f"{chosen.reason}, but model {spec.model.name!r}: {why}: float32")
+                precision.set_random_state(seeds)  # the weights a float32 host starts from, seed for seed
                 model = build_model(spec, features, manifest)
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
