@@ -140,6 +140,8 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert last_json(outputs["evaluate"].stdout)["step"] == 3, "evaluate reads the new run, not the demo's"
     predictions = [line for line in outputs["predict"].stdout.splitlines() if line.startswith("{")]
     assert predictions and all("class" in line for line in predictions)
+    # The clone's root holds nothing new that git would show: every file the commands wrote is in an ignored folder.
+    assert {p.name for p in tmp_path.iterdir()} <= {"jobs", "data", "runs"}, sorted(tmp_path.iterdir())
 
 
 # --- the command line's conventions --------------------------------------------------------------------

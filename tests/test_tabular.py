@@ -149,3 +149,11 @@ def test_the_three_documented_commands_train_a_table_with_gaps_beyond_the_majori
     keys = ("index", "line", "class", "class_name")
     assert [{k: a[k] for k in keys} for a in answered] == [{k: d[k] for k in keys} for d in documented]
     assert all(abs(sum(a["probabilities"]) - 1) < 1e-4 for a in answered)
+
+
+def test_a_median_between_two_decimals_is_written_as_people_write_it(tmp_path: Path) -> None:
+    """7.8 and 7.82: the median is 7.81, not the float sum's 7.8100000000000005, in the manifest and the log."""
+    table = tmp_path / "t.csv"
+    table.write_text("x,y\n7.8,a\n7.82,b\n,a\n7.8,b\n7.82,a\n")
+    filled = own.csv_dataset(str(table), "y", split="train=1.0", missing_cells="fill=median")
+    assert filled.preprocessing["missing"]["filled"]["x"]["value"] == "7.81"

@@ -143,7 +143,8 @@ def _typical(present: list[str], kind: str) -> str:
         counts = collections.Counter(present)
         return min(counts, key=lambda word: (-counts[word], word))
     median = statistics.median(float(cell) for cell in present)
-    return str(round(median)) if kind == "int64" else repr(median)
+    # 12 significant digits: the median of 7.8 and 7.82 is 7.81, not its binary neighbour 7.8100000000000005
+    return str(round(median)) if kind == "int64" else repr(float(f"{median:.12g}"))
 
 
 def _some(numbers, shown: int = 5) -> str:
