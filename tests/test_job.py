@@ -96,3 +96,11 @@ def test_missing_data_is_a_usage_error_summarised_on_stdout_only(mnist_job, tmp_
     summary = last_json(result.stdout)
     assert summary["status"] == "failed"
     assert not (tmp_path / "runs" / "nodata").exists()
+
+
+def test_a_data_folder_misspelt_is_named_with_the_one_meant_as_validate_names_it(mnist_job, small_mnist) -> None:
+    spec = mnist_job("typo", data={"train": f"{small_mnist}x/train-*.tfrecord"})
+    result = run_cli("run", spec)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"{small_mnist}x does not exist; did you mean '{small_mnist}/train-*.tfrecord'? "
+            f"({small_mnist.parent} holds {small_mnist.name})") in result.stderr

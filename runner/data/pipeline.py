@@ -23,6 +23,7 @@ from runner import DataError
 from runner.data import schema, verify
 from runner.data.schema import Feature
 from runner.data.verify import WRITE_AGAIN, Checked, Listed, check_bytes, sha256_of  # noqa: F401 (sha256_of: for callers)
+from runner.spec.load import no_match_hint
 from runner.spec.types import FeatureSpec
 
 MANIFEST = "manifest.json"
@@ -81,7 +82,9 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
     what = f"{pattern!r} ({key})" if key else repr(pattern)
     files = tuple(sorted(tf.io.gfile.glob(pattern)))
     if not files and not tf.io.gfile.exists(posixpath.join(folder, MANIFEST)):
-        raise DataError(f"no files match {what}; check data.train / data.eval or run `runner prepare`")
+        hint = no_match_hint(pattern)
+        raise DataError(f"no files match {what}{'; ' + hint if hint else ''}; check data.train / data.eval or run "
+                        "`runner prepare` (`runner validate SPEC` checks the data before TensorFlow loads)")
     manifest = read_manifest(folder)
     manifest_path = posixpath.join(folder, MANIFEST)
     entries = manifest_entries(manifest)
@@ -106,7 +109,9 @@ def find_shards(pattern: str, key: str | None = None) -> Shards:
             f"or {WRITE_AGAIN} if they are gone for good"
         )
     if not files:
-        raise DataError(f"no files match {what} and {manifest_path} lists none it names; check the pattern")
+        hint = no_match_hint(pattern)
+        raise DataError(f"no files match {what} and {manifest_path} lists none it names; "
+                        f"{hint or 'check the pattern'}")
     features = schema.features_from_manifest(manifest, manifest_path)
     records = sum(entries[posixpath.basename(f)][2]["records"] for f in files)
     return Shards(pattern, files, records, features, manifest)

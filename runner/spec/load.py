@@ -383,6 +383,20 @@ def _missing_folder(folder: str, pattern: str, written: str, spec_path: Path) ->
     )
 
 
+def no_match_hint(pattern: str) -> str | None:
+    """Why a local pattern matches nothing, with the name it was likely meant to have (as `validate` says it):
+    a missing folder next to one of a close name, or a file name close to one the folder holds; None for gs://
+    or when nothing close is found."""
+    if pattern.startswith("gs://"):
+        return None
+    folder, name = os.path.dirname(pattern) or ".", os.path.basename(pattern)
+    if not os.path.isdir(folder):
+        said = _missing_folder(folder, pattern, pattern, Path("SPEC")).split(": ", 1)[1]  # after "nothing matches"
+        return said if "did you mean" in said else f"{folder} does not exist"
+    near = difflib.get_close_matches(name, sorted(os.listdir(folder)), n=1, cutoff=0.5)
+    return f"did you mean {os.path.join(folder, near[0])!r}?" if near else None
+
+
 def _check_data(
     spec: JobSpec, key: str, pattern: str, written: str, spec_path: Path
 ) -> tuple[list[tuple[tuple, str]], str | None]:
