@@ -53,7 +53,7 @@ def job(mnist_job, tmp_path: Path, name: str, train: str | None = None, **train_
         data["train"] = train
     return mnist_job(
         name,
-        accelerator={"kind": "cpu", "backend": "jax", "timeout_s": 60, "heartbeat_s": 5},
+        accelerator={"kind": "cpu", "backend": "jax", "join_timeout_s": 60, "heartbeat_s": 5},
         data=data,
         model={"name": tiny_model(tmp_path)},
         train={"epochs": 2, "steps_per_epoch": STEPS, "allow_chance": True, **train_settings},
@@ -147,6 +147,41 @@ def test_a_gke_tpu_slice_is_left_to_jax_to_find() -> None:
     asked = processes.asked({"TPU_WORKER_HOSTNAMES": "w-0.svc,w-1.svc,w-2.svc,w-3.svc", "TPU_WORKER_ID": "2"})
     assert (asked.how, asked.count, asked.index, asked.coordinator) == ("tpu", 4, 2, None)
     assert processes.asked({"TPU_WORKER_HOSTNAMES": "w-0.svc", "TPU_WORKER_ID": "0"}) == processes.SINGLE
+
+
+def test_each_bad_variable_is_named_as_itself() -> None:
+    env = {processes.ADDRESSES: "127.0.0.1:8476", processes.COUNT: "0", processes.INDEX: "0"}
+    with pytest.raises(processes.SpecError, match=f"^{processes.COUNT}=0 must be 1 or more"):
+        processes.asked(env)
+    for port in ("99999", "0", "http"):
+        with pytest.raises(processes.SpecError, match=f"the port of '127.0.0.1:{port}' must be from 1 to 65535"):
+            processes.asked({**env, processes.COUNT: "2", processes.ADDRESSES: f"127.0.0.1:{port}"})
+
+
+def test_one_tpu_host_joins_nothing_and_a_slice_is_counted_from_the_tpu_vm_metadata(tmp_path: Path) -> None:
+    """As JAX counts a slice (jax/_src/clusters/cloud_tpu_cluster.py): the TPU VM's worker-network-endpoints,
+    asked of the metadata server JAX asks (GCE_METADATA_IP); GKE's hostnames. One host, or no metadata server
+    (a Vertex AI job, a GKE pod), is one process: jax.distributed.initialize is never called."""
+    from tests.support.metadata_fake import start_metadata_fake
+
+    with start_metadata_fake(tmp_path, ttl_s=60) as metadata:
+        env = {"GCE_METADATA_IP": metadata.host}
+        assert processes.asked(env, on_tpu=True) == processes.SINGLE  # a v5litepod-8: one worker
+        metadata.set(worker_network_endpoints="w-0:0:10.0.0.2,w-1:1:10.0.0.3,w-2:2:10.0.0.4,w-3:3:10.0.0.5",
+                     agent_worker_number="3")
+        asked = processes.asked(env, on_tpu=True)
+        assert (asked.how, asked.count, asked.index, asked.coordinator) == ("tpu", 4, 3, None)
+        assert processes.asked(env, on_tpu=False) == processes.SINGLE  # a CPU job on that VM
+        assert processes.asked({**env, "TPU_SKIP_MDS_QUERY": "1"}, on_tpu=True) == processes.SINGLE
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert processes.asked({"GCE_METADATA_IP": nobody}, on_tpu=True) == processes.SINGLE
+    assert processes.asked({"TPU_WORKER_HOSTNAMES": "pod-0.svc", "TPU_WORKER_ID": "0"}, on_tpu=True) == (
+        processes.SINGLE)
+    two_slices = processes.asked({"TPU_WORKER_HOSTNAMES": "pod-0.svc", "MEGASCALE_NUM_SLICES": "2",
+                                  "TPU_WORKER_ID": "0"}, on_tpu=True)
+    assert (two_slices.how, two_slices.count) == ("tpu", 2)
 
 
 def test_tf_config_for_several_workers_is_refused_with_the_variables_that_replace_it() -> None:
@@ -249,6 +284,9 @@ def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_and_the_rerun
     checkpoints = tmp_path / "runs" / "lost" / "checkpoints"
     whole = sorted(int(p.name.split("_")[1]) for p in checkpoints.iterdir() if p.name.split("_")[1].isdigit())
     assert whole, "no whole checkpoint before the kill"
+    if code == EXIT_INFRA:  # its closing line names what the rerun continues from (it said none was saved)
+        assert f"kept in {checkpoints}, the newest whole one ckpt_{whole[-1]}: once" in err, err[-3000:]
+        assert "no checkpoint was saved" not in err
 
     again = finish(start(spec, 2, "--set", f"train.epochs={whole[-1] // STEPS + 1}"))
     for code, out, err in again:
@@ -308,12 +346,17 @@ def test_two_processes_share_a_gs_run_folder(gcs, mnist_job, tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_a_process_that_never_starts_ends_the_others_with_exit_3_within_the_timeout(mnist_job, tmp_path) -> None:
+    """While it waits, process 0 names the process that has not begun to join (every tenth of a bound this
+    short, every 30 s under the default), from the markers the processes write in the run folder."""
     spec = job(mnist_job, tmp_path, "alone-of-two")
     began = time.monotonic()
-    code, out, err = finish(start(spec, 2, "--set", "accelerator.timeout_s=8", only=[0]), timeout=120)[0]
+    code, out, err = finish(start(spec, 2, "--set", "accelerator.join_timeout_s=8", only=[0]), timeout=120)[0]
     assert code == EXIT_INFRA, err[-3000:]
-    assert "not every process joined within accelerator.timeout_s (8 s)" in err
+    assert "not every process joined within accelerator.join_timeout_s (8 s)" in err
+    assert "missing: process 1 never began to join" in err
     assert "process 0 of 2" in err and "KERAS_DISTRIBUTION_JOB_ADDRESSES" in err
+    waiting = re.findall(r"joining: waiting for process 1 to begin joining \(1 of 2 ready\)", err)
+    assert len(waiting) >= 3, err[-3000:]
     assert time.monotonic() - began < 8 + 60  # the timeout, plus the start-up of TensorFlow and JAX
     assert last_json(out)["status"] == "failed"
     assert not (tmp_path / "runs" / "alone-of-two").exists(), "a job that never formed wrote a run folder"

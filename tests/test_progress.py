@@ -63,6 +63,14 @@ def test_the_closing_line_says_status_epochs_result_time_and_where() -> None:
     # Stopped before training began: nothing was saved, and the closing line does not say otherwise.
     early = {**preempted, "epochs": [], "checkpoint_saves": None, "resumed_from_step": 0}
     assert "no new checkpoint was saved" in closing_line(early) and "checkpoint saved" not in closing_line(early)
+    # Another process of the job stopped while this one's save counted nothing: the run folder's newest whole
+    # checkpoint is named (the line once said "no checkpoint was saved" beside a ckpt_400).
+    lost = {**summary, "status": "failed", "resumed_from_step": 0, "checkpoint_saves": None,
+            "newest_checkpoint": "runs/m/checkpoints/ckpt_400"}
+    assert closing_line(lost).endswith(
+        "; checkpoints kept in runs/m/checkpoints, the newest whole one ckpt_400: once the error is dealt with, the "
+        "same command continues from it (the error follows)")
+    assert "(the newest whole one: ckpt_400)" in closing_line({**lost, "status": "preempted"})
     limited = {**preempted, "status": "time_limit", "checkpoint_saves": {"saves": 3}}
     assert closing_line(limited).startswith("time limit at step 156 of 696 (epoch 3 of 12) in 4m 52s: checkpoint saved")
     chosen = {**summary, "accelerator": {"precision": {"policy": "bfloat16", "reason": "cpu flag avx512_bf16"}}}

@@ -1,141 +1,72 @@
-"""One job as several processes, one per host: which processes form the job, and joining them (JAX's
-multi-process runtime). The backend seam's multi-host half: the rest of the job sees only `Processes`.
+"""One job as several processes, one per host: joining them (JAX's multi-process runtime) and their word to
+each other through its coordination service. The backend seam's multi-host half: the rest of the job sees only
+`Processes` (which processes form the job: runner/device/cluster.py).
 
-Where a job learns it is one of several processes, in this order:
-  1. Keras's own variables, for any cluster (CPU, GPU, several processes on one machine, SkyPilot):
-     KERAS_DISTRIBUTION_JOB_ADDRESSES (host:port of every process, comma-separated, the first one the
-     coordinator; one address is the coordinator alone), KERAS_DISTRIBUTION_NUM_PROCESSES and
-     KERAS_DISTRIBUTION_PROCESS_ID, read as `keras.distribution.initialize()` reads them;
-  2. a Cloud TPU VM (TPU device files) or a GKE TPU pod (TPU_WORKER_HOSTNAMES naming several hosts): JAX finds
-     the slice itself (`jax.distributed.initialize()` with no arguments: the TPU VM's metadata, or GKE's
-     variables), as JAX's multi_process.md documents for "any Cloud TPU deployment". Not run here: no TPU.
 The join is `jax.distributed.initialize`, which `keras.distribution.initialize` wraps, called directly for the
-two bounds Keras's wrapper does not pass: `accelerator.timeout_s` for every process to join (a host that never
-does ends every process with exit 3, naming it where the coordinator says) and `accelerator.heartbeat_s`, after
-which a host that stopped answering ends the others. Keras's wrapper also seeds every process alike; the
-runner seeds them all with `train.seed` instead.
-
-TF_CONFIG (TensorFlow's MultiWorkerMirroredStrategy) is no longer read: a job that sets it for several workers
-is refused, naming the Keras variables that replace it (docs/multihost.md).
+two bounds Keras's wrapper does not pass: `accelerator.join_timeout_s` for every process to join (a host that
+never does ends every process with exit 3, naming the processes that never began to join) and
+`accelerator.heartbeat_s`, after which a host that stopped answering ends the others. While it waits, each
+process says every 30 s which processes have not begun to join, from the markers each one writes in the run
+folder (runner/rundir/joining.py). Right after the join every process's job is compared with process 0's
+(`agree`). Keras's wrapper also seeds every process alike; the runner seeds them all with `train.seed` instead.
 
 This module imports JAX only inside `join`, and never TensorFlow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
-from collections.abc import Mapping
+from typing import Any
 
 from runner import AcceleratorError, SpecError
-from runner.device import host
 from runner.device.bounded import Bounded
+from runner.device.cluster import ADDRESSES, COUNT, INDEX, SINGLE, Processes, asked  # noqa: F401 - the job asks processes.asked()
 
 log = logging.getLogger(__name__)
 
-ADDRESSES, COUNT, INDEX = (
-    "KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Processes:
-    """The processes that form the job. `how`: keras (Keras's variables), tpu (JAX finds the slice), or
-    single (one process: nothing to join)."""
-
-    how: str = "single"
-    count: int = 1
-    index: int = 0
-    coordinator: str | None = None
-
-    @property
-    def several(self) -> bool:
-        return self.how != "single"
-
-    @property
-    def chief(self) -> bool:
-        return self.index == 0
-
-    def to_dict(self) -> dict:
-        return {"count": self.count, "index": self.index, "found_by": self.how, "coordinator": self.coordinator}
-
-
-SINGLE = Processes()
 _joined: Processes = SINGLE
 _joining = False  # a join was begun: the process must end by `leave`, not through JAX's exit barrier
 
 
-def asked(environ: Mapping[str, str], on_tpu: bool = False) -> Processes:
-    """The processes the environment says the job runs as (not yet joined); `on_tpu`: the job computes on a TPU
-    with JAX. SpecError names a variable that is missing or wrong; a TF_CONFIG naming several workers is refused."""
-    _refuse_tf_config(environ)
-    keys = [k for k in (ADDRESSES, COUNT, INDEX) if environ.get(k, "").strip()]
-    if keys:
-        return _from_keras(environ, keys)
-    hostnames = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    if len(hostnames) > 1 or (on_tpu and host.tpu_devices()):
-        # The count and place are JAX's to find (the TPU VM's metadata or GKE's variables): these are guesses.
-        return Processes("tpu", count=max(len(hostnames), 1), index=int(environ.get("TPU_WORKER_ID", "0") or 0))
-    return SINGLE
+# JAX's own initialization_timeout (jax/_src/distributed.py `initialize`): a TPU slice's join never waits less.
+JAX_JOIN_S = 300.0
 
 
-def _from_keras(environ: Mapping[str, str], keys: list[str]) -> Processes:
-    missing = [k for k in (ADDRESSES, COUNT, INDEX) if k not in keys]
-    if missing:
-        raise SpecError(
-            f"{', '.join(keys)} set but {', '.join(missing)} not: a job of several processes needs all three "
-            f"({ADDRESSES}=host:port[,host:port...], {COUNT}=N, {INDEX}=0..N-1 on each process)"
-        )
-    addresses = [a.strip() for a in environ[ADDRESSES].split(",") if a.strip()]
-    try:
-        count, index = int(environ[COUNT]), int(environ[INDEX])
-    except ValueError:
-        raise SpecError(
-            f"{COUNT}={environ[COUNT]!r} and {INDEX}={environ[INDEX]!r} must be whole numbers"
-        ) from None
-    if count < 1 or not 0 <= index < count:
-        raise SpecError(f"{INDEX}={index} must be from 0 to {COUNT}-1 ({count - 1})")
-    if len(addresses) > 1 and len(addresses) != count:
-        raise SpecError(f"{ADDRESSES} lists {len(addresses)} processes but {COUNT} is {count}: make them agree")
-    if any(":" not in a for a in addresses):
-        raise SpecError(
-            f"{ADDRESSES}={environ[ADDRESSES]!r}: every address is host:port (the first is the coordinator)"
-        )
-    if count == 1:
-        return SINGLE
-    return Processes("keras", count, index, addresses[0])
+def join_bound(processes: Processes, join_timeout_s: float) -> float:
+    """How long the join waits: accelerator.join_timeout_s, raised to JAX's own default on a TPU slice (its
+    workers pull the image and check their host each alone). A shorter bound serves processes started by hand."""
+    if processes.how == "tpu" and join_timeout_s < JAX_JOIN_S:
+        log.warning("accelerator.join_timeout_s (%g s) is shorter than JAX's own join bound on a TPU slice: the "
+                    "join waits %g s", join_timeout_s, JAX_JOIN_S)
+        return JAX_JOIN_S
+    return join_timeout_s
 
 
-def _refuse_tf_config(environ: Mapping[str, str]) -> None:
-    raw = environ.get("TF_CONFIG", "").strip()
-    if not raw:
-        return
-    try:
-        cluster = json.loads(raw).get("cluster", {})
-    except (json.JSONDecodeError, AttributeError):
-        cluster = {"worker": ["?", "?"]}
-    if len(cluster.get("worker", [])) + len(cluster.get("chief", [])) > 1:
-        raise SpecError(
-            "TF_CONFIG names several workers, but TensorFlow's multi-worker training is no longer run: a job of "
-            f"several processes runs on JAX's runtime. Set {ADDRESSES} (the TF_CONFIG worker list, chief first), "
-            f"{COUNT} and {INDEX} (the task's place in that list) instead, and unset TF_CONFIG (docs/multihost.md)"
-        )
+# How often a joining process says who it still waits for: every 30 s, sooner under a short bound (tests).
+LOG_EVERY_S = 30.0
 
 
-def join(processes: Processes, timeout_s: float, heartbeat_s: float) -> Processes:
-    """Joins the job's processes (JAX's distributed runtime) within `timeout_s`; returns them as joined. A process
-    that is missing or late ends this one with AcceleratorError (exit 3)."""
+def join(processes: Processes, timeout_s: float, heartbeat_s: float, roll: Any = None) -> Processes:
+    """Joins the job's processes (JAX's distributed runtime) within `timeout_s` (accelerator.join_timeout_s);
+    returns them as joined. A process that is missing or late, or a coordinator that cannot start, ends this one
+    with AcceleratorError (exit 3). `roll` (runner/rundir/joining.py, or None): the markers in the run folder
+    by which the waiting processes name those that have not begun to join."""
     global _joined, _joining
     if not processes.several:
         return SINGLE
     import jax
 
     _joining = True
+    if processes.index == 0:
+        _check_port(processes, roll)
+    if roll is not None:
+        roll.mark()
     # JAX's own deadline, when it passes, aborts the process from a thread of its own (SIGABRT, a stack trace):
     # the runner's bound comes first, so the job ends with its summary and exit 3 instead.
     kwargs = dict(initialization_timeout=int(timeout_s) + 30, heartbeat_timeout_seconds=max(1, int(heartbeat_s)))
@@ -143,21 +74,98 @@ def join(processes: Processes, timeout_s: float, heartbeat_s: float) -> Processe
         kwargs.update(coordinator_address=processes.coordinator, num_processes=processes.count,
                       process_id=processes.index)
     began = time.monotonic()
+    call = Bounded("jax.distributed.initialize", lambda: jax.distributed.initialize(**kwargs))
     try:
-        Bounded("jax.distributed.initialize", lambda: jax.distributed.initialize(**kwargs)).result(timeout_s)
+        _wait_for_join(call, processes, timeout_s, roll, began)
+    except AcceleratorError:
+        if roll is not None:
+            roll.clear()
+        raise
     except Exception as exc:  # the coordination service's errors: DEADLINE_EXCEEDED, UNAVAILABLE, ...
+        if roll is not None:
+            roll.clear()
         raise AcceleratorError(_not_joined(processes, exc, timeout_s)) from None
     _joined = Processes(processes.how, jax.process_count(), jax.process_index(), processes.coordinator)
+    if roll is not None and _joined.chief:
+        roll.clear(everyone=True)  # every process joined: nobody reads the markers again
     log.info("process %d of %d joined the job (%s, coordinator %s) in %.1f s", _joined.index, _joined.count,
              "Keras's variables" if processes.how == "keras" else "the TPU slice",
              processes.coordinator or "found by JAX", time.monotonic() - began)
     return _joined
 
 
+def _wait_for_join(call: Bounded, processes: Processes, timeout_s: float, roll: Any, began: float) -> None:
+    """Waits for the join, saying every LOG_EVERY_S (a tenth of a shorter bound) which processes have not begun
+    to join; a process whose marker says it could not join (its coordinator's port in use) ends this one too."""
+    every = min(LOG_EVERY_S, max(0.5, timeout_s / 10))
+    while True:
+        left = timeout_s - (time.monotonic() - began)
+        try:
+            call.result(max(0.0, min(every, left)))
+            return
+        except TimeoutError:
+            pass
+        waited = time.monotonic() - began
+        ready = roll.present() if roll is not None else None
+        failed = {i: m for i, m in (ready or {}).items() if m.get("failed")}
+        if failed:
+            index, marker = min(failed.items())
+            raise AcceleratorError(
+                f"process {index} could not join the job ({marker.get('host', 'its host')}): {marker['failed']}; "
+                f"this is process {processes.index} of {processes.count}"
+            )
+        if waited >= timeout_s:
+            raise TimeoutError(f"still joining after {timeout_s:g} s", _missing(ready, processes.count))
+        missing = _missing(ready, processes.count)
+        if missing is None:
+            log.info("joining: still waiting after %.0f s (of at most %g s, accelerator.join_timeout_s)", waited,
+                     timeout_s)
+        elif missing:
+            log.info("joining: waiting for %s to begin joining (%d of %d ready) after %.0f s (of at most %g s, "
+                     "accelerator.join_timeout_s)", _named(missing), processes.count - len(missing),
+                     processes.count, waited, timeout_s)
+        else:
+            log.info("joining: every process began to join; still connecting after %.0f s (of at most %g s): "
+                     "check that each host reaches the coordinator's port", waited, timeout_s)
+
+
+def _missing(ready: dict[int, dict] | None, count: int) -> list[int] | None:
+    """The processes with no marker (None when the markers could not be read)."""
+    return None if ready is None else [i for i in range(count) if i not in ready]
+
+
+def _named(indices: list[int]) -> str:
+    return ("process " if len(indices) == 1 else "processes ") + ", ".join(str(i) for i in indices)
+
+
+def _check_port(processes: Processes, roll: Any) -> None:
+    """On process 0: AcceleratorError naming the coordinator's port when another program holds it. JAX's gRPC
+    server would fail to add the port and the process die of SIGSEGV with no word of why ("Failed to add port
+    to server"); the marker left in the run folder ends the other processes with the same reason."""
+    if processes.how == "keras":
+        port, where = int(processes.coordinator.rpartition(":")[2]), f"{ADDRESSES} names {processes.coordinator}"
+    else:
+        from jax._src.clusters import cloud_tpu_cluster
+
+        port, where = int(cloud_tpu_cluster.coordinator_port), "JAX's coordinator port on a TPU slice"
+    family, anywhere = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As gRPC binds it (every address, SO_REUSEADDR): a port in TIME_WAIT is free, a listening one is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((anywhere, port))
+    except OSError as exc:
+        why = (f"the coordinator's port {port} is in use on this host ({where}; {exc.strerror}): stop the program "
+               f"that holds it (`ss -ltnp 'sport = :{port}'` names it) or give every process another port")
+        if roll is not None:
+            roll.mark(failed=why)
+        raise AcceleratorError(f"{why}; this is process 0 of {processes.count}, the coordinator") from None
+
+
 def _not_joined(processes: Processes, exc: BaseException, timeout_s: float) -> str:
     text = " ".join(str(exc).split())
     if isinstance(exc, TimeoutError) or "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
-        what = f"not every process joined within accelerator.timeout_s ({timeout_s:g} s)"
+        what = f"not every process joined within accelerator.join_timeout_s ({timeout_s:g} s)"
         if processes.index == 0:
             what += f": this process, the coordinator, waited for the other {processes.count - 1}"
         else:
@@ -165,7 +173,8 @@ def _not_joined(processes: Processes, exc: BaseException, timeout_s: float) -> s
     else:
         what = "the processes could not join"
     where = f" (coordinator {processes.coordinator})" if processes.coordinator else ""
-    missing = _missing_tasks(text)
+    never = exc.args[1] if isinstance(exc, TimeoutError) and len(exc.args) > 1 else None
+    missing = f"{_named(never)} never began to join" if never else _missing_tasks(text)
     named = f"; missing: {missing}" if missing else ""
     return (
         f"{what}{where}; this is process {processes.index} of {processes.count}{named}. Start the same job on every "
@@ -221,6 +230,67 @@ def hear(key: str, timeout_s: float) -> str:
         ) from None
 
 
+def agree(key: str, mine: dict, timeout_s: float) -> None:
+    """Every process's `mine` (runner/job/fingerprint.py) compared with process 0's, right after the join:
+    SpecError (exit 2) on every process when one differs, naming the keys and the processes; AcceleratorError
+    when a process says nothing within timeout_s."""
+    if not _joined.several:
+        return
+    client = _client()
+    client.key_value_set(f"runner/{key}/{_joined.index}", json.dumps(mine, sort_keys=True))
+    if _joined.chief:
+        deadline, found = time.monotonic() + timeout_s, []
+        for index in range(1, _joined.count):
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                theirs = json.loads(client.blocking_key_value_get(f"runner/{key}/{index}", wait_ms))
+            except Exception as exc:  # noqa: BLE001 - a process that stopped after joining
+                raise AcceleratorError(
+                    f"process {index} did not say which job it runs within {timeout_s:g} s after the join: it "
+                    f"stopped or is stuck (see its log) ({' '.join(str(exc).split())[:200]})"
+                ) from None
+            if differ := differences(theirs, mine):
+                found.append(f"process {index} has {', '.join(differ)}")
+        verdict = "; ".join(found)
+        client.key_value_set(f"runner/{key}/verdict", verdict or "same")
+    else:
+        verdict = hear(f"{key}/verdict", timeout_s)
+        verdict = "" if verdict == "same" else verdict
+    if verdict:
+        raise SpecError(
+            f"the processes of this job were not given the same job: {verdict}. Start every process with the same "
+            f"spec, --set overrides, code and image, then run it again (this is process {_joined.index} of "
+            f"{_joined.count})"
+        )
+
+
+def differences(theirs: dict, mine: dict, limit: int = 8) -> list[str]:
+    """`key theirs where process 0 has mine` for each dotted key whose value differs, at most `limit`."""
+    a, b = _flat(theirs), _flat(mine)
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+    said = [f"{k} {_shown(a.get(k, _ABSENT))} where process 0 has {_shown(b.get(k, _ABSENT))}" for k in keys[:limit]]
+    return said + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+_ABSENT = "<absent>"
+
+
+def _flat(doc: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(doc, dict) and doc:
+        out: dict[str, Any] = {}
+        for key, value in doc.items():
+            # The fingerprint's own sections are not spec keys: "spec.data.x" is said as "data.x".
+            name = key if not prefix or prefix == "spec" else f"{prefix}.{key}"
+            out.update(_flat(value, name))
+        return out
+    return {prefix: doc}
+
+
+def _shown(value: Any) -> str:
+    text = value if value is _ABSENT else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 # What JAX and its collectives say when another process of the job is gone: a collective's peer that reset its
 # connection (gloo on CPUs), or the coordination service's word that a task stopped sending heartbeats.
 _LOST = ("Connection reset by peer", "Connection closed by peer", "heartbeat timeout", "stopped sending heartbeats",
@@ -239,6 +309,8 @@ def lost_peer(exc: BaseException) -> AcceleratorError | None:
             break
     if not any(sign in text for sign in _LOST):
         return None
+    global _lost
+    _lost = True
     said = " ".join(str(exc).split())[:300]
     return AcceleratorError(
         f"another process of the job stopped (process {_joined.index} of {_joined.count} here; JAX said: {said}): "
@@ -247,12 +319,42 @@ def lost_peer(exc: BaseException) -> AcceleratorError | None:
     )
 
 
-def leave(code: int) -> None:
+# How long process 0, leaving, waits for the others to have left first (their summaries written and printed).
+LEAVE_S = 60.0
+_lost = False  # another process of the job is gone: nobody waits for it
+
+
+def leave(code: int, timeout_s: float = LEAVE_S) -> None:
     """Ends this process of a job of several now, with `code`: output flushed, JAX's shutdown barrier (which
-    waits for every process, gone ones too, until accelerator.heartbeat_s) not waited for."""
+    waits for every process, gone ones too, until accelerator.heartbeat_s) not waited for. Process 0, whose
+    coordination service every other process's JAX watches (and aborts when it is gone), leaves last: after
+    each other process said it was leaving, or after timeout_s (none when one is known gone)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _joined.several and not _lost:
+        try:
+            Bounded("leave", lambda: _last_out(timeout_s)).result(timeout_s + 5)
+        except Exception as exc:  # noqa: BLE001 - leaving anyway: the code is what the process ends with
+            log.debug("leaving without the others: %s", exc)
+        sys.stderr.flush()
     os._exit(code)
+
+
+def _last_out(timeout_s: float) -> None:
+    client = _client()
+    if not _joined.chief:
+        client.key_value_set(f"runner/left/{_joined.index}", "left")
+        return
+    deadline = time.monotonic() + timeout_s
+    for index in range(1, _joined.count):
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            client.blocking_key_value_get(f"runner/left/{index}", wait_ms)
+        except Exception:  # noqa: BLE001 - a process that stopped, or is stuck: process 0 leaves without it
+            log.warning("process %d did not leave within %g s of process 0: process 0 leaves without it", index,
+                        timeout_s)
+            return
+    time.sleep(0.2)  # the last one's os._exit, a few instructions after its word, runs before the service goes
 
 
 def gather(key: str, mine: dict, timeout_s: float) -> list[dict | None] | None:

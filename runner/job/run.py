@@ -21,8 +21,9 @@ from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, 
 from runner.data import faults, integrity, pipeline
 from runner.device import backend, host, peak, precision, processes
 from runner.device.strategy import per_replica_batch, resolve_accelerator
-from runner.job import checkpoints
+from runner.job import checkpoints, fingerprint
 from runner.job.inputs import Inputs, make_inputs
+from runner.rundir import joining
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
@@ -73,6 +74,10 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
     except RunnerError as exc:  # nothing was written: the data or the run folder is refused or unreachable
         return JobResult(attempt.summary("failed", exc, global_batch=spec.data.global_batch_size), exc)
     if done is not None:
+        train = data.shards["data.train"]
+        changed = checkpoints.changed_since_complete(spec, attempt.run, train.features, train.manifest, done)
+        if changed is not None:  # not "already complete": the model it would answer with is no longer this one
+            return JobResult(attempt.summary("failed", changed, global_batch=spec.data.global_batch_size), changed)
         log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, attempt.run.path)
         return JobResult(done, already_complete=True)
 
@@ -180,6 +185,13 @@ class _Job:
         earlier = [EpochRecord(**{k: v for k, v in r.items() if k in known}) for r in self._earlier_epochs()]
         return earlier + self.recorder.epochs
 
+    def _newest_checkpoint(self) -> str | None:
+        try:
+            return self.attempt.run.latest_checkpoint()
+        except (tf.errors.OpError, OSError, ValueError) as exc:  # the summary still comes, without it
+            log.warning("could not find the newest checkpoint in %s: %s", self.attempt.run.checkpoints, exc)
+            return None
+
     def finish(self, status: str, error: RunnerError | None) -> dict:
         """The summary, written to the run folder by the chief (runner/rundir/attempt.py) and returned."""
         facts = self.attempt.facts
@@ -207,6 +219,8 @@ class _Job:
                 flops_per_example, method, summary["timing"]["examples_per_sec"],
                 self.attempt.accelerator.replicas, value, source,
             )
+        if status != "succeeded" and self.attempt.number:  # what the same command would continue from
+            summary["newest_checkpoint"] = self._newest_checkpoint()
         several = processes.joined().several
         if several:
             _per_process(summary, status, self.attempt.number)
@@ -223,10 +237,15 @@ def _join(attempt: Attempt) -> None:
         return
     on_tpu = spec.kind in ("auto", "tpu") and host.tpu_target(spec.tpu) is not None
     asked = processes.asked(os.environ, on_tpu)
-    if asked.several:
-        with attempt.phases.phase("strategy"):
-            joined = processes.join(asked, spec.timeout_s, spec.heartbeat_s)
+    if not asked.several:
+        return
+    bound = processes.join_bound(asked, spec.join_timeout_s)
+    roll = joining.Roll(attempt.run.path, asked.index, bound, attempt.spec.storage.timeout_s)
+    with attempt.phases.phase("strategy"):
+        joined = processes.join(asked, bound, spec.heartbeat_s, roll)
         attempt.worker_index, attempt.facts.processes = joined.index, joined.to_dict()
+        # One job: a process given another spec, code or image ends every process (exit 2) before any step.
+        processes.agree("job", fingerprint.of_job(attempt.spec), bound)
 
 
 # What each process of a job of several reports of itself in process 0's summary.
@@ -297,7 +316,8 @@ def _build_and_restore(
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:
-            plan.start_step = checkpoints.restore(attempt.run, model, checkpoint, latest, spec.checkpoint.keep)
+            plan.start_step = checkpoints.restore(attempt.run, model, checkpoint, latest, spec.checkpoint.keep,
+                                                  inputs.train_ds.element_spec)
             log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
     facts.resumed_from_step = plan.start_step
     # In the background on one worker: training waits only for the copy of the weights.

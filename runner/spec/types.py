@@ -51,8 +51,13 @@ class AcceleratorSpec(Strict):
     # A TPU VM is "local"; a named TPU is its name; a remote TPU node is "grpc://host:8470".
     # Unset: TPU_NAME, then COLAB_TPU_ADDR, then "local" when /dev/accel* or /dev/vfio exist.
     tpu: Name | None = None
-    # Bound on every TPU step (resolve, connect, initialise); a TPU that is not there must not stall a CPU run.
+    # Bound on every TPU step (resolve, connect, initialise, list its devices); a TPU that is not there must not
+    # stall a CPU run.
     timeout_s: bounded(MIN_WAIT_S, MAX_WAIT_S, " s") = 60.0
+    # A job of several processes: how long each waits for all to join (runner/device/processes.py). The workers
+    # of a slice reach the join minutes apart (each pulls the image and checks its host alone): 900 s, three
+    # times JAX's own default; never under JAX's 300 s on a TPU slice (docs/multihost.md says why).
+    join_timeout_s: bounded(1.0, MAX_WAIT_S, " s") = 900.0
     # A job of several processes (runner/device/processes.py): a host silent this long ends every process
     # (exit 3); JAX's heartbeat timeout, whose own default is 100 s.
     heartbeat_s: bounded(2.0, MAX_WAIT_S, " s") = 100.0

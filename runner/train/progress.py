@@ -14,6 +14,7 @@ compiles; the rate and the time left are measured from the end of that step on.
 from __future__ import annotations
 
 import logging
+import posixpath
 import sys
 import threading
 import time
@@ -336,6 +337,8 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
         saves = summary.get("checkpoint_saves")
         saved = saves["saves"] > 0 if saves else bool(records)  # a stop before training saved nothing new
         what = f"checkpoint saved in {run_dir}/checkpoints" if saved else "no new checkpoint was saved"
+        if newest := summary.get("newest_checkpoint"):
+            what += f" (the newest whole one: {posixpath.basename(newest.rstrip('/'))})"
         return (
             f"{status.replace('_', ' ')} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: "
             f"{what}; run the same command again to continue"
@@ -353,6 +356,12 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
 def _checkpoints_kept(summary: dict[str, Any]) -> str:
     """What a failed attempt leaves to resume from, as far as its summary knows: a checkpoint it restored or saved
     (the run folder keeps the newest), none, or nothing said when it stopped before reading its checkpoints."""
+    if newest := summary.get("newest_checkpoint"):  # read from the run folder: a save this attempt did not count
+        return (
+            f"; checkpoints kept in {summary.get('run_dir')}/checkpoints, the newest whole one "
+            f"{posixpath.basename(newest.rstrip('/'))}: once the error is dealt with, the same command continues "
+            "from it"
+        )
     if summary.get("resumed_from_step") is None:
         return ""
     saves = (summary.get("checkpoint_saves") or {}).get("saves", 0)
