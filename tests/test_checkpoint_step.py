@@ -14,7 +14,6 @@ import pytest
 from runner.cloud import record
 from runner.rundir import checkpoints
 from tests.conftest import REPO, last_json, run_cli
-from tests.test_multihost import tiny_model
 
 STEPS = 4
 
@@ -32,7 +31,7 @@ def trained(tmp_path_factory, small_mnist) -> dict[str, Path]:
             "accelerator": {"kind": "cpu", "backend": backend},
             "data": {"train": f"{small_mnist}/train-*.tfrecord", "eval": None, "global_batch_size": 32,
                      "shuffle_buffer": 128},
-            "model": {"name": tiny_model(folder)},
+            "model": {"name": dense_model(folder)},
             "train": {"epochs": 2, "steps_per_epoch": STEPS, "allow_chance": True},
             "output": {"dir": str(folder / "runs"), "saved_model": False, "tensorboard": False},
         }
@@ -96,3 +95,15 @@ def _upload(gcs, folder: Path, bucket: str, prefix: str) -> str:
         if path.is_file():
             gcs.write(bucket, f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
     return f"gs://{bucket}/{prefix}"
+
+
+def dense_model(folder: Path) -> str:
+    """A model of one dense layer, as the job's own code in `folder` (XLA on these CPUs compiles a CNN slowly)."""
+    (folder / "densenet.py").write_text(
+        "import keras\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(flat))\n"
+    )
+    return "densenet:build"

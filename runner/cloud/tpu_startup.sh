@@ -55,7 +55,7 @@ known_worker=1
 worker_note=""
 if [ -z "$worker" ] && [ "${RUNNER_HOSTS:-1}" = 1 ]; then
   worker=0
-  worker_note="the metadata server ($metadata_host) did not give this worker's number; this slice has one host (runner submit creates no other), so this is worker 0"
+  worker_note="the metadata server ($metadata_host) did not give this worker's number; this slice has one host (RUNNER_HOSTS=1, from runner/device/tpus.json for $RUNNER_TPU_TYPE), so this is worker 0"
 elif [ -z "$worker" ]; then
   known_worker=0
   worker=unknown
@@ -335,6 +335,11 @@ uploader=$!
 # after the wall-clock limit. --foreground keeps the job in this script's process group, where a VM's
 # shutdown (a preemption) reaches it. TERM goes to `docker run`, which passes it on to the container; after
 # RUNNER_KILL_AFTER_S more, KILL ends the client, and `docker rm -f` the container, which would outlive it.
+# A preemption stops the VM: systemd stops this script (TERM to `docker run`, which passes it on) and dockerd,
+# which stops each container as `docker stop` does: TERM, then KILL once the container's stop timeout has
+# passed, 10 s unless `--stop-timeout` says otherwise (docker/cli docs/reference/commandline/container_run.md;
+# moby's daemon waits for the longest container stop timeout at its own shutdown). RUNNER_STOP_TIMEOUT_S covers
+# the job's checkpoint.grace_s and its exit after the save, so the save a notice starts is not cut short.
 limits=()
 outside=()
 [ -z "${RUNNER_MAX_RUN_S:-}" ] || limits+=(--set "train.max_duration=$RUNNER_MAX_RUN_S")
@@ -344,9 +349,9 @@ if [ -n "${RUNNER_MAX_RUN_S:-}" ]; then
   outside=(timeout --foreground --signal=TERM --kill-after="${RUNNER_KILL_AFTER_S:-60}" "$deadline_s")
 fi
 job_began=$SECONDS
-"${outside[@]}" docker run --rm --name "$container" --net=host --privileged --user 0:0 "${cloud_logging[@]}" \
-  "${labels[@]}" "${tpu_env[@]}" "${code_env[@]}" -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" \
-  run /job/spec.yaml "${limits[@]}" >>"$log" 2>&1
+"${outside[@]}" docker run --rm --name "$container" --stop-timeout "${RUNNER_STOP_TIMEOUT_S:-60}" --net=host \
+  --privileged --user 0:0 "${cloud_logging[@]}" "${labels[@]}" "${tpu_env[@]}" "${code_env[@]}" \
+  -e RUNNER_WORKER="$worker" -v "$workdir:/job:ro" "$RUNNER_IMAGE" run /job/spec.yaml "${limits[@]}" >>"$log" 2>&1
 code=$?
 kill "$uploader" 2>/dev/null
 reason="the job exited with code $code"

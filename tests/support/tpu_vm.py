@@ -5,7 +5,8 @@ for `docker` and `gcloud` that record every call.
     run_startup_script(script, env)                                                   -> runs it like a boot
 
 The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
-  docker pull | login                  recorded; FAKE_PULL=fail makes every pull fail, =hang never answer
+  docker pull | login                  recorded; FAKE_PULL=fail makes every pull fail, =hang never answer;
+                                       FAKE_PULL_DELAY_S: a pull that takes that long (a slow worker)
   docker run ... IMAGE doctor ...      prints a doctor line, exits FAKE_DOCTOR_EXIT (0); FAKE_DOCTOR=hang: never
   docker run ... IMAGE run /job/X      the job, by the next entry of FAKE_JOB (comma separated, one per
                                        job run, the last repeats; the count is kept in FAKE_STATE):
@@ -24,7 +25,20 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                          real        the real `python -m runner run` on this machine's CPU
                                                      (`--set accelerator.kind=cpu`: there is no TPU here), with
                                                      the limits' `--set`s it was given
-  docker rm -f NAME                    recorded
+                                         jax         the same as the TPU image runs it: Keras on JAX
+                                                     (`--set accelerator.backend=jax`). On a slice (the metadata
+                                                     server lists several workers) each worker's job is one JAX
+                                                     process of one job, found as JAX finds a slice's: its number
+                                                     is agent-worker-number, the count the workers listed, the
+                                                     coordinator worker 0, here 127.0.0.1:FAKE_JAX_PORT (through
+                                                     Keras's KERAS_DISTRIBUTION_* variables)
+                                       A real job runs as a container does: in a process group of its own (the
+                                       VM's shutdown signals the startup script's group, not the container's),
+                                       which the stand-in stops as dockerd stops a container: SIGTERM, then
+                                       SIGKILL once the container's stop timeout has passed (`--stop-timeout`,
+                                       else FAKE_DOCKER_STOP_TIMEOUT_S, standing for dockerd's default of 10 s);
+                                       a container killed so exits 137
+  docker rm -f NAME                    recorded; kills a real job's container that outlived its `docker run`
   --log-driver=gcplogs                 with FAKE_LOGGING (an endpoint) each output line is also written to
                                        Cloud Logging's entries:write as docker's gcplogs driver writes it
                                        (log gcplogs-docker-driver, jsonPayload.container.name "/NAME");
@@ -39,6 +53,7 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
 from __future__ import annotations
 
 # Imported by the stand-ins, each a process of its own run many times per boot: only what starts fast.
+import contextlib
 import json
 import os
 import shlex
@@ -225,7 +240,7 @@ def fake_gcloud(args: list[str]) -> int:
     return subprocess.run([os.environ["FAKE_REAL_GCLOUD"], *args], env=env).returncode
 
 
-_VALUED = {"--name", "--log-opt", "--label", "-e", "-v", "--user", "--entrypoint"}
+_VALUED = {"--name", "--log-opt", "--label", "-e", "-v", "--user", "--entrypoint", "--stop-timeout"}
 _FLAGS = {"--rm", "--privileged", "--net=host", "-i", "-t", "-d"}
 
 
@@ -311,9 +326,13 @@ def fake_docker(args: list[str]) -> int:
     if args[0] == "pull":
         if os.environ.get("FAKE_PULL") == "hang":  # a registry that never answers
             time.sleep(300)
+        time.sleep(float(os.environ.get("FAKE_PULL_DELAY_S") or 0))
         return 1 if os.environ.get("FAKE_PULL") == "fail" else 0
     if args[0] == "login":
         sys.stdin.read()
+        return 0
+    if args[:2] == ["rm", "-f"]:
+        _remove_container(args[2])
         return 0
     if args[0] != "run":
         return 0
@@ -346,8 +365,8 @@ def fake_docker(args: list[str]) -> int:
     behaviour = _next_job()
     kind, *values = behaviour.split(":")
     given = dict(command[i + 1].split("=", 1) for i in range(len(command) - 1) if command[i] == "--set")
-    if kind == "real":
-        return _run_real(spec_path, options, emit, given)
+    if kind in ("real", "jax"):
+        return _run_real(spec_path, options, emit, given, jax=kind == "jax")
     if kind in ("stall", "limit"):
         key, status = ("train.stall_timeout", "stalled") if kind == "stall" else ("train.max_duration", "time_limit")
         emit(f"epoch 1/2: training ({behaviour}, {key}={given[key]})\n")
@@ -377,17 +396,18 @@ def fake_docker(args: list[str]) -> int:
     return code
 
 
-def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[str, str]) -> int:
+def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[str, str], jax: bool) -> int:
     env = dict(os.environ)
     for pair in options.get("-e", []):
         key, _, value = pair.partition("=")
         env[key] = value
     env.pop("TPU_NAME", None)  # there is no TPU here: the job runs on this machine's CPU
     env["PATH"] = os.environ["FAKE_REAL_PATH"]
-    # The process group gets the VM's SIGTERM; the job handles it itself, this stand-in only relays output.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The job's limits from its command line (`--set train.max_duration=S ...`), as the image's runner gets them.
     sets = [x for key, value in given.items() for x in ("--set", f"{key}={value}")]
+    if jax:
+        sets += ["--set", "accelerator.backend=jax"]
+        env.update(_slice_processes())
     child = subprocess.Popen(
         [sys.executable, "-m", "runner", "run", str(spec_path), "--set", "accelerator.kind=cpu", *sets],
         stdout=subprocess.PIPE,
@@ -395,13 +415,68 @@ def _run_real(spec_path: Path, options: dict[str, list[str]], emit, given: dict[
         text=True,
         env=env,
         cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        process_group=0,  # the container's processes: not in the startup script's process group
     )
+    name = (options.get("--name") or ["container"])[0]
+    containers = Path(os.environ["FAKE_STATE"]) / "containers"
+    containers.mkdir(parents=True, exist_ok=True)
+    (containers / name).write_text(str(child.pid))
+    stop_timeout_s = float((options.get("--stop-timeout") or [os.environ.get("FAKE_DOCKER_STOP_TIMEOUT_S", "10")])[0])
+
+    def stop(*_) -> None:  # what dockerd does to the container on `docker stop` or its own shutdown
+        emit(f"fake docker: stopping container {name}: SIGTERM, SIGKILL after {stop_timeout_s:g} s\n")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+
+        def kill() -> None:
+            if child.poll() is None:
+                emit(f"fake docker: container {name} still running {stop_timeout_s:g} s after SIGTERM: SIGKILL\n")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+
+        timer = threading.Timer(stop_timeout_s, kill)
+        timer.daemon = True  # a job that ends in time ends its `docker run` at once
+        timer.start()
+
+    signal.signal(signal.SIGTERM, stop)
     reader = threading.Thread(target=lambda: [emit(line) for line in child.stdout], daemon=True)
     reader.start()
     code = child.wait()
     reader.join(timeout=10)
+    code = 128 - code if code < 0 else code  # docker's code for a container ended by a signal: 128 + N
+    (containers / name).unlink(missing_ok=True)
+    (containers / f"{name}.exit").write_text(str(code))  # what `docker inspect` would say of it
     return code
+
+
+def _slice_processes() -> dict[str, str]:
+    """Keras's variables for this worker's JAX process, from what JAX reads on a TPU VM: the metadata server's
+    agent-worker-number and worker-network-endpoints (one process per worker listed); none for one worker."""
+    import urllib.request
+
+    def attribute(key: str) -> str:
+        url = f"http://{os.environ['GCE_METADATA_HOST']}/computeMetadata/v1/instance/attributes/{key}"
+        request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.read().decode()
+
+    workers = [w for w in attribute("worker-network-endpoints").split(",") if w.strip()]
+    if len(workers) < 2:
+        return {}
+    return {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{os.environ['FAKE_JAX_PORT']}",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(workers)),
+        "KERAS_DISTRIBUTION_PROCESS_ID": attribute("agent-worker-number"),
+    }
+
+
+def _remove_container(name: str) -> None:
+    """`docker rm -f`: a real job's container still running (its `docker run` was killed) is killed."""
+    record = Path(os.environ["FAKE_STATE"]) / "containers" / name
+    if record.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(record.read_text()), signal.SIGKILL)
+        record.unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:
