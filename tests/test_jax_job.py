@@ -224,6 +224,9 @@ def test_kill_9_under_jax_resumes_from_the_newest_whole_checkpoint_and_removes_a
     # The next attempt resumes from that step, not from the leftover of a later save cut short.
     assert after.summary["resumed_from_step"] == KILL_AT
     assert not [p.name for p in (job.run_dir / "checkpoints").iterdir() if "tmp" in p.name]
+    # Named in the log, as TensorFlow's leftovers are (docs/resume.md, precedence 4).
+    assert (f"removed 1 leftover(s) of a checkpoint save that was cut short from {job.run_dir / 'checkpoints'}: "
+            f"ckpt_{KILL_AT + 2}.orbax-checkpoint-tmp-1795770000000000") in after.err, after.err[-3000:]
 
 
 def test_max_duration_under_jax_saves_exits_124_and_the_rerun_continues(job):

@@ -4,8 +4,9 @@ the backend seam's JAX side of the checkpoint store (TensorFlow's is tf.train.Ch
 A checkpoint holds every variable of the model (weights, seed generators) and of its optimizer (slots, the
 step, the learning rate), as Orbax's `StandardSave` of the arrays, beside a JSON list of each variable's path,
 shape and dtype. Variables are keyed by their position, not by Keras's automatic names (`sequential_1`,
-`adam`), which differ between two models built in one process; the JSON list lets a restore name the layer
-whose shape or presence changed instead of failing inside Orbax.
+`adam`), which differ between two models built in one process. A restore is all or nothing: the JSON list and
+the same list made from the model now are matched both ways, every variable by position, shape and dtype
+(runner/rundir/matching.py), and a difference stops it naming each variable, before anything is assigned.
 
 Saves are asynchronous (Orbax's default): `save` returns once the arrays are copied off the device, a
 background thread writes them, and Orbax makes a step visible only when it is whole (a local step folder is
@@ -25,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from runner import SpecError, StorageError
+from runner import StorageError
+from runner.rundir import matching
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,24 @@ def latest_in(directory: str) -> str | None:
         return None
     found = [step for step in found if step is not None]
     return posixpath.join(directory.rstrip("/"), f"{PREFIX}_{max(found)}") if found else None
+
+
+def _leftovers(directory: str) -> list[str]:
+    """What the CheckpointManager is about to remove (`cleanup_tmp_directories`, on process 0 only): Orbax's own
+    list of the step folders never made whole, by name; [] elsewhere or when it cannot tell."""
+    import asyncio
+
+    import jax
+    from orbax.checkpoint._src.path import temporary_paths
+
+    if jax.process_index() != 0:
+        return []
+    try:
+        found = asyncio.run(temporary_paths.all_temporary_paths(directory))
+        return sorted(posixpath.basename(str(path.get()).rstrip("/")) for path in found)
+    except Exception as exc:  # noqa: BLE001 - naming them is a courtesy: Orbax removes them regardless
+        log.debug("could not list the leftovers in %s: %s", directory, exc)
+        return []
 
 
 def _variables(model: Any) -> dict[str, list]:
@@ -77,7 +97,11 @@ class OrbaxStore:
             max_to_keep=keep, step_prefix=PREFIX, enable_async_checkpointing=True, create=True,
             cleanup_tmp_directories=True,  # the leftovers of a save cut short (resume precedence 4)
         )
+        leftovers = _leftovers(self.directory)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        if leftovers:  # named as TensorFlow's are (runner/rundir/outputs.py remove_leftovers)
+            log.info("removed %d leftover(s) of a checkpoint save that was cut short from %s: %s", len(leftovers),
+                     self.directory, ", ".join(leftovers))
 
     def path(self, step: int) -> str:
         return posixpath.join(self.directory, f"{PREFIX}_{step}")
@@ -113,49 +137,81 @@ class OrbaxStore:
             ) from exc
 
     def restore(self, path: str) -> int:
-        """Restores the checkpoint at `path` into the model and its optimizer; returns its step. A model whose
-        variables differ from the checkpoint's (an edited model) is refused naming the first difference."""
+        """Restores the checkpoint at `path` into the model and its optimizer, all or nothing; returns its step.
+        The layout the save recorded and the model's, made now by the same function, are matched both ways by
+        path and shape first (runner/rundir/matching.py): an edited model is refused (SpecError, exit 2) naming
+        each difference, before anything is assigned."""
         step = step_of(path)
-        ocp = self._ocp
         variables = _variables(self._model)
-        saved = self._manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
-        _check_layout(saved, _layout(variables), path)
-        # Restored as host arrays, then assigned: the variables keep the placement a fresh model's have, so the
-        # train step compiled (and cached in jax_cache/) for a fresh start is the one a resume finds.
-        target = {
-            part: {f"{i:05d}": np.asarray(v.value) for i, v in enumerate(found)} for part, found in variables.items()
-        }
+        saved, pairs = self.check(path)
+        ocp = self._ocp
+        # Restored as host arrays of the saved layout, then assigned: the variables keep the placement a fresh
+        # model's have, so the train step compiled (and cached in jax_cache/) for a fresh start is the one a
+        # resume finds.
+        target = {}
+        for part, found in variables.items():
+            paired = {then: now for now, then in pairs[part]}
+            target[part] = {
+                f"{i:05d}": np.asarray(found[paired[i]].value) if i in paired else _zeros(shape, dtype)
+                for i, (_, shape, dtype) in enumerate(saved.get(part, []))
+            }
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         for part, found in variables.items():
-            for i, variable in enumerate(found):
-                variable.assign(restored["state"][part][f"{i:05d}"])
+            for now, then in pairs[part]:
+                found[now].assign(restored["state"][part][f"{then:05d}"])
         return int(np.asarray(self._model.optimizer.iterations.value))
+
+    def check(self, path: str, complete: bool = False) -> tuple[dict[str, list], dict[str, list[tuple[int, int]]]]:
+        """(the layout saved at `path`, the pairs to assign); SpecError when the model no longer matches it.
+        `complete`: the job is finished, and the refusal says so."""
+        ocp = self._ocp
+        saved = self._manager.restore(step_of(path), args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        return saved, _matched(saved, _layout(_variables(self._model)), path, complete)
 
     def close(self) -> None:
         self._manager.close()
 
 
-def _check_layout(saved: dict[str, list], now: dict[str, list], path: str) -> None:
+def _zeros(shape: list, dtype: str) -> np.ndarray:
+    """A placeholder for a saved value nothing takes (a setting the model no longer keeps in a variable)."""
+    try:
+        return np.zeros(tuple(shape), np.dtype(dtype))
+    except TypeError:
+        import ml_dtypes
+
+        return np.zeros(tuple(shape), getattr(ml_dtypes, dtype))
+
+
+def _is_setting(part: str, entry: list) -> bool:
+    """A variable that holds a spec setting, not something learned (runner/rundir/matching.py)."""
+    return part == "optimizer" and str(entry[0]).rsplit("/", 1)[-1] == "learning_rate"
+
+
+def _held(part: str, entries: list[list]) -> tuple[dict[str, matching.Held], list[int]]:
+    """The learned variables of one part, keyed `part/N` by their position among them, and each one's index in
+    `entries`."""
+    kept = [i for i, entry in enumerate(entries) if not _is_setting(part, entry)]
+    held = {
+        f"{part}/{n:05d}": matching.Held(f"{part}/{n:05d}", tuple(int(d) for d in entries[i][1]), str(entries[i][2]),
+                                         str(entries[i][0]))
+        for n, i in enumerate(kept)
+    }
+    return held, kept
+
+
+def _matched(saved: dict[str, list], now: dict[str, list], path: str,
+             complete: bool = False) -> dict[str, list[tuple[int, int]]]:
+    """(index in the model, index in the checkpoint) of every variable to assign, per part; SpecError when the
+    two layouts differ in any learned variable."""
+    before, after, pairs = {}, {}, {}
     for part in ("model", "optimizer"):
-        before, after = saved.get(part, []), now[part]
-        for index in range(max(len(before), len(after))):
-            old = before[index] if index < len(before) else None
-            new = after[index] if index < len(after) else None
-            if old is not None and new is not None and list(old[1]) == list(new[1]) and old[2] == new[2]:
-                continue
-            what = "variable" if part == "model" else "optimizer variable"
-            if old is None:
-                change = f"the model has a {what} the checkpoint lacks: {new[0]} {tuple(new[1])}"
-            elif new is None:
-                change = f"the checkpoint has a {what} the model lacks: {old[0]} {tuple(old[1])}"
-            else:
-                change = (f"{what} {new[0]} is {tuple(new[1])} {new[2]} in the model and "
-                          f"{tuple(old[1])} {old[2]} in the checkpoint ({old[0]})")
-            raise SpecError(
-                f"the model changed since {path} was saved: {change}. Start the job over with `runner run --fresh` "
-                "(the run folder is moved aside, not deleted), or give the changed model a new job name "
-                "(`--set name=...`)"
-            )
+        old, old_index = _held(part, saved.get(part, []))
+        new, new_index = _held(part, now[part])
+        before.update(old)
+        after.update(new)
+        pairs[part] = list(zip(new_index, old_index, strict=False))  # equal lengths once matched
+    matching.check(path, before, after, complete=complete)
+    return pairs
 
 
 class OrbaxSaver:
