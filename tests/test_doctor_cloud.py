@@ -22,7 +22,7 @@ from runner.doctor.cloud import parse_image
 from tests.conftest import cli_env, last_json, run_cli, write_spec
 from tests.support.cli import invoke
 from tests.support.gcs import Gcs  # the gcs and gcs_faults fixtures come from tests/conftest.py
-from tests.support.preflight_fake import PreflightFake, start_preflight_fake
+from tests.support.preflight_fake import PROJECT_NUMBER, PreflightFake, start_preflight_fake
 
 PROJECT, ZONE, TOKEN = "runner-test", "us-central1-a", "fake-token"
 REPOSITORY = f"{PROJECT}/runner/runner"
@@ -58,6 +58,7 @@ def environment(tmp_path: Path, endpoint: str, storage: str | None = None, **ext
         CLOUDSDK_AUTH_ACCESS_TOKEN=TOKEN,
         CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
         CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{endpoint}/",
+        CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER=f"{endpoint}/",
         CLOUDSDK_API_ENDPOINT_OVERRIDES_AIPLATFORM=f"{endpoint}/",
         RUNNER_REGISTRY_ENDPOINT=endpoint,
         SKYPILOT_API_SERVER_ENDPOINT=endpoint,
@@ -109,7 +110,8 @@ def test_everything_present_is_ok_and_each_api_was_asked_with_the_token(fake, gc
     code, checks = cloud_doctor(spec_in(bucket), "--image", IMAGE, env=env)
     assert code == 0, checks
     assert {name: check["status"] for name, check in checks.items()} == {
-        "cloud_credentials": "ok", "tpu_api": "ok", "tpu_type": "ok", "quota": "ok", "bucket_read": "ok",
+        "cloud_credentials": "ok", "vm_permissions": "ok", "tpu_api": "ok", "tpu_type": "ok", "quota": "ok",
+        "bucket_read": "ok",
         "bucket_write": "ok", "image": "ok",
     }
     assert f"project {PROJECT} (from --project)" in checks["cloud_credentials"]["evidence"]
@@ -118,7 +120,8 @@ def test_everything_present_is_ok_and_each_api_was_asked_with_the_token(fake, gc
     asked = {(r["method"], r["path"]): r for r in fake.requests()}
     parent = f"/v2/projects/{PROJECT}/locations/{ZONE}"
     assert set(asked) == {("GET", f"{parent}/nodes"), ("GET", f"{parent}/queuedResources"),
-                          ("GET", f"{parent}/acceleratorTypes"), ("GET", f"/v2/{REPOSITORY}/manifests/tpu")}
+                          ("GET", f"{parent}/acceleratorTypes"), ("GET", f"/v2/{REPOSITORY}/manifests/tpu"),
+                          ("GET", f"/v1/projects/{PROJECT}"), ("POST", f"/v1/projects/{PROJECT}:getIamPolicy")}
     assert {r["authorization"] for r in asked.values()} == {f"Bearer {TOKEN}"}
     assert "application/vnd.oci.image.index.v1+json" in asked[("GET", f"/v2/{REPOSITORY}/manifests/tpu")]["accept"]
     # The probe object was deleted again: only the data is left.
@@ -206,6 +209,40 @@ def test_no_credentials_or_no_project_stop_before_any_call(fake, spec_in, tmp_pa
     assert "no project" in checks["cloud_credentials"]["evidence"]
     assert checks["cloud_credentials"]["action"].startswith("gcloud config set project")
     assert fake.requests() == []
+
+
+def test_a_vm_account_without_the_tpu_role_fails_with_the_grant_that_fixes_it(fake, tmp_path) -> None:
+    """The Compute Engine default service account (from the project's number) holds only Storage roles, as in a
+    project whose organisation turned off its Editor grant: the TPU VM could not delete its own slice."""
+    default = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+    fake.iam([{"role": "roles/storage.objectAdmin", "members": [f"serviceAccount:{default}"]},
+              {"role": "roles/tpu.admin", "members": ["user:someone@example.com"]}])
+    env = environment(tmp_path, fake.endpoint)
+    code, checks = cloud_doctor("--image", IMAGE, env=env)
+    assert code == 3
+    check = checks["vm_permissions"]
+    assert check["status"] == "fail"
+    assert check["evidence"].startswith(f"missing: {PROJECT}'s IAM policy grants the TPU VM's service account "
+                                        f"{default} none of roles/tpu.admin, roles/editor, roles/owner "
+                                        "(it holds roles/storage.objectAdmin)")
+    assert check["action"] == (f"gcloud projects add-iam-policy-binding {PROJECT} --member=serviceAccount:{default} "
+                               "--role=roles/tpu.admin")
+    policy = [r for r in fake.requests() if r["path"] == f"/v1/projects/{PROJECT}:getIamPolicy"]
+    assert [(r["method"], r["body"], r["authorization"]) for r in policy] == [
+        ("POST", {"options": {"requestedPolicyVersion": 3}}, f"Bearer {TOKEN}")]
+
+    fake.iam([{"role": "roles/tpu.admin", "members": [f"serviceAccount:{default}"]}])
+    code, checks = cloud_doctor("--image", IMAGE, env=env)
+    assert checks["vm_permissions"]["status"] == "ok", checks["vm_permissions"]
+    assert checks["vm_permissions"]["data"] == {"service_account": default, "roles": ["roles/tpu.admin"]}
+
+
+def test_a_policy_that_cannot_be_read_is_not_checked_and_says_the_grant(fake, tmp_path) -> None:
+    fake.deny(f"/v1/projects/{PROJECT}")
+    code, checks = cloud_doctor("--image", IMAGE, env=environment(tmp_path, fake.endpoint))
+    check = checks["vm_permissions"]
+    assert check["status"] == "warn" and check["evidence"].startswith("not checked: denied (403)")
+    assert "gcloud projects add-iam-policy-binding" in check["action"]
 
 
 # --- denied -------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_an_image_missing_or_without_a_registry_is_the_one_cloudbuild_pushes_for
     assert offered[1] == f"{REGION}-docker.pkg.dev/{PROJECT}/runner/runner:tpu"
     followed = _submit(cloud_spec, env, "--dry-run", "--preflight", *offered, image=None)
     _works(followed)
-    assert "preflight: 7 checks passed" in followed.stderr
+    assert "preflight: 8 checks passed" in followed.stderr
 
 
 def test_a_local_output_folder_is_moved_to_the_bucket_the_spec_already_reads(cloud_spec, tmp_path) -> None:
@@ -437,7 +437,7 @@ def _doctor_env(endpoint: str, folder: Path, **extra: str) -> dict[str, str]:
     return _offline(folder, CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token", CLOUDSDK_CORE_CHECK_GCE_METADATA="false",
                     CLOUDSDK_CORE_DISABLE_PROMPTS="1", CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{endpoint}/",
                     CLOUDSDK_API_ENDPOINT_OVERRIDES_SERVICEUSAGE=f"{endpoint}/", RUNNER_REGISTRY_ENDPOINT=endpoint,
-                    **extra)
+                    CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER=f"{endpoint}/", **extra)
 
 
 def _doctor(env: dict[str, str], *args: str, image: str = IMAGE) -> tuple[int, dict[str, dict]]:

@@ -159,6 +159,8 @@ def test_zone_and_project_default_to_gclouds_configuration_as_gcloud_reads_it(ap
     ("--name", "mnist-v6e", "--runtime-version", "v2-alpha-tpuv5-lite"),
     ("--network", "runner-net", "--subnetwork", "runner-subnet",
      "--service-account", "runner@runner-test.iam.gserviceaccount.com", "--valid-until", "6h"),
+    # no external IP: gcloud leaves enableExternalIps out (false), and so does runner
+    ("--internal-ips", "--service-account", "runner@runner-test.iam.gserviceaccount.com"),
     ("--reservation", PROJECT, "--valid-until", "2031-01-01T00:00:00Z"),
     ("--reservation", "shared-capacity", "--valid-until", "1h30m", "--keep"),
     # gcloud keeps the offset and cuts the fraction to milliseconds; runner sends the same instant
@@ -475,3 +477,18 @@ def test_an_unreachable_api_is_an_infrastructure_error(api, cloud_spec):
     result = submit(cloud_spec, env, "--no-preflight")  # the create's own error; the preflight's: test_submit_preflight
     assert result.returncode == 3
     assert "could not reach the Cloud TPU API to create 'mnist-cnn'" in result.stderr
+
+
+def test_internal_ips_are_kept_for_the_relaunch_after_a_preemption(api, tpu_fake, cloud_spec, gcs):
+    """--internal-ips reaches the request (no enableExternalIps) and job.json, from which a watcher's relaunch
+    (jobs.submission_from_job) sends the same network again."""
+    from runner.cloud import jobs, request
+
+    result = submit(cloud_spec, api, "--internal-ips")
+    assert result.returncode == 0, result.stderr
+    [create] = creates(tpu_fake.requests())
+    assert node_of(create["body"])["networkConfig"] == {"network": "default"}
+    job = json.loads(gcs.read(BUCKET, "runs/mnist_cnn/job.json"))
+    assert job["request"]["internal_ips"] is True
+    again = jobs.submission_from_job(job, "20260101-000000-abcd")
+    assert node_of(request.request_json(again))["networkConfig"] == {"network": "default"}

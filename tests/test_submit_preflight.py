@@ -16,11 +16,13 @@ import yaml
 from runner.doctor.cloud import parse_image
 from tests.conftest import last_json
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
+from tests.support.preflight_fake import PROJECT_NUMBER
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 
 PARENT = f"/v2/projects/{PROJECT}/locations/{ZONE}"
-CHECKS = ("cloud_credentials", "tpu_api", "tpu_type", "quota", "bucket_read", "bucket_write", "image")
+CHECKS = ("cloud_credentials", "vm_permissions", "tpu_api", "tpu_type", "quota", "bucket_read", "bucket_write",
+          "image")
 
 
 @pytest.fixture
@@ -36,7 +38,8 @@ def submit(spec: Path, env: dict[str, str], *extra: str):
 
 
 def created(requests: list[dict]) -> list[dict]:
-    return [r for r in requests if r["method"] == "POST"]
+    """What was created: every POST but the IAM policy's read (Cloud Resource Manager's getIamPolicy is a POST)."""
+    return [r for r in requests if r["method"] == "POST" and not r["path"].endswith(":getIamPolicy")]
 
 
 def lose_the_image(tpu_fake) -> None:
@@ -64,7 +67,7 @@ def test_a_missing_image_stops_the_submission_and_nothing_is_created(api, tpu_fa
     result = submit(cloud_spec, api)
     assert result.returncode == 3, result.stderr  # `runner doctor --cloud`'s exit for a failed cloud check
     stderr = " ".join(result.stderr.split())
-    assert "preflight: 1 of 7 checks failed; nothing was created" in stderr
+    assert f"preflight: 1 of {len(CHECKS)} checks failed; nothing was created" in stderr
     assert f"image: missing (404 MANIFEST_UNKNOWN): {IMAGE} is not in us-central1-docker.pkg.dev" in stderr
     assert "fix: " in stderr and "--no-preflight skips the checks" in stderr
     assert created(tpu_fake.requests()) == []
@@ -142,7 +145,7 @@ def test_an_engine_submission_runs_the_same_checks_and_its_engines_own(api, tpu_
     tpu_fake.reset()
     taken = submit(cloud_spec, env, "--on", "vertex")
     assert taken.returncode == 0, taken.stderr
-    assert f"preflight: {len(CHECKS) + 1} checks passed" in taken.stderr  # + the engine check
+    assert f"preflight: {len(CHECKS)} checks passed" in taken.stderr  # the engine check, not the VM's account
     assert last_json(taken.stdout)["on"] == "vertex"
     asked = engine_api.requests()[before:]
     assert [(r["method"], r["path"]) for r in asked][-2:] == [("GET", jobs_path), ("POST", jobs_path)]
@@ -189,3 +192,52 @@ def test_the_request_lists_its_labels_in_one_order_in_every_process(cloud_spec):
     orders = {subprocess.run([sys.executable, "-c", _LABELS, str(cloud_spec), IMAGE], capture_output=True, text=True,
                              check=True, timeout=120).stdout for _ in range(6)}
     assert orders == {'["runner-job", "runner-submission"]\n'}
+
+
+def test_a_vm_account_that_could_not_delete_its_slice_stops_the_submission_before_any_tpu_request(
+        api, tpu_fake, cloud_spec, gcs, bucket):
+    """An IAM policy where the VM's service account (the Compute Engine default, then --service-account) holds no
+    role with the TPU delete permission: exit 3 with the grant that fixes it, no create, no job.json."""
+    default = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+    tpu_fake.iam([{"role": "roles/storage.objectAdmin", "members": [f"serviceAccount:{default}"]},
+                  {"role": "roles/artifactregistry.reader", "members": [f"serviceAccount:{default}"]}])
+    refused = submit(cloud_spec, api)
+    assert refused.returncode == 3, refused.stderr
+    stderr = " ".join(refused.stderr.split())
+    assert "preflight: 1 of 8 checks failed; nothing was created" in stderr
+    assert (f"vm_permissions: missing: {PROJECT}'s IAM policy grants the TPU VM's service account {default} none of "
+            "roles/tpu.admin, roles/editor, roles/owner (it holds roles/artifactregistry.reader, "
+            "roles/storage.objectAdmin)") in stderr
+    assert (f"fix: gcloud projects add-iam-policy-binding {PROJECT} --member=serviceAccount:{default} "
+            "--role=roles/tpu.admin") in stderr
+    assert created(tpu_fake.requests()) == [] and gcs.objects(bucket, "runs/") == []
+    asked = [(r["method"], r["path"]) for r in tpu_fake.requests()]
+    assert asked.index(("POST", f"/v1/projects/{PROJECT}:getIamPolicy")) < asked.index(("GET", f"{PARENT}/nodes"))
+
+    other = f"trainer@{PROJECT}.iam.gserviceaccount.com"
+    named = submit(cloud_spec, api, "--service-account", other)
+    assert named.returncode == 3
+    assert f"--member=serviceAccount:{other} --role=roles/tpu.admin" in " ".join(named.stderr.split())
+    assert created(tpu_fake.requests()) == []
+
+    tpu_fake.iam([{"role": "roles/tpu.admin", "members": [f"serviceAccount:{other}"]}])
+    taken = submit(cloud_spec, api, "--service-account", other)
+    assert taken.returncode == 0, taken.stderr
+    [create] = created(tpu_fake.requests())
+    assert create["body"]["tpu"]["nodeSpec"][0]["node"]["serviceAccount"]["email"] == other
+
+
+@pytest.mark.host
+def test_the_policy_is_read_as_gcloud_reads_it(tpu_fake, tmp_path):
+    """`gcloud projects get-iam-policy` against the same fake sends the request the preflight sends."""
+    import shutil
+    import subprocess
+
+    assert shutil.which("gcloud"), "gcloud is not installed on this machine"
+    env = cloud_env(tpu_fake.endpoint, tmp_path)
+    done = subprocess.run(["gcloud", "projects", "get-iam-policy", PROJECT, "--format=json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [by_gcloud] = [r for r in tpu_fake.requests() if r["path"].endswith(":getIamPolicy")]
+    assert (by_gcloud["method"], by_gcloud["path"]) == ("POST", f"/v1/projects/{PROJECT}:getIamPolicy")
+    assert by_gcloud["body"] == {"options": {"requestedPolicyVersion": 3}}

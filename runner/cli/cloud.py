@@ -99,7 +99,8 @@ def _preflight(sub, on: str) -> None:
 
     began = time.monotonic()
     found = preflight(tpu_type=sub.tpu.name, zone=sub.zone, image=sub.image, project=sub.project or None, on=on,
-                      spec=sub.spec, timeout=PREFLIGHT_TIMEOUT_S, clients=cloud_clients())
+                      spec=sub.spec, timeout=PREFLIGHT_TIMEOUT_S, clients=cloud_clients(),
+                      service_account=sub.service_account)
     report = Report(found, time.monotonic() - began)
     for check in found:
         if check.status == "warn":
@@ -147,8 +148,14 @@ Watch = Annotated[bool, _opt("Stay in the foreground: restart the job after pree
                              "--watch", panel=VM)]
 Network = Annotated[str | None, _opt("VPC network of the TPU VM (default: default).", panel=VM)]
 Subnetwork = Annotated[str | None, _opt("Subnetwork of the TPU VM.", panel=VM)]
-ServiceAccount = Annotated[str | None, _opt("The VM's service account email (default: Compute Engine's default).",
+ServiceAccount = Annotated[str | None, _opt("The VM's service account email (default: Compute Engine's default). "
+                                            "It deletes the slice when the job ends: the preflight checks that the "
+                                            "project grants it roles/tpu.admin (docs/cloud.md).",
                                             "--service-account", panel=VM)]
+InternalIps = Annotated[bool, _opt("No external IP on the TPU VMs (gcloud's --internal-ips, e.g. where "
+                                   "constraints/compute.vmExternalIpAccess forbids them): the subnetwork then needs "
+                                   "Cloud NAT or Private Google Access to reach the registry, the bucket and the TPU "
+                                   "API (docs/cloud.md).", "--internal-ips", panel=VM)]
 Reservation = Annotated[str | None, _opt("Use reserved capacity of this project (its own: the job's project).",
                                          panel=VM)]
 ValidUntil = Annotated[str | None, _opt("Give up waiting for capacity after a duration (6h) or at a time with its "
@@ -181,7 +188,8 @@ def submit(
     name: QrName = None, overrides: Overrides = None, dry_run: DryRun = False, on: On = "tpu-vm",
     submission_id: SubmissionId = None, runtime_version: RuntimeVersion = None, keep: Keep = False,
     watch: Watch = False, max_restarts: VmRestarts = None, interval: Interval = 30.0, network: Network = None,
-    subnetwork: Subnetwork = None, service_account: ServiceAccount = None, reservation: Reservation = None,
+    subnetwork: Subnetwork = None, service_account: ServiceAccount = None, internal_ips: InternalIps = False,
+    reservation: Reservation = None,
     valid_until: ValidUntil = None, max_run_duration: MaxRun = None, stall_timeout: StallTimeout = None,
     allow_unverified: AllowUnverified = False, queue: Queue = None, namespace: Namespace = None,
     cluster: Cluster = None, output_format: Format = None, preflight: Preflight = None, *, ctx: typer.Context,
@@ -211,7 +219,8 @@ def submit(
     from runner.cloud import launch
 
     vm = launch.TpuVmOptions(keep, watch, runtime_version, max_restarts, network, subnetwork, service_account,
-                             reservation, valid_until, max_run_duration, stall_timeout, allow_unverified)
+                             reservation, valid_until, max_run_duration, stall_timeout, allow_unverified,
+                             internal_ips)
     checks = _preflight if (not dry_run if preflight is None else preflight) else None
     try:
         done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,

@@ -55,6 +55,7 @@ class TpuVmOptions:
     max_run_duration: str | None = None
     stall_timeout: str | None = None
     allow_unverified: bool = False
+    internal_ips: bool = False
 
     def given(self) -> dict[str, bool]:
         """Each flag (as typed) and whether it was given."""
@@ -241,7 +242,8 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
         need_project=on != "skypilot",  # SkyPilot's API server picks the project (engines.FLAG_TARGETS)
         creates_vm=on in ("tpu-vm", "skypilot"),  # GKE and Vertex AI choose the host's software
         runtime_version=vm.runtime_version, name=name, max_restarts=vm.max_restarts, network=vm.network,
-        subnetwork=vm.subnetwork, service_account=vm.service_account, reservation=vm.reservation,
+        subnetwork=vm.subnetwork, service_account=vm.service_account, internal_ips=vm.internal_ips,
+        reservation=vm.reservation,
         valid_until=vm.valid_until, submission_id=submission_id, max_run_duration=vm.max_run_duration,
         stall_timeout=vm.stall_timeout, allow_unverified=vm.allow_unverified,
     )

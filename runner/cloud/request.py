@@ -91,7 +91,8 @@ def build_request(sub: Submission):
     service account, reservation and valid-until bound."""
     from google.cloud import tpu_v2
 
-    network = tpu_v2.NetworkConfig(network=sub.network or "default", enable_external_ips=True)
+    # gcloud sends enableExternalIps: true unless --internal-ips (then the field is left out: false).
+    network = tpu_v2.NetworkConfig(network=sub.network or "default", enable_external_ips=not sub.internal_ips)
     if sub.subnetwork:
         network.subnetwork = sub.subnetwork
     account = tpu_v2.ServiceAccount(scope=[SCOPE])
@@ -156,6 +157,7 @@ def gcloud_script(sub: Submission) -> str:
         *([f"--network={sub.network}"] if sub.network else []),
         *([f"--subnetwork={sub.subnetwork}"] if sub.subnetwork else []),
         *([f"--service-account={sub.service_account}"] if sub.service_account else []),
+        *(["--internal-ips"] if sub.internal_ips else []),
         *([f"--reservation-host-project={sub.reservation}"] if sub.reservation else []),
         *valid,
         '--metadata-from-file="startup-script=$startup"',

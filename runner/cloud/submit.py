@@ -77,6 +77,7 @@ class Submission:
     network: str | None = None
     subnetwork: str | None = None
     service_account: str | None = None
+    internal_ips: bool = False  # no external IP (gcloud's --internal-ips): Cloud NAT or Private Google Access
     reservation: str | None = None  # the project whose reservations the TPU may use
     valid_until: str | None = None  # a duration (6h, 1h30m), or an RFC 3339 time as gcloud sends it
     max_run_s: int | None = None  # the job's wall-clock limit (None: no limit)
@@ -213,6 +214,7 @@ def prepare_submission(
     network: str | None = None,
     subnetwork: str | None = None,
     service_account: str | None = None,
+    internal_ips: bool = False,
     reservation: str | None = None,
     valid_until: str | None = None,
     submission_id: str | None = None,
@@ -288,6 +290,7 @@ def prepare_submission(
         network=network,
         subnetwork=subnetwork,
         service_account=service_account,
+        internal_ips=internal_ips,
         reservation=reservation,
         valid_until=valid_until_text(valid_until) if valid_until else None,
         max_run_s=max_run_s,

@@ -6,6 +6,10 @@
                        the same client `runner submit` uses (runner/cloud/tpu_api.py, its endpoint override)
     tpu_type           the TPU type is among the zone's acceleratorTypes
     quota              said to be unknown: the TPU API reports no quota
+    vm_permissions     (--on tpu-vm) the project's IAM policy (Cloud Resource Manager v1 getIamPolicy, as `gcloud
+                       projects get-iam-policy` reads it) grants the service account the TPU VM runs as (the
+                       --service-account, else the project's Compute Engine default) a role that holds the TPU
+                       delete and get permissions its startup script uses to delete the slice (VM_ROLES)
     engine             (--on skypilot|gke|vertex) the engine's API answers its client's cheapest call
     bucket_read        data.train's folder lists objects (google-cloud-storage; STORAGE_EMULATOR_HOST honoured)
     bucket_write       a probe object is written, read back and deleted under output.dir
@@ -16,7 +20,8 @@ each check says the command that fixes it. Every call runs in a daemon thread bo
 (runner/device/bounded.py): a DNS lookup ignores socket timeouts. No client retries: a preflight that
 waited out a retry budget would be slower than the failure it predicts.
 
-`RUNNER_REGISTRY_ENDPOINT` (tests, private mirrors) replaces the registry's https://HOST with another base URL.
+`RUNNER_REGISTRY_ENDPOINT` (tests, private mirrors) replaces the registry's https://HOST with another base URL;
+gcloud's CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER replaces https://cloudresourcemanager.googleapis.com/.
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ _MANIFEST_TYPES = ", ".join((
 _GOOGLE_REGISTRY = re.compile(r"^(?:[a-z0-9-]+-docker\.pkg\.dev|(?:[a-z]+\.)?gcr\.io)$")
 _REFERENCE = re.compile(r"^(?P<host>[^/]+)/(?P<name>[^:@]+)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>\S+))?$")
 _NOT_RUN = "not run: no credentials or no project (see cloud_credentials)"
+RESOURCE_MANAGER_ENV = "CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER"
+RESOURCE_MANAGER = "https://cloudresourcemanager.googleapis.com/"
+# The role the TPU VM's service account needs to delete its own slice and read its state (the startup script's
+# `gcloud compute tpus queued-resources delete --force` and `describe`): Google's "Cloud TPU roles and
+# permissions" page (https://cloud.google.com/iam/docs/roles-permissions/tpu) gives TPU Admin `tpu.*`, among them
+# tpu.nodes.delete, tpu.nodes.get, tpu.operations.get, and lists no separate queued-resource permission, so
+# whatever the queued-resource calls check, it holds it. Editor and Owner hold every tpu.* permission as well.
+VM_ROLE = "roles/tpu.admin"
+VM_ROLES = (VM_ROLE, "roles/editor", "roles/owner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +340,61 @@ def check_image(access: Access, image: str, environ: dict[str, str], timeout: fl
                  "account, which needs roles/artifactregistry.reader", data={"digest": digest})
 
 
+def _resource_manager(access: Access, environ: dict[str, str], path: str, body: dict[str, Any] | None,
+                      timeout: float) -> dict[str, Any]:
+    """One Cloud Resource Manager v1 call with the access token (GET, or POST of `body`); raises urllib's errors."""
+    base = (environ.get(RESOURCE_MANAGER_ENV) or RESOURCE_MANAGER).rstrip("/")
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{base}/v1/{path}", data=data, method="GET" if body is None else "POST",
+                                      headers={"Authorization": f"Bearer {access.token}",
+                                               "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read() or b"{}")
+
+
+def vm_grant(project: str, account: str) -> str:
+    """The command that lets the TPU VM's service account delete its own slice."""
+    return (f"gcloud projects add-iam-policy-binding {project} --member=serviceAccount:{account} "
+            f"--role={VM_ROLE}")
+
+
+def check_vm_permissions(access: Access, service_account: str | None, environ: dict[str, str],
+                         timeout: float) -> Check:
+    """The project's IAM policy grants the TPU VM's service account one of VM_ROLES (a grant on a folder, the
+    organisation or a group is not seen here: such a setup passes with --no-preflight)."""
+    project = access.project
+    account = service_account
+    try:
+        if account is None:  # the Compute Engine default: PROJECT_NUMBER-compute@developer.gserviceaccount.com
+            number = _resource_manager(access, environ, f"projects/{project}", None, timeout).get("projectNumber")
+            account = f"{number}-compute@developer.gserviceaccount.com"
+        policy = _resource_manager(access, environ, f"projects/{project}:getIamPolicy",
+                                   {"options": {"requestedPolicyVersion": 3}}, timeout)
+    except urllib.error.HTTPError as exc:
+        what = "read the project's IAM policy" if account else "read the project's number"
+        shown = account or "the Compute Engine default service account"
+        return Check("vm_permissions", "warn", f"not checked: denied ({exc.code}): could not {what} for "
+                     f"{project}: {exc.read()[:200].decode(errors='replace').strip()}",
+                     f"make sure the TPU VM's service account ({shown}) holds {VM_ROLE}: "
+                     f"{vm_grant(project, account or 'PROJECT_NUMBER-compute@developer.gserviceaccount.com')}")
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        return Check("vm_permissions", "fail", f"unreachable: Cloud Resource Manager: {reason(exc)}",
+                     f"check DNS, the network and https_proxy (and {RESOURCE_MANAGER_ENV} if set)")
+    member = f"serviceAccount:{account}"
+    held = sorted({binding.get("role", "?") for binding in policy.get("bindings", [])
+                   if member in binding.get("members", [])})
+    data = {"service_account": account, "roles": held}
+    granted = [role for role in held if role in VM_ROLES]
+    if granted:
+        return Check("vm_permissions", "ok", f"present: {project} grants the TPU VM's service account {account} "
+                     f"{', '.join(granted)}, which holds the TPU delete and get permissions: the slice can delete "
+                     "itself", data=data)
+    return Check("vm_permissions", "fail", f"missing: {project}'s IAM policy grants the TPU VM's service account "
+                 f"{account} none of {', '.join(VM_ROLES)} (it holds {', '.join(held) or 'no role there'}): the "
+                 "VM could not delete its own slice when the job ends, which would bill until `runner cancel`",
+                 vm_grant(project, account), data=data)
+
+
 def _spec_path(spec: JobSpec | None, key: str) -> str | None:
     if spec is None:
         return None
@@ -334,7 +403,7 @@ def _spec_path(spec: JobSpec | None, key: str) -> str | None:
 
 
 def _fixes_unasked(project: str, zone: str, tpu_type: str, on: str, spec: JobSpec | None,
-                   image: str | None) -> dict[str, str]:
+                   image: str | None, service_account: str | None = None) -> dict[str, str]:
     """Per check not run (no credentials): the command that settles it, so one pass of the doctor lists every
     step and not only the first."""
     fixes = {
@@ -347,6 +416,7 @@ def _fixes_unasked(project: str, zone: str, tpu_type: str, on: str, spec: JobSpe
                           f"{project} (a cluster with JobSet installed)",
                    "skypilot": "sky api start (or set SKYPILOT_API_SERVER_ENDPOINT), then sky check gcp"}.get(on, ""),
         "image": f"pass --image REGION-docker.pkg.dev/{project}/runner/runner:tpu, as `runner submit` will",
+        "vm_permissions": vm_grant(project, service_account or "PROJECT_NUMBER-compute@developer.gserviceaccount.com"),
     }
     for name, key in (("bucket_read", "data.train"), ("bucket_write", "output.dir")):
         path = _spec_path(spec, key)
@@ -379,13 +449,15 @@ def preflight(
     spec: JobSpec | None = None,
     timeout: float = 30.0,
     clients: CloudClients,
+    service_account: str | None = None,
 ) -> list[Check]:
     """The cloud checks, in order, each bounded by `timeout` seconds; never raises for a failed check.
 
     `spec` gives the buckets (data.train's folder is read, output.dir written); without it they are not
-    checked. Credentials come from CLOUDSDK_AUTH_ACCESS_TOKEN, else Application Default Credentials, as
-    `runner submit`'s own calls get them (runner/cloud/tpu_api.py), and every endpoint override is read from
-    the environment as the clients themselves read it."""
+    checked. `service_account`: the TPU VM's (--service-account; None: the project's Compute Engine default),
+    whose roles are checked for --on tpu-vm. Credentials come from CLOUDSDK_AUTH_ACCESS_TOKEN, else Application
+    Default Credentials, as `runner submit`'s own calls get them (runner/cloud/tpu_api.py), and every endpoint
+    override is read from the environment as the clients themselves read it."""
     environ = dict(os.environ)
     if on not in ENGINES:
         raise ValueError(f"--on {on!r}: choose one of {', '.join(ENGINES)}")
@@ -398,10 +470,10 @@ def preflight(
 
     found.append(bounded("cloud_credentials", timeout, credentials))
     access = holder.get("access")
-    names = ["tpu_api", "tpu_type", "quota", *(["engine"] if on != "tpu-vm" else []), "bucket_read", "bucket_write",
-             "image"]
+    names = [*(["vm_permissions"] if on == "tpu-vm" else []), "tpu_api", "tpu_type", "quota",
+             *(["engine"] if on != "tpu-vm" else []), "bucket_read", "bucket_write", "image"]
     if access is None:
-        fixes = _fixes_unasked(project or "PROJECT", zone, tpu_type, on, spec, image)
+        fixes = _fixes_unasked(project or "PROJECT", zone, tpu_type, on, spec, image, service_account)
         return found + [Check(name, "fail", _NOT_RUN, f"after cloud_credentials: {fixes[name]}") for name in names]
 
     load_client(on)  # made outside the bounds, as the TPU client is: they time answers, not imports
@@ -412,6 +484,9 @@ def preflight(
                         "check the cluster's TPU node pool: gcloud container node-pools list --cluster CLUSTER "
                         f"--location {region(zone)}") for name in ("tpu_api", "tpu_type")]
     else:
+        if on == "tpu-vm":  # only a TPU VM deletes its own slice, with its own service account
+            found.append(bounded("vm_permissions", timeout,
+                                 lambda: check_vm_permissions(access, service_account, environ, timeout)))
         client = clients.tpu()
         found.append(bounded("tpu_api", timeout, lambda: check_tpu_api(client, access, zone, timeout)))
         found.append(bounded("tpu_type", timeout, lambda: check_tpu_type(client, access, zone, tpu_type, timeout)))

@@ -20,6 +20,8 @@ def cloud_env(tpu_endpoint: str, folder: Path, **extra: str) -> dict[str, str]:
     own state live in `folder`."""
     return cli_env(
         CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=f"{tpu_endpoint}/",
+        # the preflight's IAM check (the project and its policy): the fake serves Cloud Resource Manager too
+        CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER=f"{tpu_endpoint}/",
         RUNNER_REGISTRY_ENDPOINT=tpu_endpoint,  # the preflight's image check: the fake serves a registry too
         CLOUDSDK_AUTH_ACCESS_TOKEN="fake-token",
         CLOUDSDK_CORE_CHECK_GCE_METADATA="false",

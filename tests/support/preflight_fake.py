@@ -11,6 +11,9 @@ One process answers every API at its own paths (each client is pointed at it by 
     GET /api/health                                            SkyPilot's API server: healthy
     GET /v2/NAME/manifests/REF                                 Docker Registry HTTP API v2: a manifest with its
                                                                Docker-Content-Digest, or 404 MANIFEST_UNKNOWN
+    GET /v1/projects/P, POST /v1/projects/P:getIamPolicy       Cloud Resource Manager v1: the project (number
+                                                               PROJECT_NUMBER) and its IAM policy (iam_answer;
+                                                               also served by tpu_fake.py)
 Errors in each API's own form: Google's {"error": {...}} (with an ErrorInfo reason), Kubernetes' Status, the
 registry's {"errors": [{"code", "message"}]}.
 
@@ -26,6 +29,8 @@ Control endpoints:
                          requests whose path starts with the prefix are refused (several rules may stand; {}
                          clears them)
     POST /_fake/groups   {"groups": [APIGroup...]}       the Kubernetes API groups from now on ([]: no JobSet)
+    POST /_fake/iam      {"bindings": [{"role", "members"}...]}   every project's IAM policy from now on ({}: the
+                         default, default_bindings)
     POST /_fake/reset    forgets requests, images, offers and denials
     GET  /_fake/requests every API request: method, path, query, body, authorization
 From a test: `with start_preflight_fake(folder) as fake:` gives `fake.endpoint`, `fake.requests()`, `fake.image()`,
@@ -50,6 +55,8 @@ _TPU = re.compile(r"^/v2/projects/([^/]+)/locations/([^/]+)/(nodes|queuedResourc
 _VERTEX = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/customJobs$")
 _MANIFEST = re.compile(r"^/v2/(.+)/manifests/([^/]+)$")
 _ENABLE = re.compile(r"^/v1/projects/([^/]+)/services(?:/([^/:]+))?:(enable|batchEnable)$")
+_PROJECT = re.compile(r"^/v1/projects/([^/:]+)(:getIamPolicy)?$")
+PROJECT_NUMBER = "123456789012"
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 DEFAULT_OFFER = {"us-central1-a": ["v2-8", "v3-8", "v5litepod-1", "v5litepod-4", "v5litepod-8"]}
 
@@ -65,6 +72,30 @@ class Preflight(Recorder):
         self.offers: dict[str, list[str]] = {zone: list(types) for zone, types in DEFAULT_OFFER.items()}
         self.denials: list[dict[str, Any]] = []
         self.groups: list[dict[str, Any]] = [JOBSET_GROUP]  # the cluster's API groups (GET /apis/)
+        self.iam: list[dict[str, Any]] | None = None  # every project's IAM bindings (None: default_bindings)
+
+
+def default_bindings(project: str) -> list[dict[str, Any]]:
+    """A new project's policy as the tests meet it: Editor for the Compute Engine default service account (Google
+    grants it unless an organisation policy turns that off) and TPU Admin for runner@PROJECT."""
+    default = f"serviceAccount:{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+    return [{"role": "roles/editor", "members": [default, "user:owner@example.com"]},
+            {"role": "roles/tpu.admin", "members": [f"serviceAccount:runner@{project}.iam.gserviceaccount.com"]}]
+
+
+def iam_answer(method: str, path: str, bindings: list[dict[str, Any]] | None) -> tuple[int, Any] | None:
+    """Cloud Resource Manager v1's GET projects/P and POST projects/P:getIamPolicy (None: not such a path)."""
+    match = _PROJECT.match(path)
+    if not match:
+        return None
+    project, policy = match.groups()
+    if policy and method == "POST":
+        return 200, {"version": 1, "etag": "BwYfake=", "bindings": default_bindings(project) if bindings is None
+                     else bindings}
+    if not policy and method == "GET":
+        return 200, {"projectNumber": PROJECT_NUMBER, "projectId": project, "lifecycleState": "ACTIVE",
+                     "name": project}
+    return None
 
 
 def _google_error(code: int, status: str, message: str, reason: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -125,6 +156,8 @@ class Handler(FakeHandler):
         for rule in state.denials:
             if path.startswith(rule["prefix"]):
                 return _denied(path, rule)
+        if (found := iam_answer(method, path, state.iam)) is not None:
+            return found
         if method != "GET":
             return _google_error(405, "UNIMPLEMENTED", f"{method} {path} is not part of this fake")
         if match := _MANIFEST.match(path):
@@ -158,6 +191,8 @@ class Handler(FakeHandler):
             state.denials = [] if not body else [*state.denials, body]
         elif method == "POST" and path == "/_fake/groups":
             state.groups = list(body["groups"])
+        elif method == "POST" and path == "/_fake/iam":
+            state.iam = body.get("bindings")
         elif method == "POST" and path == "/_fake/reset":
             state.reset()
         else:
@@ -179,6 +214,10 @@ class PreflightFake(FakeClient):
 
     def groups(self, groups: list[dict[str, Any]]) -> None:
         self.call("POST", "/_fake/groups", {"groups": groups})
+
+    def iam(self, bindings: list[dict[str, Any]] | None) -> None:
+        """Every project's IAM bindings from now on (None: default_bindings)."""
+        self.call("POST", "/_fake/iam", {"bindings": bindings})
 
     def reset(self) -> None:
         self.call("POST", "/_fake/reset", {})

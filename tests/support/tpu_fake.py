@@ -17,6 +17,8 @@ and what `runner submit`'s preflight reads (runner/doctor/cloud.py), so that a s
     GET    /v2/projects/P/locations/Z/nodes | acceleratorTypes             the nodes; every type runner submits
     GET    /v2/NAME/manifests/REF                                          a registry holding every image but
                                                                            those POST /_fake/registry removes
+    GET    /v1/projects/P, POST /v1/projects/P:getIamPolicy                Cloud Resource Manager: the project and
+                                                                           its IAM policy (preflight_fake.iam_answer)
 Errors use Google's error body ({"error": {"code", "message", "status"}}): 404 NOT_FOUND, 409 ALREADY_EXISTS,
 400 FAILED_PRECONDITION (a delete without force of a queued resource whose node is up, as the API refuses).
 
@@ -45,6 +47,7 @@ Control endpoints for the tests:
     GET  /_fake/boots               every VM boot so far: queued resource, node, folder, pids, exit codes
     GET  /_fake/entries             every Cloud Logging entry written
     POST /_fake/registry            {"missing": [[NAME, REF], ...]}: the images the registry does not hold
+    POST /_fake/iam                 {"bindings": [...]}: every project's IAM policy ({}: the default)
     POST /_fake/reset               forgets requests, resources, entries and configuration (kills VMs)
     GET  /_fake/health              "ok"
 The process exits by itself after --ttl seconds (killing its VMs), so a lost fixture never leaves it running.
@@ -72,7 +75,7 @@ from typing import Any
 
 from runner.cloud.tpu_types import multi_host_types, single_host_types
 from tests.support.fake_server import FakeClient, FakeHandler, Recorder, serve, start_fake
-from tests.support.preflight_fake import manifest_answer
+from tests.support.preflight_fake import iam_answer, manifest_answer
 
 _MANIFEST = re.compile(r"^/v2/(?!projects/)(.+)/manifests/([^/]+)$")
 
@@ -176,6 +179,7 @@ class Fake(Recorder):
         self.failing = 0  # the next this many API requests answer `failing_status`
         self.failing_status = 503
         self.missing_images: set[tuple[str, str]] = set()  # what the registry does not hold (all else it does)
+        self.iam: list[dict[str, Any]] | None = None  # every project's IAM bindings (None: the default)
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -430,6 +434,7 @@ class Fake(Recorder):
         self.entries.clear(), self.vms.clear(), self.timers.clear(), self.incarnations.clear()
         self.lifecycle, self.boot, self.failing, self.failing_status = dict(_DEFAULT_LIFECYCLE), None, 0, 503
         self.missing_images: set[tuple[str, str]] = set()
+        self.iam = None
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -535,6 +540,8 @@ class Handler(FakeHandler):
             return _error(503, "UNAVAILABLE", "the service is unavailable (fake)")
         if method == "GET" and (match := _MANIFEST.match(url.path)):
             return manifest_answer(self, *match.groups(), present=tuple(match.groups()) not in fake.missing_images)
+        if (found := iam_answer(method, url.path, fake.iam)) is not None:
+            return found
         return handle(fake, method, url.path, urllib.parse.parse_qs(url.query), body)
 
     def _control(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -554,6 +561,9 @@ class Handler(FakeHandler):
             return 200, {"lifecycle": fake.lifecycle, "boot": fake.boot}
         if path == "/_fake/registry" and method == "POST":
             fake.missing_images = {tuple(image) for image in body.get("missing", [])}
+            return 200, {}
+        if path == "/_fake/iam" and method == "POST":
+            fake.iam = body.get("bindings")
             return 200, {}
         if path == "/_fake/state" and method == "POST":
             try:
@@ -606,6 +616,10 @@ class TpuFake(FakeClient):
     def lose_image(self, name: str, reference: str) -> None:
         """The registry no longer holds NAME:REF (its manifest answers 404 MANIFEST_UNKNOWN)."""
         self.call("POST", "/_fake/registry", {"missing": [[name, reference]]})
+
+    def iam(self, bindings: list[dict[str, Any]] | None) -> None:
+        """Every project's IAM bindings from now on (None: the default, preflight_fake.default_bindings)."""
+        self.call("POST", "/_fake/iam", {"bindings": bindings})
 
     def reset(self) -> None:
         self.call("POST", "/_fake/reset", {})

@@ -61,7 +61,8 @@ NEVER_RETRY = (EXIT_TRAINING, EXIT_USAGE, EXIT_TIME_LIMIT)
 # Which targets each flag of `runner submit` means something to; any other target refuses it.
 FLAG_TARGETS = {
     "--keep": ("tpu-vm",), "--watch": ("tpu-vm",), "--network": ("tpu-vm",), "--subnetwork": ("tpu-vm",),
-    "--service-account": ("tpu-vm",), "--reservation": ("tpu-vm",), "--valid-until": ("tpu-vm",),
+    "--service-account": ("tpu-vm",), "--internal-ips": ("tpu-vm",), "--reservation": ("tpu-vm",),
+    "--valid-until": ("tpu-vm",),
     "--runtime-version": ("tpu-vm", "skypilot"),
     "--max-restarts": ("tpu-vm", "gke"),
     "--max-run-duration": TARGETS, "--stall-timeout": TARGETS,
