@@ -23,6 +23,7 @@ from runner.device.host import TCMALLOC_PRELOAD
 from runner.doctor import checks, jax_tpu, versions
 from runner.spec.types import AcceleratorSpec
 from tests.conftest import REPO
+from tests.support.metadata_fake import start_metadata_fake
 
 
 def spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -244,7 +245,7 @@ def test_tpu_precedence_spec_then_tpu_name_then_colab_then_device_files(tmp_path
     assert host.tpu_target(None, {"TPU_NAME": "env-tpu"}, dev_root=str(tmp_path)) == "env-tpu"
 
 
-# --- TPU device API ----------------------------------------------------------------------------
+# --- the hosts of a TPU slice ---------------------------------------------------------------
 
 
 def closed_port() -> int:
@@ -255,37 +256,37 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_tpu_runtime_says_what_each_generation_needs_and_what_is_set(tmp_path: Path) -> None:
-    library = tmp_path / "libtpu.so"
-    library.write_bytes(b"\x7fELF stand-in")
-    local = {"TPU_NAME": "local", "GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
-    v5e = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v5litepod-8",
-                                                       "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": str(library)})
-    assert v5e.status == "ok" and v5e.evidence.startswith("v5litepod-8 (TPU_ACCELERATOR_TYPE) needs PJRT; ")
-    assert ("`runner run` sets, before TensorFlow loads: PJRT_DEVICE=TPU, NEXT_PLUGGABLE_DEVICE_USE_C_API=true, "
-            "TF_XLA_FLAGS=--tf_mlir_enable_mlir_bridge=true") in v5e.evidence
-    assert f"already set here: TF_PLUGGABLE_DEVICE_LIBRARY_PATH={library}" in v5e.evidence
-    assert v5e.data["device_api"] == "pjrt" and v5e.data["target"] == "local"
-    v4 = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v4-8"})
-    assert (v4.status, v4.evidence) == ("ok", "v4-8 (TPU_ACCELERATOR_TYPE) needs stream executor; nothing to set")
-    remote = checks.check_tpu_runtime(AcceleratorSpec(), {"COLAB_TPU_ADDR": "10.0.0.2:8470"})
-    assert remote.status == "ok" and remote.evidence.startswith("a remote TPU (grpc://10.0.0.2:8470): stream executor")
+def test_the_hosts_of_a_slice_are_found_where_jax_finds_them(tmp_path: Path) -> None:
+    silent = {"GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
+    gke = checks.slice_hosts({**silent, "TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-3"}, local_tpu=True)
+    assert (gke.hosts, gke.found_by) == (4, "TPU_WORKER_HOSTNAMES lists 4 hosts")
+    # A type bigger than one host: 16 v5e chips are 4 VMs of 4 (the TPU table); a v5p-16 counts TensorCores.
+    for accelerator_type, hosts in (("v5litepod-16", 4), ("v5p-16", 2), ("v5litepod-8", 1), ("v6e-8", 1)):
+        found = checks.slice_hosts({**silent, "TPU_ACCELERATOR_TYPE": accelerator_type}, local_tpu=True)
+        assert found.hosts == hosts, (accelerator_type, found)
+    assert checks.slice_hosts({**silent, "TPU_ACCELERATOR_TYPE": "v9-64"}, local_tpu=True).hosts == 1, "unknown"
+    with start_metadata_fake(tmp_path, ttl_s=60, accelerator_type="v5litepod-8",
+                             worker_network_endpoints="w-0:0:10.0.0.2,w-1:1:10.0.0.3") as metadata:
+        vm = checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=True)
+        assert (vm.hosts, vm.accelerator_type) == (2, "v5litepod-8") and "worker-network-endpoints" in vm.found_by
+        metadata.set(worker_network_endpoints="w-0:0:10.0.0.2", accelerator_type="v5p-32")
+        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=True).found_by == (
+            "v5p-32 (the metadata server) is 16 chips on 4 hosts (the TPU table)")
+        # Not a TPU VM (no local TPU), or JAX told not to ask (TPU_SKIP_MDS_QUERY): the server is left alone.
+        asked = len(metadata.requests())
+        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=False).hosts == 1
+        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host, "TPU_SKIP_MDS_QUERY": "1"}, True).hosts == 1
+        assert len(metadata.requests()) == asked
 
 
-def test_tpu_runtime_fails_what_cannot_start_and_warns_on_an_unknown_generation(tmp_path: Path) -> None:
-    local = {"TPU_NAME": "local", "GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
-    no_libtpu = checks.check_tpu_runtime(AcceleratorSpec(kind="tpu"), {**local, "TPU_ACCELERATOR_TYPE": "v6e-8"})
-    assert (no_libtpu.status == "fail"
-            and "v6e-8 (TPU_ACCELERATOR_TYPE) needs PJRT; PJRT needs libtpu" in no_libtpu.evidence)
-    off = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TPU_ACCELERATOR_TYPE": "v5p-8",
-                                                       "NEXT_PLUGGABLE_DEVICE_USE_C_API": "0"})
-    assert off.status == "fail" and "NEXT_PLUGGABLE_DEVICE_USE_C_API=0 turns PJRT off, but v5p needs it" in off.evidence
-    library = tmp_path / "libtpu.so"
-    library.write_bytes(b"\x7fELF stand-in")
-    unknown = checks.check_tpu_runtime(AcceleratorSpec(), {**local, "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": str(library)})
-    assert unknown.status == "warn" and unknown.evidence.startswith("TPU generation unknown")
-    assert "TPU_ACCELERATOR_TYPE" in unknown.action
-    assert checks.check_tpu_runtime(AcceleratorSpec(kind="cpu"), local).evidence.startswith("not used")
+def test_a_metadata_server_that_never_answers_is_one_host_within_the_bound() -> None:
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        began = time.monotonic()
+        found = checks.slice_hosts({"GCE_METADATA_HOST": f"127.0.0.1:{silent.getsockname()[1]}"}, True, timeout=1.0)
+    assert found.hosts == 1 and time.monotonic() - began < 3
 
 
 # --- libtpu lockfile ---------------------------------------------------------------------------

@@ -23,14 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from runner.device import tpus
+from runner.device.bounded import Bounded
 from runner.device.host import (
     TCMALLOC_PRELOAD,
     allocator_in_use,
     named_tpu,
     tpu_devices,
-    tpu_target,
 )
-from runner.device.tpu_env import choose_tpu_env
 from runner.spec.types import AcceleratorSpec
 
 # The variable points the lockfile check away from host.LIBTPU_LOCKFILE (tests, odd setups only).
@@ -92,41 +92,65 @@ def check_devices(accelerator: AcceleratorSpec, environ: dict[str, str], dev_roo
     return Check("devices", "warn", evidence, "nothing, unless this should be a TPU VM", data=data)
 
 
-# --- TPU device API ----------------------------------------------------------------------------
+# --- the hosts of a TPU slice -----------------------------------------------------------------
 
 
-def check_tpu_runtime(accelerator: AcceleratorSpec, environ: dict[str, str], dev_root: str = "/dev") -> Check:
-    """The device API the TPU's generation needs (runner/device/tpu_env.py), what is set for it here, and what
-    `runner run` sets itself before TensorFlow loads."""
-    target = tpu_target(accelerator.tpu, environ, dev_root) if accelerator.kind in ("auto", "tpu") else None
-    if target is None:
-        return Check("tpu_runtime", "ok", f"not used: no TPU is named or found (accelerator.kind {accelerator.kind!r}; "
-                     "see the devices check)")
-    chosen = choose_tpu_env(target, dict(environ))
-    data = {"target": target, **chosen.to_dict()}
-    shown = lambda values: ", ".join(f"{k}={v}" for k, v in values.items())
-    if chosen.accelerator_type:
-        parts = [f"{chosen.accelerator_type} ({chosen.generation_from}) needs {chosen.api}"]
-    elif chosen.generation_from == "the TPU address":
-        parts = [f"a remote TPU ({target}): {chosen.api}, TensorFlow's default"]
-    else:
-        parts = [f"TPU generation unknown (TPU_ACCELERATOR_TYPE unset, the metadata server silent): "
-                 f"{chosen.api} is chosen"]
-    if chosen.problem:
-        return Check("tpu_runtime", "fail", f"{parts[0]}; {chosen.problem}", "see docs/tpu.md (TPU image)", data=data)
-    if chosen.settings:
-        parts.append(f"`runner run` sets, before TensorFlow loads: {shown(chosen.settings)}")
-    if chosen.found:
-        parts.append(f"already set here: {shown(chosen.found)}")
-    if not chosen.settings and not chosen.found:
-        parts.append("nothing to set")
-    if chosen.libtpu:
-        parts.append(f"libtpu {chosen.libtpu}")
-    evidence = "; ".join(parts)
-    if chosen.generation_from == "unknown" and chosen.device_api == "pjrt":
-        action = "set TPU_ACCELERATOR_TYPE to this TPU's type (e.g. v5litepod-8) to choose by generation"
-        return Check("tpu_runtime", "warn", evidence, action, data=data)
-    return Check("tpu_runtime", "ok", evidence, data=data)
+@dataclasses.dataclass(frozen=True)
+class SliceHosts:
+    """The hosts of the TPU slice this machine belongs to (1: a TPU of one host, or nothing says otherwise)."""
+
+    hosts: int
+    found_by: str  # what said so
+    accelerator_type: str | None = None
+
+
+def _endpoints(text: str) -> list[str]:
+    # worker-network-endpoints: comma-separated, each a hostname or name:id:ip (jax's cloud_tpu_cluster.py).
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _hosts_of_type(accelerator_type: str) -> tuple[int, str] | None:
+    """(hosts, how) of an accelerator type from the TPU table; None for a type the table does not know."""
+    generation = tpus.generation_of(accelerator_type)
+    size = accelerator_type.strip().rpartition("-")[2]
+    if generation is None or not size.isdigit():
+        return None
+    chips = generation.chips(int(size))
+    hosts = generation.hosts(chips)
+    return hosts, f"{chips} chips on {hosts} hosts (the TPU table)"
+
+
+def slice_hosts(environ: dict[str, str], local_tpu: bool, timeout: float = 3.0) -> SliceHosts:
+    """How many hosts the TPU here spans, found where JAX's own cluster detection looks
+    (jax/_src/clusters/cloud_tpu_cluster.py): GKE's TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES; on a TPU VM
+    (`local_tpu`; not with TPU_SKIP_MDS_QUERY) the metadata server's worker-network-endpoints; and the accelerator
+    type (TPU_ACCELERATOR_TYPE, else the metadata's accelerator-type) against the TPU table's chips per host.
+    The metadata server is asked once for both keys, within `timeout`; silence means one host."""
+    names = "TPU_PROCESS_ADDRESSES" if environ.get("TPU_PROCESS_ADDRESSES") else "TPU_WORKER_HOSTNAMES"
+    listed = _endpoints(environ.get(names, ""))
+    if len(listed) > 1:
+        return SliceHosts(len(listed), f"{names} lists {len(listed)} hosts", environ.get("TPU_ACCELERATOR_TYPE"))
+    metadata: dict[str, str] = {}
+    if local_tpu and environ.get("TPU_SKIP_MDS_QUERY") is None:
+        def ask() -> None:
+            for key in ("worker-network-endpoints", "accelerator-type"):
+                try:
+                    metadata[key] = _metadata(environ, f"instance/attributes/{key}", timeout / 2).strip()
+                except (OSError, urllib.error.URLError, ValueError):
+                    pass
+        try:
+            Bounded("doctor-slice-hosts", ask).result(timeout)
+        except TimeoutError:
+            pass  # what came within the bound is used
+    endpoints = _endpoints(metadata.get("worker-network-endpoints", ""))
+    accelerator_type = environ.get("TPU_ACCELERATOR_TYPE") or metadata.get("accelerator-type") or None
+    if len(endpoints) > 1:
+        return SliceHosts(len(endpoints), f"the metadata server's worker-network-endpoints lists {len(endpoints)} "
+                          "hosts", accelerator_type)
+    if accelerator_type and (counted := _hosts_of_type(accelerator_type)) and counted[0] > 1:
+        source = "TPU_ACCELERATOR_TYPE" if environ.get("TPU_ACCELERATOR_TYPE") else "the metadata server"
+        return SliceHosts(counted[0], f"{accelerator_type} ({source}) is {counted[1]}", accelerator_type)
+    return SliceHosts(1, "one host: nothing lists several", accelerator_type)
 
 
 # --- memory allocator --------------------------------------------------------------------------

@@ -5,6 +5,10 @@ else through the `libtpu` package, loads it as its PJRT plugin and asks it for T
 falls back to the CPU after a page of libtpu warnings, which says nothing a user can act on; with a TPU held
 by another process libtpu can hang. So the child does exactly that (`python -m runner.doctor.jax_tpu`), bounded
 and killed when it outlives the bound, and what it saw becomes one line naming the cause and the fix.
+
+On a slice of several hosts the TPU is not started: libtpu waits there until every host has started it
+(jax-ml/jax#12456, #19971), which `jax.distributed` arranges in the job's own join, not a doctor run on one
+host. The child then only finds libtpu and imports jax (`--no-start`): the job's join checks the rest.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import subprocess
 import sys
 import time
 
-from runner.doctor.checks import Check
+from runner.doctor.checks import Check, SliceHosts
 
 _NO_TPU_FIX = ("run on a TPU VM (v5e, v5p, v6e) and start the container with --privileged --net=host, so that it "
                "sees /dev/accel* or /dev/vfio; on a machine without a TPU, the CPU image")
 
 
-def look() -> dict[str, object]:
-    """What JAX itself finds: libtpu's path (the package's and JAX's own lookup), jax, and the TPU devices."""
+def look(start: bool = True) -> dict[str, object]:
+    """What JAX itself finds: libtpu's path (the package's and JAX's own lookup), jax, and (`start`) the TPU
+    devices; `import jax` alone starts no backend."""
     seen: dict[str, object] = {}
     try:
         import libtpu
@@ -40,6 +45,8 @@ def look() -> dict[str, object]:
     import jax
 
     seen["jax"] = jax.__version__
+    if not start:
+        return seen
     try:
         devices = jax.devices("tpu")
         seen.update(tpu_devices=len(devices), device_kind=devices[0].device_kind)
@@ -53,12 +60,15 @@ def _stderr_tail(text: str) -> str:
     return " | ".join(line[:300] for line in lines[-2:]) or "nothing on stderr"
 
 
-def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str]) -> Check:
-    """JAX's TPU start, as a job would meet it: ok with a TPU; without one a fail when a TPU is wanted, else a warn."""
+def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str], hosts: SliceHosts | None = None) -> Check:
+    """JAX's TPU start, as a job would meet it: ok with a TPU; without one a fail when a TPU is wanted, else a warn.
+    On a slice of several `hosts` the TPU is not started (see the module's docstring): libtpu and jax are looked
+    up, and the check says why it went no further."""
     began = time.monotonic()
+    several = hosts is not None and hosts.hosts > 1
+    command = [sys.executable, "-m", "runner.doctor.jax_tpu", *(["--no-start"] if several else [])]
     try:
-        child = subprocess.run([sys.executable, "-m", "runner.doctor.jax_tpu"], capture_output=True, text=True,
-                               timeout=timeout, env=environ)
+        child = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
     except subprocess.TimeoutExpired as expired:  # subprocess.run killed the child by its PID
         stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
         return Check("jax", "fail", f"no answer within {timeout:g} s while JAX started its TPU backend; the child was "
@@ -75,7 +85,12 @@ def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str]) -> 
         return Check("jax", "fail", evidence, action, seconds)
     seen = json.loads(lines[-1])
     path, library = seen["jax_library_path"], seen["libtpu_path"]
-    if seen["tpu_devices"]:
+    if several and path is not None:
+        seen.update(hosts=hosts.hosts, hosts_found_by=hosts.found_by)
+        evidence = (f"not started: the TPU of a slice of {hosts.hosts} hosts starts only when every host joins: the "
+                    f"job's own join checks it ({hosts.found_by}); JAX {seen['jax']} finds libtpu at {path}")
+        return Check("jax", "ok", evidence, seconds=seconds, data=seen)
+    if seen.get("tpu_devices"):
         return Check("jax", "ok", f"JAX {seen['jax']} sees {seen['tpu_devices']} TPU devices ({seen['device_kind']}) "
                      f"through libtpu at {path}", seconds=seconds, data=seen)
     status = "fail" if tpu_wanted else "warn"
@@ -97,5 +112,6 @@ def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str]) -> 
                 "JAX alone falls back to the CPU")
     return Check("jax", status, evidence, _NO_TPU_FIX, seconds, seen)
 
+
 if __name__ == "__main__":
-    print(json.dumps(look()), flush=True)
+    print(json.dumps(look(start="--no-start" not in sys.argv[1:])), flush=True)

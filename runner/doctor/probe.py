@@ -1,6 +1,6 @@
 """The checks of `runner doctor` that import TensorFlow, run as `python -m runner.doctor.probe` in a child
-process that the doctor kills by its PID when a step outlives its bound (a hung TPU initialisation, an
-`import tensorflow` that aborts on a mismatched libtpu, a bucket that never answers).
+process that the doctor kills by its PID when a step outlives its bound (an `import tensorflow` that aborts or
+hangs, a bucket that never answers). TensorFlow never starts a TPU here: JAX's TPU check is jax_tpu.py's.
 
 Protocol: one JSON request on stdin, {"steps": [...], "spec": {...}, "bounds": {step: seconds}}; one JSON line per
 event on the stdout the process started with: {"begin": step}, {"check": {...}}, {"done": step}, then
@@ -22,7 +22,6 @@ from typing import Any, TextIO
 
 from runner.data import storage
 from runner.data.storage import is_gcs, split_gcs
-from runner.device.tpu_env import prepare_tpu_env
 from runner.doctor.checks import Check
 from runner.spec.types import JobSpec
 
@@ -46,60 +45,6 @@ def tensorflow_step(spec: JobSpec, bound: float) -> Iterator[Check]:
         f"TensorFlow {tf.__version__} and Keras {keras.__version__} imported in {seconds:.1f} s; "
         f"TensorFlow sees {len(tf.config.list_physical_devices('CPU'))} CPU and {gpus} GPU device(s)",
         data={"version": tf.__version__, "keras": keras.__version__, "import_s": round(seconds, 2), "gpus": gpus},
-    )
-
-
-def tpu_step(spec: JobSpec, bound: float) -> Iterator[Check]:
-    """What `runner run` would do about a TPU: the same target and the same connect_tpu, bounded."""
-    from runner import AcceleratorError
-    from runner.device.strategy import connect_tpu, tpu_target
-    from runner.device.tpu_env import applied_tpu_env
-
-    kind, target = spec.accelerator.kind, tpu_target(spec.accelerator)
-    if target is None:
-        if kind == "tpu":
-            yield Check(
-                "tpu", "fail", "accelerator.kind is 'tpu' but nothing names a TPU (accelerator.tpu, TPU_NAME, "
-                "COLAB_TPU_ADDR unset; no /dev/accel* or /dev/vfio/N)",
-                "run on a TPU VM (or set accelerator.tpu to a TPU name or grpc://host:8470)",
-            )
-        elif kind == "auto":
-            # Not a second warning: the devices check has already said there is no accelerator here.
-            yield Check(
-                "tpu", "ok", "not used: no TPU is named (accelerator.tpu, TPU_NAME, COLAB_TPU_ADDR unset) or found "
-                "(no /dev/accel*, /dev/vfio/N); a job here runs on GPU or CPU (see the devices check)",
-            )
-        else:
-            yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r}")
-        return
-    if kind in ("gpu", "cpu"):
-        yield Check("tpu", "ok", f"not used: accelerator.kind is {kind!r} (the TPU {target!r} is left alone)")
-        return
-    from runner.device import backend
-
-    chosen = backend.choose(spec.accelerator)
-    if chosen.name == "jax":  # TensorFlow (tensorflow-cpu beside JAX) never touches the TPU: the jax check asks JAX
-        yield Check("tpu", "ok", f"not tried through TensorFlow: the job computes with JAX ({chosen.reason}); the "
-                                 "jax check lists JAX's TPU devices")
-        return
-    began = time.monotonic()
-    try:
-        # Four fifths of the bound, so connect_tpu's own timeout (naming the step that hung) fires before the
-        # doctor's kill.
-        accelerator = connect_tpu(target, bound * 0.8)
-    except AcceleratorError as exc:
-        action = ("see runner/doctor/known_good.json for the libtpu that matches the TensorFlow wheel; "
-                  "the lockfile check")
-        runtime = applied_tpu_env()
-        data = {"target": target, "tpu_runtime": runtime.to_dict() if runtime else None}
-        yield Check("tpu", "fail", str(exc), action, data=data)
-        return
-    seconds = time.monotonic() - began
-    runtime = accelerator.tpu_runtime
-    yield Check(
-        "tpu", "ok", f"{accelerator.detail}; device API {runtime.describe()}; initialised in {seconds:.1f} s",
-        data={"target": target, "replicas": accelerator.replicas, "init_s": round(seconds, 2),
-              "tpu_runtime": runtime.to_dict() if runtime else None},
     )
 
 
@@ -221,7 +166,7 @@ def data_step(spec: JobSpec, bound: float) -> Iterator[Check]:
         yield _data_check(spec, key, pattern, bound * 0.6 / len(patterns))
 
 
-STEPS: dict[str, Step] = {"tensorflow": tensorflow_step, "tpu": tpu_step, "storage": storage_step, "data": data_step}
+STEPS: dict[str, Step] = {"tensorflow": tensorflow_step, "storage": storage_step, "data": data_step}
 
 
 def _save(spec: JobSpec, path: str, report: dict[str, Any]) -> Check:
@@ -247,8 +192,8 @@ def main() -> None:
     os.dup2(2, 1)  # whatever TensorFlow prints must not mix with the events
     request = json.loads(sys.stdin.readline())
     spec = JobSpec.model_validate(request["spec"])
-    # The device API `runner run` would set, set the same way before TensorFlow loads here.
-    prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
+    # Nothing of a TPU is set for TensorFlow: it feeds data on the host under both engines, and tensorflow-cpu
+    # loads whatever TF_PLUGGABLE_DEVICE_LIBRARY_PATH names while it imports (libtpu, which JAX owns).
     for step in request["steps"]:
         _emit(out, {"begin": step})
         began = time.monotonic()

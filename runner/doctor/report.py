@@ -2,23 +2,21 @@
 
     versions      Python/TensorFlow/Keras/JAX/libtpu against runner/doctor/known_good.json and jax's `tpu` extra
     devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
-    tpu_runtime   (a TPU job) the device API its generation needs (PJRT from v5e on) and what is set for it
     lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
-    jax           (a TPU wanted, or libtpu installed) JAX finds libtpu and a TPU, in a child process of its own
+    jax           (a TPU wanted, or libtpu installed) JAX finds libtpu and a TPU, in a child process of its own;
+                  on a slice of several hosts libtpu is found and the TPU left to the job's join
     credentials   where gs:// credentials come from (never printing a secret)
     gcs           whether the storage endpoint answers
-    tensorflow    `import tensorflow` in a child process (a mismatched libtpu aborts right here)
-    tpu           the same TPU target and connect_tpu as `runner run`, in that child
+    tensorflow    `import tensorflow` in a child process (tf.data runs in it under both engines)
   with a SPEC, also:
     storage_read  each gs:// data folder's manifest.json
     storage_write create, read back and delete a probe object in output.dir
     data_train, data_eval   the glob matches shards listed in the manifest, their sha256 match it
-    batch         data.global_batch_size against the replica count the tpu/tensorflow checks found
+    batch         data.global_batch_size against the replica count the jax/tensorflow checks found
 
-Each check is bounded by `timeout` seconds (the TPU's start also by the spec's accelerator.timeout_s, as in
-`runner run`). The TensorFlow checks run in one child process (runner/doctor/probe.py), killed by its PID
-when a step outlives its bound; the steps it had not done yet run in a fresh child with libtpu not loaded,
-so a TPU that hangs or aborts hides nothing else.
+Each check is bounded by `timeout` seconds. The TensorFlow checks run in one child process
+(runner/doctor/probe.py), killed by its PID when a step outlives its bound; the steps it had not done yet run in
+a fresh child, so an import that hangs or aborts hides nothing else. TensorFlow never starts a TPU: JAX does.
 Exit code: 0 when nothing fails; 3 when an infrastructure check fails; 2 when only data/batch checks fail.
 """
 
@@ -51,7 +49,6 @@ SCHEMA_VERSION = 1
 _USAGE_CHECKS = ("data_train", "data_eval", "batch")
 _STEP_WHAT = {
     "tensorflow": "import tensorflow",
-    "tpu": "TPU initialisation",
     "storage": "the storage checks",
     "data": "the data checks",
 }
@@ -59,9 +56,6 @@ _STEP_CHECKS = {"storage": "storage_write", "data": "data_train"}
 _STEP_ACTIONS = {
     "tensorflow": "a TensorFlow that does not import stops every job (tf.data runs in it under both engines): see the "
     "versions check and runner/doctor/known_good.json",
-    "tpu": "check TPU_NAME / accelerator.tpu, the devices, tpu_runtime and lockfile checks, and that the TPU is "
-    "READY (gcloud compute tpus tpu-vm describe); a crash here (SIGSEGV) is how libtpu can fail under PJRT when it "
-    "finds no usable TPU, and `runner run` would die the same way",
     "storage": "see the gcs and credentials checks",
     "data": "see the storage checks; `runner verify FOLDER` checks every shard",
 }
@@ -129,8 +123,7 @@ class _Probe:
 
     def __init__(self, steps: list[str], spec: JobSpec, timeout: float, environ: dict[str, str]):
         self.spec, self.checks = spec, []
-        # The TPU gets what `runner run` would give it (accelerator.timeout_s), within the doctor's own bound.
-        self.bounds = {step: timeout for step in steps} | {"tpu": min(timeout, spec.accelerator.timeout_s)}
+        self.bounds = {step: timeout for step in steps}
         self.timeout = timeout
         self.pending = list(steps)
         self.env = dict(environ)
@@ -185,15 +178,12 @@ class _Probe:
         return " | ".join(line[:300] for line in picked) or "nothing on stderr"
 
     def _lost(self, step: str, how: str, seconds: float) -> None:
-        """Records the step that hung or died (and a TPU step that cannot run after a failed import)."""
+        """Records the step that hung or died."""
         name = _STEP_CHECKS.get(step, step)
         self.checks.append(Check(name, "fail", how, _STEP_ACTIONS[step], round(seconds, 3)))
         self.pending.remove(step)
-        if step == "tensorflow" and "tpu" in self.pending:
-            how = "not run: import tensorflow did not finish (see tensorflow)"
-            self.checks.append(Check("tpu", "fail", how, _STEP_ACTIONS["tensorflow"]))
-            self.pending.remove("tpu")
-        # What is left runs without loading libtpu (TPU_LOAD_LIBRARY=0): what just hung or crashed may be libtpu.
+        # What is left runs without loading libtpu (TPU_LOAD_LIBRARY=0): a libtpu named in the environment may be
+        # what just hung or crashed.
         self.env["TPU_LOAD_LIBRARY"] = "0"
         if self.pending:
             self._start(self.pending)
@@ -219,7 +209,7 @@ class _Probe:
                 how = f"the probe (pid {self.proc.pid}) died ({died}) {during}: {self._stderr_tail()}"
                 self._lost(current, how, time.monotonic() - began)
             elif "begin" in event:
-                # A little grace: the step's own bound (connect_tpu's, the hashing budget) should speak first.
+                # A little grace: the step's own bound (the hashing budget) should speak first.
                 bound = self.bounds[event["begin"]]
                 step, began = event["begin"], time.monotonic()
                 deadline = began + bound + min(5.0, bound / 2)
@@ -284,15 +274,17 @@ def run_doctor(
     found = [
         _timed(versions.check_versions, tpu_wanted),
         _timed(checks.check_devices, job.accelerator, environ, dev_root),
-        *([_timed(checks.check_tpu_runtime, job.accelerator, environ, dev_root)] if tpu_wanted else []),
         _timed(checks.check_allocator),
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
         _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
     ]
     if tpu_wanted or "libtpu" in versions.installed_versions():
         # Before the TensorFlow probe: the TPU is JAX's, and this child lets go of it (and the lockfile) on exit.
-        found.append(check_jax_tpu(tpu_wanted, timeout, environ))
-    probe = _Probe(["tensorflow", "tpu", *(["storage", "data"] if spec else [])], job, timeout, environ)
+        # On a slice of several hosts it is not started: libtpu would wait for the other hosts (jax_tpu.py).
+        local = host.tpu_target(job.accelerator.tpu, environ, dev_root) == "local"
+        hosts = checks.slice_hosts(environ, local, min(timeout, 10.0)) if tpu_wanted else None
+        found.append(check_jax_tpu(tpu_wanted, timeout, environ, hosts))
+    probe = _Probe(["tensorflow", *(["storage", "data"] if spec else [])], job, timeout, environ)
     try:
         network = [
             _Bounded("credentials", min(timeout, 5.0), checks.check_credentials, environ, needs_gcs, 2.0),
@@ -301,7 +293,7 @@ def run_doctor(
         probed = probe.collect()
         found += [task.outcome() for task in network] + probed
         if spec is not None:
-            found.append(_batch(job, probed, replicas))
+            found.append(_batch(job, found, replicas))
         report = Report(found, time.monotonic() - began, spec_path)
         if save:
             path = f"{job.run_dir}/doctor.json"
@@ -319,17 +311,19 @@ def run_doctor(
 def _batch(spec: JobSpec, probed: list[Check], replicas: int | None) -> Check:
     """The batch check, for the replica count the job would get here (or the one asked for)."""
     by_name = {c.name: c for c in probed}
-    tpu, tensorflow = by_name.get("tpu"), by_name.get("tensorflow")
+    jax, tensorflow = by_name.get("jax"), by_name.get("tensorflow")
     records = {
         key: by_name[f"data_{key}"].data.get("records") if f"data_{key}" in by_name else None
         for key, pattern in (("train", spec.data.train), ("eval", spec.data.eval)) if pattern
     }
     kind = spec.accelerator.kind
-    on_tpu = bool(tpu and tpu.data.get("replicas"))
+    on_tpu = bool(jax and jax.data.get("tpu_devices"))
     if replicas is not None:
         count, source = replicas, "--replicas"
     elif on_tpu:
-        count, source = tpu.data["replicas"], f"TPU {tpu.data['target']}"
+        count, source = jax.data["tpu_devices"], f"the TPU devices JAX sees ({jax.data['device_kind']})"
+    elif jax and jax.data.get("hosts"):
+        count, source = None, f"the TPU of a slice of {jax.data['hosts']} hosts starts in the job's join"
     elif kind == "tpu":
         count, source = None, "the TPU did not start"
     elif kind in ("auto", "gpu") and tensorflow and tensorflow.data.get("gpus"):
@@ -349,7 +343,7 @@ def check_batch(
     batch = spec.data.global_batch_size
     data = {"global_batch_size": batch, "replicas": replicas, "replicas_from": source}
     if replicas is None:
-        action = "fix the TPU check, or pass --replicas N"
+        action = "fix the jax check, or pass --replicas N (a slice: its TPU devices)"
         return Check("batch", "warn", f"replica count unknown ({source})", action, data=data)
     if batch % replicas:
         lower, upper = max(replicas, batch // replicas * replicas), (batch // replicas + 1) * replicas
