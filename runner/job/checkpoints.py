@@ -8,22 +8,68 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
+import tensorflow as tf
+
+from runner import SpecError
+from runner.rundir import matching, reported
 from runner.rundir.orbax_store import OrbaxSaver, OrbaxStore
 from runner.rundir.outputs import RunFolder
-from runner.train import build
+from runner.spec.types import JobSpec
+from runner.train import build, match
 from runner.train.saver import Saver
 
 
-def restore(run: RunFolder, model: Any, checkpoint: Any, path: str, keep: int = 1) -> int:
-    """Restores the checkpoint at `path` into `model` (and its optimizer); returns its step. `checkpoint`:
-    TensorFlow's checkpoint object from build_compiled, None under JAX."""
+def restore(run: RunFolder, model: Any, checkpoint: Any, path: str, keep: int = 1, element_spec: Any = None) -> int:
+    """Restores the checkpoint at `path` into `model` (and its optimizer), all or nothing; returns its step.
+    `checkpoint`: TensorFlow's checkpoint object from build_compiled, None under JAX. `element_spec`: a batch's
+    shapes, to build a model that makes its variables only when first called. A model that no longer matches
+    the checkpoint is refused (SpecError) naming each variable that differs (runner/rundir/matching.py)."""
     if checkpoint is not None:
-        return build.restore(checkpoint, path)
+        return build.restore(checkpoint, path, element_spec)
+    match.make_every_variable(model, element_spec)
     store = run.orbax_store(model, keep)
     try:
         return build.keeping_rate(model.optimizer, lambda: store.restore(path))
     finally:
         store.close()
+
+
+def changed_since_complete(
+    spec: JobSpec, run: RunFolder, features: dict, manifest: dict, done: dict
+) -> SpecError | None:
+    """A finished job run again restores nothing, but its model must still be the one its weights were trained
+    for: the SpecError saying the job is complete and what changed, or None. The weights are those evaluate and
+    predict would use (model.keras of the finished job, else its checkpoint: runner/rundir/reported.py)."""
+    try:
+        weights = reported.chosen_weights(run, spec.name)
+    except SpecError:
+        return None  # nothing to compare with: run's own checks say what is missing
+    policy = ((done.get("accelerator") or {}).get("precision") or {}).get("policy") or "float32"
+    keras.mixed_precision.set_global_policy("float32" if policy == "float32" else f"mixed_{policy}")
+    model = build.build_model(spec, features, manifest)
+    if not model.built:  # a model that makes its variables on its first call: no batch here to build it from
+        return None
+    try:
+        if weights.keras_file:
+            matching.check(weights.path, match.keras_file_saved(weights.path), match.keras_file_live(model),
+                           store="model.keras", complete=True)
+            return None
+        build.compile_model(model, spec)
+        match.make_every_variable(model)
+        if keras.backend.backend() != "jax":
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            matching.check(weights.path, match.tensorflow_saved(weights.path), match.tensorflow_live(checkpoint),
+                           complete=True)
+            return None
+        store = run.orbax_store(model, 1)
+        try:
+            store.check(weights.path, complete=True)
+        finally:
+            store.close()
+    except SpecError as exc:
+        return exc
+    return None
 
 
 def saver(run: RunFolder, model: Any, checkpoint: Any, keep: int) -> Any:
@@ -34,4 +80,4 @@ def saver(run: RunFolder, model: Any, checkpoint: Any, keep: int) -> Any:
     return Saver(run.checkpoint_manager(checkpoint, keep), checkpoint, asynchronous=True)
 
 
-__all__ = ["OrbaxStore", "restore", "saver"]
+__all__ = ["OrbaxStore", "changed_since_complete", "restore", "saver"]

@@ -61,7 +61,7 @@ def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
     model, saved = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
     if weights.keras_file:
         with accelerator.strategy.scope():
-            model.load_weights(weights.path)
+            build.load_keras_file(model, weights.path)
         step = weights.step
     else:
         step = checkpoints.restore(run, model, saved, weights.path)

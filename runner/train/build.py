@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import logging
 import posixpath
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +26,12 @@ import tensorflow as tf
 from runner import SpecError, models
 from runner.data.schema import Feature
 from runner.device import precision
+from runner.rundir import matching
 from runner.spec import usercode
 from runner.spec.keras import TABLE, Serialized
 from runner.spec.train import TrainSpec
 from runner.spec.types import JobSpec
+from runner.train import match
 
 log = logging.getLogger(__name__)
 
@@ -237,22 +238,24 @@ def build_compiled(
     return model, checkpoint
 
 
-def restore(checkpoint: tf.train.Checkpoint, path: str) -> int:
-    """Restores a TensorFlow checkpoint (weights, optimizer slots, step); returns the step it was saved at. A
-    model whose variables no longer have the checkpoint's shapes (an edited model) is refused (SpecError)."""
-    try:
-        return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
-    except ValueError as exc:
-        found = re.search(r"incompatible tensor with shape (\(.*?\)) when attempting to restore variable with "
-                          r"shape (\(.*?\)) and name (\S+?)\.?$", " ".join(str(exc).split()))
-        if found is None:
-            raise
-        saved, now, name = found.groups()
-        raise SpecError(
-            f"the model changed since {path} was saved: variable {name.removesuffix(':0')} is {now} in the "
-            f"model and {saved} in the checkpoint. Start the job over with `runner run --fresh` (the run folder is "
-            "moved aside, not deleted), or give the changed model a new job name (`--set name=...`)"
-        ) from None
+def restore(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None) -> int:
+    """Restores a TensorFlow checkpoint (weights, optimizer slots, step) all or nothing; returns the step it was
+    saved at. Every variable is made first (the model built from `element_spec` if it is not yet, the optimizer's
+    slots), then the checkpoint's variables and the model's are matched both ways by path and shape
+    (runner/rundir/matching.py): an edited model is refused (SpecError, exit 2) naming each difference, before
+    anything is assigned."""
+    match.make_every_variable(checkpoint.model, element_spec)
+    matching.check(path, match.tensorflow_saved(path), match.tensorflow_live(checkpoint))
+    # Every value has its variable now; expect_partial only quiets the values left out of the match (the save
+    # counter, a constant learning rate where the spec now has a schedule).
+    return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
+
+
+def load_keras_file(model: Any, path: str) -> None:
+    """Loads model.keras's weights into `model` all or nothing: Keras's own load leaves a layer the file has and
+    the model lacks unread, without a word; here every variable is matched both ways first."""
+    matching.check(path, match.keras_file_saved(path), match.keras_file_live(model), store="model.keras")
+    model.load_weights(path)
 
 
 def keeping_rate(optimizer: Any, restore: Callable[[], Any]) -> int:
