@@ -42,7 +42,29 @@ class Plan:
         return legs
 
 
-class Recorder(keras.callbacks.Callback):
+class StepCount(keras.callbacks.Callback):
+    """The global step (`self.step`, the steps trained so far): read from the optimizer once when a `fit` begins,
+    then counted from the batches, which Keras numbers within each epoch (with steps_per_execution, `batch` at a
+    batch's end is the execution's last). Under JAX every read of a variable in a callback copies the whole train
+    state back from the devices (keras/src/backend/jax/trainer.py `jax_state_sync`); counting reads nothing.
+    A subclass that overrides these hooks calls them first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+        self._epoch_base = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch_base = self.step
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.step = self._epoch_base + batch + 1
+
+
+class Recorder(StepCount):
     """Times epochs and the first device execution; records loss and metrics per epoch.
 
     `checkpoint_clock` and `input_clock` return running totals (seconds spent saving checkpoints, seconds
@@ -71,11 +93,9 @@ class Recorder(keras.callbacks.Callback):
         self.validation_s = 0.0
         self._validation_in_epoch = self._test_start = 0.0
 
-    def _step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy())
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._step_at_begin = self._step()
+        super().on_epoch_begin(epoch, logs)
+        self._step_at_begin = self.step
         self._first_in_epoch: float | None = None
         self._validation_in_epoch = 0.0
         self._saved_at_begin, self._waited_at_begin = self._checkpoint_clock(), self._input_clock()
@@ -94,6 +114,7 @@ class Recorder(keras.callbacks.Callback):
             self._batch_start = time.monotonic()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_end(batch, logs)
         if self._first_step_s is None:
             self._first_step_s = self._first_in_epoch = time.monotonic() - self._batch_start
 
@@ -104,7 +125,7 @@ class Recorder(keras.callbacks.Callback):
         self.train_s += seconds
         logs = dict(logs or {})
         loss = logs.pop("loss", None)
-        steps = self._step() - self._step_at_begin
+        steps = self.step - self._step_at_begin
         record = EpochRecord(
             epoch=epoch + 1,
             seconds=round(seconds, 4),
@@ -117,7 +138,7 @@ class Recorder(keras.callbacks.Callback):
             input_wait_s=(
                 None if waited is None or self._waited_at_begin is None else round(waited - self._waited_at_begin, 4)
             ),
-            partial=self.plan is not None and self._step() % self.plan.steps_per_epoch != 0,
+            partial=self.plan is not None and self.step % self.plan.steps_per_epoch != 0,
         )
         self.epochs.append(record)
         self._on_epoch(record)
@@ -128,10 +149,11 @@ def _diverged(what: str, epoch: int, step: int) -> Diverged:
 
 
 def weights_finite(model: keras.Model) -> bool:
-    """Whether every floating-point variable of the model and its optimizer (slots included) is finite."""
+    """Whether every floating-point variable of the model and its optimizer (slots included) is finite: checked
+    where the variables live (keras.ops, on the device under either backend), one bool brought back."""
     variables = [*model.weights, *model.optimizer.variables]
-    checks = [tf.reduce_all(tf.math.is_finite(v)) for v in variables if tf.as_dtype(v.dtype).is_floating]
-    return bool(tf.reduce_all(tf.stack(checks))) if checks else True
+    checks = [keras.ops.all(keras.ops.isfinite(v.value)) for v in variables if "float" in str(v.dtype)]
+    return bool(keras.ops.convert_to_numpy(keras.ops.all(keras.ops.stack(checks)))) if checks else True
 
 
 class FiniteLoss(keras.callbacks.Callback):
@@ -165,7 +187,7 @@ class FiniteLoss(keras.callbacks.Callback):
                 raise _diverged(f"{what} is not finite ({float(value)})", self._epoch, step)
 
 
-class Checkpointer(keras.callbacks.Callback):
+class Checkpointer(StepCount):
     """Saves every `every_steps` steps and at each epoch end; on a preemption notice, saves and stops.
     Weights that are not finite are never saved: Diverged (exit 1) instead."""
 
@@ -177,14 +199,12 @@ class Checkpointer(keras.callbacks.Callback):
         self._last_saved = -1
         self._epoch = 0
 
-    def _step(self) -> int:
-        return int(self.model.optimizer.iterations.numpy())
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_begin(epoch, logs)
         self._epoch = epoch + 1
 
     def _save_once(self) -> None:
-        step = self._step()
+        step = self.step
         if step != self._last_saved:
             # A step can leave NaN weights behind a finite loss (the loss is computed before the update).
             if not weights_finite(self.model):
@@ -193,15 +213,16 @@ class Checkpointer(keras.callbacks.Callback):
             self._last_saved = step
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_end(batch, logs)
         # Several processes stop together, at the step they agreed on; one process stops at its next step.
         notice = self._notice
-        noticed = notice.reached_sync_point(self._step()) if notice.shared else notice.received.is_set()
+        noticed = notice.reached_sync_point(self.step) if notice.shared else notice.received.is_set()
         if noticed:
             self._save_once()
             self.saved_after_notice_s = self._notice.seconds_since()
             self.preempted = True
             self.model.stop_training = True
-        elif self._every and self._step() % self._every == 0:
+        elif self._every and self.step % self._every == 0:
             self._save_once()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
