@@ -50,7 +50,8 @@ def test_the_block_has_each_step_in_order() -> None:
     block = setup_block()
     steps = ["gcloud services enable", "gcloud artifacts repositories create", "gcloud storage buckets create",
              "gcloud projects describe", "gcloud artifacts repositories add-iam-policy-binding",
-             "gcloud storage buckets add-iam-policy-binding", "gcloud builds submit", "runner prepare",
+             "gcloud storage buckets add-iam-policy-binding", "gcloud projects add-iam-policy-binding",
+             "gcloud builds submit", "runner prepare",
              "runner doctor --cloud", "runner submit"]
     positions = [block.index(step) for step in steps]
     assert positions == sorted(positions)
@@ -102,6 +103,9 @@ def test_every_gcloud_line_is_parsed_by_gcloud_and_sends_its_request(setup_api, 
     assert {"role": "roles/artifactregistry.reader", "members": [SA]} in body["policy"]["bindings"]
     _, _, _, body = one("PUT", f"/storage/v1/b/{bucket}/iam")
     assert {"role": "roles/storage.objectAdmin", "members": [SA]} in body["bindings"]
+    # The TPU VM deletes its own slice: TPU Admin on the project (what the preflight's vm_permissions reads).
+    _, _, _, body = one("POST", f"/v1/projects/{project}:setIamPolicy")
+    assert {"role": "roles/tpu.admin", "members": [SA]} in body["policy"]["bindings"]
     # The build: the source uploaded to the staging bucket, then the Build naming it, with the substitutions.
     [upload] = [s for s in sent if s[0] == "POST" and s[1].endswith(f"/upload/storage/v1/b/{project}_cloudbuild/o")]
     uploaded = upload[2]["name"][0]

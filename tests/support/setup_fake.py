@@ -9,6 +9,7 @@ ARTIFACTREGISTRY, STORAGE, CLOUDRESOURCEMANAGER and CLOUDBUILD (one process serv
     POST /v1/projects/P/locations/L/repositories?repositoryId=R   Artifact Registry: a done operation; GET .../R
     GET  .../repositories/R:getIamPolicy, POST ...:setIamPolicy   the repository's policy (empty, then as set)
     GET  /v1/projects/P                                             Resource Manager: the project and its number
+    POST /v1/projects/P:getIamPolicy, :setIamPolicy                 the project's policy (empty, then as set)
     POST /storage/v1/b?project=P, GET /storage/v1/b[/B]            Cloud Storage JSON API: buckets (P_cloudbuild
                                                                     exists and belongs to P, as gcloud checks)
     GET|PUT /storage/v1/b/B/iam                                    the bucket's policy
@@ -102,6 +103,11 @@ class Handler(FakeHandler):
                 return 200, body["policy"]
             if method == "GET" and verb is None:
                 return 200, {"name": name, "format": "DOCKER"}
+        if method == "POST" and (match := re.match(r"^/v1/projects/([^/:]+):(getIamPolicy|setIamPolicy)$", path)):
+            name = f"projects/{match.group(1)}"
+            if match.group(2) == "setIamPolicy":
+                state.policies[name] = body["policy"]
+            return 200, state.policies.get(name, {"etag": "BwA=", "version": 1})
         if method == "GET" and (match := re.match(r"^/v1/projects/([^/]+)$", path)):
             return 200, {"projectId": match.group(1), "projectNumber": PROJECT_NUMBER, "lifecycleState": "ACTIVE"}
         if path == "/storage/v1/b" and method == "POST":
