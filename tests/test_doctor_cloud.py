@@ -235,6 +235,10 @@ def test_a_vm_account_without_the_tpu_role_fails_with_the_grant_that_fixes_it(fa
     code, checks = cloud_doctor("--image", IMAGE, env=env)
     assert checks["vm_permissions"]["status"] == "ok", checks["vm_permissions"]
     assert checks["vm_permissions"]["data"] == {"service_account": default, "roles": ["roles/tpu.admin"]}
+    named = f"trainer@{PROJECT}.iam.gserviceaccount.com"  # as `runner submit --service-account` will be given
+    code, checks = cloud_doctor("--image", IMAGE, "--service-account", named, env=env)
+    assert code == 3 and checks["vm_permissions"]["action"].endswith(f"--member=serviceAccount:{named} "
+                                                                     "--role=roles/tpu.admin")
 
 
 def test_a_policy_that_cannot_be_read_is_not_checked_and_says_the_grant(fake, tmp_path) -> None:

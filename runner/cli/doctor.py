@@ -44,7 +44,7 @@ def cloud_clients():
                         scope=request.SCOPE)
 
 
-def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):
+def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout, service_account=None):
     import time
 
     from runner.cloud import gcloud_config
@@ -65,7 +65,7 @@ def _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout):
         raise fail(error) from None
     began = time.monotonic()
     found = preflight(tpu_type=tpu_type, zone=zone, image=image, project=project, on=on, spec=job, timeout=timeout,
-                      clients=cloud_clients())
+                      clients=cloud_clients(), service_account=service_account)
     return Report(found, time.monotonic() - began, str(spec) if spec else None)
 
 
@@ -113,6 +113,11 @@ def doctor(
     on: Annotated[
         str, typer.Option(help="With --cloud: where the job goes: tpu-vm, skypilot, gke or vertex.")
     ] = "tpu-vm",
+    service_account: Annotated[
+        str | None, typer.Option("--service-account", help="With --cloud: the TPU VM's service account, as given to "
+                                 "`runner submit` (default: the project's Compute Engine default); it must hold "
+                                 "roles/tpu.admin to delete its slice.")
+    ] = None,
 ) -> None:
     """Check this machine (and a job spec) for the ways TPU jobs fail: versions, devices, libtpu lockfile,
     credentials, GCS, TensorFlow import and TPU start, buckets, data shards, batch size.
@@ -137,7 +142,7 @@ def doctor(
         raise fail(SpecError("--save needs a SPEC: the report goes to its run folder"))
     job = load(spec, overrides) if spec is not None else None
     if cloud:
-        report = _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout)
+        report = _cloud_report(job, spec, tpu_type, zone, image, project, on, timeout, service_account)
     else:
         from runner.doctor import run_doctor
 
