@@ -10,7 +10,8 @@ the splits beside data.train: runner/data/splits.py):
   - the manifest is well formed (`splits`, per shard `file` and `records`, split totals that add up),
   - every file the pattern matches is listed, every listed shard it names is there, and it names whole
     splits: steps per epoch are the manifest's record count, never what happens to be on disk,
-  - the labels the manifest records (`label_range`) are classes the model has (built-in classifiers),
+  - the labels the manifest records (`label_range`) are classes the model has (built-in classifiers; every
+    other model once built, against its output width and loss: `check_labels_fit`, called by runner/job/run.py),
   - train.sample_weight names a numeric scalar feature of its schema (its values are checked as they are read),
   - data.verify: size (default) stats each shard: present, exactly its listed size (a shard emptied, cut at
     a record boundary or inside a record, or replaced); sha256 also reads every byte once and compares its
@@ -178,15 +179,77 @@ def check_labels(spec: JobSpec, shards: pipeline.Shards) -> None:
         )
 
 
-def _first_label_outside(path: str, feature: schema.Feature, label: str, classes: int) -> tuple[int, int] | None:
-    """(record index, label) of the shard's first record whose label is not a class id, if its bytes read."""
+def check_labels_fit(spec: JobSpec, found: dict[str, pipeline.Shards], expected: tuple[int, int, str] | None) -> None:
+    """The manifest's label ranges (and counts) against what the built model and its loss learn from
+    (`expected`: lowest, highest, why; runner/train/build.py `label_expectation`), for every model, the user's
+    own included: labels 1 to 3 under 3 outputs end in a TensorFlow error on a CPU and train on garbage on a
+    TPU. DataError (exit 2) naming the split, the range, the record and the fix; a data.preprocess may map the
+    labels, so then the ranges are not judged (said once)."""
+    if expected is None:
+        return
+    low, high, why = expected
+    label = spec.data.label
+    for key, shards in found.items():
+        if shards.manifest.get("label") != label:
+            continue
+        entries = pipeline.manifest_entries(shards.manifest)
+        ranges = [(shard, entries[posixpath.basename(shard.path)][2].get("label_range"))
+                  for shard in pipeline.listed_in(shards)]
+        ranges = [(shard, r) for shard, r in ranges if isinstance(r, list) and len(r) == 2]
+        if not ranges:
+            continue
+        lowest, highest = min(r[0] for _, r in ranges), max(r[1] for _, r in ranges)
+        if low <= lowest and highest <= high:
+            continue
+        manifest = posixpath.join(posixpath.dirname(shards.pattern), pipeline.MANIFEST)
+        if spec.data.preprocess:
+            log.warning("%s: the labels run from %d to %d (%s, label_range), where %s; data.preprocess (%s) may "
+                        "map them, so they are not refused here", key, lowest, highest, manifest, why,
+                        spec.data.preprocess)
+            return
+        raise DataError(_labels_outside(key, shards, manifest, ranges, (lowest, highest), expected))
+
+
+def _labels_outside(key: str, shards: pipeline.Shards, manifest: str, ranges: list, found: tuple[int, int],
+                    expected: tuple[int, int, str]) -> str:
+    (lowest, highest), (low, high, why) = found, expected
+    label = shards.manifest.get("label")
+    counts = pipeline.label_counts(shards)
+    counted = f"; label_counts {counts}" if counts else ""
+    shard, _ = next((shard, r) for shard, r in ranges if r[0] < low or r[1] > high)
+    first = _first_label_outside(shard.path, shards.features[label], label, high + 1, low)
+    where = f"; {shard.path}: record {first[0]} (counting from 0) has {label} {first[1]}" if first else ""
+    said = (f"{key}: the labels run from {lowest} to {highest} ({manifest}: label_range{counted}){where}, but "
+            f"{why}: TensorFlow stops on such a label on a CPU, and a TPU trains on garbage. ")
+    offset = lowest - low
+    if offset > 0 and highest - offset <= high and (not counts or not any(counts[:offset])):
+        return said + (
+            f"No record is labelled {low if offset == 1 else f'{low} to {lowest - 1}'}: the labels count from "
+            f"{lowest}. Make them count from {low}: write the labels again as {low} to {highest - offset} (or as "
+            f"words, which `runner prepare csv` numbers from 0) and prepare the data again with `runner prepare`; or "
+            f"subtract {offset} in a data.preprocess function (`features[{label!r}] = features[{label!r}] - "
+            f"{offset}`); or end the model in {highest + 1} outputs (class{'es' * (offset > 1)} "
+            f"{', '.join(map(str, range(low, lowest)))} then never seen)"
+        )
+    if why.endswith("takes labels 0 and 1"):
+        return said + (f"Label the records 0 and 1 and prepare the data again with `runner prepare`, or choose a "
+                       f"loss for {highest - lowest + 1} classes (sparse_categorical_crossentropy, and a model "
+                       f"ending in {highest + 1} outputs)")
+    return said + (f"End the model in {highest + 1} outputs (one per class id 0 to {highest}), or write the labels "
+                   f"again as {low} to {high} and prepare the data again with `runner prepare`")
+
+
+def _first_label_outside(path: str, feature: schema.Feature, label: str, classes: int,
+                         low: int = 0) -> tuple[int, int] | None:
+    """(record index, label) of the shard's first record whose label is not a class id (`low` to classes - 1),
+    if its bytes read."""
     records = tf.data.TFRecordDataset(path).batch(4096)
     parsed = records.map(schema.plain(lambda batch: schema.parse_batch(batch, {label: feature})[label]))
     seen = 0
     try:
         for batch in parsed:
             values = batch.numpy().reshape(len(batch), -1)[:, 0]
-            outside = np.flatnonzero((values < 0) | (values >= classes))
+            outside = np.flatnonzero((values < low) | (values >= classes))
             if outside.size:
                 return seen + int(outside[0]), int(values[outside[0]])
             seen += len(values)

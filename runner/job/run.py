@@ -91,6 +91,8 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
         _stop_if_noticed(notice, "while the job was starting")
         job.start(data.shards)  # the device, the precision, the seed and the input pipelines
         model, saver, plan = _build_and_restore(spec, attempt, job.inputs, job.precision)
+        # Every model's labels, the user's own included, against its output width and loss: before any step.
+        integrity.check_labels_fit(spec, data.shards, build.label_expectation(model, model.loss, spec.model.name))
         job.inputs.encode_labels(build.label_classes(spec.train, job.inputs.train.features.get(spec.data.label), model))
         if attempt.accelerator.kind != "tpu":  # one eager batch on the host; a TPU model is checked when compiled
             build.check_first_batch(model, model.loss, job.inputs.train_ds)

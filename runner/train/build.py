@@ -285,6 +285,35 @@ def _has_schedule(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
 
 
+# --- the labels the model can learn from ------------------------------------------------------------------
+
+# Losses that take class ids 0 to width - 1 (the categorical ones one-hot encoded by the runner: an id outside
+# becomes a row of zeros, without an error), and those that take 0 and 1 on one output.
+_CLASS_ID_LOSSES = ("SparseCategoricalCrossentropy", "CategoricalCrossentropy", "CategoricalFocalCrossentropy",
+                    "SparseCategoricalFocalCrossentropy")
+_BINARY_LOSSES = ("BinaryCrossentropy", "BinaryFocalCrossentropy")
+
+
+def label_expectation(model: Any, loss: Any, name: str | None = None) -> tuple[int, int, str] | None:
+    """(lowest, highest, why): the class ids a compiled model and its loss learn from, for checking the
+    manifest's label_range before training (runner/data/integrity.py `check_labels_fit`); None when the loss or
+    the output width does not say (a regression, a loss of the user's, several outputs). `name`: the spec's
+    model.name, for the message (Keras's own name of a model differs from process to process)."""
+    try:
+        width = model.output_shape[-1]
+        written, class_name = _loss_text(loss)
+    except (AttributeError, TypeError, IndexError, ValueError):
+        return None
+    if not isinstance(width, int):
+        return None
+    ends = f"model {name or getattr(model, 'name', '?')!r} ends in {width} output{'s' * (width != 1)}"
+    if class_name in _CLASS_ID_LOSSES and width >= 2:
+        return 0, width - 1, f"{ends} and train.loss {written} takes class ids 0 to {width - 1}"
+    if class_name in _BINARY_LOSSES and width == 1:
+        return 0, 1, f"{ends} and train.loss {written} takes labels 0 and 1"
+    return None
+
+
 # --- the loss agrees with the model's output ------------------------------------------------------------
 
 
