@@ -218,13 +218,26 @@ def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu
     price = pricing.price_per_chip_hour("v5litepod-8", ZONE)
     assert (f"price: v5litepod-8 = 8 chips x ${price.usd:g} per chip-hour on demand in us-central1 = "
             f"${8 * price.usd:.2f} per hour (source: {price.source}; read {price.date})") in dry.stderr
-    # 24 h and the 10 min grace before a hung container is killed, at $9.60 an hour: $232.00, not $230.40.
-    assert ("limit: stops after 24 h (at most $232.00 of TPU time: 24 h and the 10 min before a hung container "
-            "is killed); stall timeout: 30 min") in dry.stderr
+    assert "limit: stops after 24 h; stall timeout: 30 min" in dry.stderr
+    # The most the slice bills: every bounded phase of the startup script at its longest, each named, not only
+    # the job's 24 h (which with a 10 min grace said $232.00 and left out up to an hour of pull, doctor and delete).
+    [bound] = [line for line in dry.stderr.splitlines() if line.startswith("at most: ")]
+    phases = {"start-up checks": 475, "image pull": 1800 + 40 + 910, "doctor": 2 * 680 + 130, "the job": 86400,
+              "kill grace": 600 + 60 + 130, "exit record and log": 3 * 132 + 2 * 130, "delete": 600 + 60 + 340}
+    assert [(name, seconds) for name, seconds, _ in durations.billed_phases(86400)] == list(phases.items())
+    total = sum(phases.values())
+    assert bound.startswith(f"at most: ${8 * price.usd * total / 3600:.2f} of TPU time, {total / 3600:.2f} h from the "
+                            "VM's start to its delete")
+    for text in ("image pull 45.8 min (RUNNER_PULL_FOR_S 1800 s, then a last attempt of RUNNER_PULL_TIMEOUT_S 900 s",
+                 "doctor 24.8 min (RUNNER_DOCTOR_TIMEOUT_S 600 s twice", "the job 24.00 h (--max-run-duration)",
+                 "kill grace 13.2 min (RUNNER_LIMIT_GRACE_S 600 s + RUNNER_KILL_AFTER_S 60 s",
+                 "delete 16.7 min (RUNNER_DELETE_FOR_S 600 s of retries"):
+        assert text in bound, bound
     assert "unverified" not in dry.stderr, dry.stderr
     spot = submit_job(cloud_spec, api, "--dry-run", "--spot", "--max-run-duration", "none")
     assert f"x ${pricing.price_per_chip_hour('v5litepod-8', ZONE, spot=True).usd:g} per chip-hour Spot" in spot.stderr
     assert "limit: no wall-clock limit" in spot.stderr
+    assert "at most: no bound: the job has no wall-clock limit (--max-run-duration none)" in spot.stderr
     assert "RUNNER_MAX_RUN_S=''" in spot.stdout, "no limit: the job gets no train.max_duration"
     assert tpu_fake.requests() == []
 
@@ -372,3 +385,37 @@ def test_an_unknown_job_is_no_such_job_without_asking_for_a_project_or_zone(api,
     assert "no such job: cannot find job 'nosuchjob'" in result.stderr, result.stderr
     assert "missing --project" not in result.stderr
     assert tpu_fake.requests() == [], "nothing to ask the TPU API without a project and zone"
+
+
+def test_the_startup_script_runs_with_the_bounds_the_dry_run_adds_up(api, cloud_spec, tmp_path):
+    """One place for the bounds (runner/cloud/durations.py): the script's header sets each (an environment that
+    already has one keeps it), the script's own fallbacks agree, and the fixed bounds of its text are the ones
+    `billed_phases` counts; the join of a slice is said to wait within the job's limit, not added."""
+    import re
+
+    from runner.cloud import request
+
+    dry = invoke("submit", cloud_spec, "--tpu-type", "v6e-16", "--zone", "us-east1-d", "--project", PROJECT,
+                 "--image", IMAGE, "--dry-run", env=api)
+    assert dry.returncode == 0, dry.stderr
+    script = dry.stdout.split("<<'RUNNER_STARTUP_SCRIPT'\n", 1)[1].split("\nRUNNER_STARTUP_SCRIPT\n", 1)[0]
+    header = script.split("\n# The body of a TPU VM startup script", 1)[0]
+    names = " ".join(f"${{{key}}}" for key in durations.STARTUP_BOUNDS)
+    shown = subprocess.run(["bash", "-c", f'{header}\necho "{names}"'], capture_output=True, text=True, timeout=30,
+                           env={"PATH": "/usr/bin:/bin", "RUNNER_PULL_FOR_S": "3"}, check=True).stdout.split()
+    assert shown == ["3" if key == "RUNNER_PULL_FOR_S" else str(value)
+                     for key, value in durations.STARTUP_BOUNDS.items()]
+    body = request._STARTUP_BODY.read_text()
+    for key, value in durations.STARTUP_BOUNDS.items():
+        assert set(re.findall(rf"\${{{key}:-(\d+)}}", body)) == {str(value)}, key
+    d = durations
+    for text in (f"timeout --kill-after={d.KILL_S} ", f"--max-time {d.METADATA_READ_S} ",
+                 f"bounded {d.GCLOUD_CALL_S} gcloud storage cat", f"bounded {d.DELETE_CALL_S} gcloud compute tpus "
+                 "queued-resources delete", f"bounded {d.DOCKER_RM_S} docker rm -f",
+                 f"wait_s * 2 > {d.DELETE_BACKOFF_MAX_S} ? {d.DELETE_BACKOFF_MAX_S}",
+                 f"for attempt in {' '.join(str(i + 1) for i in range(d.EXIT_RECORD_COPIES))}; do",
+                 "for attempt in 1 2 3 4 5; do"):
+        assert text in body, text
+    said = " ".join(dry.stderr.split())
+    assert "+ worker 0 lost 9.6 min (RUNNER_WORKER_LOST_S 300 s before worker 1 deletes instead)" in said
+    assert "the join of the 4 hosts (accelerator.join_timeout_s 900 s) waits within it" in said

@@ -21,6 +21,28 @@ DEFAULT_STALL_TIMEOUT = "30m"
 # at the limit by itself, and a checkpoint of a large model takes minutes to write. The TPU VM's startup script
 # has the same default (RUNNER_LIMIT_GRACE_S in tpu_startup.sh); the engines' own deadlines add it too.
 LIMIT_GRACE_S = 600
+# The TPU VM startup script's bounds (runner/cloud/tpu_startup.sh), in seconds unless a count: request.py writes
+# each above the script as `: "${NAME:=VALUE}"`, so the script runs with these (an environment that sets one, as
+# the tests' simulated VM does to scale time, keeps its own), and `billed_phases` adds up the same numbers.
+STARTUP_BOUNDS = {
+    "RUNNER_METADATA_TRIES": 10,  # reads of this worker's number from the metadata server
+    "RUNNER_METADATA_RETRY_S": 3,  # the pause after each
+    "RUNNER_PULL_TIMEOUT_S": 900,  # one `docker pull` attempt
+    "RUNNER_PULL_FOR_S": 1800,  # no attempt starts after this (5 attempts at most)
+    "RUNNER_PULL_RETRY_S": 10,  # the pause before attempt k+1 is k x this
+    "RUNNER_DOCTOR_TIMEOUT_S": 600,  # one `runner doctor` run (a second one when Cloud Logging refuses docker)
+    "RUNNER_LIMIT_GRACE_S": LIMIT_GRACE_S,  # after --max-run-duration, TERM to the container
+    "RUNNER_KILL_AFTER_S": 60,  # then KILL
+    "RUNNER_DELETE_FOR_S": 600,  # no delete attempt is retried after this
+    "RUNNER_DELETE_RETRY_S": 10,  # the first pause between delete attempts (doubling to DELETE_BACKOFF_MAX_S)
+    "RUNNER_WORKER_LOST_S": 300,  # a multi-host slice: worker 0's heartbeat unchanged this long, another deletes
+    "RUNNER_PEER_POLL_S": 15,  # how often the other workers look
+}
+# Fixed in the script's own text (tests/test_submit_billing.py reads them there): `bounded` ends a call with TERM
+# at its limit and KILL 10 s later; a metadata read has 5 s, a gcloud storage or describe call 120 s, the delete
+# call 330 s, a `docker rm -f` 60 s; the delete's pause doubles up to 60 s; an exit record is copied up to 3 times.
+KILL_S, METADATA_READ_S, GCLOUD_CALL_S, DELETE_CALL_S, DOCKER_RM_S = 10, 5, 120, 330, 60
+DELETE_BACKOFF_MAX_S, EXIT_RECORD_COPIES = 60, 3
 _TIME = re.compile(r"(\d{4}-\d\d-\d\d)[Tt](\d\d:\d\d)(:\d\d)?(\.\d+)?([Zz]|[+-]\d\d:?\d\d)")
 
 
@@ -110,3 +132,47 @@ def valid_until_passed(request: dict[str, Any], now: datetime.datetime | None = 
         return False
     kind, value = parse_valid_until(request["valid_until"])
     return kind == "time" and value <= (now or datetime.datetime.now(datetime.timezone.utc))
+
+
+def billed_phases(max_run_s: int | None, hosts: int = 1, join_timeout_s: float | None = None,
+                  bounds: dict[str, int] | None = None) -> list[tuple[str, int, str]]:
+    """Every bounded phase of a TPU VM job that bills, as the startup script runs it, each at its longest:
+    (name, seconds, how that is made up). None when the job has no wall-clock limit (then nothing bounds it).
+    The queue before the VM exists bills nothing; the API's own time to delete the VM once asked is not known
+    here and is left out."""
+    b = {**STARTUP_BOUNDS, **(bounds or {})}
+    call = GCLOUD_CALL_S + KILL_S
+    setup = b["RUNNER_METADATA_TRIES"] * (METADATA_READ_S + b["RUNNER_METADATA_RETRY_S"]) + 3 * call + METADATA_READ_S
+    pause = 4 * b["RUNNER_PULL_RETRY_S"]  # the longest pause, before the fifth attempt
+    attempt = b["RUNNER_PULL_TIMEOUT_S"] + KILL_S
+    doctor = b["RUNNER_DOCTOR_TIMEOUT_S"] + KILL_S + DOCKER_RM_S + KILL_S
+    grace = b["RUNNER_LIMIT_GRACE_S"] + b["RUNNER_KILL_AFTER_S"] + call  # then `docker rm -f` or a summary read
+    records = EXIT_RECORD_COPIES * (call + 2) + 2 * call  # the exit record, the log before and after the delete
+    delete_attempt = DELETE_CALL_S + KILL_S
+    phases = [
+        ("start-up checks", setup,
+         f"{b['RUNNER_METADATA_TRIES']} metadata reads, 3 bounded gcloud calls, the registry login"),
+        ("image pull", b["RUNNER_PULL_FOR_S"] + pause + attempt,
+         f"RUNNER_PULL_FOR_S {b['RUNNER_PULL_FOR_S']} s, then a last attempt of RUNNER_PULL_TIMEOUT_S "
+         f"{b['RUNNER_PULL_TIMEOUT_S']} s + {KILL_S} s after a pause of {pause} s"),
+        ("doctor", 2 * doctor + call,
+         f"RUNNER_DOCTOR_TIMEOUT_S {b['RUNNER_DOCTOR_TIMEOUT_S']} s twice (again without Cloud Logging when docker "
+         "cannot reach it), each with its container's removal"),
+    ]
+    if max_run_s is None:
+        return phases
+    join = ("" if join_timeout_s is None or hosts == 1 else
+            f"; the join of the {hosts} hosts (accelerator.join_timeout_s {join_timeout_s:g} s) waits within it")
+    phases += [
+        ("the job", max_run_s, f"--max-run-duration{join}"),
+        ("kill grace", grace, f"RUNNER_LIMIT_GRACE_S {b['RUNNER_LIMIT_GRACE_S']} s + RUNNER_KILL_AFTER_S "
+                              f"{b['RUNNER_KILL_AFTER_S']} s, then the container's removal"),
+        ("exit record and log", records, f"the exit record copied up to {EXIT_RECORD_COPIES} times, the log twice"),
+    ]
+    if hosts > 1:
+        phases.append(("worker 0 lost", b["RUNNER_WORKER_LOST_S"] + b["RUNNER_PEER_POLL_S"] + 2 * call,
+                       f"RUNNER_WORKER_LOST_S {b['RUNNER_WORKER_LOST_S']} s before worker 1 deletes instead"))
+    phases.append(("delete", b["RUNNER_DELETE_FOR_S"] + DELETE_BACKOFF_MAX_S + delete_attempt,
+                   f"RUNNER_DELETE_FOR_S {b['RUNNER_DELETE_FOR_S']} s of retries, a pause of up to "
+                   f"{DELETE_BACKOFF_MAX_S} s and a last call of {delete_attempt} s"))
+    return phases

@@ -35,7 +35,7 @@ from runner.cloud import (
     tpu_api,
     tpu_types,
 )
-from runner.cloud.durations import LIMIT_GRACE_S
+from runner.cloud.durations import billed_phases
 from runner.data import storage
 
 
@@ -95,9 +95,28 @@ def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given:
                           project=project)
 
 
-def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) -> list[str]:
-    """What the slice costs per hour (chips x the list price, with its source and date), its limits, and, given
-    a previous run's summary, what the remaining epochs should cost."""
+def bound_line(sub: submit.Submission, usd_per_chip_hour: float | None) -> str:
+    """The most a TPU VM job can bill: every bounded phase of its startup script at its longest, each named
+    (durations.billed_phases), or why there is no bound."""
+    join = getattr(sub.spec.accelerator, "join_timeout_s", None)
+    phases = billed_phases(sub.max_run_s, sub.tpu.hosts, join)
+    if sub.max_run_s is None:
+        return ("at most: no bound: the job has no wall-clock limit (--max-run-duration none); before it the slice "
+                "bills through " + ", ".join(f"{name} {_span(s)}" for name, s, _ in phases))
+    total = sum(seconds for _, seconds, _ in phases)
+    cost = "" if usd_per_chip_hour is None else f"${sub.tpu.chips * usd_per_chip_hour * total / 3600:.2f} of TPU time, "
+    return (f"at most: {cost}{_span(total)} from the VM's start to its delete, each bounded phase at its longest: "
+            + " + ".join(f"{name} {_span(s)} ({how})" for name, s, how in phases)
+            + "; the queue before the VM bills nothing, the API's own time to delete the VM is not counted")
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None, bound: bool = True) -> list[str]:
+    """What the slice costs per hour (chips x the list price, with its source and date), its limits and (`bound`:
+    a TPU VM's) the most it can bill, and, given a previous run's summary, what the remaining epochs should cost."""
     price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
     kind = "Spot" if sub.spot else "on demand"
     if price.usd is None:
@@ -109,14 +128,11 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None) 
             f"{price.date}){'; ' + price.note if price.note else ''}"
         ]
     limit = "no wall-clock limit" if sub.max_run_s is None else f"stops after {_hours(sub.max_run_s)}"
-    if price.usd is not None and sub.max_run_s is not None:
-        # A hung container is killed only LIMIT_GRACE_S after the limit: the slice bills until then.
-        billed_s = sub.max_run_s + LIMIT_GRACE_S
-        limit += (f" (at most ${sub.tpu.chips * price.usd * billed_s / 3600:.2f} of TPU time: "
-                  f"{_hours(sub.max_run_s)} and the {_hours(LIMIT_GRACE_S)} before a hung container is killed)")
     lines.append(
         f"limit: {limit}; stall timeout: " + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s))
     )
+    if bound:
+        lines.append(bound_line(sub, price.usd))
     estimate = remaining_estimate(sub, previous, price.usd)
     if estimate:
         lines.append(estimate)
@@ -253,7 +269,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     if on != "tpu-vm":
         vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
         workers = workers_line(sub, on) if on != "vertex" else None  # Vertex AI refuses a multi-host slice
-        for line in [*vm_runtime, *price_lines(sub)[:1], *([workers] if workers else []),
+        for line in [*vm_runtime, *price_lines(sub, bound=False)[:1], *([workers] if workers else []),
                      *([unverified] if unverified else []), *code]:
             say(line)
 

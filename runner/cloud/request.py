@@ -20,7 +20,7 @@ import yaml
 
 from runner import RunnerError
 from runner.cloud import pricing
-from runner.cloud.durations import parse_valid_until, valid_until_text
+from runner.cloud.durations import STARTUP_BOUNDS, parse_valid_until, valid_until_text
 from runner.cloud.submit import Submission
 from runner.spec.types import JobSpec
 
@@ -73,6 +73,8 @@ def startup_script(sub: Submission) -> str:
         if key == "RUNNER_MAX_RESTARTS":  # read back from the script by `runner watch`, not by the script
             header.append("# shellcheck disable=SC2034")
         header.append(f"{key}={shlex.quote(value)}")
+    # The bounds `submit`'s "at most" adds up (runner/cloud/durations.py), unless the VM's environment sets one.
+    header += [f': "${{{key}:={value}}}"' for key, value in STARTUP_BOUNDS.items()]
     return "\n".join(header) + "\n" + _STARTUP_BODY.read_text()
 
 
