@@ -14,6 +14,7 @@ import pytest
 from runner.cloud import record
 from runner.rundir import checkpoints
 from tests.conftest import REPO, last_json, run_cli
+from tests.support.tpu_vm import dense_model
 
 STEPS = 4
 
@@ -95,15 +96,3 @@ def _upload(gcs, folder: Path, bucket: str, prefix: str) -> str:
         if path.is_file():
             gcs.write(bucket, f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
     return f"gs://{bucket}/{prefix}"
-
-
-def dense_model(folder: Path) -> str:
-    """A model of one dense layer, as the job's own code in `folder` (XLA on these CPUs compiles a CNN slowly)."""
-    (folder / "densenet.py").write_text(
-        "import keras\n\n\n"
-        "def build(params, features, inputs):\n"
-        "    x = keras.Input((28, 28, 1))\n"
-        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
-        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(flat))\n"
-    )
-    return "densenet:build"

@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 
 from runner.cloud.recovery import Decision, Seen, decide
+from runner.rundir import checkpoints
 from tests.conftest import REPO, last_json, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 from tests.support.metadata_fake import MetadataFake
-from tests.support.runs import awaited, finish, indexed_step
+from tests.support.runs import awaited, finish
 from tests.support.tpu_fake import TpuFake
-from tests.support.tpu_vm import release, vm_env
+from tests.support.tpu_vm import dense_model, release, vm_env
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VM's delete
@@ -95,7 +96,8 @@ class Cloud:
         )
         self.api.configure(lifecycle=LIFECYCLE, boot={"env": env, "folder": str(self.folder / "boots"), "workers": 1})
 
-    def spec(self, data: str | None = None, **sections: Any) -> Path:
+    def spec(self, data: str | None = None, into: Path | None = None, **sections: Any) -> Path:
+        """The job's spec, in this test's folder or `into` (a folder of its own: the code folder `submit` sends)."""
         doc = {
             "name": "mnist_cnn",
             "data": {"train": data or f"gs://{self.bucket}/data/train-*.tfrecord", "eval": None},
@@ -105,7 +107,7 @@ class Cloud:
         doc["data"].update(sections.pop("batch", {}))
         for section, values in sections.items():
             doc.setdefault(section, {}).update(values)
-        return write_spec(self.folder, doc)
+        return write_spec(into or self.folder, doc)
 
     def submit_args(self, spec: Path, *extra: str) -> list[str]:
         return [
@@ -338,31 +340,35 @@ def tpu_fake_has_no_queued_resource(cloud: Cloud) -> bool:
 
 
 @pytest.mark.slow
-def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_final_step(cloud, tiny_mnist):
+def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_final_step(
+    cloud, tiny_mnist, tmp_path, monkeypatch
+):
+    """The job as the TPU image runs it (Keras on JAX, Orbax's checkpoints in the bucket), preempted as a Spot VM
+    is: its container stopped through Docker; the restart record's step is Orbax's newest whole step."""
+    for key, value in cloud.gcs.env.items():  # this process reads the bucket's checkpoints as `runner status` does
+        monkeypatch.setenv(key, value)
     data = cloud.gcs.upload_folder(tiny_mnist, cloud.bucket, "data")
     steps, epochs = 40, 3
+    job = tmp_path / "job"
+    job.mkdir()
     # allow_chance: a few hundred tiny-MNIST steps may end near chance, which `runner run` reports as exit 4;
     # this test is about resuming to the exact final step, not about what the model learned.
     spec = cloud.spec(
         data=f"{data}/train-*.tfrecord",
+        into=job,
+        accelerator={"backend": "jax"},
+        model={"name": dense_model(job)},  # sent with the job as its code, as `runner submit` sends it
         train={"epochs": epochs, "steps_per_epoch": steps, "allow_chance": True},
         checkpoint={"grace_s": 20, "every_steps": 8},  # a save 8 steps into epoch 2 says it has begun
-        output={"tensorboard": False},
+        output={"tensorboard": False, "saved_model": False},
         batch={"global_batch_size": 128, "shuffle_buffer": 512},
     )
-    cloud.vm("real")
+    cloud.vm("jax")
     watcher = cloud.start(*cloud.submit_args(spec, "--spot", "--max-restarts", "2"))
 
-    def indexed() -> int | None:
-        from google.api_core import exceptions
-
-        try:
-            return indexed_step(cloud.gcs.read(cloud.bucket, "runs/mnist_cnn/checkpoints/checkpoint").decode())
-        except exceptions.NotFound:
-            return None
-
-    # Into epoch 2 (its first save indexed), not a wall-clock guess: a busy machine may not have begun it yet.
-    wait_until(lambda: (s := indexed()) is not None and s > steps, watcher, timeout=600, every=0.1)
+    # Into epoch 2 (a whole save there), not a wall-clock guess: a busy machine may not have begun it yet.
+    wait_until(lambda: (s := checkpoints.newest_step(cloud.run_dir)) is not None and s > steps, watcher,
+               timeout=600, every=0.2)
     cloud.api.preempt("mnist-cnn", grace_s=20)  # Spot preemption: SIGTERM on the VM, then it is gone
     code, out, err = finish(watcher, timeout=900)
     assert code == 0, err[-4000:]
@@ -371,8 +377,10 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
     [restart] = final["restarts"]
     assert "SUSPEND" in restart["cause"] and "SERVICE" in restart["cause"]
     saved = restart["step_reached"]
+    assert saved is not None, "the restart record names the newest Orbax step"
     assert steps < saved < epochs * steps and saved % steps, f"the notice's save is mid-epoch, got step {saved}"
     assert final["resumed_from_step"] == saved
     assert final["final_step"] == epochs * steps, "no step trained twice, none skipped"
+    assert final["accelerator"]["backend"]["name"] == "jax"
     assert restart["time_lost_s"] is not None
     assert len(cloud.creates()) == 2

@@ -28,7 +28,7 @@ from runner.spec.types import AcceleratorSpec
 from tests.conftest import last_json, write_spec
 from tests.support.cloud import IMAGE, PROJECT, ZONE, cloud_env, invoke
 from tests.support.metadata_fake import start_metadata_fake
-from tests.support.tpu_vm import vm_env
+from tests.support.tpu_vm import dense_model, vm_env
 
 pytest_plugins = ["tests.support.cloud_fixtures"]
 pytestmark = pytest.mark.host  # the real gcloud sends the VMs' describe and delete calls
@@ -214,18 +214,6 @@ def _compile_cache() -> dict[str, str]:
 
     found = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     return {"JAX_COMPILATION_CACHE_DIR": found} if found else {}
-
-
-def dense_model(folder: Path) -> str:
-    """A model of one dense layer, as the job's own code in `folder` (XLA on these CPUs compiles a CNN slowly)."""
-    (folder / "densenet.py").write_text(
-        "import keras\n\n\n"
-        "def build(params, features, inputs):\n"
-        "    x = keras.Input((28, 28, 1))\n"
-        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
-        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(flat))\n"
-    )
-    return "densenet:build"
 
 
 def free_port() -> int:

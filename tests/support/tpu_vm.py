@@ -488,6 +488,19 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
+def dense_model(folder: Path) -> str:
+    """A model of one dense layer, as the job's own code in `folder` (`runner submit` sends it with the job): the
+    simulated VM's JAX jobs train it, since XLA on these CPUs compiles a CNN for tens of seconds."""
+    (folder / "densenet.py").write_text(
+        "import keras\n\n\n"
+        "def build(params, features, inputs):\n"
+        "    x = keras.Input((28, 28, 1))\n"
+        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    return keras.Model(x, keras.layers.Dense(10, activation='softmax')(flat))\n"
+    )
+    return "densenet:build"
+
+
 def gcs_job_spec(folder: Path) -> Path:
     """The job every simulated TPU VM runs: MNIST from gs://runner-test, its run folder there too."""
     from tests.conftest import write_spec
