@@ -49,7 +49,7 @@ RANK = {area: rank for rank, areas in enumerate(LAYERS) for area in areas}
 # command imports before TensorFlow should load.
 TENSORFLOW_FREE_AREAS = ("root", "models", "spec", "cli", "compare")
 TENSORFLOW_FREE_MODULES = (
-    "runner.data.storage", "runner.device.host", "runner.device.tpu_env", "runner.device.tpus", "runner.device.backend",
+    "runner.data.storage", "runner.device.host", "runner.device.tpus", "runner.device.backend",
     "runner.rundir.timing", "runner.cloud.submit", "runner.cloud.request", "runner.cloud.logs", "runner.cloud.pricing",
     "runner.cloud.jobs", "runner.cloud.codepack", "runner.cloud.codefetch",
     "runner.doctor", "runner.doctor.checks", "runner.doctor.report",

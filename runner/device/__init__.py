@@ -1,4 +1,4 @@
 """The device a job runs on: TensorFlow-free host facts (host), the Cloud TPU facts table (tpus), the one
-strategy resolver (strategy), the TPU device API set before TensorFlow loads (tpu_env), peaks, precision and
-bounded calls. Imports runner.spec, runner.models' table and the package root.
+strategy resolver (strategy), peaks, precision and bounded calls. Imports runner.spec, runner.models' table and
+the package root.
 """

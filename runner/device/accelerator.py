@@ -12,7 +12,6 @@ from typing import Any
 import tensorflow as tf
 
 from runner.device import backend, host
-from runner.device.tpu_env import TpuRuntime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +24,6 @@ class Accelerator:
     workers: int = 1
     worker_index: int = 0
     detail: str = ""
-    tpu_runtime: TpuRuntime | None = None  # the TPU device API and its settings (runner/device/tpu_env.py)
     backend: backend.Backend = backend.Backend("tensorflow", "Keras's default")
 
     @property
@@ -44,7 +42,6 @@ class Accelerator:
             **({"jax": _version("jax")} if self.backend.name == "jax" else {}),
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
             "allocator": host.allocator_in_use()[0],
-            "tpu_runtime": self.tpu_runtime.to_dict() if self.tpu_runtime else None,
         }
 
 

@@ -2,11 +2,11 @@
 
 Each generation's row holds what is known of it, every fact with a key of the table's `sources`: how the type
 counts (chips, or TensorCores at two per chip), chips per host, the multi-host slices it is submitted as (and the
-chips of their VMs), the bf16 peak per chip and the devices JAX makes of a chip, the TPU VM software version per
-backend, GKE's and Vertex AI's machine types, the zones that offer it, and, where a generation has none, why
+chips of their VMs), the bf16 peak per chip and the devices JAX makes of a chip, the TPU VM software version for
+JAX, GKE's and Vertex AI's machine types, the zones that offer it, and, where a generation has none, why
 there is no list price. Per-region prices are the table's `prices`
-(runner/cloud/pricing.py reads them). `runner submit`, the engines, the MFU peak (runner/device/peak.py), the
-TPU device API (runner/device/tpu_env.py) and the doctor read these rows; no other module names a generation.
+(runner/cloud/pricing.py reads them). `runner submit`, the engines, the MFU peak (runner/device/peak.py) and
+the doctor read these rows; no other module names a generation.
 
 A type is GENERATION-SIZE as the Cloud TPU API and xpk spell it (v5litepod-8, v6e-8, v5p-8, tpu7x-8); the
 names people also type (v5e-8, trillium-8, ironwood-8) are the rows' `aliases`. Imports neither TensorFlow
@@ -27,7 +27,7 @@ from typing import Any
 from runner import SpecError
 
 TABLE = Path(__file__).with_name("tpus.json")
-BACKENDS = ("jax", "tensorflow")
+BACKENDS = ("jax",)  # a TPU computes with JAX only: TensorFlow's TPU path is retired (docs/tpu.md)
 _TYPE = re.compile(r"([a-z0-9]+)-(\d+)")
 
 

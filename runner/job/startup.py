@@ -5,9 +5,8 @@ read these settings once, while they load, so a command calls `before_tensorflow
 2. Keras 3, never tf-keras: TensorFlow hands `tf.keras` to tf-keras (Keras 2) when TF_USE_LEGACY_KERAS is
    set, so the variable is refused before anything reads it (`refuse_legacy_keras`);
 3. the backend Keras computes with, KERAS_BACKEND (runner/device/backend.py): `import tensorflow` imports
-   Keras, so this is the one place it can be set;
-4. under TensorFlow, the TPU device API (PJRT or stream executor) for the TPU the job would try
-   (runner/device/tpu_env.py).
+   Keras, so this is the one place it can be set. Nothing of TensorFlow's TPU path (PJRT_DEVICE,
+   TF_PLUGGABLE_DEVICE_LIBRARY_PATH) is ever set: TensorFlow feeds data and never touches a TPU (docs/tpu.md).
 Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads.
 
 This module must never import TensorFlow itself.
@@ -26,7 +25,6 @@ from collections.abc import Mapping
 from runner import SpecError
 from runner.data.storage import configure_tensorflow
 from runner.device import backend
-from runner.device.tpu_env import prepare_tpu_env
 from runner.spec.types import JobSpec
 
 
@@ -36,10 +34,7 @@ def before_tensorflow(spec: JobSpec) -> None:
     Raises SpecError for TF_USE_LEGACY_KERAS, AcceleratorError for a backend that cannot be set."""
     configure_tensorflow(spec.storage.timeout_s)
     refuse_legacy_keras(os.environ)
-    chosen = backend.choose(spec.accelerator)
-    backend.apply(chosen, spec.accelerator)
-    if chosen.name == "tensorflow":
-        prepare_tpu_env(spec.accelerator.kind, spec.accelerator.tpu)
+    backend.apply(backend.choose(spec.accelerator), spec.accelerator)
 
 
 def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
