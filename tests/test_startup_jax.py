@@ -15,7 +15,9 @@ DOCKER_STOP_S here."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -39,6 +41,23 @@ QUICK = {"RUNNER_UPLOAD_EVERY_S": "1", "RUNNER_WORKER_LOST_S": "30", "RUNNER_PEE
          "RUNNER_PEER_STAGGER_S": "1", "RUNNER_METADATA_TRIES": "3", "RUNNER_FAKE_PROJECT": PROJECT}
 # The join's bound: accelerator.join_timeout_s where the spec has it, else the older accelerator.timeout_s.
 JOIN_KEY = "join_timeout_s" if "join_timeout_s" in AcceleratorSpec.model_fields else "timeout_s"
+
+
+_BOOTED: list[subprocess.Popen] = []  # every simulated VM's startup script, ended with its test
+
+
+@pytest.fixture(autouse=True)
+def _vms_end_with_their_test():
+    """What a failed test's VMs still run (a JAX process waiting to join) is killed, as a deleted VM's would be."""
+    yield
+    while _BOOTED:
+        session = _BOOTED.pop().pid
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.getsid(int(entry.name)) == session:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
 
 
 class Vms:
@@ -87,6 +106,7 @@ class Vms:
         self.processes.append(subprocess.Popen(["bash", "-c", request.startup_script(self.sub)], env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                start_new_session=True))
+        _BOOTED.append(self.processes[-1])
 
     def finish(self, worker: int) -> None:
         _, err = self.processes[worker].communicate(timeout=WAIT_S)
@@ -175,9 +195,6 @@ def test_a_worker_that_never_starts_the_job_ends_the_other_within_the_join_bound
 def test_a_preemption_stops_the_container_as_dockerd_does_and_the_job_saves_and_exits_75(
     tpu_fake, metadata_fake, in_bucket, small_mnist, tmp_path
 ):
-    import os
-    import signal
-
     vms = Vms(tpu_fake, [metadata_fake], in_bucket, tmp_path, small_mnist, "v5litepod-8", epochs=400,
               steps_per_epoch=STEPS)
     assert vms.sub.tpu.hosts == 1
@@ -210,8 +227,6 @@ def _upload(gcs, folder: Path, bucket: str, prefix: str) -> str:
 
 
 def _compile_cache() -> dict[str, str]:
-    import os
-
     found = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     return {"JAX_COMPILATION_CACHE_DIR": found} if found else {}
 
