@@ -224,7 +224,7 @@ def test_on_a_slice_of_two_hosts_the_tpu_is_left_to_the_jobs_join(env, tmp_path:
             gke = {}
         else:
             gke = {"TPU_WORKER_HOSTNAMES": "w-0.slice,w-1.slice", "TPU_SKIP_MDS_QUERY": "true"}
-        environ = {**env, **site, **gke, "GCE_METADATA_HOST": metadata.host}
+        environ = {**env, **site, **gke, "GCE_METADATA_IP": metadata.host, "GCE_METADATA_HOST": metadata.host}
         if listed_by == "metadata":  # JAX sets it in a process where it found no TPU chip (cloud_tpu_init.py)
             environ.pop("TPU_SKIP_MDS_QUERY", None)
         began = time.monotonic()

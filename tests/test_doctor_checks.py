@@ -257,7 +257,7 @@ def closed_port() -> int:
 
 
 def test_the_hosts_of_a_slice_are_found_where_jax_finds_them(tmp_path: Path) -> None:
-    silent = {"GCE_METADATA_HOST": f"127.0.0.1:{closed_port()}"}
+    silent = {"GCE_METADATA_IP": f"127.0.0.1:{closed_port()}"}  # the server JAX asks, as the job's count does
     gke = checks.slice_hosts({**silent, "TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-3"}, local_tpu=True)
     assert (gke.hosts, gke.found_by) == (4, "TPU_WORKER_HOSTNAMES lists 4 hosts")
     # A type bigger than one host: 16 v5e chips are 4 VMs of 4 (the TPU table); a v5p-16 counts TensorCores.
@@ -267,15 +267,16 @@ def test_the_hosts_of_a_slice_are_found_where_jax_finds_them(tmp_path: Path) -> 
     assert checks.slice_hosts({**silent, "TPU_ACCELERATOR_TYPE": "v9-64"}, local_tpu=True).hosts == 1, "unknown"
     with start_metadata_fake(tmp_path, ttl_s=60, accelerator_type="v5litepod-8",
                              worker_network_endpoints="w-0:0:10.0.0.2,w-1:1:10.0.0.3") as metadata:
-        vm = checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=True)
-        assert (vm.hosts, vm.accelerator_type) == (2, "v5litepod-8") and "worker-network-endpoints" in vm.found_by
+        vm = {"GCE_METADATA_IP": metadata.host}
+        assert checks.slice_hosts(vm, local_tpu=True) == checks.SliceHosts(
+            2, "the metadata server's worker-network-endpoints lists 2 hosts")
         metadata.set(worker_network_endpoints="w-0:0:10.0.0.2", accelerator_type="v5p-32")
-        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=True).found_by == (
+        assert checks.slice_hosts(vm, local_tpu=True).found_by == (
             "v5p-32 (the metadata server) is 16 chips on 4 hosts (the TPU table)")
         # Not a TPU VM (no local TPU), or JAX told not to ask (TPU_SKIP_MDS_QUERY): the server is left alone.
         asked = len(metadata.requests())
-        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host}, local_tpu=False).hosts == 1
-        assert checks.slice_hosts({"GCE_METADATA_HOST": metadata.host, "TPU_SKIP_MDS_QUERY": "1"}, True).hosts == 1
+        assert checks.slice_hosts(vm, local_tpu=False).hosts == 1
+        assert checks.slice_hosts({**vm, "TPU_SKIP_MDS_QUERY": "1"}, local_tpu=True).hosts == 1
         assert len(metadata.requests()) == asked
 
 
@@ -285,7 +286,7 @@ def test_a_metadata_server_that_never_answers_is_one_host_within_the_bound() -> 
 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
         began = time.monotonic()
-        found = checks.slice_hosts({"GCE_METADATA_HOST": f"127.0.0.1:{silent.getsockname()[1]}"}, True, timeout=1.0)
+        found = checks.slice_hosts({"GCE_METADATA_IP": f"127.0.0.1:{silent.getsockname()[1]}"}, True, timeout=1.0)
     assert found.hosts == 1 and time.monotonic() - began < 3
 
 

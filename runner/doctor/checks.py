@@ -23,7 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from runner.device import tpus
+from runner import SpecError
+from runner.device import cluster, tpus
 from runner.device.bounded import Bounded
 from runner.device.host import (
     TCMALLOC_PRELOAD,
@@ -104,11 +105,6 @@ class SliceHosts:
     accelerator_type: str | None = None
 
 
-def _endpoints(text: str) -> list[str]:
-    # worker-network-endpoints: comma-separated, each a hostname or name:id:ip (jax's cloud_tpu_cluster.py).
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _hosts_of_type(accelerator_type: str) -> tuple[int, str] | None:
     """(hosts, how) of an accelerator type from the TPU table; None for a type the table does not know."""
     generation = tpus.generation_of(accelerator_type)
@@ -120,35 +116,37 @@ def _hosts_of_type(accelerator_type: str) -> tuple[int, str] | None:
     return hosts, f"{chips} chips on {hosts} hosts (the TPU table)"
 
 
-def slice_hosts(environ: dict[str, str], local_tpu: bool, timeout: float = 3.0) -> SliceHosts:
-    """How many hosts the TPU here spans, found where JAX's own cluster detection looks
-    (jax/_src/clusters/cloud_tpu_cluster.py): GKE's TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES; on a TPU VM
-    (`local_tpu`; not with TPU_SKIP_MDS_QUERY) the metadata server's worker-network-endpoints; and the accelerator
-    type (TPU_ACCELERATOR_TYPE, else the metadata's accelerator-type) against the TPU table's chips per host.
-    The metadata server is asked once for both keys, within `timeout`; silence means one host."""
-    names = "TPU_PROCESS_ADDRESSES" if environ.get("TPU_PROCESS_ADDRESSES") else "TPU_WORKER_HOSTNAMES"
-    listed = _endpoints(environ.get(names, ""))
-    if len(listed) > 1:
-        return SliceHosts(len(listed), f"{names} lists {len(listed)} hosts", environ.get("TPU_ACCELERATOR_TYPE"))
-    metadata: dict[str, str] = {}
-    if local_tpu and environ.get("TPU_SKIP_MDS_QUERY") is None:
-        def ask() -> None:
-            for key in ("worker-network-endpoints", "accelerator-type"):
-                try:
-                    metadata[key] = _metadata(environ, f"instance/attributes/{key}", timeout / 2).strip()
-                except (OSError, urllib.error.URLError, ValueError):
-                    pass
+def _found_by(processes: cluster.Processes, environ: dict[str, str]) -> str:
+    if processes.how == "keras":
+        return f"Keras's KERAS_DISTRIBUTION_* variables name {processes.count} processes"
+    listed = next((name for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if environ.get(name)), None)
+    where = listed or "the metadata server's worker-network-endpoints"
+    return f"{where} lists {processes.count} hosts"
+
+
+def slice_hosts(environ: dict[str, str], local_tpu: bool, timeout: float = 10.0) -> SliceHosts:
+    """How many hosts the job here runs on: counted as the job counts them before its join
+    (runner/device/cluster.py, as JAX does: Keras's variables; GKE's TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES;
+    on a TPU VM (`local_tpu`, TPU_SKIP_MDS_QUERY unset) the metadata server's worker-network-endpoints), else from
+    the accelerator type (TPU_ACCELERATOR_TYPE, else the metadata's accelerator-type) against the TPU table. Within
+    `timeout`; silence, or a variable the job itself refuses (it says so when it runs), counts as one host."""
+    try:
+        processes = Bounded("doctor-slice", lambda: cluster.asked(environ, on_tpu=local_tpu)).result(timeout)
+    except (TimeoutError, SpecError):
+        processes = cluster.SINGLE
+    accelerator_type, source = environ.get("TPU_ACCELERATOR_TYPE") or None, "TPU_ACCELERATOR_TYPE"
+    if processes.several:
+        return SliceHosts(processes.count, _found_by(processes, environ), accelerator_type)
+    if accelerator_type is None and local_tpu and environ.get("TPU_SKIP_MDS_QUERY") is None:
+        # The server JAX asks (GCE_METADATA_IP), else the one Google's clients ask (GCE_METADATA_HOST).
+        asked = {**environ, "GCE_METADATA_HOST": environ.get("GCE_METADATA_IP") or environ.get("GCE_METADATA_HOST", "")}
+        read = Bounded("doctor-accelerator-type",
+                       lambda: _metadata(asked, "instance/attributes/accelerator-type", timeout).strip())
         try:
-            Bounded("doctor-slice-hosts", ask).result(timeout)
-        except TimeoutError:
-            pass  # what came within the bound is used
-    endpoints = _endpoints(metadata.get("worker-network-endpoints", ""))
-    accelerator_type = environ.get("TPU_ACCELERATOR_TYPE") or metadata.get("accelerator-type") or None
-    if len(endpoints) > 1:
-        return SliceHosts(len(endpoints), f"the metadata server's worker-network-endpoints lists {len(endpoints)} "
-                          "hosts", accelerator_type)
+            accelerator_type, source = read.result(timeout) or None, "the metadata server"
+        except (TimeoutError, OSError, urllib.error.URLError, ValueError):
+            pass
     if accelerator_type and (counted := _hosts_of_type(accelerator_type)) and counted[0] > 1:
-        source = "TPU_ACCELERATOR_TYPE" if environ.get("TPU_ACCELERATOR_TYPE") else "the metadata server"
         return SliceHosts(counted[0], f"{accelerator_type} ({source}) is {counted[1]}", accelerator_type)
     return SliceHosts(1, "one host: nothing lists several", accelerator_type)
 
