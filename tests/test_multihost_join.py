@@ -5,6 +5,9 @@ given different jobs, a coordinator port in use, a preemption of every process. 
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 import subprocess
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import EXIT_INFRA, EXIT_USAGE
+from runner import EXIT_INFRA, EXIT_PREEMPTED, EXIT_USAGE
 from tests.conftest import REPO, cli_env, last_json
 from tests.support import zygote
 from tests.test_multihost import STEPS, finish, free_port, job
@@ -21,16 +24,17 @@ pytestmark = pytest.mark.slow
 
 
 def start_each(spec: Path, args: dict[int, list[str]], port: int, only: list[int] | None = None,
-               count: int = 2) -> list:
-    """`runner run SPEC ARGS[i]` as process i of `count` with coordinator port `port` (or only those in `only`)."""
+               count: int = 2, stdout: dict[int, int] | None = None) -> list:
+    """`runner run SPEC ARGS[i]` as process i of `count` with coordinator port `port` (or only those in `only`);
+    stdout a pipe, or the file descriptor `stdout[i]`."""
     started = []
     for index in only if only is not None else range(count):
         env = cli_env(KERAS_DISTRIBUTION_JOB_ADDRESSES=f"127.0.0.1:{port}",
                       KERAS_DISTRIBUTION_NUM_PROCESSES=str(count), KERAS_DISTRIBUTION_PROCESS_ID=str(index))
         log = spec.parent / f"{spec.stem}-process{index}.log"
         with open(log, "w") as stderr:
-            proc = zygote.popen(["run", str(spec), *args.get(index, [])], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True)
+            proc = zygote.popen(["run", str(spec), *args.get(index, [])], env=env, cwd=REPO, stderr=stderr,
+                                stdout=(stdout or {}).get(index, subprocess.PIPE), text=True)
         proc.log = log
         started.append(proc)
     return started
@@ -87,3 +91,55 @@ def test_a_coordinator_port_in_use_ends_every_process_with_exit_3_naming_it(mnis
         assert f"the coordinator's port {port} is in use on this host" in err, err[-3000:]
     assert "process 0 could not join the job" in ended[1][2]
     assert time.monotonic() - began < 60  # the join's bound (60 s) not waited out
+
+
+def held_pipe(room: int = 256) -> tuple[int, int]:
+    """A pipe with `room` bytes free: a process given its write end as stdout prints Gloo's line ("[Gloo] Rank 1
+    is connected to 1 peer ranks") and then blocks at its summary until the read end is drained. Linux keeps a
+    pipe in page-sized buffers and adds a small write to the newest one while it has room: fill every page, free
+    one, fill that one but for `room`."""
+    read_end, write_end = os.pipe()
+    page = os.sysconf("SC_PAGE_SIZE")
+    os.set_blocking(write_end, False)
+    try:
+        while True:
+            os.write(write_end, b"#" * page)
+    except BlockingIOError:
+        pass
+    os.read(read_end, page)
+    os.write(write_end, b"#" * (page - room))
+    os.set_blocking(write_end, True)  # the child shares this flag: its print must wait, not fail
+    return read_end, write_end
+
+
+def test_sigterm_to_every_process_gives_75_on_every_process_every_time(mnist_job, tmp_path: Path) -> None:
+    """A preemption signals every host. Process 1 is held while it prints its summary (its stdout a full pipe),
+    as a slow disk or a loaded host holds it: process 0 used to leave as soon as it had written its own, taking
+    the coordination service with it, and JAX aborted process 1 (exit -6, no summary; 1 run of 17 under load).
+    Process 0 now leaves last. Twice, the second attempt resuming the first's save."""
+    spec = job(mnist_job, tmp_path, "preempted-twice", epochs=400)
+    steps = []
+    for _ in range(2):
+        read_end, write_end = held_pipe()
+        try:
+            started = start_each(spec, {}, free_port(), stdout={1: write_end})
+        finally:
+            os.close(write_end)
+        for proc in started:
+            wait_in_log(proc, "/400: ")  # an epoch of this attempt trained (each attempt's log starts empty)
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+        wait_in_log(started[0], "preempted at step")  # process 0's closing line: its summary is written
+        time.sleep(3)  # process 1 still held: before, process 0 was gone by now and process 1 aborted
+        with os.fdopen(read_end, "r") as held:
+            out1 = held.read()  # drains the pipe: process 1 prints its summary and leaves
+        code0, out0, err0 = finish(started[:1], timeout=60)[0]
+        code1 = started[1].wait(60)
+        err1 = started[1].log.read_text()
+        assert (code0, code1) == (EXIT_PREEMPTED, EXIT_PREEMPTED), f"{err0[-2000:]}\n{err1[-2000:]}"
+        summaries = [last_json(out0), last_json(out1)]
+        assert [s["status"] for s in summaries] == ["preempted", "preempted"]
+        step = {int(re.search(r"saved step (\d+)", s["error"]).group(1)) for s in summaries}
+        assert len(step) == 1, f"the processes stopped at different steps: {step}"
+        steps.append(step.pop())
+    assert steps[0] < steps[1]
