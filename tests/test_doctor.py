@@ -143,6 +143,11 @@ def test_batch_arithmetic_for_the_replicas_found_or_asked() -> None:
     sliced = checks.Check("jax", "ok", "not started", data={"hosts": 2})
     unknown = doctor_module._batch(spec, [sliced], replicas=None)
     assert unknown.status == "warn" and "the TPU of a slice of 2 hosts starts in the job's join" in unknown.evidence
+    typed = checks.Check("jax", "ok", "not started", data={"hosts": 4, "accelerator_type": "v6e-16",
+                                                            "slice_devices": 16})
+    whole = doctor_module._batch(spec, [typed], replicas=None)
+    assert whole.status == "fail" and "not divisible by the 16 replicas (the TPU devices of v6e-16, a slice of 4 " \
+        "hosts (the TPU table))" in whole.evidence
     assert doctor_module._batch(spec, [], replicas=None).status == "warn", "no TPU started: replicas unknown"
     small = doctor_module.check_batch(JobSpec(), 1, "one CPU", {"train": 2048, "eval": 512})
     assert small.status == "fail" and "data.eval: 512 records make no full batch of 1024" in small.evidence
@@ -214,11 +219,11 @@ def a_slice_host(folder: Path) -> tuple[str, dict[str, str]]:
 
 @pytest.mark.parametrize("listed_by", ["metadata", "gke"])
 def test_on_a_slice_of_two_hosts_the_tpu_is_left_to_the_jobs_join(env, tmp_path: Path, listed_by: str) -> None:
-    """Worker 0 of a 2-host v5litepod slice, its TPU listed by the metadata server (a TPU VM) or by GKE's
-    TPU_WORKER_HOSTNAMES: JAX's TPU start would wait for worker 1, so the doctor does not start it."""
+    """Worker 0 of a v5p-16 (2 hosts), listed by the metadata server (a TPU VM) or by GKE's TPU_WORKER_HOSTNAMES:
+    JAX's TPU start would wait for worker 1, so the doctor does not start it."""
     dev_root, site = a_slice_host(tmp_path)
     endpoints = "t1v-n-w-0:0:10.0.0.2,t1v-n-w-1:1:10.0.0.3"
-    with start_metadata_fake(tmp_path, ttl_s=120, accelerator_type="v5litepod-8") as metadata:
+    with start_metadata_fake(tmp_path, ttl_s=120, accelerator_type="v5p-16") as metadata:
         if listed_by == "metadata":
             metadata.set(worker_network_endpoints=endpoints)
             gke = {}
@@ -242,6 +247,7 @@ def test_on_a_slice_of_two_hosts_the_tpu_is_left_to_the_jobs_join(env, tmp_path:
     assert took < TIMEOUT
     if listed_by == "metadata":
         assert "worker-network-endpoints lists 2 hosts" in jax.evidence
+        assert (jax.data["accelerator_type"], jax.data["slice_devices"]) == ("v5p-16", 8), "8 chips, one device each"
         assert "/computeMetadata/v1/instance/attributes/worker-network-endpoints" in asked
     else:
         assert "TPU_WORKER_HOSTNAMES lists 2 hosts" in jax.evidence

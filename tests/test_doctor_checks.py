@@ -265,11 +265,14 @@ def test_the_hosts_of_a_slice_are_found_where_jax_finds_them(tmp_path: Path) -> 
         found = checks.slice_hosts({**silent, "TPU_ACCELERATOR_TYPE": accelerator_type}, local_tpu=True)
         assert found.hosts == hosts, (accelerator_type, found)
     assert checks.slice_hosts({**silent, "TPU_ACCELERATOR_TYPE": "v9-64"}, local_tpu=True).hosts == 1, "unknown"
+    # The devices JAX makes of a whole slice: a v3 chip is two (each TensorCore), a v5p chip one (megacore).
+    devices = {t: checks.SliceHosts(2, "", t).devices for t in ("v5litepod-16", "v5p-32", "v3-32", "v2-32", "v9-8")}
+    assert devices == {"v5litepod-16": 16, "v5p-32": 16, "v3-32": 32, "v2-32": None, "v9-8": None}
     with start_metadata_fake(tmp_path, ttl_s=60, accelerator_type="v5litepod-8",
                              worker_network_endpoints="w-0:0:10.0.0.2,w-1:1:10.0.0.3") as metadata:
         vm = {"GCE_METADATA_IP": metadata.host}
         assert checks.slice_hosts(vm, local_tpu=True) == checks.SliceHosts(
-            2, "the metadata server's worker-network-endpoints lists 2 hosts")
+            2, "the metadata server's worker-network-endpoints lists 2 hosts", "v5litepod-8")
         metadata.set(worker_network_endpoints="w-0:0:10.0.0.2", accelerator_type="v5p-32")
         assert checks.slice_hosts(vm, local_tpu=True).found_by == (
             "v5p-32 (the metadata server) is 16 chips on 4 hosts (the TPU table)")

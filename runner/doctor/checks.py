@@ -104,6 +104,16 @@ class SliceHosts:
     found_by: str  # what said so
     accelerator_type: str | None = None
 
+    @property
+    def devices(self) -> int | None:
+        """The TPU devices JAX makes of the whole slice (its chips times the devices of a chip, from the TPU
+        table); None when the type or the table's figure is unknown."""
+        generation = tpus.generation_of(self.accelerator_type or "")
+        size = (self.accelerator_type or "").rpartition("-")[2]
+        if generation is None or generation.peak is None or not size.isdigit():
+            return None
+        return generation.chips(int(size)) * generation.peak[1]
+
 
 def _hosts_of_type(accelerator_type: str) -> tuple[int, str] | None:
     """(hosts, how) of an accelerator type from the TPU table; None for a type the table does not know."""
@@ -135,8 +145,6 @@ def slice_hosts(environ: dict[str, str], local_tpu: bool, timeout: float = 10.0)
     except (TimeoutError, SpecError):
         processes = cluster.SINGLE
     accelerator_type, source = environ.get("TPU_ACCELERATOR_TYPE") or None, "TPU_ACCELERATOR_TYPE"
-    if processes.several:
-        return SliceHosts(processes.count, _found_by(processes, environ), accelerator_type)
     if accelerator_type is None and local_tpu and environ.get("TPU_SKIP_MDS_QUERY") is None:
         # The server JAX asks (GCE_METADATA_IP), else the one Google's clients ask (GCE_METADATA_HOST).
         asked = {**environ, "GCE_METADATA_HOST": environ.get("GCE_METADATA_IP") or environ.get("GCE_METADATA_HOST", "")}
@@ -146,6 +154,8 @@ def slice_hosts(environ: dict[str, str], local_tpu: bool, timeout: float = 10.0)
             accelerator_type, source = read.result(timeout) or None, "the metadata server"
         except (TimeoutError, OSError, urllib.error.URLError, ValueError):
             pass
+    if processes.several:
+        return SliceHosts(processes.count, _found_by(processes, environ), accelerator_type)
     if accelerator_type and (counted := _hosts_of_type(accelerator_type)) and counted[0] > 1:
         return SliceHosts(counted[0], f"{accelerator_type} ({source}) is {counted[1]}", accelerator_type)
     return SliceHosts(1, "one host: nothing lists several", accelerator_type)

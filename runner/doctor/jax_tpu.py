@@ -86,7 +86,8 @@ def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str], hos
     seen = json.loads(lines[-1])
     path, library = seen["jax_library_path"], seen["libtpu_path"]
     if several and path is not None:
-        seen.update(hosts=hosts.hosts, hosts_found_by=hosts.found_by)
+        seen.update(hosts=hosts.hosts, hosts_found_by=hosts.found_by, accelerator_type=hosts.accelerator_type,
+                    slice_devices=hosts.devices)
         evidence = (f"not started: the TPU of a slice of {hosts.hosts} hosts starts only when every host joins: the "
                     f"job's own join checks it ({hosts.found_by}); JAX {seen['jax']} finds libtpu at {path}")
         return Check("jax", "ok", evidence, seconds=seconds, data=seen)

@@ -322,6 +322,10 @@ def _batch(spec: JobSpec, probed: list[Check], replicas: int | None) -> Check:
         count, source = replicas, "--replicas"
     elif on_tpu:
         count, source = jax.data["tpu_devices"], f"the TPU devices JAX sees ({jax.data['device_kind']})"
+    elif jax and jax.data.get("slice_devices"):
+        count, on_tpu = jax.data["slice_devices"], True
+        source = (f"the TPU devices of {jax.data['accelerator_type']}, a slice of {jax.data['hosts']} hosts "
+                  "(the TPU table)")
     elif jax and jax.data.get("hosts"):
         count, source = None, f"the TPU of a slice of {jax.data['hosts']} hosts starts in the job's join"
     elif kind == "tpu":
