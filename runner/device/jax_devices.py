@@ -5,7 +5,9 @@ it), on the CPU it lists `accelerator.cpu_devices` host devices (JAX_NUM_CPU_DEV
 runner/device/backend.py). Several devices train data-parallel through Keras's own
 `keras.distribution.DataParallel` (variables replicated, the batch split on its first axis), set as Keras's
 global distribution so that `fit`, `evaluate` and `predict` all use it. TensorFlow stays on the host for
-tf.data: it is told to see no GPU. Every step that can wait on a device is bounded by `accelerator.timeout_s`.
+tf.data: it is told to see no GPU. Every step that can wait on a device is bounded by `accelerator.timeout_s`;
+on a slice the listing comes after the join, which has its own bound (`accelerator.join_timeout_s`,
+runner/device/processes.py): the hosts arrive here together, and a late host is not charged to the TPU.
 """
 
 from __future__ import annotations
@@ -38,10 +40,16 @@ def _devices(platform: str, timeout_s: float) -> list:
     try:
         return Bounded(f"jax.devices({platform!r})", listed).result(timeout_s)
     except TimeoutError:
+        joined = processes.joined()
+        slice_note = (
+            f" On a slice every host starts its TPU together once all joined (this is process {joined.index} of "
+            f"{joined.count}): a host that stopped after the join holds the others; see every worker's log."
+            if joined.several else ""
+        )
         raise AcceleratorError(
             f"JAX did not list its {platform} devices within accelerator.timeout_s ({timeout_s:g} s): on a TPU VM "
             f"check that no other process holds the TPU ({host.LIBTPU_LOCKFILE}; `runner doctor` tells) and that "
-            "the container runs with --privileged --net=host"
+            f"the container runs with --privileged --net=host.{slice_note}"
         ) from None
 
 

@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from runner import AcceleratorError, SpecError
@@ -52,11 +53,13 @@ def join_bound(processes: Processes, join_timeout_s: float) -> float:
 LOG_EVERY_S = 30.0
 
 
-def join(processes: Processes, timeout_s: float, heartbeat_s: float, roll: Any = None) -> Processes:
+def join(processes: Processes, timeout_s: float, heartbeat_s: float, roll: Any = None,
+         waiting: Callable[[str], None] | None = None) -> Processes:
     """Joins the job's processes (JAX's distributed runtime) within `timeout_s` (accelerator.join_timeout_s);
     returns them as joined. A process that is missing or late, or a coordinator that cannot start, ends this one
     with AcceleratorError (exit 3). `roll` (runner/rundir/joining.py, or None): the markers in the run folder
-    by which the waiting processes name those that have not begun to join."""
+    by which the waiting processes name those that have not begun to join. `waiting(line)` is told each line
+    said while waiting (train.stall_timeout's guard: a bounded wait for a late host is no stall)."""
     global _joined, _joining
     if not processes.several:
         return SINGLE
@@ -76,7 +79,7 @@ def join(processes: Processes, timeout_s: float, heartbeat_s: float, roll: Any =
     began = time.monotonic()
     call = Bounded("jax.distributed.initialize", lambda: jax.distributed.initialize(**kwargs))
     try:
-        _wait_for_join(call, processes, timeout_s, roll, began)
+        _wait_for_join(call, processes, timeout_s, roll, began, waiting)
     except AcceleratorError:
         if roll is not None:
             roll.clear()
@@ -94,7 +97,8 @@ def join(processes: Processes, timeout_s: float, heartbeat_s: float, roll: Any =
     return _joined
 
 
-def _wait_for_join(call: Bounded, processes: Processes, timeout_s: float, roll: Any, began: float) -> None:
+def _wait_for_join(call: Bounded, processes: Processes, timeout_s: float, roll: Any, began: float,
+                   waiting: Callable[[str], None] | None) -> None:
     """Waits for the join, saying every LOG_EVERY_S (a tenth of a shorter bound) which processes have not begun
     to join; a process whose marker says it could not join (its coordinator's port in use) ends this one too."""
     every = min(LOG_EVERY_S, max(0.5, timeout_s / 10))
@@ -117,16 +121,18 @@ def _wait_for_join(call: Bounded, processes: Processes, timeout_s: float, roll: 
         if waited >= timeout_s:
             raise TimeoutError(f"still joining after {timeout_s:g} s", _missing(ready, processes.count))
         missing = _missing(ready, processes.count)
+        bound = f"after {waited:.0f} s (of at most {timeout_s:g} s, accelerator.join_timeout_s)"
         if missing is None:
-            log.info("joining: still waiting after %.0f s (of at most %g s, accelerator.join_timeout_s)", waited,
-                     timeout_s)
+            line = f"joining: still waiting {bound}"
         elif missing:
-            log.info("joining: waiting for %s to begin joining (%d of %d ready) after %.0f s (of at most %g s, "
-                     "accelerator.join_timeout_s)", _named(missing), processes.count - len(missing),
-                     processes.count, waited, timeout_s)
+            line = (f"joining: waiting for {_named(missing)} to begin joining ({processes.count - len(missing)} of "
+                    f"{processes.count} ready) {bound}")
         else:
-            log.info("joining: every process began to join; still connecting after %.0f s (of at most %g s): "
-                     "check that each host reaches the coordinator's port", waited, timeout_s)
+            line = (f"joining: every process began to join; still connecting {bound}: check that each host reaches "
+                    "the coordinator's port")
+        log.info("%s", line)
+        if waiting is not None:
+            waiting(line)
 
 
 def _missing(ready: dict[int, dict] | None, count: int) -> list[int] | None:

@@ -244,7 +244,7 @@ def _join(attempt: Attempt) -> None:
     bound = processes.join_bound(asked, spec.join_timeout_s)
     roll = joining.Roll(attempt.run.path, asked.index, bound, attempt.spec.storage.timeout_s)
     with attempt.phases.phase("strategy"):
-        joined = processes.join(asked, bound, spec.heartbeat_s, roll)
+        joined = processes.join(asked, bound, spec.heartbeat_s, roll, waiting=attempt.phases.watch)
         attempt.worker_index, attempt.facts.processes = joined.index, joined.to_dict()
         # One job: a process given another spec, code or image ends every process (exit 2) before any step.
         processes.agree("job", fingerprint.of_job(attempt.spec), bound)
