@@ -290,6 +290,7 @@ def test_set_values_meet_the_same_bounds_and_are_named(tmp_path: Path, override:
         ("data.autotune", [True, False], [1, "yes please"]),
         ("accelerator.cpu_devices", [1, 64], [0, 65, True]),
         ("accelerator.timeout_s", [0.5, 3600], [0, 1e-320, 3601, ".inf", True]),
+        ("accelerator.join_timeout_s", [1, 3600], [0.5, 0, 3601, ".inf", True]),
         ("accelerator.tpu", ["local", "grpc://10.0.0.2:8470", None], ["", " ", "a\nb"]),
         ("checkpoint.grace_s", [0.5, 3600], [0, 1e-320, 3600.5, ".inf"]),
         ("checkpoint.keep", [1, 10_000], [0, 10_001]),
