@@ -194,6 +194,13 @@ def test_tensorflow_is_never_pointed_at_libtpu(env, tmp_path: Path) -> None:
     assert checks_["tensorflow"]["status"] == "ok", checks_["tensorflow"]
     assert "tpu_runtime" not in checks_ and "tpu" not in checks_
     assert f"from {tmp_path / 'site' / 'libtpu' / 'libtpu.so'}" in checks_["jax"]["evidence"], "JAX alone loads it"
+    # An environment that sets it itself: failed, as `runner run` refuses it, and kept from the probe's TensorFlow.
+    pointed = {**env, **site, **tpu_vm, "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": str(tmp_path / "site/libtpu/libtpu.so")}
+    code, report = doctor("--timeout", TIMEOUT, env=pointed)
+    checks_ = named(report)
+    assert code == 3 and checks_["tensorflow_env"]["status"] == "fail", report
+    assert "points TensorFlow at libtpu" in checks_["tensorflow_env"]["evidence"]
+    assert checks_["tensorflow"]["status"] == "ok", checks_["tensorflow"]
 
 
 def a_slice_host(folder: Path) -> tuple[str, dict[str, str]]:

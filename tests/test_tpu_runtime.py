@@ -78,6 +78,19 @@ def test_nothing_of_tensorflows_tpu_path_is_set_before_tensorflow_loads(tmp_path
     assert seen == {"set": {}, "tensorflow_loaded": False}, seen
 
 
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+def test_an_environment_that_points_tensorflow_at_libtpu_is_refused_before_it_loads(mnist_job, tmp_path: Path,
+                                                                                    backend: str) -> None:
+    """A TPU VM image or a shell that still sets TensorFlow's TPU variable: tensorflow-cpu would load libtpu while
+    it imports and hold the TPU that JAX drives. `runner run` refuses it (exit 2) before TensorFlow loads."""
+    env = on_a_tpu_vm(tmp_path / "site")
+    env["TF_PLUGGABLE_DEVICE_LIBRARY_PATH"] = str(tmp_path / "site" / "libtpu" / "libtpu.so")
+    result = run_cli("run", mnist_job("pointed", accelerator={"backend": backend}), env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"TF_PLUGGABLE_DEVICE_LIBRARY_PATH={tmp_path / 'site' / 'libtpu' / 'libtpu.so'} points TensorFlow at "
+            "libtpu") in result.stderr and "Unset TF_PLUGGABLE_DEVICE_LIBRARY_PATH" in result.stderr
+
+
 @pytest.mark.slow
 def test_a_tensorflow_job_on_a_tpu_vm_trains_on_the_cpu_and_says_why(mnist_job, tmp_path: Path) -> None:
     spec = mnist_job("tf-on-tpu-vm", accelerator={"kind": "auto", "backend": "tensorflow"},

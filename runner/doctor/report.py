@@ -36,13 +36,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE
+from runner import EXIT_INFRA, EXIT_OK, EXIT_USAGE, SpecError
 from runner.data.storage import buckets_in, tensorflow_env
 from runner.device import host
 from runner.device.bounded import Bounded
 from runner.doctor import checks, versions
 from runner.doctor.checks import Check
 from runner.doctor.jax_tpu import check_jax_tpu
+from runner.job import startup
 from runner.spec.types import JobSpec
 
 SCHEMA_VERSION = 1
@@ -278,6 +279,11 @@ def run_doctor(
         # Before the probe starts: a TPU it initialises holds the lockfile itself.
         _timed(checks.check_lockfile, lockfile, tpu_wanted, dev_root),
     ]
+    try:  # what `runner run` refuses before TensorFlow loads; the probe's TensorFlow is kept off libtpu too
+        startup.refuse_libtpu_for_tensorflow(environ)
+    except SpecError as exc:
+        found.append(Check("tensorflow_env", "fail", str(exc), "unset TF_PLUGGABLE_DEVICE_LIBRARY_PATH"))
+        environ = {k: v for k, v in environ.items() if k != "TF_PLUGGABLE_DEVICE_LIBRARY_PATH"}
     if tpu_wanted or "libtpu" in versions.installed_versions():
         # Before the TensorFlow probe: the TPU is JAX's, and this child lets go of it (and the lockfile) on exit.
         # On a slice of several hosts it is not started: libtpu would wait for the other hosts (jax_tpu.py).

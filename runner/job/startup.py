@@ -6,7 +6,8 @@ read these settings once, while they load, so a command calls `before_tensorflow
    set, so the variable is refused before anything reads it (`refuse_legacy_keras`);
 3. the backend Keras computes with, KERAS_BACKEND (runner/device/backend.py): `import tensorflow` imports
    Keras, so this is the one place it can be set. Nothing of TensorFlow's TPU path (PJRT_DEVICE,
-   TF_PLUGGABLE_DEVICE_LIBRARY_PATH) is ever set: TensorFlow feeds data and never touches a TPU (docs/tpu.md).
+   TF_PLUGGABLE_DEVICE_LIBRARY_PATH) is ever set: TensorFlow feeds data and never touches a TPU (docs/tpu.md);
+   a TF_PLUGGABLE_DEVICE_LIBRARY_PATH naming libtpu is refused (`refuse_libtpu_for_tensorflow`).
 Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads.
 
 This module must never import TensorFlow itself.
@@ -34,6 +35,7 @@ def before_tensorflow(spec: JobSpec) -> None:
     Raises SpecError for TF_USE_LEGACY_KERAS, AcceleratorError for a backend that cannot be set."""
     configure_tensorflow(spec.storage.timeout_s)
     refuse_legacy_keras(os.environ)
+    refuse_libtpu_for_tensorflow(os.environ)
     backend.apply(backend.choose(spec.accelerator), spec.accelerator)
 
 
@@ -48,6 +50,19 @@ def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
             f"TF_USE_LEGACY_KERAS={value} asks TensorFlow for tf-keras (Keras 2), which the runner no longer "
             "supports: it trains with Keras 3 only. Unset TF_USE_LEGACY_KERAS (`unset TF_USE_LEGACY_KERAS`, or "
             "drop it from the container's environment) and run again"
+        )
+
+
+def refuse_libtpu_for_tensorflow(environ: Mapping[str, str]) -> None:
+    """Refuses a TF_PLUGGABLE_DEVICE_LIBRARY_PATH that names libtpu: tensorflow-cpu loads that library while it
+    imports, and libtpu would then hold the TPU that JAX drives (TensorFlow's TPU path is retired: docs/tpu.md).
+    Exit 2, as for TF_USE_LEGACY_KERAS: the environment is the user's, and a relaunch would meet it again."""
+    path = environ.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH", "")
+    if "libtpu" in os.path.basename(path):
+        raise SpecError(
+            f"TF_PLUGGABLE_DEVICE_LIBRARY_PATH={path} points TensorFlow at libtpu, which it would load while it "
+            "imports and so take the TPU from JAX: a TPU computes with JAX only, TensorFlow feeds data on the host "
+            "(docs/tpu.md). Unset TF_PLUGGABLE_DEVICE_LIBRARY_PATH (and PJRT_DEVICE) and run again"
         )
 
 
