@@ -165,6 +165,20 @@ def test_a_libtpu_that_jax_cannot_load_fails_naming_the_file(tmp_path: Path) -> 
     assert "Failed to open" in check.evidence and "versions check" in check.action
 
 
+def test_on_a_slice_a_libtpu_other_than_the_packages_still_fails_without_starting_the_tpu(tmp_path: Path) -> None:
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "__init__.py").write_text("def get_library_path():\n    return '/opt/libtpu/libtpu.so'\n")
+    other = tmp_path / "old-libtpu.so"
+    other.write_bytes(b"\x7fELF stand-in")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TPU_LIBRARY_PATH": str(other)}
+    check = jax_tpu.check_jax_tpu(True, 60, env, checks.SliceHosts(2, "TPU_WORKER_HOSTNAMES lists 2 hosts"))
+    assert check.status == "fail" and check.evidence == (
+        f"JAX loads {other} (TPU_LIBRARY_PATH), not the libtpu package's /opt/libtpu/libtpu.so (the TPU was not "
+        "started: a slice of several hosts)"), check
+    assert "tpu_devices" not in check.data, "the TPU's start was left to the job's join"
+
+
 def test_a_jax_start_that_hangs_is_killed_within_the_bound(tmp_path: Path) -> None:
     check = jax_tpu.check_jax_tpu(True, 2, stand_in_jax(tmp_path, "import time\ntime.sleep(3600)\n"))
     assert check.status == "fail" and check.evidence.startswith("no answer within 2 s while JAX started") and \

@@ -85,7 +85,8 @@ def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str], hos
         return Check("jax", "fail", evidence, action, seconds)
     seen = json.loads(lines[-1])
     path, library = seen["jax_library_path"], seen["libtpu_path"]
-    if several and path is not None:
+    elsewhere = bool(path and library and os.path.realpath(path) != os.path.realpath(library))
+    if several and path is not None and not elsewhere:
         seen.update(hosts=hosts.hosts, hosts_found_by=hosts.found_by, accelerator_type=hosts.accelerator_type,
                     slice_devices=hosts.devices)
         evidence = (f"not started: the TPU of a slice of {hosts.hosts} hosts starts only when every host joins: the "
@@ -100,8 +101,9 @@ def check_jax_tpu(tpu_wanted: bool, timeout: float, environ: dict[str, str], hos
                     "is unset), so it has no TPU backend and runs on the CPU")
         action = f'pip install "jax[tpu]=={seen["jax"]}" (its `tpu` extra pins the matching libtpu), or the TPU image'
         return Check("jax", status, evidence, action, seconds, seen)
-    if library and os.path.realpath(path) != os.path.realpath(library):
-        evidence = f"JAX loads {path} (TPU_LIBRARY_PATH), not the libtpu package's {library}: {seen['error']}"
+    if elsewhere:
+        evidence = f"JAX loads {path} (TPU_LIBRARY_PATH), not the libtpu package's {library}"
+        evidence += f": {seen['error']}" if "error" in seen else " (the TPU was not started: a slice of several hosts)"
         return Check("jax", status, evidence, "unset TPU_LIBRARY_PATH: the libtpu package is the one jax's extra pins",
                      seconds, seen)
     reason = str(seen["error"]).splitlines()[0]
