@@ -103,7 +103,7 @@ def test_no_preflight_skips_the_checks_and_submits(api, tpu_fake, cloud_spec):
     lose_the_image(tpu_fake)
     result = submit(cloud_spec, api, "--no-preflight")
     assert result.returncode == 0, result.stderr
-    assert "preflight" not in result.stderr
+    assert "preflight:" not in result.stderr and "not checked (--no-preflight)" in result.stderr
     paths = [r["path"] for r in tpu_fake.requests()]
     assert f"{PARENT}/acceleratorTypes" not in paths and not any("/manifests/" in p for p in paths)
     assert len(created(tpu_fake.requests())) == 1
@@ -169,6 +169,11 @@ def test_a_dry_run_of_a_slice_reads_nothing_remote_and_prints_the_same_bytes(tpu
     assert "previous run: not read (a dry run reads nothing remote; with --preflight it reads " \
            "gs://runner-test/runs/mnist_cnn/summary.json" in first.stderr
     assert (first.stdout, first.stderr) == (second.stdout, second.stderr)
+    said = " ".join(first.stderr.split())
+    assert ("permissions: the TPU VMs run as the project's Compute Engine default service account, which deletes "
+            f"the slice when the job ends: it needs roles/tpu.admin (or Editor, Owner) in {PROJECT}; not checked now "
+            "(a dry run reads nothing remote; --preflight checks it)") in said
+    assert "at most: " in said and "+ delete 16.7 min" in said  # the bound, phase by phase (test_submit_billing)
     # With --preflight the dry run reads the cloud, the previous run's summary included.
     checked = invoke(*args, "--preflight", env={**env, "CLOUDSDK_AUTH_ACCESS_TOKEN": "fake-token"})
     assert any("summary.json" in r["path"] for r in tpu_fake.requests()), checked.stderr

@@ -177,6 +177,18 @@ def unverified_line(sub: submit.Submission, dry_run: bool) -> str | None:
         return f"unverified: {sub.unverified}; without --dry-run, submit refuses it unless --allow-unverified"
     return None  # check_verified refuses it, in the same words
 
+def permissions_line(sub: submit.Submission, checked: bool, dry_run: bool) -> str:
+    """What the TPU VM's service account needs (it deletes its own slice) and whether the preflight checks it."""
+    account = sub.service_account or "the project's Compute Engine default service account"
+    member = sub.service_account or "PROJECT_NUMBER-compute@developer.gserviceaccount.com"
+    when = ("the preflight checks the project's IAM policy for it before anything is created" if checked else
+            "not checked now (a dry run reads nothing remote; --preflight checks it)" if dry_run else
+            "not checked (--no-preflight)")
+    return (f"permissions: the TPU VMs run as {account}, which deletes the slice when the job ends: it needs "
+            f"roles/tpu.admin (or Editor, Owner) in {sub.project}; {when}; `gcloud projects add-iam-policy-binding "
+            f"{sub.project} --member=serviceAccount:{member} --role=roles/tpu.admin` grants it")
+
+
 def code_lines(sub: submit.Submission, dry_run: bool) -> list[str]:
     """What is sent of the user's code (files, sizes, the archive's name) and what is left out, and why."""
     lines = codepack.describe(sub.code)
@@ -285,7 +297,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     workers = workers_line(sub, on)
     previous = _previous_run(sub, say, remote=not dry_run or check is not None)
     for line in [runtime_line(sub), *price_lines(sub, previous), *([workers] if workers else []),
-                 *([unverified] if unverified else []), *code]:
+                 permissions_line(sub, check is not None, dry_run), *([unverified] if unverified else []), *code]:
         say(line)
     if not dry_run:
         submit.check_verified(sub)
