@@ -342,6 +342,7 @@ def test_two_processes_share_a_gs_run_folder(gcs, mnist_job, tmp_path: Path) -> 
     assert "runs/shared-gcs/summary.json" in names and "runs/shared-gcs/model.keras" in names
     attempts = [n for n in names if n.startswith("runs/shared-gcs/attempts/") and n.endswith(".json")]
     assert attempts == ["runs/shared-gcs/attempts/001.json"]  # one summary, by process 0
+    assert not [n for n in names if "/joining/" in n], "the join's markers were left in the bucket"
 
 
 @pytest.mark.slow
