@@ -406,8 +406,8 @@ def test_the_startup_script_runs_with_the_bounds_the_dry_run_adds_up(api, cloud_
     assert shown == ["3" if key == "RUNNER_PULL_FOR_S" else str(value)
                      for key, value in durations.STARTUP_BOUNDS.items()]
     body = request._STARTUP_BODY.read_text()
-    for key, value in durations.STARTUP_BOUNDS.items():
-        assert set(re.findall(rf"\${{{key}:-(\d+)}}", body)) == {str(value)}, key
+    for key, value in durations.STARTUP_BOUNDS.items():  # used by the script, and no fallback of its own disagrees
+        assert f"${{{key}" in body and set(re.findall(rf"\${{{key}:-(\d+)}}", body)) <= {str(value)}, key
     d = durations
     for text in (f"timeout --kill-after={d.KILL_S} ", f"--max-time {d.METADATA_READ_S} ",
                  f"bounded {d.GCLOUD_CALL_S} gcloud storage cat", f"bounded {d.DELETE_CALL_S} gcloud compute tpus "
