@@ -15,6 +15,7 @@ This module imports JAX only inside `join`, and never TensorFlow.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -154,18 +155,34 @@ def _check_port(processes: Processes, roll: Any) -> None:
         from jax._src.clusters import cloud_tpu_cluster
 
         port, where = int(cloud_tpu_cluster.coordinator_port), "JAX's coordinator port on a TPU slice"
-    family, anywhere = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            # As gRPC binds it (every address, SO_REUSEADDR): a port in TIME_WAIT is free, a listening one is not.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((anywhere, port))
-    except OSError as exc:
-        why = (f"the coordinator's port {port} is in use on this host ({where}; {exc.strerror}): stop the program "
-               f"that holds it (`ss -ltnp 'sport = :{port}'` names it) or give every process another port")
-        if roll is not None:
-            roll.mark(failed=why)
-        raise AcceleratorError(f"{why}; this is process 0 of {processes.count}, the coordinator") from None
+    taken = _port_taken(port)
+    if taken is None:
+        return
+    if taken == errno.EACCES:
+        why = (f"the coordinator's port {port} cannot be opened by this user ({where}; ports below 1024 need "
+               "root): give every process a port from 1024 up")
+    else:
+        why = (f"the coordinator's port {port} is in use on this host ({where}): stop the program that holds it "
+               f"(`ss -ltnp 'sport = :{port}'` names it) or give every process another port")
+    if roll is not None:
+        roll.mark(failed=why)
+    raise AcceleratorError(f"{why}; this is process 0 of {processes.count}, the coordinator")
+
+
+def _port_taken(port: int) -> int | None:
+    """Why (errno EADDRINUSE or EACCES) `port` cannot be bound on every address as gRPC binds it (SO_REUSEADDR:
+    a port in TIME_WAIT is free, a listening one is not); None when it can, or when this host cannot tell (no
+    IPv6, no such address)."""
+    for family, anywhere in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((anywhere, port))
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return exc.errno
+    return None
 
 
 def _not_joined(processes: Processes, exc: BaseException, timeout_s: float) -> str:
