@@ -3,6 +3,7 @@
     versions      Python/TensorFlow/Keras/JAX/libtpu against runner/doctor/known_good.json and jax's `tpu` extra
     devices       /dev/accel*, /dev/vfio/N, /dev/nvidiaN, against what the spec and environment ask for
     lockfile      libtpu's /tmp/libtpu_lockfile: absent, held by a live process, or left by a killed run
+    tensorflow_env (only when it fails) TF_PLUGGABLE_DEVICE_LIBRARY_PATH names libtpu, which `runner run` refuses
     jax           (a TPU wanted, or libtpu installed) JAX finds libtpu and a TPU, in a child process of its own;
                   on a slice of several hosts libtpu is found and the TPU left to the job's join
     credentials   where gs:// credentials come from (never printing a secret)
