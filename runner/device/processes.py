@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from runner import AcceleratorError, SpecError
+from runner import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_TIME_LIMIT, AcceleratorError, SpecError
 from runner.device.bounded import Bounded
 from runner.device.cluster import ADDRESSES, COUNT, INDEX, SINGLE, Processes, asked  # noqa: F401 - the job asks processes.asked()
 
@@ -342,19 +342,23 @@ def lost_peer(exc: BaseException) -> AcceleratorError | None:
     )
 
 
-# How long process 0, leaving, waits for the others to have left first (their summaries written and printed).
-LEAVE_S = 60.0
+# How long process 0, leaving, waits for the others to have left first (their summaries written and printed):
+# a stop that every process makes together (a preemption, Ctrl-C, the time limit: each saves, then writes), and
+# a failure, which may be process 0's alone while the others wait in a collective that only its exit ends.
+LEAVE_S = {EXIT_PREEMPTED: 60.0, EXIT_INTERRUPTED: 60.0, EXIT_TIME_LIMIT: 60.0}
+LEAVE_FAILED_S = 10.0
 _lost = False  # another process of the job is gone: nobody waits for it
 
 
-def leave(code: int, timeout_s: float = LEAVE_S) -> None:
+def leave(code: int) -> None:
     """Ends this process of a job of several now, with `code`: output flushed, JAX's shutdown barrier (which
     waits for every process, gone ones too, until accelerator.heartbeat_s) not waited for. Process 0, whose
     coordination service every other process's JAX watches (and aborts when it is gone), leaves last: after
-    each other process said it was leaving, or after timeout_s (none when one is known gone)."""
+    each other process said it was leaving, or after LEAVE_S (none when one is known gone)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _joined.several and not _lost:
+        timeout_s = LEAVE_S.get(code, LEAVE_FAILED_S)
         try:
             Bounded("leave", lambda: _last_out(timeout_s)).result(timeout_s + 5)
         except Exception as exc:  # noqa: BLE001 - leaving anyway: the code is what the process ends with
