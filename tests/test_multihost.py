@@ -184,6 +184,15 @@ def test_one_tpu_host_joins_nothing_and_a_slice_is_counted_from_the_tpu_vm_metad
     assert (two_slices.how, two_slices.count) == ("tpu", 2)
 
 
+def test_a_tpu_slice_waits_at_least_jaxs_own_join_bound_and_processes_started_by_hand_as_given() -> None:
+    """JAX's initialization_timeout defaults to 300 s (jax/_src/distributed.py): a slice's workers reach the join
+    minutes apart, so a shorter accelerator.join_timeout_s is raised there; Keras's variables take any bound."""
+    slice_of_4 = processes.Processes("tpu", 4, 1)
+    assert processes.join_bound(slice_of_4, 60) == 300 and processes.join_bound(slice_of_4, 1200) == 1200
+    assert processes.join_bound(processes.Processes("keras", 2, 0, "127.0.0.1:1234"), 8) == 8
+    assert AcceleratorSpec().join_timeout_s >= 300 and AcceleratorSpec().timeout_s == 60
+
+
 def test_tf_config_for_several_workers_is_refused_with_the_variables_that_replace_it() -> None:
     tf_config = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}
     with pytest.raises(processes.SpecError, match="KERAS_DISTRIBUTION_JOB_ADDRESSES.*docs/multihost.md"):
