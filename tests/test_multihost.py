@@ -193,6 +193,30 @@ def test_a_tpu_slice_waits_at_least_jaxs_own_join_bound_and_processes_started_by
     assert AcceleratorSpec().join_timeout_s >= 300 and AcceleratorSpec().timeout_s == 60
 
 
+def test_the_join_markers_name_who_began_and_leave_no_run_folder_behind(tmp_path: Path) -> None:
+    from runner.rundir.joining import Roll
+
+    run = tmp_path / "runs" / "job"
+    first, second = Roll(str(run), 0, bound_s=5), Roll(str(run), 1, bound_s=5)
+    first.mark()
+    assert sorted(second.present()) == [0]
+    # An earlier launch's marker, older than the bound (and the clocks' skew), counts for nothing.
+    (run / "joining" / "process-1.json").write_text(json.dumps({"process": 1, "at": time.time() - 1000}))
+    assert sorted(second.present()) == [0]
+    second.mark()
+    assert sorted(first.present()) == [0, 1]
+    second.clear()
+    assert sorted(first.present()) == [0]
+    first.clear()  # the join failed: its own marker, and the run folder it made, are removed
+    assert not run.exists()
+    # A process that could not join leaves its marker, with why, for the others to read.
+    first.mark(failed="the coordinator's port 1 is in use")
+    first.clear()
+    assert second.present()[0]["failed"] == "the coordinator's port 1 is in use"
+    first.clear(everyone=True)  # every process joined
+    assert not run.exists()
+
+
 def test_tf_config_for_several_workers_is_refused_with_the_variables_that_replace_it() -> None:
     tf_config = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}
     with pytest.raises(processes.SpecError, match="KERAS_DISTRIBUTION_JOB_ADDRESSES.*docs/multihost.md"):
