@@ -92,3 +92,80 @@ def test_an_added_or_removed_layer_is_refused_by_run_evaluate_and_predict_under_
 @pytest.mark.timeout(1800)  # XLA on a busy 2-core CPU: the first run and the last compile
 def test_an_added_or_removed_layer_is_refused_by_run_evaluate_and_predict_under_jax(mnist_job, small_mnist, tmp_path):
     edited_model_is_refused_everywhere(mnist_job, small_mnist, tmp_path, "jax")
+
+
+# --- in one process, under TensorFlow: what the match compares ----------------------------------------------
+
+
+def _layered(hidden: tuple[int, ...], train: dict | None = None):
+    import keras
+
+    from runner.spec.types import JobSpec
+    from runner.train import build
+
+    x = keras.Input((4,))
+    y = x
+    for units in hidden:
+        y = keras.layers.Dense(units, activation="relu")(y)
+    model = keras.Model(x, keras.layers.Dense(3, activation="softmax")(y))
+    build.compile_model(model, JobSpec.model_validate({"train": train or {}}))
+    return model
+
+
+def _saved(tmp_path: Path, hidden: tuple[int, ...], train: dict | None = None) -> tuple[object, str]:
+    import numpy as np
+    import tensorflow as tf
+
+    model = _layered(hidden, train)
+    model.fit(np.ones((8, 4), "float32"), np.zeros(8, "int64"), verbose=0)
+    return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+
+
+SCHEDULE = {"schedule": {"class_name": "CosineDecay", "config": {"initial_learning_rate": 1e-3, "decay_steps": 100}}}
+
+
+@pytest.mark.parametrize("then, now", [(None, SCHEDULE), (SCHEDULE, None)], ids=["constant-then", "schedule-then"])
+def test_a_rate_resumed_as_a_schedule_or_the_reverse_restores_every_learned_variable(tmp_path, then, now):
+    """The optimizer's learning rate is a setting, left out of the match: a constant rate keeps it in a variable
+    and a schedule does not, which numbers the optimizer's slots one apart."""
+    import numpy as np
+    import tensorflow as tf
+
+    from runner.train import build
+
+    def learned(optimizer) -> list:
+        return [v.numpy() for v in optimizer.variables if not v.path.endswith("/learning_rate")]
+
+    saved, path = _saved(tmp_path, SAVED, then)
+    resumed = _layered(SAVED, now)
+    assert build.restore(tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer), path) == 1
+    for before, after in zip(saved.weights, resumed.weights, strict=True):
+        np.testing.assert_array_equal(before.numpy(), after.numpy())
+    for before, after in zip(learned(saved.optimizer), learned(resumed.optimizer), strict=True):
+        np.testing.assert_array_equal(before, after)  # the step and every slot
+
+
+def test_the_match_names_every_variable_on_either_side_and_restores_nothing(tmp_path):
+    import numpy as np
+    import tensorflow as tf
+
+    from runner import SpecError
+    from runner.train import build
+
+    _, path = _saved(tmp_path, SAVED)
+    added = _layered(ADDED)
+    fresh = [w.numpy() for w in added.weights]
+    with pytest.raises(SpecError) as refusal:
+        build.restore(tf.train.Checkpoint(model=added, optimizer=added.optimizer), path)
+    said = str(refusal.value)
+    assert "12 variables differ" in said and said.count("which the checkpoint lacks") == 6, said
+    assert "(optimizer/_trainable_variables/6) (10, 3), which the checkpoint lacks" in said, said
+    assert "(optimizer/_trainable_variables/4) is (10, 10) in the model and (10, 3) in the checkpoint" in said, said
+    assert int(added.optimizer.iterations.numpy()) == 0  # nothing restored, not even the step
+    for before, after in zip(fresh, added.weights, strict=True):
+        np.testing.assert_array_equal(before, after.numpy())
+
+    removed = _layered(REMOVED)
+    with pytest.raises(SpecError, match=r"the checkpoint has optimizer/_trainable_variables/5 \(3,\), which the "
+                                        r"model lacks"):
+        build.restore(tf.train.Checkpoint(model=removed, optimizer=removed.optimizer), path)

@@ -244,11 +244,7 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None
     slots), then the checkpoint's variables and the model's are matched both ways by path and shape
     (runner/rundir/matching.py): an edited model is refused (SpecError, exit 2) naming each difference, before
     anything is assigned."""
-    match.make_every_variable(checkpoint.model, element_spec)
-    matching.check(path, match.tensorflow_saved(path), match.tensorflow_live(checkpoint))
-    # Every value has its variable now; expect_partial only quiets the values left out of the match (the save
-    # counter, a constant learning rate where the spec now has a schedule).
-    return keeping_rate(checkpoint.optimizer, lambda: checkpoint.restore(path).expect_partial())
+    return keeping_rate(checkpoint.optimizer, lambda: match.restore_tensorflow(checkpoint, path, element_spec))
 
 
 def load_keras_file(model: Any, path: str) -> None:

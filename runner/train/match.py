@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from runner import SpecError
+from runner.rundir import matching
 from runner.rundir.matching import Held
 
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -60,6 +61,53 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def restore_tensorflow(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None) -> None:
+    """Every variable made, matched (SpecError naming each difference) and only then restored.
+
+    A checkpoint whose optimizer kept its learning rate in a variable (a constant rate) resumed under a schedule,
+    or the reverse, numbers the optimizer's other variables (its slots) one apart: they are matched and restored
+    through a twin of the optimizer in the checkpoint's form, then copied."""
+    model, optimizer = checkpoint.model, checkpoint.optimizer
+    make_every_variable(model, element_spec)
+    saved = tensorflow_saved(path)
+    twin = _optimizer_in_form_of(optimizer, model, _keeps_rate(path))
+    if twin is None:
+        matching.check(path, saved, tensorflow_live(checkpoint))
+        # Every value has its variable now; expect_partial only quiets the values left out of the match (the
+        # save counter, the learning rate).
+        checkpoint.restore(path).expect_partial()
+        return
+    model.optimizer = twin  # the model tracks its optimizer too: the twin stands where the checkpoint's stood
+    try:
+        target = tf.train.Checkpoint(model=model, optimizer=twin)
+        matching.check(path, saved, tensorflow_live(target))
+        target.restore(path).expect_partial()
+    finally:
+        model.optimizer = optimizer
+    for mine, theirs in zip(_learned(optimizer), _learned(twin), strict=True):
+        mine.assign(theirs)
+
+
+def _keeps_rate(path: str) -> bool:
+    return any(_setting(key) for key in tf.train.load_checkpoint(path).get_variable_to_shape_map())
+
+
+def _learned(optimizer: Any) -> list:
+    return [v for v in optimizer.variables if str(v.path).rsplit("/", 1)[-1] != "learning_rate"]
+
+
+def _optimizer_in_form_of(optimizer: Any, model: Any, keeps_rate: bool) -> Any:
+    """None when `optimizer` keeps its rate as the checkpoint did; else a built twin that does."""
+    scheduled = isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+    if scheduled != keeps_rate or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    rate = 1e-3 if keeps_rate else keras.optimizers.schedules.ExponentialDecay(1e-3, 1, 1.0)
+    with model.distribute_strategy.scope() if hasattr(model, "distribute_strategy") else _nothing():
+        twin = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": rate})
+        twin.build(model.trainable_variables)
+    return twin
 
 
 def tensorflow_saved(path: str) -> dict[str, Held]:
