@@ -52,11 +52,11 @@ def test_a_process_that_starts_late_still_joins_past_the_device_bound(mnist_job,
     """The join waits accelerator.join_timeout_s, not accelerator.timeout_s (the device listing's): process 1
     begins after process 0 has waited longer than the device bound, as a worker still pulling the image would."""
     spec = job(mnist_job, tmp_path, "late", epochs=1)
-    bounds = ["--set", "accelerator.timeout_s=2", "--set", "accelerator.join_timeout_s=60"]
+    bounds = ["--set", "accelerator.timeout_s=5", "--set", "accelerator.join_timeout_s=60"]
     port = free_port()
     first = start_each(spec, {0: bounds}, port, only=[0])
-    wait_in_log(first[0], "joining: waiting for process 1")
-    time.sleep(3)  # past accelerator.timeout_s, with process 0 still waiting
+    # Its first waiting line comes a tenth of the join's bound (6 s) into the join: past accelerator.timeout_s.
+    wait_in_log(first[0], "joining: waiting for process 1 to begin joining (1 of 2 ready) after ")
     ended = finish(first + start_each(spec, {1: bounds}, port, only=[1]))
     for code, _, err in ended:
         assert code == 0, err[-3000:]
