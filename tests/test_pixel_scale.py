@@ -65,7 +65,9 @@ def test_unit_pixels_under_a_255_model_are_refused_and_the_fix_trains(unit_pixel
     assert invoke("validate", spec).returncode == 0
     trained = run_cli("run", str(spec))
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert last_json(trained.stdout)["metrics"]["accuracy"] > 0.8
+    # It learns: 0.817 in bfloat16 (auto on a CPU with avx512_bf16), 0.807 in float32, where chance is 0.1; 0.7
+    # leaves room for the rounding of bfloat16 and of other CPUs' kernels.
+    assert last_json(trained.stdout)["metrics"]["accuracy"] > 0.7
 
 
 def test_pixels_of_255_under_pixel_max_1_are_refused(tmp_path: Path):

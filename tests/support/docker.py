@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.device.host import CPU_BF16_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 RIG = REPO / "scripts" / "docker-rig.sh"
 # Debian's client, installed by the rig with its engine: its BuildKit needs no buildx plugin.
@@ -45,6 +47,8 @@ class Engine:
         self.env = {**os.environ, "DOCKER_HOST": host, "DOCKER_BUILDKIT": "1"}
 
     def docker(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+        if args and args[0] == "run":  # a container's job picks its precision as the suite's own jobs do
+            args = ("run", "--env", CPU_BF16_ENV, *args[1:])  # (passed only when set: `docker run --env NAME`)
         try:
             result = subprocess.run(
                 [DOCKER, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=self.env
