@@ -179,9 +179,9 @@ def test_one_tpu_host_joins_nothing_and_a_slice_is_counted_from_the_tpu_vm_metad
     assert processes.asked({"GCE_METADATA_IP": nobody}, on_tpu=True) == processes.SINGLE
     assert processes.asked({"TPU_WORKER_HOSTNAMES": "pod-0.svc", "TPU_WORKER_ID": "0"}, on_tpu=True) == (
         processes.SINGLE)
-    two_slices = processes.asked({"TPU_WORKER_HOSTNAMES": "pod-0.svc", "MEGASCALE_NUM_SLICES": "2",
-                                  "TPU_WORKER_ID": "0"}, on_tpu=True)
-    assert (two_slices.how, two_slices.count) == ("tpu", 2)
+    two_slices = processes.asked({"TPU_WORKER_HOSTNAMES": "pod-0.svc,pod-1.svc", "MEGASCALE_NUM_SLICES": "2",
+                                  "MEGASCALE_SLICE_ID": "1", "TPU_WORKER_ID": "1"}, on_tpu=True)
+    assert (two_slices.how, two_slices.count, two_slices.index) == ("tpu", 4, 3)  # as JAX numbers it
 
 
 def test_a_tpu_slice_waits_at_least_jaxs_own_join_bound_and_processes_started_by_hand_as_given() -> None:

@@ -65,22 +65,27 @@ def asked(environ: Mapping[str, str], on_tpu: bool = False) -> Processes:
 
 
 def _tpu_slice(environ: Mapping[str, str], on_tpu: bool) -> Processes:
-    """Several TPU hosts, found where JAX finds them (GkeTpuCluster, then GceTpuCluster); SINGLE otherwise."""
+    """Several TPU hosts, found where JAX finds them (GkeTpuCluster, then GceTpuCluster); SINGLE otherwise. The
+    index is JAX's: the worker's number in its slice plus its slice's number times the hosts of a slice."""
     slices = _whole(environ.get("MEGASCALE_NUM_SLICES") or "1", "MEGASCALE_NUM_SLICES")
+    slice_id = _whole(environ.get("MEGASCALE_SLICE_ID") or "0", "MEGASCALE_SLICE_ID")
     listed = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES") or ""
-    hostnames = [h for h in listed.split(",") if h.strip()]
-    if hostnames:
-        index = _whole(environ.get("TPU_WORKER_ID") or "0", "TPU_WORKER_ID")
-        return Processes("tpu", len(hostnames) * slices, index) if len(hostnames) * slices > 1 else SINGLE
-    if not on_tpu or environ.get("TPU_SKIP_MDS_QUERY") is not None:
+    hosts = len([h for h in listed.split(",") if h.strip()])
+    if hosts:
+        worker = _whole(environ.get("TPU_WORKER_ID") or "0", "TPU_WORKER_ID")
+    elif not on_tpu or environ.get("TPU_SKIP_MDS_QUERY") is not None:
         return SINGLE
-    workers = _metadata("worker-network-endpoints", environ)
-    if workers is None:  # not a TPU VM's metadata (a Vertex AI job, a GKE pod without the webhook's variables)
+    else:
+        workers = _metadata("worker-network-endpoints", environ)
+        if workers is None:  # not a TPU VM's metadata (a Vertex AI job, a GKE pod without the webhook's variables)
+            return SINGLE
+        hosts = len([w for w in workers.split(",") if w.strip()])
+        if hosts * slices <= 1:
+            return SINGLE
+        worker = _whole(_metadata("agent-worker-number", environ) or "0", "agent-worker-number")
+    if hosts * slices <= 1:
         return SINGLE
-    count = len([w for w in workers.split(",") if w.strip()]) * slices
-    if count <= 1:
-        return SINGLE
-    return Processes("tpu", count, _whole(_metadata("agent-worker-number", environ) or "0", "agent-worker-number"))
+    return Processes("tpu", hosts * slices, worker + slice_id * hosts)
 
 
 def _whole(value: str, name: str) -> int:
