@@ -80,6 +80,12 @@ def edited_model_is_refused_everywhere(mnist_job, small_mnist: Path, tmp_path: P
     assert again.returncode == 0, again.stderr[-3000:]
     assert last_json(again.stdout)["resumed_from_step"] == 2
 
+    # A finished job without its model.keras is judged by its checkpoint.
+    (run_dir / "model.keras").unlink()
+    code.write_text(TEMPLATE.format(hidden=ADDED))
+    refused(run_cli("run", spec, "--set", "train.epochs=2"), "the job is complete, but the model changed since",
+            f"checkpoints/{checkpoint[:-1]}4 was saved", "which the checkpoint lacks")
+
 
 @pytest.mark.slow
 def test_an_added_or_removed_layer_is_refused_by_run_evaluate_and_predict_under_tensorflow(

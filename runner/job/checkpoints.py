@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from runner import SpecError
+from runner.device import backend, precision
 from runner.rundir import matching, reported
 from runner.rundir.orbax_store import OrbaxSaver, OrbaxStore
 from runner.rundir.outputs import RunFolder
@@ -46,7 +46,7 @@ def changed_since_complete(
     except SpecError:
         return None  # nothing to compare with: run's own checks say what is missing
     policy = ((done.get("accelerator") or {}).get("precision") or {}).get("policy") or "float32"
-    keras.mixed_precision.set_global_policy("float32" if policy == "float32" else f"mixed_{policy}")
+    precision.Precision(policy, "the finished job's").apply()  # the optimizer it saved: a loss scale under float16
     model = build.build_model(spec, features, manifest)
     if not model.built:  # a model that makes its variables on its first call: no batch here to build it from
         return None
@@ -56,12 +56,11 @@ def changed_since_complete(
                            store="model.keras", complete=True)
             return None
         build.compile_model(model, spec)
-        match.make_every_variable(model)
-        if keras.backend.backend() != "jax":
+        if backend.active().name != "jax":
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-            matching.check(weights.path, match.tensorflow_saved(weights.path), match.tensorflow_live(checkpoint),
-                           complete=True)
+            match.restore_tensorflow(checkpoint, weights.path, read=False, complete=True)
             return None
+        match.make_every_variable(model)
         store = run.orbax_store(model, 1)
         try:
             store.check(weights.path, complete=True)

@@ -63,8 +63,10 @@ class _nothing:
         return None
 
 
-def restore_tensorflow(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None) -> None:
-    """Every variable made, matched (SpecError naming each difference) and only then restored.
+def restore_tensorflow(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None, *, read: bool = True,
+                       complete: bool = False) -> None:
+    """Every variable made, matched (SpecError naming each difference) and only then restored; with `read` False
+    only matched (`complete`: the job is finished, and a refusal says so).
 
     A checkpoint whose optimizer kept its learning rate in a variable (a constant rate) resumed under a schedule,
     or the reverse, numbers the optimizer's other variables (its slots) one apart: they are matched and restored
@@ -74,20 +76,21 @@ def restore_tensorflow(checkpoint: tf.train.Checkpoint, path: str, element_spec:
     saved = tensorflow_saved(path)
     twin = _optimizer_in_form_of(optimizer, model, _keeps_rate(path))
     if twin is None:
-        matching.check(path, saved, tensorflow_live(checkpoint))
-        # Every value has its variable now; expect_partial only quiets the values left out of the match (the
-        # save counter, the learning rate).
-        checkpoint.restore(path).expect_partial()
+        matching.check(path, saved, tensorflow_live(checkpoint), complete=complete)
+        if read:  # every value has its variable now: expect_partial only quiets those left out of the match
+            checkpoint.restore(path).expect_partial()
         return
     model.optimizer = twin  # the model tracks its optimizer too: the twin stands where the checkpoint's stood
     try:
         target = tf.train.Checkpoint(model=model, optimizer=twin)
-        matching.check(path, saved, tensorflow_live(target))
-        target.restore(path).expect_partial()
+        matching.check(path, saved, tensorflow_live(target), complete=complete)
+        if read:
+            target.restore(path).expect_partial()
     finally:
         model.optimizer = optimizer
-    for mine, theirs in zip(_learned(optimizer), _learned(twin), strict=True):
-        mine.assign(theirs)
+    if read:
+        for mine, theirs in zip(_learned(optimizer), _learned(twin), strict=True):
+            mine.assign(theirs)
 
 
 def _keeps_rate(path: str) -> bool:
