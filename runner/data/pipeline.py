@@ -23,7 +23,7 @@ from runner import DataError
 from runner.data import schema, verify
 from runner.data.schema import Feature
 from runner.data.verify import WRITE_AGAIN, Checked, Listed, check_bytes, sha256_of  # noqa: F401 (sha256_of: for callers)
-from runner.spec.load import no_match_hint
+from runner.spec.datacheck import no_match_hint
 from runner.spec.types import FeatureSpec
 
 MANIFEST = "manifest.json"
