@@ -227,6 +227,8 @@ def test_a_vm_account_without_the_tpu_role_fails_with_the_grant_that_fixes_it(fa
                                         "(it holds roles/storage.objectAdmin)")
     assert check["action"] == (f"gcloud projects add-iam-policy-binding {PROJECT} --member=serviceAccount:{default} "
                                "--role=roles/tpu.admin")
+    assert check["evidence"].endswith("(a grant on a folder or the organisation is not seen here: where yours is "
+                                      "one, --no-preflight skips this check)")
     policy = [r for r in fake.requests() if r["path"] == f"/v1/projects/{PROJECT}:getIamPolicy"]
     assert [(r["method"], r["body"], r["authorization"]) for r in policy] == [
         ("POST", {"options": {"requestedPolicyVersion": 3}}, f"Bearer {TOKEN}")]
@@ -239,6 +241,19 @@ def test_a_vm_account_without_the_tpu_role_fails_with_the_grant_that_fixes_it(fa
     code, checks = cloud_doctor("--image", IMAGE, "--service-account", named, env=env)
     assert code == 3 and checks["vm_permissions"]["action"].endswith(f"--member=serviceAccount:{named} "
                                                                      "--role=roles/tpu.admin")
+
+
+def test_the_tpu_role_granted_to_a_group_is_a_warning_not_a_refusal(fake, tmp_path) -> None:
+    """Group membership is not in the project's policy: the account may hold the role through the group, so the
+    submission is not refused for it; the warning names the group and the direct grant."""
+    default = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+    fake.iam([{"role": "roles/tpu.admin", "members": ["group:tpu-runners@example.com"]}])
+    code, checks = cloud_doctor("--image", IMAGE, env=environment(tmp_path, fake.endpoint))
+    check = checks["vm_permissions"]
+    assert check["status"] == "warn", check
+    assert "to group:tpu-runners@example.com but not to " + default in check["evidence"]
+    assert check["action"].endswith(f"--member=serviceAccount:{default} --role=roles/tpu.admin")
+    assert code == 0
 
 
 def test_a_policy_that_cannot_be_read_is_not_checked_and_says_the_grant(fake, tmp_path) -> None:

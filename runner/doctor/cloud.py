@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
-import re
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,30 +37,12 @@ from runner.device import tpus
 from runner.doctor.answers import bounded, reason, region, status_of, unreachable
 from runner.doctor.checks import Check
 from runner.doctor.engine_checks import check_gke, check_skypilot, check_vertex, load_client
+from runner.doctor.permissions import check_vm_permissions, vm_grant
+from runner.doctor.registry import check_image, parse_image, push_action
 from runner.spec.types import JobSpec
 
-REGISTRY_ENV = "RUNNER_REGISTRY_ENDPOINT"
 ENGINES = ("tpu-vm", "skypilot", "gke", "vertex")
-# The manifest kinds a multi-arch or single image can have: without them a registry may answer 404 for an
-# index it holds (the OCI Distribution Spec's content negotiation).
-_MANIFEST_TYPES = ", ".join((
-    "application/vnd.oci.image.index.v1+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.docker.distribution.manifest.v2+json",
-))
-_GOOGLE_REGISTRY = re.compile(r"^(?:[a-z0-9-]+-docker\.pkg\.dev|(?:[a-z]+\.)?gcr\.io)$")
-_REFERENCE = re.compile(r"^(?P<host>[^/]+)/(?P<name>[^:@]+)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>\S+))?$")
 _NOT_RUN = "not run: no credentials or no project (see cloud_credentials)"
-RESOURCE_MANAGER_ENV = "CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDRESOURCEMANAGER"
-RESOURCE_MANAGER = "https://cloudresourcemanager.googleapis.com/"
-# The role the TPU VM's service account needs to delete its own slice and read its state (the startup script's
-# `gcloud compute tpus queued-resources delete --force` and `describe`): Google's "Cloud TPU roles and
-# permissions" page (https://cloud.google.com/iam/docs/roles-permissions/tpu) gives TPU Admin `tpu.*`, among them
-# tpu.nodes.delete, tpu.nodes.get, tpu.operations.get, and lists no separate queued-resource permission, so
-# whatever the queued-resource calls check, it holds it. Editor and Owner hold every tpu.* permission as well.
-VM_ROLE = "roles/tpu.admin"
-VM_ROLES = (VM_ROLE, "roles/editor", "roles/owner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,137 +240,6 @@ def check_bucket_write(access: Access, output_dir: str, timeout: float, where: s
                      "check what sits between this machine and the bucket (a proxy, a mirror)")
     return Check("bucket_write", "ok", f"created, read back and deleted {url}")
 
-
-
-def parse_image(image: str) -> tuple[str, str, str]:
-    """(registry host, repository name, tag or digest) of a full image reference."""
-    match = _REFERENCE.match(image)
-    if not match or "." not in match["host"] and ":" not in match["host"] and match["host"] != "localhost":
-        raise ValueError(f"--image {image!r} names no registry host (write HOST/PATH/NAME:TAG)")
-    return match["host"], match["name"], match["digest"] or match["tag"] or "latest"
-
-
-_ARTIFACT_REGISTRY = re.compile(r"^(?P<region>[a-z0-9-]+)-docker\.pkg\.dev$")
-
-
-def push_action(host: str, name: str, reference: str) -> str:
-    """How to make `host/name:reference` exist: cloudbuild.yaml's TPU variant pushes
-    ${_REGION}-docker.pkg.dev/${_PROJECT}/${_REPOSITORY}/${_IMAGE}:tpu and :tpu-$SHORT_SHA, so its substitutions
-    are read off the image's own name; for a tag it does not make, the tag it makes is named instead."""
-    where = _ARTIFACT_REGISTRY.match(host)
-    parts = name.split("/")
-    if not where or len(parts) != 3:
-        return (f"push it to {host}/{name}:{reference} yourself: cloudbuild.yaml pushes only to Artifact Registry, "
-                "as REGION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE:tpu (docs/image.md)")
-    project, repository, image = parts
-    tagged = re.fullmatch(r"tpu-([0-9a-f]{7,40})", reference)
-    sha = tagged.group(1) if tagged else "$(git rev-parse --short HEAD)"
-    build = ("gcloud builds submit --config cloudbuild.yaml "
-             f"--project={project} --substitutions=SHORT_SHA={sha},_BUILD_TPU=true,"
-             f"_REGION={where['region']},_PROJECT={project},_REPOSITORY={repository},_IMAGE={image} .")
-    if reference == "tpu" or tagged:
-        return f"build and push it: {build}"
-    return (f"cloudbuild.yaml tags the TPU image :tpu and :tpu-SHORT_SHA, never :{reference}: build and push it "
-            f"({build}) and pass --image {host}/{name}:tpu")
-
-
-def check_image(access: Access, image: str, environ: dict[str, str], timeout: float) -> Check:
-    """GET /v2/NAME/manifests/REF with the access token as a Bearer token, as Artifact Registry's docs do it."""
-    try:
-        host, name, reference = parse_image(image)
-    except ValueError as exc:
-        return Check("image", "fail", str(exc), "pass it as pushed: REGION-docker.pkg.dev/PROJECT/runner/runner:tpu")
-    override = environ.get(REGISTRY_ENV, "").rstrip("/")
-    if not override and not _GOOGLE_REGISTRY.match(host):
-        return Check("image", "warn", f"not checked: {host} is not Artifact Registry (*-docker.pkg.dev) or gcr.io",
-                     f"check it with `docker manifest inspect {image}` using the TPU VM's credentials")
-    url = f"{override or 'https://' + host}/v2/{name}/manifests/{reference}"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {access.token}",
-                                                   "Accept": _MANIFEST_TYPES})
-    registry = _ARTIFACT_REGISTRY.match(host)
-    repository, holder = ((name.split("/")[1], name.split("/")[0]) if registry and name.count("/") == 2 else
-                          ("REPOSITORY", access.project))
-    reader = (f"gcloud artifacts repositories add-iam-policy-binding {repository} "
-              f"--location={registry['region'] if registry else 'REGION'} --member=user:EMAIL "
-              f"--role=roles/artifactregistry.reader --project={holder}")
-    push = push_action(host, name, reference)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            digest = answer.headers.get("Docker-Content-Digest") or "?"
-            kind = answer.headers.get("Content-Type", "?").split(";")[0]
-    except urllib.error.HTTPError as exc:
-        body = exc.read()[:300].decode(errors="replace")
-        try:
-            codes = ", ".join(error.get("code", "?") for error in json.loads(body).get("errors", []))
-        except (ValueError, AttributeError):
-            codes = body.strip()[:120]
-        if exc.code == 404:
-            return Check("image", "fail", f"missing (404 {codes}): {image} is not in {host}", push)
-        if exc.code in (401, 403):
-            return Check("image", "fail", f"denied ({exc.code} {codes}): {host} refused these credentials for "
-                         f"{image}", f"{reader} (Artifact Registry API: gcloud services enable "
-                         f"artifactregistry.googleapis.com --project {holder})")
-        return Check("image", "fail", f"{host} answered {exc.code} ({codes}) for {image}", push)
-    except (OSError, urllib.error.URLError) as exc:
-        return Check("image", "fail", f"unreachable: {url.split('/v2/')[0]}: {getattr(exc, 'reason', exc)}",
-                     f"check DNS, the network and https_proxy{'; and ' + REGISTRY_ENV if override else ''}")
-    return Check("image", "ok", f"present: {image} ({kind}, {digest}); the TPU VM pulls it with its own service "
-                 "account, which needs roles/artifactregistry.reader", data={"digest": digest})
-
-
-def _resource_manager(access: Access, environ: dict[str, str], path: str, body: dict[str, Any] | None,
-                      timeout: float) -> dict[str, Any]:
-    """One Cloud Resource Manager v1 call with the access token (GET, or POST of `body`); raises urllib's errors."""
-    base = (environ.get(RESOURCE_MANAGER_ENV) or RESOURCE_MANAGER).rstrip("/")
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{base}/v1/{path}", data=data, method="GET" if body is None else "POST",
-                                      headers={"Authorization": f"Bearer {access.token}",
-                                               "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.loads(answer.read() or b"{}")
-
-
-def vm_grant(project: str, account: str) -> str:
-    """The command that lets the TPU VM's service account delete its own slice."""
-    return (f"gcloud projects add-iam-policy-binding {project} --member=serviceAccount:{account} "
-            f"--role={VM_ROLE}")
-
-
-def check_vm_permissions(access: Access, service_account: str | None, environ: dict[str, str],
-                         timeout: float) -> Check:
-    """The project's IAM policy grants the TPU VM's service account one of VM_ROLES (a grant on a folder, the
-    organisation or a group is not seen here: such a setup passes with --no-preflight)."""
-    project = access.project
-    account = service_account
-    try:
-        if account is None:  # the Compute Engine default: PROJECT_NUMBER-compute@developer.gserviceaccount.com
-            number = _resource_manager(access, environ, f"projects/{project}", None, timeout).get("projectNumber")
-            account = f"{number}-compute@developer.gserviceaccount.com"
-        policy = _resource_manager(access, environ, f"projects/{project}:getIamPolicy",
-                                   {"options": {"requestedPolicyVersion": 3}}, timeout)
-    except urllib.error.HTTPError as exc:
-        what = "read the project's IAM policy" if account else "read the project's number"
-        shown = account or "the Compute Engine default service account"
-        return Check("vm_permissions", "warn", f"not checked: denied ({exc.code}): could not {what} for "
-                     f"{project}: {exc.read()[:200].decode(errors='replace').strip()}",
-                     f"make sure the TPU VM's service account ({shown}) holds {VM_ROLE}: "
-                     f"{vm_grant(project, account or 'PROJECT_NUMBER-compute@developer.gserviceaccount.com')}")
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        return Check("vm_permissions", "fail", f"unreachable: Cloud Resource Manager: {reason(exc)}",
-                     f"check DNS, the network and https_proxy (and {RESOURCE_MANAGER_ENV} if set)")
-    member = f"serviceAccount:{account}"
-    held = sorted({binding.get("role", "?") for binding in policy.get("bindings", [])
-                   if member in binding.get("members", [])})
-    data = {"service_account": account, "roles": held}
-    granted = [role for role in held if role in VM_ROLES]
-    if granted:
-        return Check("vm_permissions", "ok", f"present: {project} grants the TPU VM's service account {account} "
-                     f"{', '.join(granted)}, which holds the TPU delete and get permissions: the slice can delete "
-                     "itself", data=data)
-    return Check("vm_permissions", "fail", f"missing: {project}'s IAM policy grants the TPU VM's service account "
-                 f"{account} none of {', '.join(VM_ROLES)} (it holds {', '.join(held) or 'no role there'}): the "
-                 "VM could not delete its own slice when the job ends, which would bill until `runner cancel`",
-                 vm_grant(project, account), data=data)
 
 
 def _spec_path(spec: JobSpec | None, key: str) -> str | None:
