@@ -66,3 +66,40 @@ def test_labels_1_to_3_for_3_classes_of_an_own_model_are_refused_before_training
     assert "end the model in 4 outputs" in said
     summary = last_json(ran.stdout)
     assert summary["epochs"] == [] and not (tmp_path / "runs" / "from-one" / "checkpoints").exists()
+
+
+def test_what_each_loss_takes_is_read_from_the_model_and_the_loss():
+    import keras
+
+    from runner.spec.types import JobSpec
+    from runner.train import build
+
+    def model(units: int, activation: str, loss) -> keras.Model:
+        x = keras.Input((4,))
+        made = keras.Model(x, keras.layers.Dense(units, activation=activation)(x))
+        build.compile_model(made, JobSpec.model_validate({"train": {"loss": loss, "metrics": []}}))
+        return made
+
+    one = model(1, "sigmoid", "binary_crossentropy")
+    assert build.label_expectation(one, one.loss, "own:net") == (
+        0, 1, "model 'own:net' ends in 1 output and train.loss binary_crossentropy takes labels 0 and 1")
+    three = model(3, "softmax", {"class_name": "SparseCategoricalCrossentropy", "config": {}})
+    assert build.label_expectation(three, three.loss)[:2] == (0, 2)
+    regression = model(1, "linear", "mse")
+    assert build.label_expectation(regression, regression.loss) is None
+
+
+def test_a_preprocess_may_map_the_labels_so_they_are_named_not_refused(counted_from_one: Path, caplog):
+    from runner import DataError
+    from runner.data import integrity, pipeline
+    from runner.spec.types import JobSpec
+
+    spec = JobSpec.model_validate({"data": {"train": f"{counted_from_one}/train-*.tfrecord", "inputs": ["x"],
+                                            "label": "y", "preprocess": "shift:minus_one"}})
+    found = {"data.train": pipeline.find_shards(spec.data.train, "data.train")}
+    integrity.check_labels_fit(spec, found, (0, 2, "model 'm' ends in 3 outputs"))
+    assert "the labels run from 1 to 3" in caplog.text
+    assert "data.preprocess (shift:minus_one) may map them" in caplog.text
+    with pytest.raises(DataError, match="No record is labelled 0"):
+        integrity.check_labels_fit(spec.model_copy(update={"data": spec.data.model_copy(update={"preprocess": None})}),
+                                   found, (0, 2, "model 'm' ends in 3 outputs"))
