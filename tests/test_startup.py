@@ -107,6 +107,7 @@ def test_first_run_pulls_checks_runs_records_and_worker_0_deletes_the_queued_res
     assert doctor.endswith(f"{IMAGE} doctor --json --save /job/spec.yaml"), "the doctor checks the VM first"
     assert "--net=host --privileged" in job and "-e TPU_NAME=local" in job
     assert "-e RUNNER_TPU_RUNTIME_VERSION=v2-alpha-tpuv5-lite" in job, "the summary records the VM's runtime"
+    assert f"-e RUNNER_TPU_TYPE={sub.tpu.name}" in job, "the summary records the accelerator type submitted"
     assert f"--name runner-mnist-cnn-{sub.submission_id}-w0" in job
     assert job.endswith(f"{IMAGE} run /job/spec.yaml --set train.max_duration=86400 --set train.stall_timeout=1800")
     assert "rm -f /tmp/libtpu_lockfile" not in request.startup_script(sub)

@@ -200,3 +200,19 @@ def test_the_table_and_submit_load_without_tensorflow_or_jax() -> None:
             "print(sorted(m for m in ('tensorflow', 'jax', 'keras') if m in sys.modules))")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert ran.returncode == 0 and ran.stdout.strip() == "[]", ran.stderr
+
+
+@pytest.mark.parametrize(("device_kind", "generation", "tflops"), [
+    ("TPU v6 lite", "v6e", 918.0), ("TPU v5 lite", "v5litepod", 197.0), ("TPU v5", "v5p", 459.0)])
+def test_a_tpu_job_records_its_generation_from_the_device_kind_and_mfu_finds_its_peak(device_kind, generation,
+                                                                                      tflops) -> None:
+    """Under JAX the TPU says what it is through its device kind (the strings JAX's own tpu_info reads); the
+    summary's accelerator.tpu keeps it with the submitted type and runtime, and the peak for MFU is found."""
+    facts = tpus.device_facts(device_kind, {"RUNNER_TPU_TYPE": "x-16", "RUNNER_TPU_RUNTIME_VERSION": "v2-alpha"})
+    assert facts == {"device_kind": device_kind, "generation": generation, "accelerator_type": "x-16",
+                     "runtime_version": "v2-alpha"}
+    value, source = peak.peak_tflops("tpu", peak.device_detail("tpu", facts), "bfloat16")
+    assert value == tflops and source
+    unknown = tpus.device_facts("TPU v99", {})
+    assert unknown["generation"] is None and unknown["accelerator_type"] is None
+    assert peak.peak_tflops("tpu", peak.device_detail("tpu", unknown), "bfloat16")[0] is None

@@ -250,7 +250,7 @@ hosts="$(metadata worker-network-endpoints | tr ',' '\n' | grep -c . || true)"
 if [ "${hosts:-0}" -gt 0 ] && [ "$hosts" != "${RUNNER_HOSTS:-1}" ]; then
   say "the metadata server lists $hosts workers in this slice, the submission expected ${RUNNER_HOSTS:-1} (runner/device/tpus.json); JAX follows the metadata server"
 fi
-tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION")
+tpu_env=(-e TPU_NAME=local -e RUNNER_TPU_RUNTIME_VERSION="$RUNNER_TPU_RUNTIME_VERSION" -e RUNNER_TPU_TYPE="$RUNNER_TPU_TYPE")
 # The code sent with the job (docs/cloud.md, "Sending your code"): `runner run` fetches, checks and unpacks it.
 code_env=()
 [ -z "${RUNNER_CODE:-}" ] || code_env=(-e "RUNNER_CODE=${RUNNER_CODE:-}")

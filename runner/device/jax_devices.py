@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from runner import AcceleratorError
-from runner.device import host, processes
+from runner.device import host, processes, tpus
 from runner.device.accelerator import Accelerator
 from runner.device.bounded import Bounded
 from runner.spec.types import AcceleratorSpec
@@ -104,7 +104,8 @@ def _accelerator(kind: str, devices: list) -> Accelerator:
     if joined.several:
         detail += f" in {joined.count} processes, this one process {joined.index}"
     return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
-                       worker_index=joined.index, detail=detail)
+                       worker_index=joined.index, detail=detail,
+                       tpu=tpus.device_facts(devices[0].device_kind, os.environ) if kind == "tpu" else None)
 
 
 def compile_cache(in_run_folder: str) -> str:

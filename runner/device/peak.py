@@ -89,7 +89,7 @@ def peak_tflops(
     """(Peak TFLOP/s of one device, where the figure comes from); (None, why) when there is none.
 
     `kind`: tpu, gpu or cpu (the summary's accelerator.kind); `device_detail`: a TPU's accelerator type or
-    generation (`v5litepod-8`, `v5p`: accelerator.tpu_runtime), a GPU's name as TensorFlow gives it (`NVIDIA
+    generation (`v5litepod-8`, `v5p`: accelerator.tpu), a GPU's name as TensorFlow gives it (`NVIDIA
     H100 80GB HBM3`), ignored for a CPU (this host is measured); `precision`: the policy the job computes in
     (float32, bfloat16, float16: accelerator.precision.policy). `cpu_devices`: logical CPU devices the host's
     cores are split into (the measurement covers the whole host).
@@ -228,12 +228,13 @@ def measure_cpu(precision: str, sizes: tuple[int, ...] = CPU_SIZES) -> dict:
     }
 
 
-def device_detail(kind: str, tpu_runtime: dict | None = None) -> str | None:
-    """What `peak_tflops` reads for the device a job ran on: the TPU's accelerator type or generation (from the
-    summary's accelerator.tpu_runtime), the first GPU's name (asks TensorFlow), the CPU's model name."""
+def device_detail(kind: str, tpu: dict | None = None) -> str | None:
+    """What `peak_tflops` reads for the device a job ran on: the TPU's generation (from the device kind JAX
+    reports) or accelerator type (the summary's accelerator.tpu), the first GPU's name (asks TensorFlow), the
+    CPU's model name."""
     if kind == "tpu":
-        runtime = tpu_runtime or {}
-        return runtime.get("accelerator_type") or runtime.get("generation")
+        facts = tpu or {}
+        return facts.get("generation") or facts.get("accelerator_type")
     if kind == "gpu":
         import tensorflow as tf
 

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -147,6 +148,22 @@ def generation_name(accelerator_type: str) -> str:
 def generation_of(accelerator_type: str) -> Generation | None:
     """The table's row for the generation an accelerator type names; None for one it does not know."""
     return generations().get(generation_name(accelerator_type))
+
+
+# The generation each TPU device kind JAX reports is (`jax.devices()[0].device_kind`), as JAX itself reads it:
+# jax/_src/pallas/mosaic/tpu_info.py `chip_version_from_device_kind` (jax 0.10.2). Not run on a TPU here.
+_DEVICE_KINDS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v5 lite": "v5litepod", "TPU v5e": "v5litepod",
+                 "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x"}
+
+
+def device_facts(device_kind: str, environ: dict[str, str] | os._Environ) -> dict[str, str | None]:
+    """What a job on a TPU records of it (the summary's accelerator.tpu, which MFU's peak reads): the device kind
+    JAX reports, its generation (None for a kind the table does not know), the accelerator type the submission
+    asked for (RUNNER_TPU_TYPE, passed by the TPU VM's startup script; else TPU_ACCELERATOR_TYPE) and the TPU
+    VM's software version (RUNNER_TPU_RUNTIME_VERSION)."""
+    return {"device_kind": device_kind, "generation": _DEVICE_KINDS.get(device_kind),
+            "accelerator_type": environ.get("RUNNER_TPU_TYPE") or environ.get("TPU_ACCELERATOR_TYPE") or None,
+            "runtime_version": environ.get("RUNNER_TPU_RUNTIME_VERSION") or None}
 
 
 @dataclasses.dataclass(frozen=True)

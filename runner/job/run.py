@@ -176,7 +176,7 @@ class _Job:
         accelerator = self.attempt.accelerator
         if not self.recorder.epochs or accelerator is None or self.attempt.model_flops is None:
             return None
-        detail = peak.device_detail(accelerator.kind, accelerator.to_dict().get("tpu_runtime"))
+        detail = peak.device_detail(accelerator.kind, accelerator.tpu)
         cpu_devices = accelerator.replicas if accelerator.kind == "cpu" else 1
         with self.attempt.phases.phase("peak"):
             return peak.peak_tflops(accelerator.kind, detail, self.precision.policy, cpu_devices=cpu_devices)
