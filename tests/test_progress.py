@@ -212,3 +212,12 @@ def test_the_closing_line_says_early_stopping_ended_the_run(mnist_job, small_mni
     assert closing and closing[0].startswith(
         "succeeded: early stopping ended it after 2 of 4 epochs (val_loss stopped improving; the best epoch's "
         "weights were kept)"), result.stderr[-3000:]
+
+
+def test_a_small_mfu_is_shown_with_its_digits_not_as_zero() -> None:
+    """A tabular model's MFU is thousandths of a percent: the closing line shows 0.0042%, not 0.0%."""
+    from runner.train.progress import percent
+
+    assert percent(0.0742) == "7.4%"
+    assert percent(0.000042) == "0.0042%"
+    assert percent(0.0) == "0.0%"

@@ -376,7 +376,15 @@ def _checkpoints_kept(summary: dict[str, Any]) -> str:
 def _mfu(summary: dict[str, Any]) -> str:
     """`, MFU 7.4%`: model FLOPs utilisation over the steady epochs (runner/train/flops.py), when known."""
     mfu = (summary.get("throughput") or {}).get("mfu")
-    return f", MFU {mfu:.1%}" if isinstance(mfu, (int, float)) else ""
+    return f", MFU {percent(mfu)}" if isinstance(mfu, (int, float)) else ""
+
+
+def percent(share: float) -> str:
+    """A share as a percentage with one decimal, or two significant digits below 0.1% (a small tabular model's
+    0.004%, not 0.0%)."""
+    if 0 < abs(share) < 0.001:
+        return f"{share * 100:.2g}%"
+    return f"{share:.1%}"
 
 
 def _precision(summary: dict[str, Any]) -> str:
