@@ -1,6 +1,6 @@
 """A TPU computes with JAX only: TensorFlow's TPU path is retired (docs/tpu.md), so nothing of it is set before
 TensorFlow loads, under either backend, and a TensorFlow job on a TPU VM trains on the CPU and says why; and the
-multi-host slices the TPU table gives no hosts for are refused.
+multi-host slices whose host count the TPU table has no source for are refused.
 
 No TPU exists here. What is real: the processes (`runner run`, `runner submit`) and TensorFlow (the CPU wheel,
 which loads whatever TF_PLUGGABLE_DEVICE_LIBRARY_PATH names while it imports). Stood in for: libtpu's Python
@@ -112,19 +112,32 @@ SINGLE_HOST = ("v6e-1, v6e-4, v6e-8, v5litepod-1, v5litepod-4, v5litepod-8, v5p-
 MULTI_HOST = "v6e-16, v6e-32, v5litepod-16, v5litepod-32, v5p-16, v5p-32"
 
 
-@pytest.mark.parametrize("tpu_type, chips, hosts", [
-    ("v5litepod-64", 64, 16), ("v5litepod-256", 256, 64), ("v6e-64", 64, 16), ("v6e-256", 256, 64),
-    ("v5p-128", 64, 16), ("v4-16", 8, 2), ("v4-32", 16, 4), ("v3-32", 16, 4), ("v2-32", 16, 4), ("tpu7x-16", 8, 2),
+@pytest.mark.parametrize("tpu_type, chips, hosts, per_vm, sourced", [
+    ("v5litepod-64", 64, 16, 4, "it has one only for v5litepod-16, v5litepod-32"),
+    ("v5litepod-256", 256, 64, 4, "it has one only for v5litepod-16, v5litepod-32"),
+    ("v6e-64", 64, 16, 4, "it has one only for v6e-16, v6e-32"),
+    ("v6e-256", 256, 64, 4, "it has one only for v6e-16, v6e-32"),
+    ("v5p-128", 64, 16, 4, "it has one only for v5p-16, v5p-32"),
+    ("v4-16", 8, 2, 4, "it has none for any multi-host v4 slice"),
+    ("v4-32", 16, 4, 4, "it has none for any multi-host v4 slice"),
+    ("v3-32", 16, 4, 4, "it has none for any multi-host v3 slice"),
+    ("v2-32", 16, 4, 4, "it has none for any multi-host v2 slice"),
+    ("tpu7x-16", 8, 2, 4, "it has none for any multi-host tpu7x slice"),
 ])
-def test_a_multi_host_type_the_table_gives_no_hosts_for_is_refused_with_what_works(tpu_type, chips, hosts) -> None:
+def test_a_multi_host_type_the_table_gives_no_hosts_for_is_refused_with_what_works(tpu_type, chips, hosts, per_vm,
+                                                                                   sourced) -> None:
     with pytest.raises(SpecError) as refused:
         refuse_unknown_slice(tpu_type)
+    generation = tpu_type.rsplit("-", 1)[0]
+    # The host count is the table's chips per VM applied, said as such; never "(16 hosts) ... gives no hosts for".
     assert str(refused.value) == (
-        f"--tpu-type {tpu_type} is a multi-host slice ({chips} chips on {hosts} hosts) that this runner's TPU table "
-        "gives no hosts for: every host runs the job as one JAX process (jax.distributed.initialize), so the startup "
-        f"script must know how many there are. Multi-host types work: {MULTI_HOST}. Single-host types work: "
-        f"{SINGLE_HOST}; tpu7x-8 with --on gke (see docs/tpu.md)"
+        f"--tpu-type {tpu_type} is a multi-host slice of {chips} chips ({hosts} hosts of {per_vm} chips, if its VMs "
+        f"are as the TPU table's other {generation} VMs), but the table has no source for its host count ({sourced}): "
+        "every host runs the job as one JAX process (jax.distributed.initialize), so the startup script must know how "
+        f"many there are, and the runner does not guess it. Multi-host types work: {MULTI_HOST}. Single-host types "
+        f"work: {SINGLE_HOST}; tpu7x-8 with --on gke (see docs/tpu.md)"
     )
+    assert "gives no hosts for" not in str(refused.value)
     assert refused.value.exit_code == 2
 
 
@@ -150,7 +163,7 @@ def test_submit_refuses_a_multi_host_type_without_hosts_before_any_call(tmp_path
                     "--image", "us-central1-docker.pkg.dev/p/runner/runner:tpu",
                     env=cli_env(CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU=endpoint, CLOUDSDK_AUTH_ACCESS_TOKEN="fake"))
     assert result.returncode == 2, result.stderr
-    assert "--tpu-type v5litepod-64 is a multi-host slice (64 chips on 16 hosts)" in result.stderr
+    assert "--tpu-type v5litepod-64 is a multi-host slice of 64 chips (16 hosts of 4 chips" in result.stderr
     assert "Single-host types work: v6e-1, v6e-4, v6e-8, v5litepod-1" in result.stderr
     help_text = invoke("submit", "--help").stdout
     assert "TPU_NAME=local" not in help_text

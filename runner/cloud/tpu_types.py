@@ -15,6 +15,8 @@ Nothing here ran on a TPU (docs/tpu.md). Imports no cloud client and no TensorFl
 
 from __future__ import annotations
 
+import math
+
 from runner import SpecError
 from runner.device.tpus import TpuType, multi_host_types, parse_tpu_type, single_host_types
 
@@ -77,24 +79,30 @@ def where_problems(tpu: TpuType, zone: str | None, creates_vm: bool) -> list[str
 
 
 def refuse_unknown_slice(tpu_type: str) -> None:
-    """Raises SpecError (exit 2) for a multi-host type the table gives no hosts for, saying what works and why.
+    """Raises SpecError (exit 2) for a multi-host type whose host count the table gives no source for, saying
+    what works and why.
 
     A multi-host slice runs the same program on every host (TPU VM), all of which join one JAX process group
     (`jax.distributed.initialize`, started together and restarted together after any host fails: JAX's
     multi_process and fault_tolerance docs). The startup script starts that program on every worker; what it
     must know is how many workers there are, and the table says so, with a source, only for the types listed.
+    The count its chips per VM would give for another type is shown, never used.
     """
     tpu = parse_tpu_type(tpu_type)
     if tpu.single_host or tpu.name in tpu.facts.multi_host_types():
         return
     on_vm = [name for name in single_host_types() if not parse_tpu_type(name).facts.refusal("tpu_vm")]
     gke_only = [name for name in single_host_types() if name not in on_vm]
+    sourced = tpu.facts.multi_host_types()
+    confirmed = (f"it has one only for {', '.join(sourced)}" if sourced
+                 else f"it has none for any multi-host {tpu.generation} slice")
     raise SpecError(
-        f"--tpu-type {tpu.name} is a multi-host slice ({tpu.chips} chips on {tpu.hosts} hosts) that this runner's TPU "
-        "table gives no hosts for: every host runs the job as one JAX process (jax.distributed.initialize), so the "
-        "startup script must know how many there are. Multi-host types work: "
-        f"{', '.join(multi_host_types())}. Single-host types work: {', '.join(on_vm)}; {', '.join(gke_only)} with "
-        f"--on gke (see {DOCS})"
+        f"--tpu-type {tpu.name} is a multi-host slice of {tpu.chips} chips ({tpu.hosts} hosts of "
+        f"{math.ceil(tpu.chips / tpu.hosts)} chips, if its VMs are as the TPU table's other {tpu.generation} VMs), "
+        f"but the table has no source for its host count ({confirmed}): every host runs the job as one JAX process "
+        "(jax.distributed.initialize), so the startup script must know how many there are, and the runner does not "
+        f"guess it. Multi-host types work: {', '.join(multi_host_types())}. Single-host types work: "
+        f"{', '.join(on_vm)}; {', '.join(gke_only)} with --on gke (see {DOCS})"
     )
 
 
