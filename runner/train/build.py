@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 import posixpath
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -251,7 +252,12 @@ def load_keras_file(model: Any, path: str) -> None:
     """Loads model.keras's weights into `model` all or nothing: Keras's own load leaves a layer the file has and
     the model lacks unread, without a word; here every variable is matched both ways first."""
     matching.check(path, match.keras_file_saved(path), match.keras_file_live(model), store="model.keras")
-    model.load_weights(path)
+    with warnings.catch_warnings():
+        # The file's optimizer slots meet an optimizer that has none yet (evaluate and predict train nothing):
+        # Keras skips them and warns "Skipping variable loading for optimizer ..." on every use. The model's own
+        # variables were matched above, all or nothing.
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+        model.load_weights(path)
 
 
 def keeping_rate(optimizer: Any, restore: Callable[[], Any]) -> int:
