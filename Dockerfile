@@ -51,10 +51,12 @@ RUN image-install.sh list runtime >/requirements-runtime.txt \
 FROM base AS deps-cpu
 ARG TENSORFLOW="tensorflow-cpu==2.21.0"
 ENV RUNNER_USER=1000:1000
-COPY requirements.lock ./
+COPY requirements.lock requirements-hub-nodeps.txt ./
 COPY --from=requirements /requirements-runtime.txt /tmp/
+# keras-hub and tensorflow-text without their dependencies (requirements-hub-nodeps.txt says why).
 RUN --mount=type=secret,id=pip_cert,required=false \
-    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW"
+    image-install.sh pinned /tmp/requirements-runtime.txt "$TENSORFLOW" \
+    && image-install.sh nodeps --requirement requirements-hub-nodeps.txt
 
 
 FROM base AS deps-tpu
@@ -67,10 +69,11 @@ FROM base AS deps-tpu
 # --privileged --user 0:0` does on a TPU VM, and Vertex AI runs the image's own user with no setting for
 # another (its ContainerSpec has none). docs/engines.md.
 ENV RUNNER_USER=0:0
-COPY requirements-tpu.lock ./
+COPY requirements-tpu.lock requirements-hub-nodeps.txt ./
 COPY --from=requirements /requirements-runtime.txt /requirements-tpu.txt /tmp/
 RUN --mount=type=secret,id=pip_cert,required=false \
-    LOCK=requirements-tpu.lock image-install.sh pinned /tmp/requirements-runtime.txt --requirement /tmp/requirements-tpu.txt
+    LOCK=requirements-tpu.lock image-install.sh pinned /tmp/requirements-runtime.txt --requirement /tmp/requirements-tpu.txt \
+    && image-install.sh nodeps --requirement requirements-hub-nodeps.txt
 
 
 # hadolint ignore=DL3006

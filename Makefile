@@ -16,10 +16,11 @@ DATA := data/mnist
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv pip install --quiet --native-tls --compile-bytecode --python $(BIN)/python
 
-$(STAMP): pyproject.toml requirements.lock requirements-data.txt
+$(STAMP): pyproject.toml requirements.lock requirements-hub-nodeps.txt requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	$(UV) -r requirements.lock
+	$(UV) --no-deps -r requirements-hub-nodeps.txt
 	$(UV) --no-deps -r requirements-data.txt
 	$(UV) --no-deps -e .
 	touch $@
