@@ -242,6 +242,40 @@ def test_the_dry_run_prints_the_price_per_hour_with_its_source_and_date(api, tpu
     assert tpu_fake.requests() == []
 
 
+def test_a_spot_bound_covers_every_restart_a_watcher_may_make_and_says_nothing_restarts_without_one(api, cloud_spec):
+    usd = pricing.price_per_chip_hour("v5litepod-8", ZONE, spot=True).usd
+    total = sum(seconds for _, seconds, _ in durations.billed_phases(86400))
+    once = f"${8 * usd * total / 3600:.2f} of TPU time, {total / 3600:.2f} h from the VM's start to its delete"
+
+    def bound(*flags: str) -> str:
+        dry = submit_job(cloud_spec, api, "--dry-run", "--spot", *flags)
+        assert dry.returncode == 0, dry.stderr
+        return dry.stderr
+
+    # --spot --watch: 1 + 3 restarts (the default), each a new slice with its own 24 h: four times one attempt.
+    watched = bound("--watch")
+    assert (f"at most: ${4 * 8 * usd * total / 3600:.2f} of TPU time, {4 * total / 3600:.2f} h in all: 4 attempts "
+            "(--watch restarts a preempted job up to --max-restarts 3 times, each on a new slice with its own "
+            f"--max-run-duration), each at most {once}") in watched, watched
+    two = bound("--watch", "--max-restarts", "1")
+    assert f"at most: ${2 * 8 * usd * total / 3600:.2f} of TPU time, {2 * total / 3600:.2f} h in all: 2 attempts" in two
+    # Without --watch nothing restarts it: the bound is one attempt's, and what a later `runner watch` could add.
+    alone = bound()
+    assert (f"at most: {once}, each bounded phase") in alone
+    assert (". This is one attempt: without --watch nothing restarts the job after a preemption; `runner watch "
+            "mnist-cnn` started later restarts it up to --max-restarts 3 times, each attempt as much again: "
+            f"${4 * 8 * usd * total / 3600:.2f} of TPU time, {4 * total / 3600:.2f} h in all for 4 attempts") in alone
+    none = bound("--max-restarts", "0")
+    assert "restarts: none (--max-restarts 0): a preemption ends the job with its checkpoint saved" in none
+    assert "This is one attempt" not in none and "in all" not in none
+    # --help said "(a watcher restarts it)" of --spot, as if one always did.
+    shown = invoke("submit", "--help", env={**api, "COLUMNS": "200"}).stdout
+    help_text = " ".join(shown.replace("│", " ").replace("`", "").split())  # the panels' borders, Rich's markup
+    assert "a watcher restarts it)" not in help_text
+    assert "Only a watcher restarts a preempted job: --watch, or runner watch NAME later" in help_text, help_text
+    assert "without one nothing restarts it." in help_text
+
+
 def test_a_previous_run_in_the_bucket_gives_the_cost_of_the_remaining_epochs(api, gcs, cloud_spec):
     previous = json.loads((Path(__file__).parent / "data/summary_v1.json").read_text())
     previous.update(status="preempted", final_step=16, steps_per_epoch=16)  # 1 of the spec's 2 epochs

@@ -128,7 +128,9 @@ TpuType = Annotated[str, _opt("Accelerator type, e.g. v5litepod-8, v6e-8, v5p-8,
                               "(docs/tpu.md).", "--tpu-type")]
 Image = Annotated[str | None, _opt("The pushed TPU image, e.g. us-central1-docker.pkg.dev/PROJECT/runner/runner:tpu.",
                                    envvar="RUNNER_IMAGE")]
-Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted (a watcher restarts it).", "--spot")]
+Spot = Annotated[bool, _opt("Spot capacity: cheaper, may be preempted. Only a watcher restarts a preempted job: "
+                            "--watch, or `runner watch NAME` later (up to --max-restarts, default 3 with --spot); "
+                            "without one nothing restarts it.", "--spot")]
 QrName = Annotated[str | None, _opt("Queued resource name (default: the job name, lowercased, '_' -> '-').")]
 Overrides = Annotated[list[str] | None, _opt("Override a spec key, e.g. `--set output.dir=gs://b/runs`.",
                                              "--set", "-s")]

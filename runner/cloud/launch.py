@@ -95,28 +95,44 @@ def _check_target(on: str, vm: TpuVmOptions, engine: EngineFlags, project_given:
                           project=project)
 
 
-def bound_line(sub: submit.Submission, usd_per_chip_hour: float | None) -> str:
+def bound_line(sub: submit.Submission, usd_per_chip_hour: float | None, watched: bool = False) -> str:
     """The most a TPU VM job can bill: every bounded phase of its startup script at its longest, each named
-    (durations.billed_phases), or why there is no bound."""
+    (durations.billed_phases), or why there is no bound; with --max-restarts, every attempt a watcher may make
+    (`watched`: --watch; else nothing restarts it unless `runner watch` is started later)."""
     join = getattr(sub.spec.accelerator, "join_timeout_s", None)
     phases = billed_phases(sub.max_run_s, sub.tpu.hosts, join)
     if sub.max_run_s is None:
         return ("at most: no bound: the job has no wall-clock limit (--max-run-duration none); before it the slice "
                 "bills through " + ", ".join(f"{name} {_span(s)}" for name, s, _ in phases))
     total = sum(seconds for _, seconds, _ in phases)
-    cost = "" if usd_per_chip_hour is None else f"${sub.tpu.chips * usd_per_chip_hour * total / 3600:.2f} of TPU time, "
-    return (f"at most: {cost}{_span(total)} from the VM's start to its delete, each bounded phase at its longest: "
+    usd = None if usd_per_chip_hour is None else sub.tpu.chips * usd_per_chip_hour * total / 3600
+    cost = "" if usd is None else f"${usd:.2f} of TPU time, "
+    each = (f"{cost}{_span(total)} from the VM's start to its delete, each bounded phase at its longest: "
             + " + ".join(f"{name} {_span(s)} ({how})" for name, s, how in phases)
             + "; the queue before the VM bills nothing, the API's own time to delete the VM is not counted")
+    restarts = sub.max_restarts
+    if not restarts:
+        return f"at most: {each}"
+    attempts = restarts + 1
+    in_all = (f"{'' if usd is None else f'${attempts * usd:.2f} of TPU time, '}{_span(attempts * total)}")
+    if watched:
+        return (f"at most: {in_all} in all: {attempts} attempts (--watch restarts a preempted job up to "
+                f"--max-restarts {restarts} times, each on a new slice with its own --max-run-duration), each at most "
+                + each)
+    return (f"at most: {each}. This is one attempt: without --watch nothing restarts the job after a preemption; "
+            f"`runner watch {sub.name}` started later restarts it up to --max-restarts {restarts} times, each attempt "
+            f"as much again: {in_all} in all for {attempts} attempts")
 
 
 def _span(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
-def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None, bound: bool = True) -> list[str]:
+def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None, bound: bool = True,
+                watched: bool = False) -> list[str]:
     """What the slice costs per hour (chips x the list price, with its source and date), its limits and (`bound`:
-    a TPU VM's) the most it can bill, and, given a previous run's summary, what the remaining epochs should cost."""
+    a TPU VM's) the most it can bill (`watched`: --watch restarts it), and, given a previous run's summary, what
+    the remaining epochs should cost."""
     price = pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot)
     kind = "Spot" if sub.spot else "on demand"
     if price.usd is None:
@@ -132,7 +148,10 @@ def price_lines(sub: submit.Submission, previous: dict[str, Any] | None = None, 
         f"limit: {limit}; stall timeout: " + ("none" if sub.stall_timeout_s is None else _hours(sub.stall_timeout_s))
     )
     if bound:
-        lines.append(bound_line(sub, price.usd))
+        lines.append(bound_line(sub, price.usd, watched))
+        if sub.spot and not sub.max_restarts:
+            lines.append("restarts: none (--max-restarts 0): a preemption ends the job with its checkpoint saved, "
+                         "and nothing creates it again; `runner submit` the same spec again to resume")
     estimate = remaining_estimate(sub, previous, price.usd)
     if estimate:
         lines.append(estimate)
@@ -296,7 +315,7 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
         return Launched(text=text if sent is None else "", doc=sent)
     workers = workers_line(sub, on)
     previous = _previous_run(sub, say, remote=not dry_run or check is not None)
-    for line in [runtime_line(sub), *price_lines(sub, previous), *([workers] if workers else []),
+    for line in [runtime_line(sub), *price_lines(sub, previous, watched=vm.watch), *([workers] if workers else []),
                  permissions_line(sub, check is not None, dry_run), *([unverified] if unverified else []), *code]:
         say(line)
     if not dry_run:
