@@ -26,6 +26,13 @@ class Accelerator:
     detail: str = ""
     backend: backend.Backend = backend.Backend("tensorflow", "Keras's default")
     tpu: dict[str, str | None] | None = None  # on a TPU: runner/device/tpus.py `device_facts`
+    # Under JAX with accelerator.mesh: the ModelParallel laying the variables out (runner/device/sharding.py).
+    layout: Any = None
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the global batch is split: the mesh's first axis, else every replica."""
+        return int(self.layout.device_mesh.shape[0]) if self.layout is not None else self.replicas
 
     @property
     def is_chief(self) -> bool:

@@ -4,7 +4,8 @@
   - `jax`: Keras 3 on JAX. The engine Google supports on Cloud TPUs today (`pip install "jax[tpu]"`, one
     process per host; TensorFlow has no TPU runtime after 2.18 and none on TPU7x: docs/tpu.md cites both).
   - `tensorflow`: Keras 3 on TensorFlow (with oneDNN on the CPU).
-  - `auto`: JAX when the job runs as several processes (runner/device/processes.py) or points at a TPU
+  - `auto`: JAX when the job names a device mesh (`accelerator.mesh`), runs as several processes
+    (runner/device/processes.py) or points at a TPU
     (`accelerator.kind: tpu`, or a TPU named by the spec, $TPU_NAME, $COLAB_TPU_ADDR or this host's TPU device
     files); TensorFlow otherwise. On the CPU TensorFlow is measured
     several times faster than XLA (benchmarks/RESULTS.md, "Backends"); on a GPU it is kept until measured
@@ -62,6 +63,8 @@ def choose(spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = Non
                           if spec.backend == "jax" and spec.kind == "cpu" else ""))
     if several.several:
         return Backend("jax", f"auto with {several.count} processes: JAX's multi-process runtime")
+    if spec.mesh != "auto":
+        return Backend("jax", "auto with accelerator.mesh: Keras's ModelParallel lays variables out on JAX")
     if spec.kind == "tpu":
         return Backend("jax", "auto on a TPU: Keras 3 on JAX, the engine Cloud TPUs run today")
     target = host.tpu_target(spec.tpu, environ) if spec.kind == "auto" else None

@@ -23,7 +23,7 @@ from runner import AcceleratorError
 from runner.device import host, processes, tpus
 from runner.device.accelerator import Accelerator
 from runner.device.bounded import Bounded
-from runner.spec.types import AcceleratorSpec
+from runner.spec.types import AcceleratorSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,15 @@ def _devices(platform: str, timeout_s: float) -> list:
         ) from None
 
 
-def resolve(spec: AcceleratorSpec, environ: Mapping[str, str]) -> Accelerator:
-    """The devices for `spec` under JAX: a TPU when asked or indicated, else GPUs (`auto`, `gpu`), else the CPU."""
+def resolve(spec: AcceleratorSpec, environ: Mapping[str, str], model: ModelSpec | None = None) -> Accelerator:
+    """The devices for `spec` under JAX: a TPU when asked or indicated, else GPUs (`auto`, `gpu`), else the CPU.
+    `model`: the job's model, whose `sharding` is laid out over `spec.mesh` (none: data-parallel)."""
     tf.config.set_visible_devices([], "GPU")  # tf.data only: the accelerator is JAX's
     if spec.kind in ("auto", "tpu"):
         target = host.tpu_target(spec.tpu, environ)
         tpus = _devices("tpu", spec.timeout_s) if target is not None or spec.kind == "tpu" else []
         if tpus:
-            return _accelerator("tpu", tpus)
+            return _accelerator("tpu", tpus, spec, model)
         if spec.kind == "tpu":
             raise AcceleratorError(
                 "accelerator.kind is 'tpu' but JAX finds no TPU: run on a Cloud TPU VM (or a GKE TPU node) with "
@@ -72,7 +73,7 @@ def resolve(spec: AcceleratorSpec, environ: Mapping[str, str]) -> Accelerator:
     if spec.kind in ("auto", "gpu"):
         gpus = _devices("gpu", spec.timeout_s)
         if gpus:
-            return _accelerator("gpu", gpus)
+            return _accelerator("gpu", gpus, spec, model)
         if spec.kind == "gpu":
             raise AcceleratorError(
                 "accelerator.kind is 'gpu' but JAX sees no GPU: install jax[cuda12] in the image and run the "
@@ -85,16 +86,23 @@ def resolve(spec: AcceleratorSpec, environ: Mapping[str, str]) -> Accelerator:
             f"accelerator.cpu_devices is {spec.cpu_devices} but JAX lists {len(local)} CPU device(s): JAX was "
             "loaded before the runner set JAX_NUM_CPU_DEVICES; start the job with `runner run`"
         )
-    return _accelerator("cpu", cpus)
+    return _accelerator("cpu", cpus, spec, model)
 
 
-def _accelerator(kind: str, devices: list) -> Accelerator:
+def _accelerator(kind: str, devices: list, spec: AcceleratorSpec, model: ModelSpec | None) -> Accelerator:
     """`devices`: every device of the job, on every process. Several processes each feed their own share of
     the global batch (runner/data/pipeline.py shards by process), so Keras must not shard the data again."""
     import keras
 
     joined = processes.joined()
-    if len(devices) > 1:
+    layout = None
+    if spec.mesh != "auto" and model is not None:
+        from runner.device import sharding
+
+        layout, detail = sharding.distribution(spec.mesh, model.sharding, getattr(model, "hub", None), devices,
+                                               joined.count)
+        detail += f" of {len(devices)} {kind} devices ({devices[0].device_kind})"
+    elif len(devices) > 1:
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(devices=devices, auto_shard_dataset=not joined.several)
         )
@@ -104,7 +112,7 @@ def _accelerator(kind: str, devices: list) -> Accelerator:
     if joined.several:
         detail += f" in {joined.count} processes, this one process {joined.index}"
     return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
-                       worker_index=joined.index, detail=detail,
+                       worker_index=joined.index, detail=detail, layout=layout,
                        tpu=tpus.device_facts(devices[0].device_kind, os.environ) if kind == "tpu" else None)
 
 

@@ -24,14 +24,14 @@ import tensorflow as tf
 from runner import AcceleratorError, SpecError
 from runner.device import backend, host
 from runner.device.accelerator import Accelerator
-from runner.spec.types import AcceleratorSpec
+from runner.spec.types import AcceleratorSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
     """The global batch split evenly across the replicas; refused when it does not divide."""
-    replicas = accelerator.replicas
+    replicas = accelerator.batch_shards
     if global_batch % replicas:
         raise SpecError(
             f"data.global_batch_size ({global_batch}) must be divisible by the number of replicas ({replicas}): "
@@ -61,15 +61,17 @@ def _mirrored(kind: str, devices: int) -> Accelerator:
     return Accelerator(tf.distribute.get_strategy(), kind, 1, detail=f"one {kind} device")
 
 
-def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = None) -> Accelerator:
-    """Builds the strategy for the spec (the order is in the module docstring); logs the choice once."""
+def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = None,
+                        model: ModelSpec | None = None) -> Accelerator:
+    """Builds the strategy for the spec (the order is in the module docstring); logs the choice once. `model`:
+    the job's model, laid out over `accelerator.mesh` under JAX (runner/device/sharding.py)."""
     environ = dict(os.environ if environ is None else environ)
     started = time.monotonic()
     chosen = backend.active()
     if chosen.name == "jax":
         from runner.device import jax_devices  # JAX is imported only where the job computes with it
 
-        accelerator = dataclasses.replace(jax_devices.resolve(spec, environ), backend=chosen)
+        accelerator = dataclasses.replace(jax_devices.resolve(spec, environ, model), backend=chosen)
     else:
         accelerator = dataclasses.replace(_resolve(spec, environ), backend=chosen)
     log.info(

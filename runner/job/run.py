@@ -91,6 +91,8 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
         _stop_if_noticed(notice, "while the job was starting")
         job.start(data.shards)  # the device, the precision, the seed and the input pipelines
         model, saver, plan = _build_and_restore(spec, attempt, job.inputs, job.precision)
+        if attempt.accelerator.layout is not None:  # what each device holds, measured from the arrays' shards
+            attempt.facts.sharding = attempt.accelerator.layout.report(model)
         # Every model's labels, the user's own included, against its output width and loss: before any step.
         integrity.check_labels_fit(spec, data.shards, build.label_expectation(model, model.loss, spec.model.name))
         job.inputs.encode_labels(build.label_classes(spec.train, job.inputs.train.features.get(spec.data.label), model))
@@ -148,7 +150,7 @@ class _Job:
     def start(self, shards: dict[str, pipeline.Shards]) -> None:
         spec, attempt = self.spec, self.attempt
         with attempt.phases.phase("strategy"):
-            attempt.accelerator = resolve_accelerator(spec.accelerator)
+            attempt.accelerator = resolve_accelerator(spec.accelerator, model=spec.model)
         if attempt.accelerator.backend.name == "jax":
             from runner.device import jax_devices
 

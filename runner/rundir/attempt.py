@@ -59,6 +59,7 @@ class Facts:
     tensorboard: str | None = None
     processes: dict | None = None  # the job's processes and how they divided the data (runner/device/processes.py)
     compile_cache: str | None = None  # JAX's persistent compilation cache (runner/device/jax_devices.py)
+    sharding: dict | None = None  # the mesh, the layout and the bytes per device (runner/device/sharding.py)
     # The matmul benchmark's results, at the summary's top level.
     bench: dict | None = None
 

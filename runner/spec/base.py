@@ -4,6 +4,7 @@ finite). No TensorFlow."""
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from typing import Annotated, Any
 
@@ -79,3 +80,21 @@ class Strict(BaseModel):
     """A spec section: unknown keys are errors, values are frozen, numbers finite."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def check_json(value: Any, where: str) -> None:
+    """Text keys, finite numbers, text, booleans, null, lists and mappings of them (what JSON can record)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: the key {key!r} is not text")
+            check_json(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_json(item, f"{where}[{index}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} is {value}: use a finite number")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(
+            f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping"
+        )

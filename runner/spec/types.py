@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 import sys
@@ -29,9 +28,11 @@ from pydantic import (
 )
 
 from runner.models import MODEL_NAMES, params_problem
+from runner.spec import base
 from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
 from runner.spec.packages import check_package_is_yours
 from runner.spec.paths import refuse_glob_characters, resolve_path, sibling_split
+from runner.spec.sharding import check_layout, check_mesh, mesh_problem
 from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.spec.usercode import (
     IDENTIFIER,
@@ -63,6 +64,8 @@ class AcceleratorSpec(Strict):
     heartbeat_s: bounded(2.0, MAX_WAIT_S, " s") = 100.0
     # Split the host CPU into this many logical devices (MirroredStrategy over them): tests and dry runs.
     cpu_devices: Integer = Field(1, ge=1, le=64)
+    # auto: every device on one data axis; else {axis: size, ...}, the first axis the batch's (runner/spec/sharding.py).
+    mesh: Annotated[Any, PlainValidator(check_mesh)] = "auto"
 
     @field_validator("tpu")
     @classmethod
@@ -211,35 +214,19 @@ class DataSpec(Strict):
         return self
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Text keys, finite numbers, text, booleans, null, lists and mappings of them (what JSON can record)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{where}: the key {key!r} is not text")
-            _check_json(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json(item, f"{where}[{index}]")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where} is {value}: use a finite number")
-    elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise ValueError(
-            f"{where} is a {type(value).__name__} ({value!r:.40}): use text, a number, true/false, a list or a mapping"
-        )
-
-
 class ModelSpec(Strict):
     # A built-in model (MODEL_NAMES, runner/models.py) or your own build function as `package.module:function`
     # in your code (see `code`).
     name: str = "mnist_cnn"
     # Handed to the build function as they are: JSON-like values (text keys, finite numbers).
     params: dict[str, Any] = Field(default_factory=dict)
+    # replicated, fsdp, hub, or {variable-path regex: [axis or null, ...]} over accelerator.mesh (docs/sharding.md).
+    sharding: Annotated[Any, PlainValidator(check_layout)] = "replicated"
 
     @field_validator("params")
     @classmethod
     def _params_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
-        _check_json(value, "params")
+        base.check_json(value, "params")
         return value
 
     @field_validator("name")
@@ -381,6 +368,13 @@ class JobSpec(Strict):
                 f"checkpoint.every_steps ({every}) must be a multiple of train.steps_per_execution ({spe}): "
                 "checkpoints can only be taken between device executions"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _mesh_fits(self) -> JobSpec:
+        hub = getattr(self.model, "hub", None)
+        if problem := mesh_problem(self.accelerator, self.model.sharding, self.data.global_batch_size, hub):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
