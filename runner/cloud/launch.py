@@ -7,7 +7,8 @@ TPU VM path says the TPU VM's software version and its source, what the slice co
 whether a --runtime-version no source names is unverified, and, when the bucket holds a previous run of the job,
 what its remaining epochs should cost. Every other target says the price too (TPU7x: that it has none). Every
 target says what of the user's code it sends (runner/cloud/codepack.py), and a real submission uploads that
-archive after every check, just before the job is sent (runner/cloud/codefetch.py).
+archive after every check, just before the job is sent (runner/cloud/codefetch.py). Every target says the batch
+per chip and, on a slice of several hosts, data.train's shards per host (runner/cloud/advice.py).
 
 `preflight` (handed in by the command line: the cloud checks of `runner doctor --cloud`, which this package
 does not import) runs after every check that needs no call and before the first call that could create
@@ -21,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner import RunnerError
+from runner import RunnerError, SpecError
 from runner.cloud import (
+    advice,
     codefetch,
     codepack,
     engines,
@@ -272,6 +274,11 @@ def _previous_run(sub: submit.Submission, say: Callable[[str], None], remote: bo
         return None
 
 
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise SpecError("cannot submit:\n  " + "\n  ".join(problems))
+
+
 Preflight = Callable[[submit.Submission, str], None]  # (the submission, --on): raises RunnerError to stop it
 
 
@@ -297,12 +304,17 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     check = None if preflight is None else (lambda: preflight(sub, on))
     unverified = unverified_line(sub, dry_run)
     code = code_lines(sub, dry_run)
+    # The batch per chip and (a multi-host slice) data.train's shards per host, read where submit reads remote files.
+    shards, refused = advice.shard_advice(sub.spec, sub.tpu, remote=not dry_run or check is not None)
+    batch = advice.batch_line(sub.spec, sub.tpu)
+    data = [*([batch] if batch else []), *shards]
     if on != "tpu-vm":
         vm_runtime = [runtime_line(sub)] if on == "skypilot" else []  # SkyPilot creates a TPU VM with it
         workers = workers_line(sub, on) if on != "vertex" else None  # Vertex AI refuses a multi-host slice
-        for line in [*vm_runtime, *price_lines(sub, bound=False)[:1], *([workers] if workers else []),
+        for line in [*vm_runtime, *price_lines(sub, bound=False)[:1], *([workers] if workers else []), *data,
                      *([unverified] if unverified else []), *code]:
             say(line)
+        _refuse(refused)
 
         def before_sending() -> None:  # every check has passed: the code goes up just before the job does
             if check is not None:
@@ -316,8 +328,10 @@ def launch(spec: Path, overrides: list[str], *, tpu_type: str, zone: str | None,
     workers = workers_line(sub, on)
     previous = _previous_run(sub, say, remote=not dry_run or check is not None)
     for line in [runtime_line(sub), *price_lines(sub, previous, watched=vm.watch), *([workers] if workers else []),
-                 permissions_line(sub, check is not None, dry_run), *([unverified] if unverified else []), *code]:
+                 *data, permissions_line(sub, check is not None, dry_run), *([unverified] if unverified else []),
+                 *code]:
         say(line)
+    _refuse(refused)
     if not dry_run:
         submit.check_verified(sub)
     if check is not None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import SpecError
-from runner.cloud import codepack, record, tpu_types
+from runner.cloud import advice, codepack, record, tpu_types
 from runner.cloud.durations import limit_overrides, parse_limits, parse_valid_until, valid_until_text
 from runner.data import storage
 from runner.spec.load import load_spec
@@ -272,6 +272,7 @@ def prepare_submission(
             problems.append(f"{flag} {given!r} is outside what the job accepts: {error}")
     if "tpu" in checked:
         problems += tpu_types.where_problems(checked["tpu"], checked.get("zone"), creates_vm)
+        problems += advice.batch_problems(spec, checked["tpu"])  # the job would refuse it after the boot
     if problems:
         raise SpecError("cannot submit:\n  " + "\n  ".join(problems))
     tpu = checked["tpu"]
