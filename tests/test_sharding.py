@@ -5,9 +5,16 @@ MLP of the suite's own (tests/support/sharded_mlp.py) on small_mnist; JAX compil
 
 from __future__ import annotations
 
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from tests.conftest import REPO, last_json, run_cli
+from tests.conftest import REPO, cli_env, last_json, run_cli
+from tests.support.runs import finish, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,3 +52,46 @@ def test_a_rule_the_mesh_cannot_divide_is_refused_before_training_naming_variabl
     said = done.stderr
     assert "variable 'wide/kernel' of shape [784, 250]" in said and "mesh axis 'model' (4 devices)" in said, said
     assert last_json(done.stdout)["status"] == "failed"
+
+
+def _orbax_steps(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(p.name.split("_")[1]) for p in folder.iterdir() if p.name.split("_")[-1].isdigit()) \
+        if folder.is_dir() else []
+
+
+def _held_run(spec: Path, tmp_path: Path, step: int) -> tuple[subprocess.Popen, Path]:
+    held = tmp_path / f"held-{step}"
+    process = start_run(spec, env=cli_env(HOLD_AT_STEP=str(step), HOLD_FILE=str(held)))
+    wait_for(lambda: held.exists() or None, process, timeout=300)
+    return process, held
+
+
+def test_a_sharded_job_resumes_at_the_exact_step_after_sigterm_and_kill_9_on_the_same_mesh(mnist_job, tmp_path):
+    spec = _job(mnist_job, "resumed", data={"eval": None}, train={"epochs": 3, "callbacks": ["sharded_mlp:Hold"]},
+                checkpoint={"every_steps": 4}, output={"tensorboard": False})
+    run_dir = tmp_path / "runs" / "resumed"
+    process, held = _held_run(spec, tmp_path, 10)  # SIGTERM while step 10 is held: the save is of step 10
+    process.send_signal(signal.SIGTERM)
+    held.unlink()
+    code, out, err = finish(process)
+    assert code == 75, err[-3000:]
+    saved = int(re.search(r"saved step (\d+) ", err).group(1))  # the step boundary after the notice
+    assert last_json(out)["status"] == "preempted" and 10 <= saved <= 12 and saved in _orbax_steps(run_dir)
+
+    process, held = _held_run(spec, tmp_path, 22)  # kill -9 while step 22 is held: the newest whole save stands
+    wait_for(lambda: any(s >= 20 for s in _orbax_steps(run_dir)) or None, process, timeout=120)
+    process.kill()
+    finish(process)
+    newest = max(_orbax_steps(run_dir))
+    assert 20 <= newest <= 22
+
+    done = run_cli("run", spec, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = last_json(done.stdout)
+    assert summary["resumed_from_step"] == newest and summary["final_step"] == 48
+    attempts = sorted((run_dir / "attempts").iterdir())  # the killed attempt wrote none
+    assert [json.loads(a.read_text())["status"] for a in attempts] == ["preempted", "succeeded"]
+    assert summary["sharding"]["mesh"] == MESH
+    losses = [e["loss"] for e in summary["epochs"] if not e["partial"]]
+    assert losses[-1] < losses[0], losses

@@ -119,6 +119,7 @@ def run(
     """
     early = early_notice()
     job = load(spec, _with_code(overrides, code, debug))
+    _with_requirements(job.code.requirements, debug)
     loaded_at = time.monotonic()
     start_tensorflow(job, debug)
     from runner.job.run import run_job
@@ -168,6 +169,23 @@ def _with_code(overrides: list[str] | None, ref: str | None, debug: bool) -> lis
         raise fail(error, debug) from None
     typer.echo(unpacked.line(), err=True)
     return [*(overrides or []), *unpacked.overrides()]
+
+
+def _with_requirements(entries: tuple[str, ...], debug: bool) -> None:
+    """code.requirements installed (once per requirements hash) and appended to the path, before the job's own
+    code is imported (runner/spec/requirements.py)."""
+    if not entries:
+        return
+    from runner.spec import requirements
+
+    typer.echo(requirements.describe(entries), err=True)
+    try:
+        folder, cached = requirements.install(entries)
+        tops = requirements.use(folder)
+    except RunnerError as error:
+        raise fail(error, debug) from None
+    typer.echo(f"code.requirements: {'already installed' if cached else 'installed'} in {folder}; on the path "
+               f"after the image's packages: {', '.join(tops) or 'no module'}", err=True)
 
 
 Scale = Annotated[
@@ -220,6 +238,7 @@ def evaluate(
     * `runner evaluate job.yaml --code gs://b/runs/job/code/SHA.tar.gz#sha256=SHA` (the model code `submit` sent)
     """
     job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
+    _with_requirements(job.code.requirements, debug)
     from runner.job import predict as predict_mod
 
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
@@ -268,6 +287,7 @@ def predict(
     * `runner predict job.yaml --input photos/` (a model trained on `runner prepare images`)
     """
     job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
+    _with_requirements(job.code.requirements, debug)
     import numpy as np
 
     from runner.job import predict as predict_mod

@@ -213,6 +213,10 @@ def permissions_line(sub: submit.Submission, checked: bool, dry_run: bool) -> st
 def code_lines(sub: submit.Submission, dry_run: bool) -> list[str]:
     """What is sent of the user's code (files, sizes, the archive's name) and what is left out, and why."""
     lines = codepack.describe(sub.code)
+    if sub.spec.kind == "train" and sub.spec.code.requirements:
+        from runner.spec import requirements
+
+        lines.append(requirements.describe(sub.spec.code.requirements, container=True))
     if dry_run and sub.code_ref:
         lines.append("code: --dry-run uploads nothing; `runner submit` without it uploads the archive (once per "
                      "content) just before the job is sent")

@@ -14,7 +14,6 @@ import difflib
 import json
 import os
 import re
-import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -29,13 +28,13 @@ from pydantic import (
 
 from runner.models import MODEL_NAMES, params_problem
 from runner.spec import base
+from runner.spec import hub as hub_spec
 from runner.spec.base import INT32_MAX, MAX_WAIT_S, MIN_WAIT_S, Integer, Name, Strict, bounded, invisible_character
-from runner.spec.packages import check_package_is_yours
+from runner.spec.code import CodeSpec
 from runner.spec.paths import refuse_glob_characters, resolve_path, sibling_split
 from runner.spec.sharding import check_layout, check_mesh, mesh_problem
 from runner.spec.train import CheckpointSpec, TrainSpec
 from runner.spec.usercode import (
-    IDENTIFIER,
     CodeRoots,
     check_import_path,
     is_import_path,
@@ -222,6 +221,15 @@ class ModelSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     # replicated, fsdp, hub, or {variable-path regex: [axis or null, ...]} over accelerator.mesh (docs/sharding.md).
     sharding: Annotated[Any, PlainValidator(check_layout)] = "replicated"
+    # A KerasHub preset (name, kaggle:// or hf:// handle, folder): its CausalLM is the model (runner/spec/hub.py).
+    hub: str | None = None
+    # LoRA adapters of this rank on the hub backbone (backbone.enable_lora): only they train.
+    lora_rank: Annotated[Any, PlainValidator(hub_spec.check_lora_rank)] = None
+
+    @field_validator("hub")
+    @classmethod
+    def _hub_preset(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else hub_spec.check_preset(value, info.context)
 
     @field_validator("params")
     @classmethod
@@ -301,38 +309,6 @@ class ProfileSpec(Strict):
     steps: Integer = Field(5, ge=1, le=1000)
 
 
-class CodeSpec(Strict):
-    """Where the spec's import paths (`package.module:function`) may point: a job spec names code, so it must
-    be trusted like a Python script, and it reaches only the code it declares here (docs/specs.md)."""
-
-    # The folder holding your own modules. Unset: the spec file's folder.
-    folder: str | None = Field(None, validate_default=True)
-    # Installed packages (pip install, PYTHONPATH) the spec may also name, by top-level name: [fashionnet].
-    packages: tuple[Annotated[str, Field(pattern=rf"^{IDENTIFIER}$", max_length=128)], ...] = Field((), max_length=64)
-
-    @field_validator("folder")
-    @classmethod
-    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return (info.context or {}).get("base")
-        path = resolve_path(value, ("code", "folder"), info.context)
-        if path.startswith("gs://"):
-            raise ValueError(f"{path!r}: code is imported from a local folder, not from a bucket")
-        if problem := system_folder_problem(path):
-            raise ValueError(f"{problem}; set code.folder to the folder of your own modules")
-        return path
-
-    @field_validator("packages")
-    @classmethod
-    def _packages_are_yours(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for name in value:
-            if name in sys.stdlib_module_names or name == "runner":
-                owner = "the runner itself" if name == "runner" else "Python's standard library"
-                raise ValueError(f"{name!r} is {owner}, not a package of yours; list only your own packages")
-            check_package_is_yours(name)
-        return value
-
-
 class JobSpec(Strict):
     name: str = "mnist_cnn"
     # train: fit a model on data; matmul_bench: time matrix multiplications (TFLOPS) and train nothing.
@@ -359,6 +335,17 @@ class JobSpec(Strict):
                     if first else "must be 1-128 letters, digits, '_', '.' or '-', the first a letter or digit")
             raise ValueError(f"job name {value!r} {rule} (it names the run folder and the checkpoints)")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_defaults(cls, doc: Any) -> Any:
+        return hub_spec.fill_defaults(doc)
+
+    @model_validator(mode="after")
+    def _hub_job_fits(self) -> JobSpec:
+        if problem := hub_spec.job_problem(self):
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _cadence_fits_execution(self) -> JobSpec:

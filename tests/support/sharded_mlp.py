@@ -12,3 +12,20 @@ def build(params, features, inputs):
     y = keras.layers.Dense(hidden, activation="relu", name="wide")(y)
     y = keras.layers.Dense(hidden, activation="relu", name="middle")(y)
     return keras.Model(x, keras.layers.Dense(10, activation="softmax", name="out")(y))
+
+
+class Hold(keras.callbacks.Callback):
+    """At the end of step HOLD_AT_STEP (environment) creates the file HOLD_FILE and waits, at most 120 s, until the
+    test removes it: a signal sent meanwhile lands at a known step."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        import os
+        import time
+
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        if str(step) == os.environ.get("HOLD_AT_STEP"):
+            held = os.environ["HOLD_FILE"]
+            open(held, "w").close()
+            deadline = time.monotonic() + 120
+            while os.path.exists(held) and time.monotonic() < deadline:
+                time.sleep(0.02)
