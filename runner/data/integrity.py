@@ -68,7 +68,7 @@ def check_job_data(spec: JobSpec) -> JobData:
                 raise DataError(f"{key}: {columns}")
             check_whole_splits(shards, key)
             check_labels(spec, shards)
-            check_sample_weight(spec.train.sample_weight, shards, key)
+            check_sample_weight(spec.train.sample_weight, shards, key, spec.data.label)
             for shard in pipeline.listed_in(shards):
                 listed.setdefault(shard.path, shard)
         _check_sizes_listed(spec, list(listed.values()))
@@ -116,8 +116,9 @@ def check_whole_splits(shards: pipeline.Shards, key: str) -> None:
             )
 
 
-def check_sample_weight(weight: str | None, shards: pipeline.Shards, key: str) -> None:
-    """train.sample_weight's feature is in the split's schema, and a number per record: it weighs training and
+def check_sample_weight(weight: str | None, shards: pipeline.Shards, key: str, label: str | None = None) -> None:
+    """train.sample_weight's feature is in the split's schema, and a number per record (or, for a label of
+    several values such as a language model's next tokens, one per label value): it weighs training and
     evaluation alike, so every split the job reads must hold it."""
     if weight is None:
         return
@@ -129,16 +130,19 @@ def check_sample_weight(weight: str | None, shards: pipeline.Shards, key: str) -
             f"{', '.join(sorted(shards.features))}. Name one of them, or write the weights into the records (every "
             "split the job reads: training, evaluation and validation are weighted alike)"
         )
-    if feature.dtype not in ("int64", "float32") or tuple(feature.shape) not in ((), (1,)):
+    per_value = label in shards.features and len(shards.features[label].shape) == 1 and tuple(feature.shape) == (
+        tuple(shards.features[label].shape)) and feature.shape[0] > 1
+    if feature.dtype not in ("int64", "float32") or (tuple(feature.shape) not in ((), (1,)) and not per_value):
         raise DataError(
             f"train.sample_weight names {weight!r}, which {manifest} declares as {schema.describe(feature)}: a "
-            "sample weight is one number per record (int64 or float32, shape [] or [1]); name such a feature"
+            "sample weight is one number per record (int64 or float32, shape [] or [1]) or one per value of a "
+            "label of several (its shape); name such a feature"
         )
 
 
 def classes_of(spec: JobSpec) -> int | None:
     """The number of classes of a built-in classifier (its `classes` param), None for other models."""
-    return models.classes_of(spec.model.name, dict(spec.model.params))
+    return None if spec.model.hub else models.classes_of(spec.model.name, dict(spec.model.params))
 
 
 def check_labels(spec: JobSpec, shards: pipeline.Shards) -> None:

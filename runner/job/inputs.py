@@ -155,7 +155,7 @@ def evaluation_batches(spec: JobSpec, shards: pipeline.Shards, batch: int, prepr
     """Every record of `shards` once, as a trained `model` is evaluated in the job (`runner evaluate`): padded
     and weighted, train.sample_weight's weights split off, labels one-hot for a loss that takes them."""
     d, weight = spec.data, spec.train.sample_weight
-    integrity.check_sample_weight(weight, shards, key)
+    integrity.check_sample_weight(weight, shards, key, d.label)
     dataset = pipeline.make_dataset(
         shards, batch, (*d.inputs, weight) if weight else d.inputs, d.label, training=False, preprocess=preprocess,
         autotune=d.autotune, weighted=True,
@@ -203,14 +203,18 @@ def with_sample_weight(dataset: tf.data.Dataset, inputs: tuple[str, ...], weight
     naming the shards, exit 2: runner/data/faults.py `input_error`)."""
 
     def split(features: dict[str, tf.Tensor], label: tf.Tensor, *padding: tf.Tensor):
-        weights = tf.reshape(tf.cast(features[weight], tf.float32), [-1])
+        weights = tf.cast(features[weight], tf.float32)
+        # One weight a record is a vector of the batch; one a token (a language model's target_mask) stays (B, T).
+        per_token = weights.shape.rank == 2 and weights.shape[-1] != 1
+        weights = weights if per_token else tf.reshape(weights, [-1])
         valid = tf.reduce_all(tf.math.is_finite(weights) & (weights >= 0))
         # No ": " in the message: input_error keeps what follows the last one.
         checked = tf.debugging.Assert(
             valid, [f"train.sample_weight feature {weight} holds a negative or non-finite weight (each must be >= 0)"]
         )
         with tf.control_dependencies([checked]):
-            weights = tf.identity(weights if not padding else weights * padding[0])
+            weights = tf.identity(weights if not padding else weights * (padding[0][:, None] if per_token else
+                                                                          padding[0]))
         return pipeline.model_inputs(features, inputs), label, weights
 
     return dataset.map(schema.plain(split), num_parallel_calls=tf.data.AUTOTUNE)

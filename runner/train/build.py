@@ -212,6 +212,13 @@ def build_compiled(
     """The spec's model, built and compiled under the accelerator's strategy, and (under TensorFlow) the
     checkpoint object that saves and restores its weights, optimizer state and step; under JAX the run
     folder's Orbax store reads the model itself (runner/rundir/orbax_store.py), and this is None.
+    if spec.model.hub is not None:  # a KerasHub causal LM, on its own loss and metrics (runner/train/hub.py)
+        from runner.train import hub
+
+        with accelerator.strategy.scope():
+            model = hub.build_causal_lm(spec, chosen.policy if chosen is not None else None)
+            hub.compile_causal_lm(model, make_optimizer(spec.train), steps_per_execution(spec, accelerator.kind))
+        return model, None
 
     `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
