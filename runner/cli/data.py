@@ -9,26 +9,26 @@ from typing import Annotated
 import typer
 
 from runner import EXIT_USAGE, RunnerError, SpecError
-from runner.cli.common import Debug, fail, load, setup_logging
-from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
-from runner.job.startup import load_tensorflow
+from runner.cli.common import Debug, fail, load, setup_logging, start_tensorflow
+from runner.data.storage import DEFAULT_TIMEOUT_S
 
 app = typer.Typer()
 
 
 # The forms of your own data `runner prepare FORM LOCATION` reads (runner/prepare/own.py, images.py, tfds.py).
-OWN_FORMS = ("arrays", "images", "csv", "tfds")
+OWN_FORMS = ("arrays", "images", "csv", "tfds", "text")
 
 
 @app.command()
 def prepare(
     dataset: Annotated[
         str, typer.Argument(help="A built-in dataset (mnist, fashion_mnist, cifar10, imdb, weather) or a form of your "
-                                 "own data: arrays, images, csv, tfds.")
+                                 "own data: arrays, images, csv, tfds, text.")
     ],
     location: Annotated[
         str | None,
-        typer.Argument(help="Your own data: the .npz file or .npy folder, the image folder, the CSV, the tfds name."),
+        typer.Argument(help="Your own data: the .npz file or .npy folder, the image folder, the CSV, the tfds name, "
+                            "the .jsonl or .txt of texts."),
     ] = None,
     out: Annotated[
         str | None,
@@ -72,6 +72,12 @@ def prepare(
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="tfds: the folder tfds wrote the dataset to.")
     ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="text: the KerasHub preset (model.hub) whose tokenizer makes the token ids.")
+    ] = None,
+    sequence_length: Annotated[
+        int | None, typer.Option("--sequence-length", help="text: tokens of a record (its model's context), e.g. 256.")
+    ] = None,
     storage_timeout: Annotated[
         float, typer.Option(min=1, help="gs:// only: seconds of failed uploads (retried with backoff) before exit 3.")
     ] = DEFAULT_TIMEOUT_S,
@@ -82,7 +88,8 @@ def prepare(
 
     Built-in: mnist, fashion_mnist, cifar10, imdb, weather. `--source keras` downloads through
     `keras.datasets` and needs internet (a TPU VM has it); `--source offline` reads data shipped in packages.
-    Your own data: arrays, images, csv, tfds (docs/data.md, "Your own data"). A bad file stops with exit 2
+    Your own data: arrays, images, csv, tfds (docs/data.md, "Your own data"); text: prompt/response pairs or texts
+    as token ids of a KerasHub preset (docs/language-models.md). A bad file stops with exit 2
     naming it, before anything is written.
 
     **Examples**
@@ -94,16 +101,15 @@ def prepare(
     * `runner prepare csv heart.csv --label target`
     * `runner prepare csv heart.csv --label target --missing fill=median`
     * `runner prepare tfds mnist --data-dir ~/tensorflow_datasets`
+    * `runner prepare text chats.jsonl --preset gemma3_1b --sequence-length 256`
     """
-    setup_logging(debug)
-    configure_tensorflow(storage_timeout)
-    load_tensorflow(debug)
+    start_tensorflow("prepare", None, debug, storage_timeout)
     from runner.prepare import shards as prepare_mod
 
     try:
         if dataset in OWN_FORMS:
             load = _own_loader(dataset, location, features, label, split, size, color, store, data_dir, limit,
-                               missing)
+                               missing, (preset, sequence_length))
             target = out or _default_out(dataset, location)
             manifest_path = prepare_mod.publish(load, target, shards, storage_timeout)
         else:
@@ -126,10 +132,12 @@ def _default_out(form: str, location: str | None) -> str:
     return default_out(form, location or form)
 
 
-def _own_loader(form, location, features, label, split, size, color, store, data_dir, limit, missing=None):
+def _own_loader(form, location, features, label, split, size, color, store, data_dir, limit, missing=None,
+                text=(None, None)):
     """A function that reads and checks the user's data (called by publish once the bucket is known to exist)."""
     if location is None:
-        what = {"arrays": "FILE.npz or a folder of .npy", "images": "FOLDER", "csv": "FILE.csv", "tfds": "NAME"}[form]
+        what = {"arrays": "FILE.npz or a folder of .npy", "images": "FOLDER", "csv": "FILE.csv", "tfds": "NAME",
+                "text": "FILE.jsonl"}[form]
         raise SpecError(f"runner prepare {form} needs {what}: `runner prepare {form} {what} ...`")
     names = tuple(n.strip() for n in features.split(",") if n.strip()) if features else ()
     if form == "arrays" and (not names or not label):
@@ -142,6 +150,8 @@ def _own_loader(form, location, features, label, split, size, color, store, data
         raise SpecError(f"--missing is for CSV tables; runner prepare {form} refuses a missing value outright")
     if form == "tfds" and split:
         raise SpecError("runner prepare tfds keeps the dataset's own splits: drop --split")
+    if form != "text" and any(v is not None for v in text):
+        raise SpecError(f"--preset and --sequence-length are for runner prepare text, not {form}")
 
     def load():
         from runner.prepare import own
@@ -150,6 +160,10 @@ def _own_loader(form, location, features, label, split, size, color, store, data
             dataset = own.arrays_dataset(location, names, label, split)
         elif form == "csv":
             dataset = own.csv_dataset(location, label, names, split, missing)
+        elif form == "text":
+            from runner.prepare.lm import text_dataset
+
+            dataset = text_dataset(location, *text, split)
         elif form == "images":
             from runner.prepare.images import images_dataset
 
@@ -201,8 +215,7 @@ def verify(
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and os.path.exists(folder) and not os.path.isdir(folder):
         raise fail(not_a_dataset_folder(folder, local=True), debug)  # before TensorFlow loads: at once
-    configure_tensorflow(storage_timeout)
-    load_tensorflow(debug)
+    start_tensorflow("verify", None, debug, storage_timeout)
     import tensorflow as tf
 
     from runner.data import pipeline
@@ -327,9 +340,7 @@ def manifest(
     * `runner manifest examples/fashion/job.yaml`
     """
     job = load(spec, overrides)
-    setup_logging(debug)
-    configure_tensorflow(job.storage.timeout_s)  # gs:// data is read under the spec's own bound
-    load_tensorflow(debug)
+    start_tensorflow("manifest", job, debug)  # gs:// data is read under the spec's own bound
     from runner.prepare.manifest import write_user_manifests
 
     try:

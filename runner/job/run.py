@@ -27,7 +27,7 @@ from runner.rundir import joining
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
-from runner.train import build, fit, flops, limits, loop, observe, progress, verdict
+from runner.train import build, fit, flops, hub, limits, loop, observe, progress, verdict
 from runner.train.preemption import EarlyNotice, PreemptionNotice
 
 log = logging.getLogger(__name__)
@@ -223,6 +223,8 @@ class _Job:
                 flops_per_example, method, summary["timing"]["examples_per_sec"],
                 self.attempt.accelerator.replicas, value, source,
             )
+            if self.spec.model.hub and self.inputs:  # a language model's tokens/s and FLOPs per token
+                hub.add_token_throughput(summary, self.inputs.train.features)
         if status != "succeeded" and self.attempt.number:  # what the same command would continue from
             summary["newest_checkpoint"] = self._newest_checkpoint()
         several = processes.joined().several
@@ -316,7 +318,8 @@ def _build_and_restore(
             spec, inputs.train.features, accelerator, chosen, inputs.train.manifest
         )
         per_replica = spec.data.global_batch_size // accelerator.replicas
-        attempt.model_flops = flops.count(model, per_replica)  # one traced forward pass: milliseconds
+        counted = hub.count(model, inputs.train.features) if spec.model.hub else None  # PaLM's analytic count
+        attempt.model_flops = counted or flops.count(model, per_replica)  # one traced forward pass: milliseconds
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:

@@ -307,5 +307,5 @@ def csv_dataset(path: str, label: str, features: tuple[str, ...] = (), split: st
 def default_out(form: str, location: str) -> str:
     """`data/<name>` for a form's input when --out is not given."""
     stem = Path(location.rstrip("/")).name
-    stem = stem.split(".")[0] if form in ("arrays", "csv") else stem
+    stem = stem.split(".")[0] if form in ("arrays", "csv", "text") else stem
     return os.path.join("data", stem or form)
