@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,45 @@ def test_a_sharded_job_resumes_at_the_exact_step_after_sigterm_and_kill_9_on_the
     assert summary["sharding"]["mesh"] == MESH
     losses = [e["loss"] for e in summary["epochs"] if not e["partial"]]
     assert losses[-1] < losses[0], losses
+
+
+# Restores the newest checkpoint of RUN into the MLP laid out over a mesh of 4 x 2 (saved over 2 x 4) and prints
+# how many arrays equal model.keras's (the same step) exactly, and the sharding of the first kernel.
+_RESTORE_ON_ANOTHER_MESH = """
+import json, sys
+import jax, keras, numpy as np
+sys.path.insert(0, sys.argv[2])
+import sharded_mlp
+from runner.device import sharding
+from runner.rundir.orbax_store import OrbaxStore
+sharding.distribution({"batch": 4, "model": 2}, "fsdp", None, jax.devices(), 1)
+model = sharded_mlp.build({}, {}, ["image"])
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+store = OrbaxStore(sys.argv[1] + "/checkpoints", model, 3)
+step = store.restore(store.latest())
+saved = keras.saving.load_model(sys.argv[1] + "/model.keras")
+same = [bool(np.array_equal(np.asarray(a.value), np.asarray(b.value))) for a, b in zip(model.weights, saved.weights)]
+print(json.dumps({"step": step, "same": same, "spec": str(model.weights[0].value.sharding.spec)}))
+"""
+
+
+def test_a_checkpoint_saved_over_one_mesh_restores_exactly_onto_another_and_the_job_resumes_on_it(
+        mnist_job, tmp_path):
+    spec = _job(mnist_job, "remeshed", data={"eval": None}, train={"epochs": 1}, output={"tensorboard": False})
+    first = run_cli("run", spec, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "remeshed"
+    env = cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO))
+    restored = subprocess.run([sys.executable, "-c", _RESTORE_ON_ANOTHER_MESH, str(run_dir),
+                               str(REPO / "tests" / "support")], env=env, capture_output=True, text=True, timeout=120)
+    assert restored.returncode == 0, restored.stderr[-3000:]
+    found = json.loads(restored.stdout.splitlines()[-1])
+    assert found["step"] == 16 and found["same"] == [True] * 6, found
+    assert "model" in found["spec"], found  # laid out over the new mesh's model axis
+
+    again = run_cli("run", spec, "--set", "train.epochs=2", "--set", "accelerator.mesh={batch: 4, model: 2}",
+                    timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = last_json(again.stdout)
+    assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
+    assert summary["sharding"]["mesh"] == {"batch": 4, "model": 2}
