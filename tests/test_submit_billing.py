@@ -274,6 +274,8 @@ def test_a_spot_bound_covers_every_restart_a_watcher_may_make_and_says_nothing_r
     assert "a watcher restarts it)" not in help_text
     assert "Only a watcher restarts a preempted job: --watch, or runner watch NAME later" in help_text, help_text
     assert "without one nothing restarts it." in help_text
+    assert "Restarts a watcher makes (--watch, or runner watch NAME later)" in help_text
+    assert "each attempt runs up to --max-run-duration." in help_text
 
 
 def test_a_previous_run_in_the_bucket_gives_the_cost_of_the_remaining_epochs(api, gcs, cloud_spec):

@@ -175,8 +175,9 @@ Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner docto
                                         "with exit 3 and nothing is created. Default: on; off with --dry-run "
                                         "(offline) unless --preflight, which also reads the previous run's "
                                         "summary.json for the estimate.", "--preflight/--no-preflight")]
-VmRestarts = Annotated[int | None, _opt("Restarts after a preemption or exit 75/3 (default: 3 with --spot, else 0).",
-                                        "--max-restarts", min=0, panel=VM)]
+VmRestarts = Annotated[int | None, _opt("Restarts a watcher makes (--watch, or `runner watch NAME` later) after a "
+                                        "preemption or exit 75/3 (default: 3 with --spot, else 0); each attempt runs "
+                                        "up to --max-run-duration.", "--max-restarts", min=0, panel=VM)]
 Queue = Annotated[str | None, _opt("The Kueue LocalQueue (kueue.x-k8s.io/queue-name).", panel=GKE)]
 Namespace = Annotated[str | None, _opt("The namespace (default: default).", panel=GKE)]
 Cluster = Annotated[str | None, _opt("--format xpk: the xpk cluster.", panel=GKE)]
