@@ -24,7 +24,7 @@ MESH = {"batch": 2, "model": 4}
 
 def _job(mnist_job, name="sharded", sharding="fsdp", mesh=None, **sections):
     return mnist_job(
-        name, accelerator={"kind": "cpu", "cpu_devices": 8, "mesh": mesh or MESH},
+        name, accelerator=sections.pop("accelerator", {"kind": "cpu", "cpu_devices": 8, "mesh": mesh or MESH}),
         model={"name": "sharded_mlp:build", "sharding": sharding, **sections.pop("model", {})},
         code={"folder": str(REPO / "tests" / "support")}, **sections,
     )
@@ -138,3 +138,42 @@ def test_a_checkpoint_saved_over_one_mesh_restores_exactly_onto_another_and_the_
     summary = last_json(again.stdout)
     assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
     assert summary["sharding"]["mesh"] == {"batch": 4, "model": 2}
+
+
+def test_two_processes_of_4_cpu_devices_train_one_sharded_model_the_batch_axis_split_by_process(mnist_job):
+    from tests.test_multihost import finish as finish_all
+    from tests.test_multihost import start as start_all
+
+    spec = _job(mnist_job, "two", data={"eval": None, "in_memory": False},
+                accelerator={"kind": "cpu", "cpu_devices": 4, "mesh": MESH, "join_timeout_s": 60, "heartbeat_s": 5},
+                output={"tensorboard": False})
+    ended = finish_all(start_all(spec, 2), timeout=300)
+    for code, _, err in ended:
+        assert code == 0, err[-3000:]
+    summary = last_json(ended[0][1])
+    losses = [e["loss"] for e in summary["epochs"]]
+    assert losses[-1] < losses[0], losses
+    held, whole = summary["sharding"]["bytes_per_device"], summary["sharding"]["bytes_replicated"]
+    assert held["parameters"] <= whole["parameters"] / 3, summary["sharding"]
+    assert "in 2 processes" in summary["accelerator"]["detail"]
+
+
+@pytest.mark.parametrize(("accelerator", "model", "said"), [
+    ({"kind": "cpu", "cpu_devices": 8, "mesh": {"batch": 3, "model": 2}}, {"sharding": "fsdp"},
+     "holds 6 devices, which is no whole number of processes of accelerator.cpu_devices (8)"),
+    ({"kind": "cpu", "cpu_devices": 8, "mesh": {"batch": 8}}, {}, "must be divisible by accelerator.mesh's batch axis"),
+    ({"kind": "cpu", "cpu_devices": 8, "mesh": MESH}, {"sharding": {"dense.*kernel": [None, "modle"]}},
+     "names axis 'modle', which accelerator.mesh does not have (its axes: batch, model)"),
+    ({"kind": "cpu", "cpu_devices": 8}, {"sharding": "fsdp"}, "model.sharding fsdp needs accelerator.mesh"),
+    ({"kind": "cpu", "cpu_devices": 8, "mesh": MESH, "backend": "tensorflow"}, {}, "runs on JAX"),
+    ({"mesh": {"batch": 0}}, {}, "axis 'batch' has size 0"),
+    ({}, {"sharding": "fdsp"}, "'fdsp' is none of replicated, fsdp, hub"),
+    ({}, {"sharding": {"(": [None]}}, "'(' is not a regular expression"),
+])
+def test_a_mesh_or_layout_that_cannot_work_is_refused_when_the_spec_loads(accelerator, model, said):
+    from pydantic import ValidationError
+
+    from runner.spec.types import JobSpec
+
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        JobSpec.model_validate({"accelerator": accelerator, "model": model, "data": {"global_batch_size": 12}})

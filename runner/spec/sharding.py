@@ -65,8 +65,9 @@ def check_layout(value: Any) -> str | dict[str, tuple[str | None, ...]]:
 
 
 def mesh_problem(accelerator: Any, layout: Any, global_batch: int, hub: str | None) -> str | None:
-    """What is wrong between the mesh, the layout, the batch and the device count (known here on the CPU only:
-    elsewhere once the devices are listed), else None."""
+    """What is wrong between the mesh, the layout, the batch and the device count, else None. The count is known
+    here on the CPU only, per process (the processes are counted once they join): elsewhere, and exactly,
+    once the devices are listed (runner/device/sharding.py)."""
     mesh = accelerator.mesh
     devices = accelerator.cpu_devices if accelerator.kind == "cpu" else None
     if layout == "hub" and not hub:
@@ -84,9 +85,10 @@ def mesh_problem(accelerator: Any, layout: Any, global_batch: int, hub: str | No
     total = 1
     for size in sizes:
         total *= size
-    if devices is not None and total != devices:
-        return (f"accelerator.mesh {_mesh_text(mesh)} holds {total} devices but the job has {devices} "
-                f"(accelerator.cpu_devices): make the sizes multiply to {devices}")
+    if devices is not None and total % devices:  # a job of several processes has `devices` on each
+        return (f"accelerator.mesh {_mesh_text(mesh)} holds {total} devices, which is no whole number of processes "
+                f"of accelerator.cpu_devices ({devices}) each: make the sizes multiply to {devices} (one process) "
+                f"or to {devices} times the processes")
     if global_batch % sizes[0]:
         return (f"data.global_batch_size ({global_batch}) must be divisible by accelerator.mesh's batch axis "
                 f"{names[0]!r} ({sizes[0]}), its first axis")
