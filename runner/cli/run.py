@@ -267,6 +267,12 @@ def predict(
     overrides: Overrides = None,
     debug: Debug = False,
     code: Code = None,
+    max_length: Annotated[
+        int | None, typer.Option("--max-length", help="model.hub: tokens of a prompt and its answer together "
+                                 "(default: the records' sequence length).")
+    ] = None,
+    sampler: Annotated[str, typer.Option(help="model.hub: KerasHub's sampler (greedy, top_k, top_p, beam...).")
+                       ] = "greedy",
 ) -> None:
     """Predict with the job's reported weights (as `runner evaluate`), any number of rows, on whatever device.
 
@@ -285,6 +291,8 @@ def predict(
     * `runner predict jobs/mnist_cnn.yaml --input 'data/mnist/test-*.tfrecord' --output predictions.npy`
     * `runner predict job.yaml --input new_rows.csv` (a table prepared with `runner prepare csv`)
     * `runner predict job.yaml --input photos/` (a model trained on `runner prepare images`)
+    * `runner predict jobs/gemma3_lora.yaml --input prompts.txt --max-length 128` (a model.hub job: one JSON line
+      a prompt, with the text generated)
     """
     job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
     _with_requirements(job.code.requirements, debug)
@@ -292,6 +300,9 @@ def predict(
 
     from runner.job import predict as predict_mod
 
+    if job.model.hub is not None:
+        _generate(job, input, max_length, sampler, checkpoint, debug)
+        return
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
         predicted = predict_mod.predict(job, input, options, checkpoint)
@@ -304,4 +315,18 @@ def predict(
         typer.echo(f"{len(predicted.outputs)} predictions from {predicted.trained.checkpoint} -> {output}")
         return
     for line in predicted.lines:
+        typer.echo(json.dumps(line))
+
+
+def _generate(job, prompts: str, max_length: int | None, sampler: str, checkpoint: str | None, debug: bool) -> None:
+    """A model.hub job's predict: one JSON line of generated text a prompt (runner/job/generate.py)."""
+    from runner.job import generate
+
+    try:
+        generated = generate.generate(job, prompts, max_length, sampler, checkpoint)
+    except RunnerError as error:
+        raise fail(error, debug) from None
+    for note in generated.notes:
+        typer.echo(f"note: {note}", err=True)
+    for line in generated.lines:
         typer.echo(json.dumps(line))

@@ -145,6 +145,12 @@ def tensorflow_live(checkpoint: tf.train.Checkpoint) -> dict[str, Held]:
 _WEIGHTS = "model.weights.h5"
 
 
+# Keras's load casts a floating value to its variable's dtype: a floating width is no change of the model. (A LoRA
+# layer saves its kernel merged with its adapters in its compute dtype: bfloat16 under mixed precision, which h5
+# holds as opaque 2-byte values with a `dtype: bfloat16` attribute.)
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+
 def _h5_variables(h5: Any) -> dict[str, Held]:
     import h5py
 
@@ -152,7 +158,8 @@ def _h5_variables(h5: Any) -> dict[str, Held]:
 
     def add(name: str, item: Any) -> None:
         if isinstance(item, h5py.Dataset) and not name.startswith("optimizer/"):
-            found[name] = Held(name, tuple(int(d) for d in item.shape), str(item.dtype))
+            dtype = str(item.attrs.get("dtype") or item.dtype)
+            found[name] = Held(name, tuple(int(d) for d in item.shape), "floating" if dtype in _FLOATING else dtype)
 
     h5.visititems(add)
     return found
