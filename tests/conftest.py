@@ -62,13 +62,15 @@ def run_cli(
     """Runs `python -m runner ARGS` in a child process, as a user would, bounded in time; a child that outlives
     `timeout` fails the test naming the command, the bound and the last words it wrote.
 
-    The child is forked from a process that has TensorFlow loaded (tests/support/zygote.py) unless `fresh`, the
-    command's spec asks TensorFlow to load otherwise (`zygote.kind_for`), or RUNNER_TEST_FRESH=1 is set."""
+    The child is forked from a process that has loaded TensorFlow as the runner's own start-up plan for the
+    command says (tests/support/zygote.py) unless `fresh`, the command is one a zygote does not serve
+    (`zygote.plan_for`), or RUNNER_TEST_FRESH=1 is set (a test marked `fresh` sets it)."""
     from tests.support import zygote
 
     argv = [str(arg) for arg in args]
     try:
-        return zygote.run(argv, env=env or cli_env(), cwd=cwd or REPO, timeout=timeout, kind=None if fresh else "auto")
+        return zygote.run(argv, env=env or cli_env(), cwd=cwd or REPO, timeout=timeout,
+                          plan=None if fresh else "auto")
     except subprocess.TimeoutExpired as expired:
         said = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
         raise AssertionError(f"`runner {' '.join(argv)}` did not end within its {timeout:g} s bound "

@@ -1,5 +1,6 @@
-"""The suite's fork server (tests/support/zygote.py): its children answer as fresh processes do, and a command
-whose spec would load TensorFlow otherwise is stopped, never run with settings it did not ask for."""
+"""The suite's fork server (tests/support/zygote.py): its children answer as fresh processes do, its router takes
+the runner's own start-up plan (runner/job/startup.py), and a command whose plan differs from the one its zygote
+loaded under is stopped by the runner, never run with settings it did not ask for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from runner.cli import startup_plan
+from runner.job import startup
 from tests.conftest import REPO, cli_env, write_spec
 from tests.support import zygote
 
@@ -27,10 +32,13 @@ def test_a_forked_command_answers_as_a_fresh_one(mnist_job) -> None:
 def test_a_spec_that_loads_tensorflow_otherwise_is_stopped_naming_what_differs(mnist_job, tmp_path: Path) -> None:
     spec = mnist_job("other_timeout", storage={"timeout_s": 7})
     env = {k: v for k, v in cli_env().items() if not k.startswith("GCS_")}
-    assert zygote.kind_for(["run", str(spec)], REPO, env) is None, "the router sends it to a fresh process"
-    forked = zygote.run(["run", str(spec)], env=env, cwd=REPO, timeout=120, kind="tensorflow")
-    assert forked.returncode == zygote.MISMATCH, forked.stderr
-    assert "GCS_RETRY_CONFIG_MAX_RETRIES" in forked.stderr and "fresh=True" in forked.stderr
+    default = zygote.plan_for(["run", "jobs/mnist_cnn.yaml"], REPO, env)
+    own = zygote.plan_for(["run", str(spec)], REPO, env)
+    assert own.storage_timeout_s == 7 and own.loaded_as() != default.loaded_as(), "a zygote of its own"
+    forked = zygote.run(["run", str(spec)], env=env, cwd=REPO, timeout=120, plan=default)
+    assert forked.returncode == startup.EXIT_PRELOADED_OTHERWISE, forked.stderr
+    assert "GCS_RETRY_CONFIG_MAX_RETRIES" in forked.stderr and "new process" in forked.stderr
+    assert "KERAS_BACKEND" not in forked.stderr, "the same backend"
     assert not (tmp_path / "runs" / "other_timeout" / "checkpoints").exists(), "it stopped before training"
 
 
@@ -57,21 +65,54 @@ def test_a_forked_child_is_signalled_and_reaped_as_a_popen_child(mnist_job) -> N
     assert json.loads(out.splitlines()[-1])["status"] == "preempted"
 
 
-def test_the_router_reads_each_spec_as_the_runner_does(tmp_path: Path) -> None:
-    def kind(*args: str, env: dict[str, str] | None = None) -> str | None:
-        return zygote.kind_for(list(args), REPO, env or {})
+def test_the_router_takes_the_runners_plan_and_starts_the_rest_fresh(tmp_path: Path) -> None:
+    def plan(*args: str, env: dict[str, str] | None = None) -> startup.StartupPlan | None:
+        return zygote.plan_for(list(args), REPO, env or {})
 
     jax_spec = write_spec(tmp_path, {"name": "j", "accelerator": {"kind": "cpu", "backend": "jax"}})
-    two_devices = write_spec(tmp_path, {"name": "d", "accelerator": {"kind": "cpu", "backend": "jax",
-                                                                     "cpu_devices": 2}}, "d.yaml")
-    assert kind("validate", "jobs/mnist_cnn.yaml") is None, "loads no TensorFlow: fresh"
-    assert kind("run", "jobs/mnist_cnn.yaml", "--debug") is None
-    assert kind("run", "jobs/mnist_cnn.yaml") == "tensorflow"
-    assert kind("run", "jobs/mnist_cnn.yaml", "--set", "storage.timeout_s=5") is None
-    assert kind("run", "jobs/mnist_cnn.yaml", "--set", "accelerator.backend=jax") is None, "kind auto: no JAX_PLATFORMS"
-    assert kind("run", str(jax_spec)) == "jax"
-    assert kind("run", str(two_devices)) is None
-    several = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:1", "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
-               "KERAS_DISTRIBUTION_PROCESS_ID": "1"}
-    assert kind("run", str(jax_spec), env=several) == "jax"
-    assert kind("prepare", "mnist", "--out", "x") == "tensorflow"
+    assert plan("validate", "jobs/mnist_cnn.yaml") is None, "loads no TensorFlow: fresh"
+    assert plan("run", "jobs/mnist_cnn.yaml", "--debug") is None, "TensorFlow's notices are the child's own"
+    assert plan("run", "jobs/mnist_cnn.yaml", "--set", "accelerator.backend=jax") is None, "JAX not pinned to the CPU"
+    default = plan("run", "jobs/mnist_cnn.yaml")
+    assert default.backend == "tensorflow" and default.environment["GCS_RETRY_CONFIG_MAX_RETRIES"]
+    assert plan("prepare", "mnist", "--out", "x").loaded_as() == default.loaded_as(), "one zygote for both"
+    assert plan("run", "jobs/mnist_cnn.yaml", "--set", "storage.timeout_s=5").storage_timeout_s == 5
+    assert plan("run", str(jax_spec)).environment["JAX_PLATFORMS"] == "cpu"
+    assert plan("run", str(tmp_path / "missing.yaml")).loaded_as() == default.loaded_as(), "refused in its child"
+
+
+_SEVERAL = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:1,127.0.0.1:2", "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+            "KERAS_DISTRIBUTION_PROCESS_ID": "1"}
+
+
+@pytest.mark.parametrize("case", ["tensorflow", "jax", "jax-2-devices", "several-processes", "gs"])
+def test_a_fresh_start_agrees_with_the_plan_the_router_was_given(case: str, tmp_path: Path) -> None:
+    """A fresh `runner run` told (RUNNER_TENSORFLOW_PRELOADED) that TensorFlow was loaded under the router's plan
+    plus one planted variable names that variable alone, and stops before TensorFlow loads: its own start-up
+    agrees on everything else. Without the planted one a forked child runs (the rest of the suite)."""
+    expected = {"tensorflow": "tensorflow", "gs": "tensorflow"}.get(case, "jax")
+    accelerator = {"kind": "cpu", "backend": "auto" if case == "several-processes" else expected}
+    doc = {"name": case, "accelerator": accelerator, "data": {"train": "data/mnist/train-*.tfrecord"}}
+    env = cli_env()
+    if case == "jax-2-devices":
+        accelerator["cpu_devices"] = 2
+    if case == "several-processes":
+        env.update(_SEVERAL)
+    if case == "gs":
+        doc.update(data={"train": "gs://bucket/mnist/train-*.tfrecord"}, storage={"timeout_s": 20},
+                   output={"dir": "gs://bucket/runs"})
+        env["GCS_READ_CACHE_BLOCK_SIZE_MB"] = "16"  # the user's value, kept
+    spec = write_spec(tmp_path, doc)
+    plan = zygote.plan_for(["run", str(spec)], REPO, env)
+    assert plan == startup_plan(["run", str(spec)], env, REPO)
+    assert plan.backend == expected, plan.reason
+    if case == "gs":
+        assert plan.environment["GCS_READ_CACHE_BLOCK_SIZE_MB"] == "16" and plan.storage_timeout_s == 20
+    if case == "jax-2-devices":
+        assert plan.environment["JAX_NUM_CPU_DEVICES"] == "2"
+    planted = plan.loaded_as()
+    planted["environment"]["PLANTED"] = "1"
+    env[startup.PRELOADED] = json.dumps(planted)
+    result = zygote.fresh(["run", str(spec)], env=env, cwd=REPO, timeout=120)
+    assert result.returncode == startup.EXIT_PRELOADED_OTHERWISE, result.stderr[-2000:]
+    assert "other values of PLANTED than it sets" in result.stderr, result.stderr[-2000:]

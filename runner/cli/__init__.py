@@ -13,10 +13,18 @@ from __future__ import annotations
 from runner.cli import signals  # noqa: F401
 # isort: on
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import typer
 
 from runner.cli import cloud, compare, data, doctor, run, runs
 from runner.cli.common import Version
+
+if TYPE_CHECKING:
+    from runner.job.startup import StartupPlan
 
 app = typer.Typer(
     help=(
@@ -39,3 +47,30 @@ def _options(version: Version = False) -> None:
 
 def main() -> None:
     app()
+
+
+def startup_plan(argv: list[str], environ: Mapping[str, str], cwd: str | os.PathLike[str] | None = None) -> StartupPlan:
+    """How `runner ARGV` would start under `environ` in `cwd` (runner/job/startup.py `plan`, the function every
+    command's own start-up calls), without running it: the command line is parsed by this app, the spec read
+    as the command reads it. Reads no file but the spec, imports no TensorFlow, fetches nothing (`--code` only
+    adds the code folder, which start-up does not read).
+
+    Raises RunnerError where the command itself would stop before TensorFlow loads (a bad spec or backend)."""
+    import click
+    import typer.main
+
+    from runner.job import startup
+    from runner.spec.load import load_spec
+
+    args = [str(arg) for arg in argv]
+    command_name = args[0] if args else ""
+    if command_name not in startup.LOADING_COMMANDS:
+        return startup.plan(command_name, None, "--debug" in args, environ)
+    group = typer.main.get_command(app)
+    command = group.get_command(click.Context(group), command_name)
+    with command.make_context(command_name, args[1:], resilient_parsing=True) as context:
+        params = context.params
+    job = None
+    if params.get("spec") is not None:
+        job = load_spec(Path(cwd or os.getcwd(), params["spec"]), list(params.get("overrides") or []))
+    return startup.plan(command_name, job, bool(params.get("debug")), environ, params.get("storage_timeout"))

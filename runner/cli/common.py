@@ -34,10 +34,7 @@ def setup_logging(debug: bool) -> None:
     loads; a level already in the environment is kept. `--debug` shows them (level 0), with tracebacks and the
     Python loggers of TensorFlow, absl and Google's clients.
     """
-    if debug:
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
-    else:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = startup.log_level(debug, os.environ)
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
         root.removeHandler(handler)  # set up once per process, whichever command asks again
@@ -96,17 +93,17 @@ def load(spec: Path | None, overrides: list[str] | None) -> JobSpec:
         raise fail(error) from None
 
 
-def start_tensorflow(job: JobSpec, debug: bool) -> None:
-    """Logging, then everything TensorFlow reads while it loads (runner/job/startup.py), then TensorFlow."""
+def start_tensorflow(command: str, job: JobSpec | None, debug: bool, storage_timeout_s: float | None = None) -> None:
+    """Logging, then the command's start-up plan (runner/job/startup.py: everything TensorFlow reads while it
+    loads), then TensorFlow."""
     setup_logging(debug)
     try:
-        startup.before_tensorflow(job)
+        startup.start(startup.plan(command, job, debug, os.environ, storage_timeout_s))
     except RunnerError as error:
-        raise fail(error) from None
-    startup.load_tensorflow(debug)
+        raise fail(error, debug) from None
 
 
-def trained_command_setup(spec: Path, overrides: list[str] | None, debug: bool) -> JobSpec:
+def trained_command_setup(command: str, spec: Path, overrides: list[str] | None, debug: bool) -> JobSpec:
     job = load(spec, overrides)
-    start_tensorflow(job, debug)
+    start_tensorflow(command, job, debug)
     return job

@@ -9,9 +9,8 @@ from typing import Annotated
 import typer
 
 from runner import EXIT_USAGE, RunnerError, SpecError
-from runner.cli.common import Debug, fail, load, setup_logging
-from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow
-from runner.job.startup import load_tensorflow
+from runner.cli.common import Debug, fail, load, setup_logging, start_tensorflow
+from runner.data.storage import DEFAULT_TIMEOUT_S
 
 app = typer.Typer()
 
@@ -104,9 +103,7 @@ def prepare(
     * `runner prepare tfds mnist --data-dir ~/tensorflow_datasets`
     * `runner prepare text chats.jsonl --preset gemma3_1b --sequence-length 256`
     """
-    setup_logging(debug)
-    configure_tensorflow(storage_timeout)
-    load_tensorflow(debug)
+    start_tensorflow("prepare", None, debug, storage_timeout)
     from runner.prepare import shards as prepare_mod
 
     try:
@@ -218,8 +215,7 @@ def verify(
     folder = folder.rstrip("/") or "/"
     if "://" not in folder and os.path.exists(folder) and not os.path.isdir(folder):
         raise fail(not_a_dataset_folder(folder, local=True), debug)  # before TensorFlow loads: at once
-    configure_tensorflow(storage_timeout)
-    load_tensorflow(debug)
+    start_tensorflow("verify", None, debug, storage_timeout)
     import tensorflow as tf
 
     from runner.data import pipeline
@@ -344,9 +340,7 @@ def manifest(
     * `runner manifest examples/fashion/job.yaml`
     """
     job = load(spec, overrides)
-    setup_logging(debug)
-    configure_tensorflow(job.storage.timeout_s)  # gs:// data is read under the spec's own bound
-    load_tensorflow(debug)
+    start_tensorflow("manifest", job, debug)  # gs:// data is read under the spec's own bound
     from runner.prepare.manifest import write_user_manifests
 
     try:

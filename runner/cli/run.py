@@ -121,7 +121,7 @@ def run(
     job = load(spec, _with_code(overrides, code, debug))
     _with_requirements(job.code.requirements, debug)
     loaded_at = time.monotonic()
-    start_tensorflow(job, debug)
+    start_tensorflow("run", job, debug)
     from runner.job.run import run_job
 
     if fresh:
@@ -237,7 +237,7 @@ def evaluate(
     * `runner evaluate job.yaml --input labelled.csv` (a table prepared with `runner prepare csv`, its label column)
     * `runner evaluate job.yaml --code gs://b/runs/job/code/SHA.tar.gz#sha256=SHA` (the model code `submit` sent)
     """
-    job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
+    job = trained_command_setup("evaluate", spec, _with_code(overrides, code, debug), debug)
     _with_requirements(job.code.requirements, debug)
     from runner.job import predict as predict_mod
 
@@ -294,7 +294,7 @@ def predict(
     * `runner predict jobs/gemma3_lora.yaml --input prompts.txt --max-length 128` (a model.hub job: one JSON line
       a prompt, with the text generated)
     """
-    job = trained_command_setup(spec, _with_code(overrides, code, debug), debug)
+    job = trained_command_setup("predict", spec, _with_code(overrides, code, debug), debug)
     _with_requirements(job.code.requirements, debug)
     import numpy as np
 

@@ -1,5 +1,8 @@
 """What must happen before TensorFlow is imported, in one place: TensorFlow, its gs:// client, Keras and libtpu
-read these settings once, while they load, so a command calls `before_tensorflow` and then `load_tensorflow`.
+read these settings once, while they load. `plan` decides them for a command (a `StartupPlan`: the backend,
+the variables set before anything loads, the optional imports skipped); `start` sets them and loads TensorFlow.
+Every command that loads TensorFlow goes through both (runner/cli/common.py, runner/cli/data.py), and
+`runner.cli.startup_plan(argv, environ)` gives the same plan for a command line without running it.
 
 1. the gs:// client's retries and timeouts from `storage.timeout_s` (runner/data/storage.py);
 2. Keras 3, never tf-keras: TensorFlow hands `tf.keras` to tf-keras (Keras 2) when TF_USE_LEGACY_KERAS is
@@ -8,35 +11,170 @@ read these settings once, while they load, so a command calls `before_tensorflow
    Keras, so this is the one place it can be set. Nothing of TensorFlow's TPU path (PJRT_DEVICE,
    TF_PLUGGABLE_DEVICE_LIBRARY_PATH) is ever set: TensorFlow feeds data and never touches a TPU (docs/tpu.md);
    a TF_PLUGGABLE_DEVICE_LIBRARY_PATH naming libtpu is refused (`refuse_libtpu_for_tensorflow`).
-Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads.
+Process-wide defaults that need no spec (TensorFlow's log level, oneDNN) are set when the runner package loads;
+the plan lists them too, as the command will see them.
+
+A process that has loaded TensorFlow ahead of the command (a fork server, such as the suite's
+tests/support/zygote.py, which forks each command from a process that called `preload`) says so in
+RUNNER_TENSORFLOW_PRELOADED: the JSON of the plan's `loaded_as()` it loaded under. `start` then checks that this
+command's plan is the same and stops with exit 70 (EX_SOFTWARE) naming the variables that differ otherwise,
+so that no command runs with settings it did not ask for; the variable is read once and removed. The check is
+made before anything loads, whether or not TensorFlow is there already: a fresh process given a plan says
+whether its own agrees (tests/test_zygote.py asks it so).
 
 This module must never import TensorFlow itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.abc
+import json
+import logging
 import os
 import re
 import sys
 import tempfile
 from collections.abc import Mapping
 
-from runner import SpecError
-from runner.data.storage import configure_tensorflow
+from runner import PROCESS_DEFAULTS, RunnerError, SpecError
+from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow, tensorflow_env
 from runner.device import backend
-from runner.spec.types import JobSpec
+from runner.spec.types import AcceleratorSpec, JobSpec
+
+log = logging.getLogger(__name__)
+
+# The commands that load TensorFlow (runner/cli/run.py, runner/cli/data.py); the others never do.
+LOADING_COMMANDS = ("run", "evaluate", "predict", "prepare", "verify", "manifest")
+# Where a process that loaded TensorFlow ahead of the command says under which plan (module docstring).
+PRELOADED = "RUNNER_TENSORFLOW_PRELOADED"
+EXIT_PRELOADED_OTHERWISE = 70
 
 
-def before_tensorflow(spec: JobSpec) -> None:
-    """Sets, in order, everything the job's TensorFlow must find in the environment when it loads.
+class PreloadedOtherwise(RunnerError):
+    """TensorFlow was loaded ahead of this command (RUNNER_TENSORFLOW_PRELOADED) under other settings."""
 
-    Raises SpecError for TF_USE_LEGACY_KERAS, AcceleratorError for a backend that cannot be set."""
-    configure_tensorflow(spec.storage.timeout_s)
+    exit_code = EXIT_PRELOADED_OTHERWISE
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupPlan:
+    """How a command's process must start: what it sets before TensorFlow, Keras and JAX load, and what it loads.
+
+    `environment` holds every variable the runner sets or keeps for the load (a value already in the
+    environment is the user's and is kept, except TF_CPP_MIN_LOG_LEVEL under `--debug` and KERAS_BACKEND for a
+    job); TensorFlow, its gs:// client, Keras and JAX read them once, while they load."""
+
+    command: str
+    loads_tensorflow: bool
+    backend: str | None = None  # the engine Keras loads with; None for a command that loads no TensorFlow
+    reason: str = ""  # why that backend
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped_imports: tuple[str, ...] = ()  # optional imports that fail at once while TensorFlow loads
+    debug: bool = False  # TensorFlow's start-up notices shown
+    storage_timeout_s: float = DEFAULT_TIMEOUT_S  # the gs:// client's bound (storage.timeout_s, --storage-timeout)
+    accelerator: AcceleratorSpec | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def loaded_as(self) -> dict[str, object]:
+        """What TensorFlow, Keras and JAX load under: the backend (KERAS_BACKEND, set or Keras's default), the
+        rest of the environment, the optional imports skipped. Two plans that agree on it load the same."""
+        return {"backend": self.backend, "skipped_imports": list(self.skipped_imports),
+                "environment": {k: v for k, v in sorted(self.environment.items()) if k != "KERAS_BACKEND"}}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"command": self.command, "loads_tensorflow": self.loads_tensorflow, "backend": self.backend,
+                "reason": self.reason, "environment": dict(sorted(self.environment.items())),
+                "skipped_imports": list(self.skipped_imports), "debug": self.debug,
+                "storage_timeout_s": self.storage_timeout_s}
+
+
+def log_level(debug: bool, environ: Mapping[str, str]) -> str:
+    """TF_CPP_MIN_LOG_LEVEL as the command sets it: 0 under `--debug`, else the environment's, else 2."""
+    return "0" if debug else environ.get("TF_CPP_MIN_LOG_LEVEL", PROCESS_DEFAULTS["TF_CPP_MIN_LOG_LEVEL"])
+
+
+def plan(command: str, job: JobSpec | None, debug: bool, environ: Mapping[str, str],
+         storage_timeout_s: float | None = None) -> StartupPlan:
+    """The start-up of `command`: a job's (`job`: run, evaluate, predict, manifest) or a data command's
+    (prepare, verify: `storage_timeout_s`). The one place that decides it; reads nothing but its arguments.
+
+    Raises AcceleratorError for a backend the job cannot have (backend.choose)."""
+    if command not in LOADING_COMMANDS:
+        return StartupPlan(command, False, debug=debug)
+    env = {name: environ.get(name, value) for name, value in PROCESS_DEFAULTS.items()}
+    env["TF_CPP_MIN_LOG_LEVEL"] = log_level(debug, environ)
+    timeout_s = job.storage.timeout_s if job is not None else storage_timeout_s or DEFAULT_TIMEOUT_S
+    env.update({name: environ.get(name, value) for name, value in tensorflow_env(timeout_s).items()})
+    accelerator = job.accelerator if job is not None and command != "manifest" else None
+    if accelerator is not None:
+        chosen = backend.choose(accelerator, dict(environ))
+        env.update(_backend_environment(chosen.name, accelerator, environ))
+        name, reason = chosen.name, chosen.reason
+    else:  # the data commands set no backend: the environment's, else Keras's default
+        name = environ.get("KERAS_BACKEND", "tensorflow")
+        reason = f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default"
+    return StartupPlan(command, True, name, reason, env, _optional_imports(name), debug, timeout_s, accelerator)
+
+
+def _backend_environment(name: str, accelerator: AcceleratorSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """What `backend.apply` sets for this backend; `start` checks that it set nothing else."""
+    env = {"KERAS_BACKEND": name}
+    if name == "jax" and accelerator.kind in ("auto", "cpu") and accelerator.cpu_devices > 1:
+        env["JAX_NUM_CPU_DEVICES"] = environ.get("JAX_NUM_CPU_DEVICES", str(accelerator.cpu_devices))
+    if name == "jax" and accelerator.kind == "cpu":
+        env["JAX_PLATFORMS"] = environ.get("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def start(chosen: StartupPlan) -> None:
+    """Sets everything the plan's TensorFlow must find in the environment when it loads, then loads it.
+
+    Raises SpecError for TF_USE_LEGACY_KERAS or a libtpu plug-in, AcceleratorError for a backend that cannot be
+    set, PreloadedOtherwise when TensorFlow was loaded ahead under another plan."""
+    _settle(chosen, os.environ.pop(PRELOADED, None))
+    load_tensorflow(chosen.debug, chosen.skipped_imports)
+
+
+def preload(chosen: StartupPlan) -> None:
+    """Loads TensorFlow as `start` would for this plan, ahead of the command: a fork server's, whose children
+    set RUNNER_TENSORFLOW_PRELOADED to `json.dumps(chosen.loaded_as())` before they run a command."""
     refuse_legacy_keras(os.environ)
     refuse_libtpu_for_tensorflow(os.environ)
-    backend.apply(backend.choose(spec.accelerator), spec.accelerator)
+    os.environ.update(chosen.environment)
+    os.environ["KERAS_BACKEND"] = chosen.backend or "tensorflow"
+    load_tensorflow(chosen.debug, chosen.skipped_imports)
+
+
+def before_tensorflow(spec: JobSpec, debug: bool = False) -> None:
+    """`start`'s settings for a job, without loading TensorFlow (for a caller that loads it itself)."""
+    _settle(plan("run", spec, debug, os.environ), None)
+
+
+def _settle(chosen: StartupPlan, preloaded: str | None) -> None:
+    refuse_legacy_keras(os.environ)
+    refuse_libtpu_for_tensorflow(os.environ)
+    if preloaded is not None:
+        loaded, wanted = json.loads(preloaded), chosen.loaded_as()
+        differ = sorted(k for k in loaded["environment"].keys() | wanted["environment"].keys()
+                        if loaded["environment"].get(k) != wanted["environment"].get(k))
+        differ += [f"KERAS_BACKEND ({loaded['backend']}, not {wanted['backend']})"] * (loaded["backend"]
+                                                                                    != wanted["backend"])
+        if differ:
+            raise PreloadedOtherwise(
+                f"TensorFlow was loaded ahead of this command ({PRELOADED}) with other values of "
+                f"{', '.join(differ)} than it sets: start the command in a new process")
+    else:  # warns when TensorFlow is already imported (a library caller): the gs:// bounds then do not apply
+        configure_tensorflow(chosen.storage_timeout_s)
+    os.environ.update(chosen.environment)
+    if chosen.accelerator is None:
+        return
+    before = dict(os.environ)
+    backend.apply(backend.Backend(chosen.backend, chosen.reason), chosen.accelerator)
+    unplanned = sorted(k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k))
+    if unplanned:  # the plan must say everything start-up sets (a fork server relies on it)
+        raise RunnerError(f"runner/job/startup.py: backend.apply set {', '.join(unplanned)}, which the start-up "
+                          "plan does not list (`_backend_environment`): add them there")
 
 
 def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
@@ -88,17 +226,19 @@ class _SkipOptional(importlib.abc.MetaPathFinder):
         return None
 
 
-def _optional_imports() -> frozenset[str]:
-    skipped = {"matplotlib"} if os.environ.get("KERAS_BACKEND") == "jax" else {"matplotlib", "jax", "jaxlib"}
-    return frozenset(name for name in skipped if name not in sys.modules)
+def _optional_imports(backend_name: str) -> tuple[str, ...]:
+    return ("matplotlib",) if backend_name == "jax" else ("jax", "jaxlib", "matplotlib")
 
 
-def load_tensorflow(debug: bool) -> None:
+def load_tensorflow(debug: bool, skipped: tuple[str, ...] | None = None) -> None:
     """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
-    writes to stderr while loading is passed on. Call after `before_tensorflow`."""
+    writes to stderr while loading is passed on. Call through `start` (`skipped`: the plan's optional imports;
+    by default those of the backend KERAS_BACKEND names)."""
     if "tensorflow" in sys.modules:
         return
-    skip = _SkipOptional(_optional_imports())
+    if skipped is None:
+        skipped = _optional_imports(os.environ.get("KERAS_BACKEND", "tensorflow"))
+    skip = _SkipOptional(frozenset(name for name in skipped if name not in sys.modules))
     sys.meta_path.insert(0, skip)
     try:
         _import_frozen(debug)

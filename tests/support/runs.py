@@ -42,7 +42,7 @@ def start_run(spec: Path, *args: str, env: dict[str, str] | None = None, progres
     `progress`: a progress line every 0.1 s, its stderr in a file read as it grows (signal_in_second_epoch waits
     for a step of epoch 2 in it)."""
     args = ("run", str(spec), *args, *(["--progress-every", "0.1"] if progress else []))
-    start = functools.partial(zygote.popen, args, env=env or cli_env(), cwd=REPO, kind=None if fresh else "auto",
+    start = functools.partial(zygote.popen, args, env=env or cli_env(), cwd=REPO, plan=None if fresh else "auto",
                               stdout=subprocess.PIPE, text=True)
     if not progress:
         return start(stderr=subprocess.PIPE)

@@ -1,21 +1,23 @@
 """`python -m runner ARGS` without paying for TensorFlow's import in every child: a fork server.
 
 Most of a small job's wall time in this suite is the child's start: 5-7 s of `import tensorflow` on a 2-core
-machine, against 2-8 s of training. A zygote is a process that has imported TensorFlow exactly as the runner
-would for a default spec (runner/job/startup.py: `before_tensorflow`, then `load_tensorflow`) and then forgets
-the runner's own modules; for each command it forks a child that sets the test's argv, environment, folder and
-standard streams, and runs `python -m runner` from the top (runner imports afresh, its clock starts at the
-fork). The child is an ordinary process with its own PID: signals, exit codes, files, leases and its own
+machine, against 2-8 s of training. A zygote is a process that has loaded TensorFlow as a command's start-up plan
+says (runner/job/startup.py: the runner decides, `runner.cli.startup_plan` answers for a command line, and
+`startup.preload` loads) and then forgets the runner's own modules; for each command it forks a child that
+sets the test's argv, environment, folder and standard streams, says in RUNNER_TENSORFLOW_PRELOADED under which
+plan TensorFlow was loaded, and runs `python -m runner` from the top (runner imports afresh, its clock starts at
+the fork). The child is an ordinary process with its own PID: signals, exit codes, files, leases and its own
 children behave as for `subprocess.run`. Its exit status comes back through the zygote, which reaps it.
 
 What TensorFlow reads while it loads cannot change afterwards. So:
-- a zygote loads TensorFlow for a CPU job, with Keras on TensorFlow or (the `jax` kind) on JAX, whose
-  devices are not yet made (JAX's distributed runtime can still be joined in the child);
-- one zygote per kind and environment (less the keys nothing reads at import: `_INERT`);
-- in the child, the environment the runner has made by the time it loads TensorFlow must equal the zygote's;
-  if the job's spec asked for anything else (storage.timeout_s, another backend, `--debug`), the child stops
-  with exit `MISMATCH` and names the variables, so that no test runs with settings it did not ask for. Such a
-  command runs as a fresh child (`run_cli(..., fresh=True)`, or a spec the router sees: `kind_for`).
+- the router (`plan_for`) asks the runner for the command's plan and nothing else: there is one zygote per
+  plan (`StartupPlan.loaded_as`: the backend, the variables set before the load, the optional imports skipped)
+  and environment (less the keys nothing reads at import: `_INERT`);
+- in the child, the runner's own start-up (`startup.start`) compares its plan with the zygote's and, if they
+  differ, stops with exit 70 naming the variables, so that no test runs with settings it did not ask for;
+- the commands that load no TensorFlow, `--debug` (TensorFlow's start-up notices are the zygote's, not the
+  child's) and JAX on anything but the CPU platform start fresh, as users start them; so does a command run
+  with `run_cli(..., fresh=True)`, or every command under RUNNER_TEST_FRESH=1.
 
 `popen` is `subprocess.Popen` for such a command (a subclass whose child the zygote forks and reaps: `pid`,
 `send_signal`, `poll`, `wait` and `communicate` behave as for any child); `run` is `subprocess.run`.
@@ -38,39 +40,37 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runner.job.startup import StartupPlan
 
 REPO = Path(__file__).resolve().parents[2]
-MISMATCH = 97
 # Variables read at run time only (by the runner, pytest, Rich, `keras.distribution.initialize`, the tests'
 # own model code), never by TensorFlow, Keras or JAX while they load.
 _INERT_PREFIXES = ("RUNNER_", "PYTEST_", "KERAS_DISTRIBUTION_")
 _INERT = {"PWD", "OLDPWD", "COLUMNS", "LINES", "_", "MARKS", "HOLD_FILE", "HOLD_AT_STEP"}
-# What each kind of zygote loads, as `--set` overrides of the default spec.
-KINDS = {"tensorflow": ["accelerator.kind=cpu"], "jax": ["accelerator.kind=cpu", "accelerator.backend=jax"]}
 
 
-def _loading_env(env: dict[str, str]) -> dict[str, str]:
+def _loading_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in _INERT and not k.startswith(_INERT_PREFIXES)}
 
 
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def _prime(kind: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Loads TensorFlow as `runner run` does for the default spec on this kind's backend. Returns the environment
-    it loaded under, and the variables its import set (TF2_BEHAVIOR, ...), which a fresh process has from then
-    on. JAX is imported, never asked for its devices: that would start its runtime's threads."""
+def _prime(plan: dict[str, Any]) -> dict[str, str]:
+    """Loads TensorFlow as the runner's `startup.preload` does for this plan (`StartupPlan.to_dict`). Returns
+    the variables the import set (TF2_BEHAVIOR, ...), which a fresh process has from then on. JAX is imported,
+    never asked for its devices: that would start its runtime's threads."""
     import logging
 
     from runner.job import startup
-    from runner.spec.load import load_spec
 
-    # The kind's backend whatever the environment says of a TPU (auto would pick JAX beside TPU_NAME): a job
-    # that asks for the other meets backend.apply's refusal ("Keras was imported with ...").
-    startup.before_tensorflow(load_spec(None, KINDS[kind]))
+    chosen = startup.StartupPlan(plan["command"], True, plan["backend"], plan["reason"], plan["environment"],
+                                 tuple(plan["skipped_imports"]), plan["debug"], plan["storage_timeout_s"])
+    startup.preload(chosen)
     loaded = dict(os.environ)
-    startup.load_tensorflow(False)
     import keras  # noqa: F401  (TensorFlow imports it lazily)
     set_by_import = {k: v for k, v in os.environ.items() if loaded.get(k) != v}
     for name in [n for n in sys.modules if n == "runner" or n.startswith("runner.")]:
@@ -79,10 +79,10 @@ def _prime(kind: str) -> tuple[dict[str, str], dict[str, str]]:
     for name in [n for n in manager.loggerDict if n == "runner" or n.startswith("runner.")]:
         del manager.loggerDict[name]
     logging.root.handlers.clear()
-    return loaded, set_by_import
+    return set_by_import
 
 
-def _child(request: dict, loaded: dict[str, str], set_by_import: dict[str, str]) -> None:
+def _child(request: dict, loaded_as: str, set_by_import: dict[str, str]) -> None:
     """Runs in the forked child: becomes `python -m runner ARGS` and never returns (SystemExit ends it)."""
     # As Python leaves them at start-up: SIGPIPE and SIGXFSZ ignored (a write to a closed pipe raises), SIGINT
     # raises KeyboardInterrupt, the rest default.
@@ -94,39 +94,17 @@ def _child(request: dict, loaded: dict[str, str], set_by_import: dict[str, str])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ.update(set_by_import)
+    os.environ["RUNNER_TENSORFLOW_PRELOADED"] = loaded_as  # the runner's start-up checks its plan against it
     sys.argv = [str(REPO / "runner" / "__main__.py"), *request["args"]]
     sys.path[0] = os.getcwd()
-
-    import runner.data.storage as storage
-
-    def configure_tensorflow(timeout_s: float) -> None:  # the same, less the "already imported" warning
-        for name, value in storage.tensorflow_env(timeout_s).items():
-            os.environ.setdefault(name, value)
-
-    storage.configure_tensorflow = configure_tensorflow
-    import runner.job.startup as startup
-
-    def load_tensorflow(debug: bool) -> None:
-        now, then = _loading_env(dict(os.environ)), _loading_env(loaded)
-        # The data commands set no backend: Keras's default, TensorFlow (KERAS_HOME, which could name another,
-        # is part of the zygote's own environment).
-        now.setdefault("KERAS_BACKEND", "tensorflow")
-        differ = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
-        if differ:
-            sys.stderr.write(
-                f"tests/support/zygote.py: TensorFlow was loaded with other values of {', '.join(differ)} than "
-                "this command sets: run it with run_cli(..., fresh=True)\n")
-            sys.stderr.flush()
-            os._exit(MISMATCH)
-        os.environ.update(set_by_import)
-
-    startup.load_tensorflow = load_tensorflow
     runpy.run_module("runner", run_name="__main__", alter_sys=True)
     raise SystemExit(0)
 
 
-def serve(path: str, kind: str) -> None:
-    loaded, set_by_import = _prime(kind)
+def serve(path: str, plan: str) -> None:
+    set_by_import = _prime(json.loads(plan))
+    loaded_as = json.dumps(json.loads(plan)["loaded_as"])
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -170,7 +148,7 @@ def serve(path: str, kind: str) -> None:
                     os.dup2(fd, target)
                     os.close(fd)
                 conn.close()
-                _child(request, loaded, set_by_import)
+                _child(request, loaded_as, set_by_import)
             for fd in fds:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode())
@@ -191,54 +169,38 @@ def serve(path: str, kind: str) -> None:
 
 # --- which commands it can run -----------------------------------------------------------------------------
 
-# The commands that load TensorFlow. The others start in a second or two on their own: a zygote of their
-# environment would cost them TensorFlow's whole import.
-_LOADING = {"run", "evaluate", "predict", "prepare", "verify", "manifest"}
 
+def plan_for(args: list[str], cwd: Path, env: Mapping[str, str]) -> StartupPlan | None:
+    """The runner's own start-up plan for this command (`runner.cli.startup_plan`), or None for a command to
+    start fresh: one that loads no TensorFlow, asks for `--debug`, or computes with JAX on anything but the CPU
+    platform (what a zygote would load there is not what the suite checks). A command the runner stops before
+    TensorFlow loads (a bad spec) gets the default plan: its child stops as a fresh process would."""
+    from runner import RunnerError
+    from runner.cli import startup_plan
+    from runner.job import startup
 
-def kind_for(args: list[str], cwd: Path, env: Mapping[str, str]) -> str | None:
-    """The kind of zygote that loads TensorFlow as this command would, or None for a command to start fresh:
-    one that loads no TensorFlow, or asks for `--debug`, another gs:// timeout, another device or several JAX
-    devices. The spec is read as the runner reads it (`load_spec`, `backend.choose`: no TensorFlow); the
-    child's own check (`load_tensorflow` above) stops with MISMATCH any command this misjudges."""
-    from runner.device import backend
-    from runner.spec.load import load_spec
-
-    if not args or args[0] not in _LOADING or "--debug" in args:
-        return None
-    spec_path, overrides = None, []
-    for before, arg in zip(["", *args], args, strict=False):
-        if before in ("--set", "-s"):
-            overrides.append(arg)
-        elif arg.endswith((".yaml", ".yml")) and Path(cwd, arg).is_file():
-            spec_path = Path(cwd, arg)
-        elif "timeout" in arg:  # --storage-timeout
-            return None
-    if spec_path is None:
-        return "tensorflow"
     try:
-        spec = load_spec(spec_path, overrides)
-        chosen = backend.choose(spec.accelerator, dict(env)).name
-    except Exception:  # noqa: BLE001  (refused before TensorFlow loads, by the child as by a fresh process)
-        return "tensorflow"
-    accelerator = spec.accelerator
-    if spec.storage.timeout_s != load_spec(None, []).storage.timeout_s or accelerator.kind not in ("cpu", "auto"):
+        plan = startup_plan(args, env, cwd)
+    except RunnerError:
+        plan = startup.plan("prepare", None, False, env)
+    if not plan.loads_tensorflow or plan.debug:
         return None
-    if chosen == "jax" and (accelerator.kind != "cpu" or accelerator.cpu_devices != 1):
+    if plan.backend == "jax" and plan.environment.get("JAX_PLATFORMS") != "cpu":
         return None
-    return chosen
+    return plan
 
 
 # --- the client ----------------------------------------------------------------------------------------------
 
 
 class _Zygote:
-    def __init__(self, kind: str, env: Mapping[str, str]) -> None:
+    def __init__(self, plan: StartupPlan, env: Mapping[str, str]) -> None:
         self.folder = tempfile.mkdtemp(prefix="runner-zygote-")
         self.path = os.path.join(self.folder, "socket")
         self.log = open(os.path.join(self.folder, "stderr.log"), "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.zygote", self.path, kind], cwd=REPO, env=env,
+            [sys.executable, "-m", "tests.support.zygote", self.path,
+             json.dumps({**plan.to_dict(), "loaded_as": plan.loaded_as()})], cwd=REPO, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
         )
         self.ready = False
@@ -270,13 +232,17 @@ _lock = threading.Lock()
 _MOST = 12
 
 
-def _zygote_for(kind: str, env: Mapping[str, str]) -> _Zygote | None:
-    key = (kind, *sorted(_loading_env(dict(env)).items()))
+def _zygote_for(plan: StartupPlan, env: Mapping[str, str]) -> _Zygote | None:
+    """The zygote of this plan and environment: the plan's own variables (and KERAS_BACKEND, which the plan's
+    backend says) are the plan's, whatever the environment held before."""
+    base = {k: v for k, v in _loading_env(env).items() if k not in plan.environment and k != "KERAS_BACKEND"}
+    key = (json.dumps(plan.loaded_as(), sort_keys=True), *sorted(base.items()))
     with _lock:
         zygote = _zygotes.pop(key, None)
         if zygote is None or (zygote.ready and zygote.proc.poll() is not None):
-            zygote = _Zygote(kind, env)
-            _trace("zygote", kind=kind, keys=sorted(k for k, v in key[1:] if os.environ.get(k) != v))
+            zygote = _Zygote(plan, env)
+            _trace("zygote", backend=plan.backend, keys=sorted(k for k, v in key[1:] if os.environ.get(k) != v)
+                   + sorted(k for k, v in plan.environment.items() if os.environ.get(k) != v))
         _zygotes[key] = zygote  # the newest last
         while len(_zygotes) > _MOST:
             _zygotes.pop(next(iter(_zygotes))).stop()
@@ -303,7 +269,19 @@ def _stop_all() -> None:
 class Forked(subprocess.Popen):
     """subprocess.Popen of `python -m runner ARGS` whose child a zygote forks and reaps: the child's standard
     streams are the ones Popen made (passed to the zygote over its socket, /dev/null for an inherited stdin)
-    and its exit status comes back on the same socket. If the zygote is gone, the child starts fresh."""
+    and its exit status comes back on the same socket. If the zygote is gone, the child starts fresh.
+
+    Why private methods: subprocess.Popen has no public way to start its child otherwise or to learn its end
+    otherwise. In CPython 3.11's Lib/subprocess.py (the suite's Python), the POSIX `_execute_child` forks through
+    `_posixsubprocess.fork_exec` (it is what `preexec_fn`, `pass_fds` and the rest feed), and `wait`, `poll`,
+    `send_signal` and `communicate` learn the end from `os.waitpid(self.pid, ...)` in `_try_wait` and
+    `_internal_poll` (the latter binds `_waitpid` as a default argument, so it must be overridden on its own).
+    A zygote's child is not this process's child: `waitpid` fails with ECHILD, which both methods turn into
+    exit status 0 ("This child is dead, we can't get the status"), a failed command seen as a success. The
+    public way round, a real child that relays to the zygote's, would give the test the relay's PID (the signal
+    tests signal and read /proc of the runner's own process) and cost a Python start per command. These three
+    methods are the whole of it; what they cannot give (`preexec_fn`, `pass_fds`, a new session or process
+    group, another executable) starts a fresh child through Popen's own code."""
 
     def __init__(self, zygote: _Zygote, args: list[str], **kwargs: Any) -> None:
         self._zygote: _Zygote | None = zygote
@@ -374,26 +352,26 @@ class Forked(subprocess.Popen):
         return self.returncode
 
 
-def popen(args: list[str], *, env: Mapping[str, str], cwd: Path, kind: str | None = "auto",
+def popen(args: list[str], *, env: Mapping[str, str], cwd: Path, plan: StartupPlan | str | None = "auto",
           **kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen([python, -m, runner, *args], env=env, cwd=cwd, **kwargs)`, its child forked by a
-    zygote of `kind`: "auto" is `kind_for`'s choice (a fresh process under RUNNER_TEST_FRESH=1), None a fresh
-    process as a user starts it."""
+    """`subprocess.Popen([python, -m, runner, *args], env=env, cwd=cwd, **kwargs)`, its child forked by the
+    zygote of `plan`: "auto" is the runner's own plan for the command (`plan_for`; a fresh process under
+    RUNNER_TEST_FRESH=1), None a fresh process as a user starts it."""
     args = [str(arg) for arg in args]
-    if kind == "auto":
-        kind = None if os.environ.get("RUNNER_TEST_FRESH") == "1" else kind_for(args, Path(cwd), env)
-    zygote = _zygote_for(kind, env) if kind else None
+    if plan == "auto":
+        plan = None if os.environ.get("RUNNER_TEST_FRESH") == "1" else plan_for(args, Path(cwd), env)
+    zygote = _zygote_for(plan, env) if plan else None
     if zygote is None:
         return subprocess.Popen([sys.executable, "-m", "runner", *args], env=env, cwd=cwd, **kwargs)
     return Forked(zygote, args, env=env, cwd=cwd, **kwargs)
 
 
 def run(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float,
-        kind: str | None = "auto") -> subprocess.CompletedProcess:
+        plan: StartupPlan | str | None = "auto") -> subprocess.CompletedProcess:
     """`subprocess.run([python, -m, runner, *args], capture_output=True, text=True, timeout=timeout)`, the child
     as `popen` starts it. On a timeout the child is killed and TimeoutExpired raised with what it wrote."""
     began = time.monotonic()
-    with popen(args, env=env, cwd=cwd, kind=kind, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    with popen(args, env=env, cwd=cwd, plan=plan, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                text=True) as process:
         try:
             out, err = process.communicate(timeout=timeout)
@@ -408,7 +386,7 @@ def run(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float,
 
 def fresh(args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` started afresh, as a user starts it."""
-    return run(args, env=env, cwd=cwd, timeout=timeout, kind=None)
+    return run(args, env=env, cwd=cwd, timeout=timeout, plan=None)
 
 
 if __name__ == "__main__":
