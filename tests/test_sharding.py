@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env, last_json, run_cli
+from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support.runs import finish, start_run, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,6 +44,10 @@ def test_fsdp_over_8_cpu_devices_trains_and_each_device_holds_a_third_at_most(mn
     assert held["parameters"] <= whole["parameters"] / 3, sharding
     assert held["optimizer"] <= whole["optimizer"] / 3, sharding
     assert "ModelParallel over mesh {batch: 2, model: 4}" in summary["accelerator"]["detail"]
+    # The estimate `runner validate --tpu-type` makes, from the same counts, is within 10% of what the devices hold.
+    estimated = sharding["estimate"]["bytes_per_device"]
+    measured = held["parameters"] + held["optimizer"]
+    assert abs(estimated["parameters"] + estimated["optimizer"] - measured) <= measured / 10, sharding
 
 
 def test_a_rule_the_mesh_cannot_divide_is_refused_before_training_naming_variable_shape_and_axis(mnist_job):
@@ -177,3 +181,35 @@ def test_a_mesh_or_layout_that_cannot_work_is_refused_when_the_spec_loads(accele
 
     with pytest.raises(ValidationError, match=re.escape(said)):
         JobSpec.model_validate({"accelerator": accelerator, "model": model, "data": {"global_batch_size": 12}})
+
+
+def _big_preset(folder: Path) -> Path:
+    """The files `runner validate --tpu-type` reads of a preset, with Gemma-7B-like figures (8.5 billion parameters,
+    28 layers, hidden 3072, 16 heads, a 256,000-token vocabulary, bfloat16 weights); no weights."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"class_name": "GemmaBackbone", "config": {
+        "num_layers": 28, "hidden_dim": 3072, "num_query_heads": 16, "vocabulary_size": 256_000,
+        "dtype": {"config": {"name": "bfloat16"}}}}))
+    (folder / "metadata.json").write_text(json.dumps({"parameter_count": 8_537_680_896}))
+    (folder / "preprocessor.json").write_text(json.dumps({"config": {"sequence_length": 512}}))
+    return folder
+
+
+def test_validate_estimates_the_memory_per_chip_and_refuses_a_model_too_big_naming_the_knobs(tmp_path):
+    preset = _big_preset(tmp_path / "big")
+    spec = write_spec(tmp_path, {"name": "big", "model": {"hub": str(preset)}, "data": {"global_batch_size": 8}})
+    said = run_cli("validate", spec, "--no-data", "--tpu-type", "v6e-8")
+    assert said.returncode == 2, said.stderr
+    # 8.5e9 x (2 bytes + 4 x 2 Adam slots + 4 gradient) = 119 GB on one chip of 32 GB: every knob that helps is named.
+    assert "of v6e-8's 32 GB per chip" in said.stderr and "It does not fit" in said.stderr, said.stderr
+    assert "a bigger model axis" in said.stderr and "model.lora_rank" in said.stderr, said.stderr
+
+    mesh = "accelerator.mesh={batch: 1, model: 8}"
+    fits = run_cli("validate", spec, "--no-data", "--tpu-type", "v6e-8", "--set", mesh, "--set",
+                   "model.sharding=fsdp", "--set", "model.lora_rank=8")
+    assert fits.returncode == 0, fits.stderr
+    line = next(x for x in fits.stderr.splitlines() if x.startswith(("memory per device", "warning: memory")))
+    assert "parameters 1.99 GiB" in line, line  # 17.1 GB of bfloat16 weights over 8 devices
+
+    wrong = run_cli("validate", spec, "--no-data", "--tpu-type", "v5p-8", "--set", mesh)
+    assert wrong.returncode == 2 and "holds 8 devices but v5p-8 has 4" in wrong.stderr, wrong.stderr

@@ -29,8 +29,17 @@ NoData = Annotated[bool, typer.Option("--no-data", help="The data comes later: d
                                       "local data pattern that matches nothing is an error).")]
 
 
+TpuTypeCheck = Annotated[
+    str | None,
+    typer.Option("--tpu-type", metavar="TYPE",
+                 help="Also estimate the bytes per device of the job's model on this TPU type (e.g. v6e-8) against "
+                 "its chips' HBM: exit 2 when it does not fit (docs/sharding.md)."),
+]
+
+
 @app.command()
-def validate(spec: SpecPath, overrides: Overrides = None, show: Show = False, no_data: NoData = False) -> None:
+def validate(spec: SpecPath, overrides: Overrides = None, show: Show = False, no_data: NoData = False,
+             tpu_type: TpuTypeCheck = None) -> None:
     """Check that a job spec (and `--set` overrides) is ready to run, without importing TensorFlow or running
     any of its code.
 
@@ -46,6 +55,7 @@ def validate(spec: SpecPath, overrides: Overrides = None, show: Show = False, no
     * `runner validate jobs/mnist_cnn.yaml`
     * `runner validate jobs/mnist_cnn.yaml --set data.global_batch_size=4096 --show`
     * `runner validate my_job.yaml --no-data`
+    * `runner validate jobs/my_lm.yaml --tpu-type v6e-8`
     """
     from runner import EXIT_USAGE
     from runner.spec.load import preflight
@@ -60,6 +70,18 @@ def validate(spec: SpecPath, overrides: Overrides = None, show: Show = False, no
         typer.echo(f"code: {key} {checked.spec.import_paths[key]} is {origin}", err=True)
     for note in checked.notes:
         typer.echo(f"note: {note}", err=True)
+    if tpu_type and not checked.problems:
+        from runner.device import memory
+
+        try:
+            fits, line = memory.check_for_tpu(checked.spec, tpu_type)
+        except RunnerError as error:
+            raise fail(error) from None
+        if fits == "too_big":
+            checked.problems.append(line)
+            typer.secho(f"error: {line}", err=True, fg=typer.colors.RED)
+        else:
+            typer.echo(("warning: " if fits == "tight" else "") + line, err=True)
     if checked.problems:
         raise typer.Exit(EXIT_USAGE)
     if show:

@@ -19,9 +19,11 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import keras
+import numpy as np
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
 
 from runner import SpecError
+from runner.device import memory
 from runner.spec.sharding import FSDP_MIN_ELEMENTS, mesh_text
 
 REPLICATED = "(no rule: replicated)"
@@ -92,8 +94,18 @@ class Layout(ModelParallel):
             "bytes_per_device": {"parameters": params, "optimizer": optimizer},
             "bytes_replicated": {"parameters": params_whole, "optimizer": optimizer_whole},
             "fraction_of_replicated": round((params + optimizer) / max(1, params_whole + optimizer_whole), 4),
+            # runner/device/memory.py's estimate of the same model, as `runner validate --tpu-type` makes it.
+            "estimate": self._estimate(model).to_dict(),
             "method": "the largest sum over this process's devices of jax.Array.addressable_shards' nbytes",
         }
+
+    def _estimate(self, model: Any) -> memory.Estimate:
+        count = sum(int(np.prod(v.shape)) for v in model.variables)
+        trainable = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        weight_bytes = 2 if any(str(v.dtype) in ("bfloat16", "float16") for v in model.trainable_variables) else 4
+        axis = 1 if self.how == "replicated" else int(self.device_mesh.shape[-1])
+        return memory.estimate(count, trainable, weight_bytes, memory.slots_of(model.optimizer.name), axis,
+                               method="runner/device/memory.py: the model's own counts, no activations")
 
 
 def fsdp_axes(shape: tuple[int, ...], axis: str, size: int) -> tuple:
@@ -136,8 +148,6 @@ def distribution(mesh: dict[str, int], layout: Any, hub: str | None, devices: li
         raise SpecError(f"accelerator.mesh {mesh_text(mesh)}: its batch axis {batch_axis!r} ({rows}) must be a "
                         f"multiple of the job's {processes} processes: each process feeds its own rows of the batch")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    import numpy as np
-
     device_mesh = DeviceMesh(tuple(mesh.values()), list(mesh), np.array(ordered).reshape(tuple(mesh.values())))
     if layout == "hub":
         how, rules = f"hub ({hub})", hub_rules(hub, device_mesh)

@@ -105,6 +105,15 @@ class Generation:
         return peak["bf16_tflops_per_chip"], peak["devices_per_chip"], source(peak["source"])
 
     @property
+    def hbm(self) -> tuple[int, str] | None:
+        """(bytes of HBM per chip, as its source says it), or None when the table has no figure."""
+        hbm = self.row.get("hbm")
+        if hbm is None:
+            return None
+        unit = 10**9 if hbm["unit"] == "GB" else 2**30
+        return hbm["per_chip"] * unit, f"{hbm['per_chip']} {hbm['unit']} per chip ({source(hbm['source'])})"
+
+    @property
     def zones(self) -> tuple[str, ...]:
         return tuple(self.row["zones"])
 
