@@ -212,3 +212,105 @@ def test_the_backend_seam_keeps_tensorflow_out_of_modules_that_need_only_keras(m
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {name for name in imported if name.split(".")[0] == "tensorflow"}
+
+
+# --- the engine face: runner/device/engine.py ----------------------------------------------------------------------
+# Only the engines and the checkpoint store import jax, jaxlib or orbax, ask Keras's global backend, read
+# KERAS_BACKEND or compare a backend's name; every other module asks `accelerator.engine` (or `engine.active()`).
+ENGINE_NAMES = frozenset({"jax", "tensorflow", "torch"})
+ENGINE_PACKAGES = frozenset({"jax", "jaxlib", "orbax"})
+ENGINE_MODULES = frozenset({
+    "runner.device.engine", "runner.device.backend", "runner.device.jax_devices", "runner.device.tf_devices",
+    "runner.device.processes", "runner.device.cluster",  # the join through JAX's runtime
+    "runner.device.sharding", "runner.device.mesh", "runner.device.layout",  # the device mesh and model layout
+})
+CHECKPOINT_STORE = frozenset({"runner.rundir.orbax_store", "runner.rundir.checkpoints", "runner.job.checkpoints"})
+# The spec validates the backend a user asks for (`accelerator.backend` is its key) before any engine exists.
+SPEC_AREA = "spec"
+# Modules not moved behind the face yet, each with why; the list only shrinks.
+NOT_YET_ON_THE_FACE = {
+    # Decides what TensorFlow's load reads (KERAS_BACKEND, the optional imports each engine needs), before any
+    # engine is asked; being reworked beside this (its StartupPlan). Next: `_optional_imports` from
+    # `Engine.needs_at_load`, the environment from `Engine.set_before_keras`.
+    "runner.job.startup",
+    # The doctor's probe of JAX's TPU runtime, in a child process: the JAX engine's own check. Next: a `probe`
+    # on the engine face that the doctor runs.
+    "runner.doctor.jax_tpu",
+    # KerasHub's language models (being added beside this) refuse a Keras not on JAX by asking Keras's global.
+    # Next: build them with the accelerator at hand and ask `accelerator.engine`.
+    "runner.train.hub",
+}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def engine_violations(source: str, name: str = "<source>") -> list[str]:
+    """Where `source` imports an engine's package, asks Keras's global backend, reads KERAS_BACKEND or compares
+    a backend's name (a string naming an engine, or anything's `backend.name`)."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} imports {a.name}" for a in node.names if a.name.split(".")[0] in ENGINE_PACKAGES]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] in ENGINE_PACKAGES:
+                found.append(f"{where} imports {node.module}")
+        elif isinstance(node, ast.Call) and _dotted(node.func).endswith("backend.backend"):
+            found.append(f"{where} asks Keras's global backend ({_dotted(node.func)}())")
+        elif isinstance(node, ast.Constant) and node.value == "KERAS_BACKEND":
+            found.append(f"{where} reads KERAS_BACKEND")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [s for s in sides if isinstance(s, ast.Constant) and s.value in ENGINE_NAMES]
+            for side in sides:
+                if isinstance(side, (ast.Tuple, ast.List, ast.Set)):
+                    named += [e for e in side.elts if isinstance(e, ast.Constant) and e.value in ENGINE_NAMES]
+            if isinstance(node.left, ast.Constant) and all(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops):
+                named = []  # "tensorflow" in sys.modules: whether a package is loaded, not which engine computes
+            if named or any(_dotted(s).endswith("backend.name") for s in sides):
+                found.append(f"{where} compares a backend's name")
+    return found
+
+
+def test_only_the_engines_and_the_checkpoint_store_name_an_engine() -> None:
+    exempt = ENGINE_MODULES | CHECKPOINT_STORE | set(NOT_YET_ON_THE_FACE)
+    offences = [
+        v for module, path in MODULES.items() if module not in exempt and _area(module) != SPEC_AREA
+        for v in engine_violations(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert offences == [], "ask accelerator.engine (runner/device/engine.py) instead"
+
+
+def test_the_modules_not_yet_on_the_face_still_need_their_place() -> None:
+    """An entry whose module no longer names an engine (or is gone) is taken off the list."""
+    stale = [m for m in NOT_YET_ON_THE_FACE if m not in MODULES or not engine_violations(MODULES[m].read_text())]
+    assert stale == []
+
+
+@pytest.mark.parametrize("planted", [
+    "import jax\n",
+    "def f():\n    from orbax.checkpoint import CheckpointManager\n",
+    "import keras\nif keras.backend.backend() == 'jax':\n    pass\n",
+    "import os\nname = os.environ.get('KERAS_BACKEND')\n",
+    "def f(accelerator):\n    return accelerator.backend.name != 'jax'\n",
+    "def f(accelerator):\n    return accelerator.backend.name in ('jax', 'tensorflow')\n",
+    "def f(engine):\n    return 'tensorflow' == engine\n",
+])
+def test_the_face_rule_finds_a_planted_violation(planted: str) -> None:
+    assert engine_violations(planted), planted
+
+
+def test_the_face_rule_lets_engine_questions_and_loaded_packages_pass() -> None:
+    asked = ("import sys\n"
+             "def f(accelerator):\n"
+             "    if 'tensorflow' in sys.modules and accelerator.engine.checkpoint_format == 'orbax':\n"
+             "        return accelerator.engine.input_share(0, 1)\n")
+    assert engine_violations(asked) == []

@@ -101,7 +101,8 @@ def keras_on_jax() -> dict:
         "from runner.train import flops\n"
         "features = {'image': Feature('uint8', (28, 28, 1)), 'label': Feature('int64', ())}\n"
         "model = build('mnist_cnn', {}, features, ('image',))\n"
-        "seen['lowered'] = flops._lowered_forward(model, 8)[0]\n"
+        "from runner.device import engine\n"
+        "seen['lowered'] = engine.active().count_forward(model, flops._input_specs(model, 8), 8)[0]\n"
         "seen['layers'], seen['unknown'] = flops._layer_forward(model)\n"
         "print(json.dumps(seen))\n"
     )

@@ -249,13 +249,14 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
         under, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import tensorflow as tf
 
+    from runner.device import engine
     from runner.device.precision import Precision
     from runner.device.strategy import Accelerator
     from runner.spec.types import JobSpec
     from runner.train.build import build_compiled
 
     package, src = _own_models(tmp_path)
-    cpu = Accelerator(tf.distribute.get_strategy(), "cpu", 1)
+    cpu = Accelerator(tf.distribute.get_strategy(), "cpu", 1, engine=engine.active())
     features = {"image": _features()["image"]}
 
     def build(function: str, chosen: Precision) -> tf.keras.Model:

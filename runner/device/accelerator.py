@@ -24,7 +24,9 @@ class Accelerator:
     workers: int = 1
     worker_index: int = 0
     detail: str = ""
-    backend: backend.Backend = backend.Backend("tensorflow", "Keras's default")
+    # The engine that computes (runner/device/engine.py `Engine`, set by strategy.py `resolve_accelerator`): every
+    # module asks it what differs between engines. Not imported here: each engine builds its Accelerators.
+    engine: Any = None
     tpu: dict[str, str | None] | None = None  # on a TPU: runner/device/tpus.py `device_facts`
     # Under JAX with accelerator.mesh: the ModelParallel laying the variables out (runner/device/sharding.py).
     layout: Any = None
@@ -33,6 +35,11 @@ class Accelerator:
     def batch_shards(self) -> int:
         """How many ways the global batch is split: the mesh's first axis, else every replica."""
         return int(self.layout.device_mesh.shape[0]) if self.layout is not None else self.replicas
+
+    @property
+    def backend(self) -> backend.Backend:
+        """The engine's name and reason, as the summary records them (`accelerator.backend`)."""
+        return self.engine.backend if self.engine is not None else backend.Backend("tensorflow", "Keras's default")
 
     @property
     def is_chief(self) -> bool:
@@ -47,7 +54,7 @@ class Accelerator:
             "detail": self.detail,
             "tensorflow": tf.__version__,
             "keras": f"keras {_version('keras')}",  # the form runner report compares across runs
-            **({"jax": _version("jax")} if self.backend.name == "jax" else {}),
+            **(self.engine.versions() if self.engine is not None else {}),
             # Input pipelines ran up to 1.38x faster on tcmalloc: runs compared side by side should agree on it.
             "allocator": host.allocator_in_use()[0],
             **({"tpu": self.tpu} if self.tpu else {}),

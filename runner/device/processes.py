@@ -424,3 +424,11 @@ def _client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """Whether every process of the job stops at `step`: JAX's preemption sync point, which all processes agree on
+    once any was noticed (runner/train/preemption.py asks it at every step, with the same steps on every process)."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))

@@ -1,4 +1,5 @@
-"""The one place that chooses a device and builds the tf.distribute strategy; everything else is handed it.
+"""The one place that chooses a device and builds the strategy; everything else is handed it. The job's engine
+(runner/device/engine.py) lists its devices: TensorFlow's in runner/device/tf_devices.py, JAX's in jax_devices.py.
 
 Order for `accelerator.kind: auto`:
   1. a TPU, if one is indicated (`accelerator.tpu`, $TPU_NAME, $COLAB_TPU_ADDR, or TPU device files:
@@ -19,10 +20,8 @@ import logging
 import os
 import time
 
-import tensorflow as tf
-
-from runner import AcceleratorError, SpecError
-from runner.device import backend, host
+from runner import SpecError
+from runner.device import engine
 from runner.device.accelerator import Accelerator
 from runner.spec.types import AcceleratorSpec, ModelSpec
 
@@ -44,59 +43,16 @@ def per_replica_batch(global_batch: int, accelerator: Accelerator) -> int:
     return per_replica
 
 
-def _split_cpu(devices: int) -> None:
-    cpus = tf.config.list_physical_devices("CPU")
-    current = tf.config.get_logical_device_configuration(cpus[0])
-    if current is None or len(current) != devices:
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(devices)]
-        )
-
-
-def _mirrored(kind: str, devices: int) -> Accelerator:
-    if devices > 1:
-        strategy = tf.distribute.MirroredStrategy()
-        return Accelerator(strategy, kind, strategy.num_replicas_in_sync,
-                           detail=f"MirroredStrategy over {devices} {kind} devices")
-    return Accelerator(tf.distribute.get_strategy(), kind, 1, detail=f"one {kind} device")
-
-
 def resolve_accelerator(spec: AcceleratorSpec, environ: dict[str, str] | None = None,
                         model: ModelSpec | None = None) -> Accelerator:
     """Builds the strategy for the spec (the order is in the module docstring); logs the choice once. `model`:
     the job's model, laid out over `accelerator.mesh` under JAX (runner/device/sharding.py)."""
     environ = dict(os.environ if environ is None else environ)
     started = time.monotonic()
-    chosen = backend.active()
-    if chosen.name == "jax":
-        from runner.device import jax_devices  # JAX is imported only where the job computes with it
-
-        accelerator = dataclasses.replace(jax_devices.resolve(spec, environ, model), backend=chosen)
-    else:
-        accelerator = dataclasses.replace(_resolve(spec, environ), backend=chosen)
+    chosen = engine.active()  # the engine `set_before_keras` set: it lists its own devices
+    accelerator = dataclasses.replace(chosen.resolve(spec, environ, model), engine=chosen)
     log.info(
         "accelerator: %s x%d (%s) on %s (%s) in %.2f s", accelerator.kind, accelerator.replicas, accelerator.detail,
         chosen.name, chosen.reason, time.monotonic() - started,
     )
     return accelerator
-
-
-def _resolve(spec: AcceleratorSpec, environ: dict[str, str]) -> Accelerator:
-    """TensorFlow's devices: GPUs, else the CPU (`kind: tpu` with TensorFlow is refused when the spec loads)."""
-    target = host.tpu_target(spec.tpu, environ) if spec.kind == "auto" else None
-    if target is not None:
-        log.warning("a TPU is indicated (%s), but accelerator.backend is tensorflow, which computes on GPUs or the "
-                    "CPU only (TensorFlow's TPU path is retired: docs/tpu.md); set accelerator.backend: jax (or "
-                    "auto) to train on the TPU", target)
-    if spec.kind in ("auto", "gpu"):
-        gpus = tf.config.list_physical_devices("GPU")
-        if gpus:
-            return _mirrored("gpu", len(gpus))
-        if spec.kind == "gpu":
-            raise AcceleratorError(
-                "accelerator.kind is 'gpu' but TensorFlow sees no GPU: check the image has a CUDA build of "
-                "TensorFlow and the container runs with --gpus all"
-            )
-    if spec.cpu_devices > 1:
-        _split_cpu(spec.cpu_devices)
-    return _mirrored("cpu", spec.cpu_devices)

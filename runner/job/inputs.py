@@ -70,7 +70,7 @@ def make_inputs(spec: JobSpec, shards: dict[str, pipeline.Shards], accelerator: 
     train_input is recorded in `facts` as soon as it is decided, so a load that fails is reported with it."""
     batch, workers, d = spec.data.global_batch_size, accelerator.workers, spec.data
     # Under JAX each process makes its own part of every batch (runner/data/pipeline.py `host_share`).
-    share = (accelerator.worker_index, workers) if accelerator.backend.name == "jax" else (0, 1)
+    share = accelerator.engine.input_share(accelerator.worker_index, workers)
     preprocess = (
         usercode.load_callable(d.preprocess, "data.preprocess", ("features",), spec.code_roots)
         if d.preprocess

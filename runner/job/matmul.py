@@ -28,54 +28,6 @@ from runner.train.preemption import EarlyNotice
 log = logging.getLogger(__name__)
 
 
-def chain_call(strategy: tf.distribute.Strategy, matmul: MatmulSpec):
-    """A compiled function computing sum(A @ B @ ... @ B) on every replica, summed across replicas."""
-    with strategy.scope():
-        a, b = (tf.Variable(value, trainable=False) for value in operands(matmul.size, matmul.dtype))
-
-    def replica_chain() -> tf.Tensor:
-        x = a.read_value()
-        for _ in range(matmul.chain):
-            x = tf.matmul(x, b)
-        return tf.reduce_sum(tf.cast(x, tf.float32))
-
-    @tf.function
-    def call() -> tf.Tensor:
-        per_replica = strategy.run(replica_chain)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return call
-
-
-def jax_chain_call(matmul: MatmulSpec):
-    """The same chain under JAX: one copy of the operands per local device, summed across them."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    devices = jax.local_devices()
-    # One copy per device along a leading axis sharded over them: XLA's SPMD partitioner gives each its own chain.
-    spread = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)), jax.sharding.PartitionSpec("d"))
-    a, b = (jax.device_put(jnp.stack([jnp.asarray(x.numpy())] * len(devices)), spread)
-            for x in operands(matmul.size, matmul.dtype))
-
-    def one_chain(x: jax.Array, b: jax.Array) -> jax.Array:
-        for _ in range(matmul.chain):
-            x = x @ b
-        return jnp.sum(x.astype(jnp.float32))
-
-    device_chain = jax.jit(jax.vmap(one_chain))
-
-    class _Sum:  # what measure() reads: .numpy() waits for the devices, as a TensorFlow tensor's does
-        def __init__(self, value: jax.Array):
-            self.value = value
-
-        def numpy(self) -> np.ndarray:
-            return np.asarray(self.value.sum())
-
-    return lambda: _Sum(device_chain(a, b))
-
-
 def operands(size: int, dtype: str) -> tuple[tf.Tensor, tf.Tensor]:
     """A and B, the same on every run and replica. B is scaled by 1/sqrt(N) so that each product keeps values
     near 1 (a float16 chain would overflow otherwise); a B whose largest eigenvalue exceeds 1 still grows them
@@ -170,8 +122,9 @@ def run_bench(
         with attempt.phases.phase("strategy"):
             attempt.accelerator = accelerator = resolve_accelerator(spec.accelerator)
         with attempt.phases.phase("build"):
-            jax = accelerator.backend.name == "jax"
-            call = jax_chain_call(spec.matmul) if jax else chain_call(accelerator.strategy, spec.matmul)
+            # Every replica multiplies its own copy (runner/device/engine.py `matmul_chain`).
+            call = accelerator.engine.matmul_chain(spec.matmul, accelerator.strategy,
+                                                   *operands(spec.matmul.size, spec.matmul.dtype))
         with attempt.phases.phase("train"):
             result = measure(call, spec.matmul, accelerator.replicas)
         attempt.facts.bench = result

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, RunnerError, SpecError, TimeLimitReached
 from runner.data import faults, integrity, pipeline
-from runner.device import backend, host, peak, precision, processes
+from runner.device import engine, host, peak, precision, processes
 from runner.device.strategy import per_replica_batch, resolve_accelerator
 from runner.job import checkpoints, fingerprint
 from runner.job.inputs import Inputs, make_inputs
@@ -151,11 +151,7 @@ class _Job:
         spec, attempt = self.spec, self.attempt
         with attempt.phases.phase("strategy"):
             attempt.accelerator = resolve_accelerator(spec.accelerator, model=spec.model)
-        if attempt.accelerator.backend.name == "jax":
-            from runner.device import jax_devices
-
-            attempt.facts.compile_cache = jax_devices.compile_cache(attempt.run.file("jax_cache"))
-            jax_devices.use_compile_cache(attempt.facts.compile_cache)
+        attempt.facts.compile_cache = attempt.accelerator.engine.use_compile_cache(attempt.run.file("jax_cache"))
         per_replica_batch(spec.data.global_batch_size, attempt.accelerator)
         self.precision = precision.choose(spec.train.mixed_precision, spec.model.name, attempt.accelerator.kind)
         self.precision.apply()  # logged once final: the model may still change it (build.build_compiled)
@@ -239,7 +235,7 @@ class _Job:
 def _join(attempt: Attempt) -> None:
     """Under JAX, the job's processes joined (runner/device/processes.py); one process has nothing to join."""
     spec = attempt.spec.accelerator
-    if backend.active().name != "jax":
+    if not engine.active().joins_processes:
         return
     on_tpu = spec.kind in ("auto", "tpu") and host.tpu_target(spec.tpu) is not None
     asked = processes.asked(os.environ, on_tpu)
@@ -319,7 +315,7 @@ def _build_and_restore(
         )
         per_replica = spec.data.global_batch_size // accelerator.replicas
         counted = hub.count(model, inputs.train.features) if spec.model.hub else None  # PaLM's analytic count
-        attempt.model_flops = counted or flops.count(model, per_replica)  # one traced forward pass: milliseconds
+        attempt.model_flops = counted or flops.count(model, per_replica, accelerator.engine)  # milliseconds
     with attempt.phases.phase("restore"):
         latest = attempt.run.latest_checkpoint()
         if latest:
@@ -341,7 +337,7 @@ def _train(
     profiler = None
     if spec.profile:
         profiler = observe.ProfileWindow(attempt.run.file("profile"), spec.profile.start_step, spec.profile.steps,
-                                        engine=attempt.accelerator.backend.name)
+                                        engine=attempt.accelerator.engine)
     validation = (inputs.validation.dataset, inputs.validation.steps) if inputs.validation else None
     feed = loop.Feed(inputs.train_ds, validation, spec.data.train, inputs.class_weight, inputs.validation_every or 1)
     outcome = loop.train(

@@ -72,7 +72,7 @@ import tensorflow as tf
 
 from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
-from runner.device import backend
+from runner.device import engine
 from runner.rundir import orbax_store, serving
 from runner.rundir.lease import Lease
 from runner.rundir.pins import (
@@ -396,7 +396,7 @@ class RunFolder:
 
     def latest_checkpoint(self) -> str | None:
         """The newest complete checkpoint (every process of a job restores the same), of this process's backend."""
-        if backend.active().name == "jax":
+        if engine.active().checkpoint_format == "orbax":
             return orbax_store.latest_in(self.checkpoints) if tf.io.gfile.isdir(self.checkpoints) else None
         return tf.train.latest_checkpoint(self.checkpoints)
 

@@ -24,6 +24,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from runner.device import engine
+
 log = logging.getLogger(__name__)
 
 SERVE, SERVE_EXAMPLES = "serve", "serve_examples"
@@ -53,21 +55,8 @@ def export(model: Any, path: str, examples_to_inputs: Callable[[tf.Tensor], Any]
     archive.track(model)
     # The model's inputs are what the parser produces, with the batch dimension left open.
     inputs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parse.structured_outputs)
-    if keras.backend.backend() == "jax":
-        # Keras converts a JAX model's call to TensorFlow (jax2tf) when handed the plain function; the parser,
-        # TensorFlow already, then calls that converted endpoint.
-        serve = archive.add_endpoint(SERVE, lambda x: model(x, training=False), input_signature=[inputs])
-        examples = tf.function(lambda records: serve(examples_to_inputs(records)), input_signature=[_RECORDS])
-        examples.get_concrete_function()
-        archive.add_endpoint(SERVE_EXAMPLES, examples)
-    else:
-        archive.add_endpoint(SERVE, tf.function(lambda x: model(x, training=False), input_signature=[inputs],
-                                                autograph=False))  # as Keras's own export
-        archive.add_endpoint(
-            SERVE_EXAMPLES,
-            tf.function(lambda records: model(examples_to_inputs(records), training=False),
-                        input_signature=[_RECORDS]),
-        )
+    # What differs per engine (a JAX model's call converted through jax2tf): runner/device/engine.py.
+    engine.active().serving_endpoints(archive, model, inputs, examples_to_inputs, _RECORDS, (SERVE, SERVE_EXAMPLES))
     archive.write_out(path, verbose=False)
     return [SERVE, SERVE_EXAMPLES]
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from runner import SpecError, models
 from runner.data.schema import Feature
-from runner.device import precision
+from runner.device import engine, precision
 from runner.rundir import matching
 from runner.spec import usercode
 from runner.spec.keras import TABLE, Serialized
@@ -64,15 +64,12 @@ def _build_user_model(
     try:
         model = build(params, features, inputs)
     except Exception as exc:  # the user's code refused these params or features: a start-up error, not training
-        jax = ""
-        if keras.backend.backend() == "jax":
-            from runner.device import jax_devices
-
-            hint = jax_devices.calls_tensorflow(exc, path.split(":")[0])
-            jax = f"; it cannot run under the jax backend: {hint}" if hint else ""
+        computes = engine.active()
+        hint = computes.build_hint(exc, path.split(":")[0])
+        hint = f"; it cannot run under the {computes.name} backend: {hint}" if hint else ""
         raise SpecError(
             f"model.name: {path!r} raised {type(exc).__name__} while building: {exc} "
-            f"(model.params: {params}, data.inputs: {list(inputs)}){jax}"
+            f"(model.params: {params}, data.inputs: {list(inputs)}){hint}"
         ) from exc
     if not isinstance(model, keras.Model):
         found = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -212,6 +209,9 @@ def build_compiled(
     """The spec's model, built and compiled under the accelerator's strategy, and (under TensorFlow) the
     checkpoint object that saves and restores its weights, optimizer state and step; under JAX the run
     folder's Orbax store reads the model itself (runner/rundir/orbax_store.py), and this is None.
+
+    `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
+    output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     if spec.model.hub is not None:  # a KerasHub causal LM, on its own loss and metrics (runner/train/hub.py)
         from runner.train import hub
 
@@ -219,9 +219,6 @@ def build_compiled(
             model = hub.build_causal_lm(spec, chosen.policy if chosen is not None else None)
             hub.compile_causal_lm(model, make_optimizer(spec.train), steps_per_execution(spec, accelerator.kind))
         return model, None
-
-    `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
-    output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
     with accelerator.strategy.scope():
         seeds = precision.random_state()
         model = build_model(spec, features, manifest)
@@ -237,10 +234,8 @@ def build_compiled(
         one_hot = label_classes(spec.train, features.get(spec.data.label), model) is not None
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
-        if keras.backend.backend() == "jax":
-            from runner.device import jax_devices
-
-            jax_devices.check_traceable(model, spec.model.name)
+        accelerator.engine.check_model(model, spec.model.name)
+        if accelerator.engine.checkpoint_format == "orbax":  # the run folder's Orbax store reads the model itself
             return model, None
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     return model, checkpoint

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from runner import Diverged
+from runner.device import engine
 from runner.rundir.timing import EpochRecord
 from runner.train.preemption import PreemptionNotice
 
@@ -151,9 +152,7 @@ def _diverged(what: str, epoch: int, step: int) -> Diverged:
 def weights_finite(model: keras.Model) -> bool:
     """Whether every floating-point variable of the model and its optimizer (slots included) is finite: checked
     where the variables live (keras.ops, on the device under either backend), one bool brought back."""
-    variables = [*model.weights, *model.optimizer.variables]
-    checks = [keras.ops.all(keras.ops.isfinite(v.value)) for v in variables if "float" in str(v.dtype)]
-    return bool(keras.ops.convert_to_numpy(keras.ops.all(keras.ops.stack(checks)))) if checks else True
+    return engine.active().weights_finite(model)
 
 
 class FiniteLoss(keras.callbacks.Callback):
@@ -257,14 +256,7 @@ def build_state(model: keras.Model, element_spec: object) -> None:
     (benchmarks/RESULTS.md, "The first step"). Restored optimizer slots are assigned as they are created. A
     model Keras cannot build from shapes alone (a subclassed model whose call needs real values) is left to
     build while the first step traces, as it did without this."""
-    symbolic_build = getattr(model, "_symbolic_build", None)
-    if keras.backend.backend() != "tensorflow" or symbolic_build is None:
-        return
-    try:
-        with model.distribute_strategy.scope():
-            symbolic_build(data_batch=element_spec)
-    except Exception:  # noqa: BLE001  (Keras's own message comes when the first step traces)
-        pass
+    engine.active().build_state(model, element_spec)
 
 
 def fit(

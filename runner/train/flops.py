@@ -24,82 +24,35 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Op types whose bodies the profiler's float_ops does not descend into: a graph holding one is undercounted.
-CONTROL_FLOW_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"})
+from runner.device import engine
+from runner.device.engine import CONTROL_FLOW_OPS, Engine
+
 BACKWARD_FACTOR = 2  # backward = 2x forward, by convention
 _LIMIT = "the arithmetic knows Dense, Conv, DepthwiseConv, LSTM, GRU, SimpleRNN, Embedding, Bidirectional"
 
 
-def count(model: Any, batch_size: int | None = None) -> tuple[float | None, str]:
+def count(model: Any, batch_size: int | None = None, computes: Engine | None = None) -> tuple[float | None, str]:
     """(FLOPs of one training example, forward + backward, by the convention above; how they were counted).
 
     `batch_size`: the batch the graph is traced at (the FLOPs are divided by it; a few ops such as the loss's
     mean do not scale with it). The count is None when neither method can count the model; the method then
-    says why.
+    says why. `computes`: the job's engine (`accelerator.engine`; this process's by default), whose own cost
+    analysis counts the forward pass (runner/device/engine.py `count_forward`).
     """
     batch = max(1, int(batch_size or 1))
-    import keras
-
-    if keras.backend.backend() == "jax":
-        forward, why_not_traced = _lowered_forward(model, batch)
-        if forward:
-            return forward * (1 + BACKWARD_FACTOR), "xla: cost_analysis of the lowered forward pass, x3"
+    computes = computes or engine.active()
+    try:
+        specs = _input_specs(model, batch)
+    except Exception as exc:  # a model without symbolic inputs (subclassed, never built): the per-layer count
+        forward, why_not_traced = None, f"the forward pass could not be traced ({type(exc).__name__}: {exc})"
     else:
-        forward, why_not_traced = _traced_forward(model, batch)
-        if forward:
-            return forward * (1 + BACKWARD_FACTOR), "tf_profiler: float_ops of the traced forward pass, x3"
+        forward, why_not_traced = computes.count_forward(model, specs, batch)
+    if forward:
+        return forward * (1 + BACKWARD_FACTOR), computes.flops_method
     forward, unknown = _layer_forward(model)
     if unknown:
         return None, f"not counted: {why_not_traced}; per layer: {unknown} ({_LIMIT})"
     return forward * (1 + BACKWARD_FACTOR), f"layers: per-layer arithmetic of the forward pass, x3 ({why_not_traced})"
-
-
-def _traced_forward(model: Any, batch: int) -> tuple[float | None, str]:
-    """Forward FLOPs per example from TensorFlow's profiler, or (None, why not)."""
-    import tensorflow as tf
-    from tensorflow.python.profiler import model_analyzer, option_builder
-
-    try:
-        specs = _input_specs(model, batch)
-        graph = tf.function(lambda x: model(x, training=True), autograph=False).get_concrete_function(specs).graph
-    except Exception as exc:  # a model without symbolic inputs (subclassed, never built): the per-layer count
-        return None, f"the forward pass could not be traced ({type(exc).__name__}: {exc})"
-    loops = sorted({op.type for op in graph.get_operations() if op.type in CONTROL_FLOW_OPS})
-    if loops:
-        return None, f"the traced graph holds {', '.join(loops)}, whose bodies TensorFlow's profiler does not count"
-    from tensorflow.python.util import deprecation
-
-    options = option_builder.ProfileOptionBuilder.float_operation()
-    options["output"] = "none"  # the profiler prints a table to stdout otherwise: stdout carries the summary
-    with deprecation.silence():  # its TF1 shape helper warns on every call: noise in a user's log
-        total = model_analyzer.profile(graph, options=options).total_float_ops
-    if not total:
-        return None, "TensorFlow's profiler counted 0 float ops (shapes unknown at trace time)"
-    return total / batch, "traced"
-
-
-def _lowered_forward(model: Any, batch: int) -> tuple[float | None, str]:
-    """Forward FLOPs per example from XLA's cost analysis of the lowered (not yet compiled, so not optimised
-    and costing no compile) forward pass under JAX, or (None, why not)."""
-    import jax
-
-    try:
-        structs = _input_specs(model, batch)
-        specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype.as_numpy_dtype), structs)
-        trainable = [v.value for v in model.trainable_variables]
-        other = [v.value for v in model.non_trainable_variables]
-
-        def forward(trainable: Any, other: Any, x: Any) -> Any:
-            return model.stateless_call(trainable, other, x, training=True)[0]
-
-        cost = jax.jit(forward).lower(trainable, other, specs).cost_analysis()
-    except Exception as exc:  # a model without symbolic inputs (subclassed, never built): the per-layer count
-        return None, f"the forward pass could not be lowered ({type(exc).__name__}: {exc})"
-    cost = cost[0] if isinstance(cost, list) else cost  # jax before 0.4.38 returned a list of one
-    total = float((cost or {}).get("flops", 0.0))
-    if total <= 0:
-        return None, "XLA's cost analysis counted 0 flops"
-    return total / batch, "lowered"
 
 
 def _input_specs(model: Any, batch: int) -> Any:

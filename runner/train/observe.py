@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from runner.data.schema import plain
 from runner.device.accelerator import Accelerator
+from runner.device.engine import Engine
 from runner.rundir.timing import EpochRecord
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def input_clock_for(accelerator: Accelerator) -> tuple[InputClock | None, str]:
     """The clock and the method named in the summary. Several TensorFlow workers would shard files through
     tf.distribute, which the clock's extra source would block: there the wait is not measured (and the summary
     says so). Several JAX processes shard their own files first (runner/data/pipeline.py): each clocks its own."""
-    if accelerator.workers > 1 and accelerator.backend.name != "jax":
+    if accelerator.workers > 1 and not accelerator.engine.own_input_share:
         return None, "not measured: several workers (the timing stage would stop tf.data from sharding files)"
     return InputClock(accelerator), INPUT_WAIT_METHOD
 
@@ -133,7 +134,7 @@ class ProfileWindow(keras.callbacks.Callback):
     every read of a variable in a callback would copy the train state back from the device.
     """
 
-    def __init__(self, folder: str, start_step: int, steps: int, engine: str = "tensorflow"):
+    def __init__(self, folder: str, start_step: int, steps: int, engine: Engine):
         super().__init__()
         self.folder, self.start_step, self.steps, self.engine = folder, start_step, steps, engine
         self.traced: list[int] = []  # first and last step traced
@@ -148,36 +149,19 @@ class ProfileWindow(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch_base = self._done
 
-    def _start(self) -> None:
-        if self.engine == "jax":
-            import jax
-
-            jax.profiler.start_trace(self.folder)
-        else:
-            tf.profiler.experimental.start(self.folder)
-
-    def _stop(self) -> None:
-        if self.engine == "jax":
-            import jax
-
-            jax.effects_barrier()  # the traced steps' computations finish inside the trace
-            jax.profiler.stop_trace()
-        else:
-            tf.profiler.experimental.stop()
-
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         step = self._epoch_base + batch + 1  # with steps_per_execution, `batch` is the first of the execution's
         if self._active or self.traced or self.error or not self.start_step <= step < self.start_step + self.steps:
             return
         try:
-            self._start()
+            self.engine.start_profiler(self.folder)
         except Exception as exc:  # a trace is a diagnosis: it must never stop the training it watches
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("profiler did not start at step %d: %s", step, self.error)
             return
         self._active, self.traced = True, [step, step]
         log.info("profiling steps %d-%d into %s (%s's profiler)", step, self.start_step + self.steps - 1,
-                 self.folder, "JAX" if self.engine == "jax" else "TensorFlow")
+                 self.folder, self.engine.profiler)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._done = self._epoch_base + batch + 1  # `batch`: the execution's last
@@ -193,7 +177,7 @@ class ProfileWindow(keras.callbacks.Callback):
         if self._active:
             self._active = False
             try:
-                self._stop()
+                self.engine.stop_profiler()
             except Exception as exc:  # noqa: BLE001 - as above: the trace is lost, the training is not
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("profiler did not stop cleanly: %s", self.error)
@@ -203,7 +187,7 @@ class ProfileWindow(keras.callbacks.Callback):
             "start_step": self.start_step,
             "steps": self.steps,
             "dir": self.folder,
-            "profiler": self.engine,
+            "profiler": self.engine.profiler,
             "traced_steps": self.traced or None,
             "error": self.error,
         }

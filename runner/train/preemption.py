@@ -155,9 +155,9 @@ class PreemptionNotice:
     def reached_sync_point(self, step: int) -> bool:
         """Shared: whether every process stops at `step` (JAX's preemption sync point: all processes agree on it
         once any was noticed). Ask at every step, with the same steps on every process."""
-        from jax.experimental import multihost_utils
+        from runner.device import processes
 
-        if not multihost_utils.reached_preemption_sync_point(step):
+        if not processes.reached_preemption_sync_point(step):
             return False
         if not self.received.is_set():
             self.notify(signum=signal.SIGTERM, relay=False)
