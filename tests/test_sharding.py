@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
+from tests.support import hub_preset
 from tests.support.runs import finish, start_run, wait_for
+from tests.test_language_model import tiny_preset  # noqa: F401  (the session's tiny KerasHub preset)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -213,3 +215,37 @@ def test_validate_estimates_the_memory_per_chip_and_refuses_a_model_too_big_nami
 
     wrong = run_cli("validate", spec, "--no-data", "--tpu-type", "v5p-8", "--set", mesh)
     assert wrong.returncode == 2 and "holds 8 devices but v5p-8 has 4" in wrong.stderr, wrong.stderr
+
+
+def test_a_kerashub_causal_lm_trains_with_lora_over_its_own_layout_and_an_indivisible_one_is_refused(
+        tiny_preset, tmp_path):  # noqa: F811  (the fixture imported above)
+    chats = hub_preset.write_chats(tmp_path / "chats.jsonl")
+    prepared = run_cli("prepare", "text", chats, "--preset", tiny_preset, "--sequence-length",
+                       hub_preset.SEQUENCE_LENGTH, "--out", tmp_path / "data")
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    spec = write_spec(tmp_path, {
+        "name": "lm", "accelerator": {"kind": "cpu", "cpu_devices": 8, "mesh": MESH},
+        "model": {"hub": str(tiny_preset), "lora_rank": 4, "sharding": "hub"},
+        "data": {"train": str(tmp_path / "data" / "train-*.tfrecord"), "global_batch_size": 8},
+        "train": {"epochs": 2, "learning_rate": 0.01},
+        "output": {"dir": str(tmp_path / "runs"), "saved_model": False, "tensorboard": False},
+    })
+    ran = run_cli("run", spec, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    summary = last_json(ran.stdout)
+    losses = [e["loss"] for e in summary["epochs"]]
+    assert losses[-1] < losses[0], losses
+    sharding = summary["sharding"]
+    assert sharding["layout"] == f"hub ({tiny_preset})"
+    # GemmaBackbone.get_layout_map's rules, each with the variables it laid out (2 decoder blocks).
+    assert sharding["variables_per_rule"]["'token_embedding/embeddings'"] == 1
+    assert sharding["variables_per_rule"]["'decoder_block.*attention.*(query|key|value).kernel'"] == 6
+    assert sharding["bytes_per_device"]["parameters"] <= sharding["bytes_replicated"]["parameters"] / 3, sharding
+
+    # 4 key-value heads cannot be split over a model axis of 8: refused as the variable is made, by name.
+    refused = run_cli("run", spec, "--set", "accelerator.mesh={batch: 1, model: 8}", "--set", "name=lm8",
+                      timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    said = refused.stderr
+    assert "cannot be split on its dimension" in said and "over mesh axis 'model' (8 devices)" in said, said[-3000:]
+    assert re.search(r"variable 'decoder_block_0/attention/(key|value)/kernel' of shape \[4, ", said), said[-3000:]
