@@ -55,6 +55,9 @@ def test_a_lora_fine_tune_of_a_hub_preset_learns_reports_perplexity_and_generate
     assert said["sequence_length"] == length and said["truncated"] == 0 and said["layout"].startswith("padded")
     assert manifest["inputs"] == ["token_ids", "padding_mask"] and manifest["label"] == "target_ids"
     assert {s: v["records"] for s, v in manifest["splits"].items()} == {"train": 77, "validation": 9, "test": 10}
+    # Read afresh from the bucket, not from KerasHub's cache under KERAS_HOME (which never reads a gs:// preset
+    # again once copied: a preset written anew would be the old one).
+    assert not (tmp_path / "keras_home" / "models").exists()
 
     spec = write_spec(tmp_path, {
         "name": "tiny_lm",

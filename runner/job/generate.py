@@ -17,6 +17,7 @@ from pathlib import Path
 from runner import DataError, SpecError
 from runner.job.predict import Trained, load_trained
 from runner.spec.types import JobSpec
+from runner.train import hub
 
 SAMPLERS = ("greedy", "top_k", "top_p", "beam", "random", "contrastive")
 MAX_LENGTH = 1 << 17
@@ -68,7 +69,8 @@ def generate(spec: JobSpec, input_path: str, max_length: int | None = None, samp
     trained = load_trained(spec, checkpoint)
     length = max_length or int(trained.features["token_ids"].shape[-1])
     model = trained.model
-    model.preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(spec.model.hub, sequence_length=length)
+    with hub.fresh_preset(spec.model.hub):
+        model.preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(spec.model.hub, sequence_length=length)
     model.compile(sampler=sampler)  # generation only: the loss and optimizer it resets are not used
     with trained.accelerator.strategy.scope():
         texts = model.generate(prompts, max_length=length)

@@ -73,8 +73,11 @@ def load_preprocessor(preset: str, sequence_length: int) -> Any:
     """The preset's `CausalLMPreprocessor` (its tokenizer and packer) at `sequence_length`."""
     import keras_hub
 
+    from runner.train.hub import fresh_preset
+
     try:
-        return keras_hub.models.CausalLMPreprocessor.from_preset(preset, sequence_length=sequence_length)
+        with fresh_preset(preset):
+            return keras_hub.models.CausalLMPreprocessor.from_preset(preset, sequence_length=sequence_length)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise SpecError(f"--preset {preset!r}: KerasHub cannot load its CausalLM preprocessor: {exc}") from None
 

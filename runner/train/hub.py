@@ -18,7 +18,11 @@ compiled on its own loss and the language-model metrics (docs/language-models.md
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -39,6 +43,27 @@ def _keras_hub() -> Any:
     return keras_hub
 
 
+@contextlib.contextmanager
+def fresh_preset(preset: str) -> Iterator[None]:
+    """A gs:// preset read afresh: KerasHub copies a gs:// preset's files into KERAS_HOME's cache and never reads
+    the bucket again while a copy is there (keras_hub/src/utils/preset_utils.py `tf_copy_gfile_to_cache`), so a
+    preset written anew under the same path would be the old one without a word. Here the cache is a temporary
+    folder for the one load. Names and handles keep KerasHub's and kagglehub's own caches (versioned)."""
+    if not preset.startswith("gs://"):
+        yield
+        return
+    before = os.environ.get("KERAS_HOME")
+    with tempfile.TemporaryDirectory(prefix="runner-preset-") as home:
+        os.environ["KERAS_HOME"] = home
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("KERAS_HOME", None)
+            else:
+                os.environ["KERAS_HOME"] = before
+
+
 def build_causal_lm(spec: JobSpec, policy: str | None = None) -> Any:
     """The preset's CausalLM without its preprocessor, LoRA enabled at model.lora_rank; call inside the
     strategy's scope (a sharded job's layout applies to the variables made here)."""
@@ -49,7 +74,8 @@ def build_causal_lm(spec: JobSpec, policy: str | None = None) -> Any:
     # The preset's config.json names its own dtype policy, which would win over Keras's global one.
     dtype = "float32" if policy in (None, "float32") else f"mixed_{policy}"
     try:
-        model = keras_hub.models.CausalLM.from_preset(spec.model.hub, preprocessor=None, dtype=dtype)
+        with fresh_preset(spec.model.hub):
+            model = keras_hub.models.CausalLM.from_preset(spec.model.hub, preprocessor=None, dtype=dtype)
     except (FileNotFoundError, ValueError, OSError, KeyError) as exc:
         raise SpecError(f"model.hub: KerasHub cannot build a CausalLM from the preset {spec.model.hub!r}: {exc}"
                         ) from None
