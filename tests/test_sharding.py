@@ -216,6 +216,16 @@ def test_validate_estimates_the_memory_per_chip_and_refuses_a_model_too_big_nami
     wrong = run_cli("validate", spec, "--no-data", "--tpu-type", "v5p-8", "--set", mesh)
     assert wrong.returncode == 2 and "holds 8 devices but v5p-8 has 4" in wrong.stderr, wrong.stderr
 
+    # The dry run of a submission says the same before anything else, and refuses what does not fit.
+    cloud = ("--tpu-type", "v6e-8", "--zone", "us-central1-b", "--image", "gcr.io/p/runner:1", "--project", "p",
+             "--dry-run", "--set", "output.dir=gs://b/runs", "--set", "data.train=gs://b/data/train-*.tfrecord")
+    planned = run_cli("submit", spec, *cloud, "--set", mesh, "--set", "model.sharding=fsdp", "--set",
+                      "model.lora_rank=8")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "of v6e-8's 32 GB per chip" in planned.stderr and "price: v6e-8" in planned.stderr, planned.stderr
+    refused = run_cli("submit", spec, *cloud)
+    assert refused.returncode == 2 and "It does not fit" in refused.stderr, refused.stderr[-3000:]
+
 
 def test_a_kerashub_causal_lm_trains_with_lora_over_its_own_layout_and_an_indivisible_one_is_refused(
         tiny_preset, tmp_path):  # noqa: F811  (the fixture imported above)

@@ -185,6 +185,25 @@ Format = Annotated[str | None, _opt("manifest (the JobSet) or xpk (the `xpk work
                                     panel=GKE)]
 
 
+def _memory_per_chip(spec: str, overrides: list[str], tpu_type: str) -> None:
+    """The job's bytes per device on `tpu_type` against its HBM, said before anything else (runner/device/memory.py):
+    SpecError (exit 2) when it does not fit, or when accelerator.mesh does not hold the type's devices."""
+    from runner import SpecError
+    from runner.device import memory
+    from runner.spec.load import load_spec
+
+    try:
+        job = load_spec(spec, overrides)
+    except SpecError:
+        return  # the launch refuses it, as it refuses every bad spec
+    if job.kind != "train" or (job.accelerator.mesh == "auto" and job.model.hub is None):
+        return  # a model whose size is known only once built: `runner run` measures it
+    fits, line = memory.check_for_tpu(job, tpu_type)
+    if fits == "too_big":
+        raise SpecError(line)
+    typer.echo(("warning: " if fits == "tight" else "") + line, err=True)
+
+
 @app.command()
 def submit(
     spec: Spec, tpu_type: TpuType, zone: Zone = None, image: Image = None, project: Project = None, spot: Spot = False,
@@ -226,6 +245,7 @@ def submit(
                              internal_ips)
     checks = _preflight if (not dry_run if preflight is None else preflight) else None
     try:
+        _memory_per_chip(spec, overrides or [], tpu_type)
         done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
                              spot=spot, name=name, on=on, dry_run=dry_run, submission_id=submission_id, vm=vm,
                              engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say,

@@ -102,7 +102,7 @@ class Layout(ModelParallel):
     def _estimate(self, model: Any) -> memory.Estimate:
         count = sum(int(np.prod(v.shape)) for v in model.variables)
         trainable = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-        weight_bytes = 2 if any(str(v.dtype) in ("bfloat16", "float16") for v in model.trainable_variables) else 4
+        weight_bytes = max(1, round(held(model.variables)[1] / max(1, count)))  # bytes of a value, on average
         axis = 1 if self.how == "replicated" else int(self.device_mesh.shape[-1])
         return memory.estimate(count, trainable, weight_bytes, memory.slots_of(model.optimizer.name), axis,
                                method="runner/device/memory.py: the model's own counts, no activations")
