@@ -105,6 +105,13 @@ def test_a_lora_fine_tune_of_a_hub_preset_learns_reports_perplexity_and_generate
         assert line["generated"].startswith(line["prompt"]) and line["response"], line
     assert "greedy sampler" in predicted.stderr
 
+    # Records of another tokenizer (another vocabulary) would train on ids that mean nothing: refused, both named.
+    manifest["preprocessing"]["vocabulary_size"] = 32000
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(manifest))
+    refused = run_cli("evaluate", spec, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "a vocabulary of 32000" in refused.stderr and "backbone has 512" in refused.stderr, refused.stderr[-2000:]
+
 
 def _spec(tmp_path: Path, model: dict, **sections) -> Path:
     return write_spec(tmp_path, {"name": "lm", "model": model, **sections})

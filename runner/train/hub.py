@@ -88,6 +88,22 @@ def build_causal_lm(spec: JobSpec, policy: str | None = None) -> Any:
     return model
 
 
+def check_records(model: Any, manifest: dict[str, Any] | None, preset: str) -> None:
+    """The records were made for this model: their tokenizer's vocabulary is the backbone's (token ids of another
+    tokenizer train without an error and mean nothing; on a TPU an id past the vocabulary is not even refused).
+    SpecError (exit 2) naming both; another preset of the same vocabulary (a copy in a bucket) is only logged."""
+    said = (manifest or {}).get("preprocessing") or {}
+    size, theirs = said.get("vocabulary_size"), said.get("preset")
+    vocabulary = getattr(model.backbone, "vocabulary_size", None)
+    if size is not None and vocabulary is not None and int(size) != int(vocabulary):
+        raise SpecError(f"data.train's records hold token ids of {theirs}'s tokenizer, a vocabulary of {size}, and "
+                        f"model.hub {preset}'s backbone has {vocabulary}: prepare them again with "
+                        f"`runner prepare text ... --preset {preset}`")
+    if theirs is not None and theirs != preset:
+        log.info("data.train was prepared with the preset %s, model.hub is %s: the same vocabulary of %s", theirs,
+                 preset, vocabulary)
+
+
 def compile_causal_lm(model: Any, optimizer: Any, steps_per_execution: int) -> None:
     keras_hub = _keras_hub()
     model.compile(
