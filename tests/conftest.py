@@ -48,6 +48,20 @@ def _environment_put_back(shared_compile_cache):
         os.environ.update(before)
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "fresh: every `runner` command the test starts, starts fresh as a user's does "
+        "(RUNNER_TEST_FRESH=1 for the test; docs/architecture.md, \"The test suite\"): run by every `make test`")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_when_marked(request, _environment_put_back) -> None:
+    """A test marked `fresh` starts its commands as users do, not forked from a zygote (tests/support/zygote.py):
+    each `make test` then checks the runner's own start-up, which `RUNNER_TEST_FRESH=1 make test` does for all."""
+    if request.node.get_closest_marker("fresh"):
+        os.environ["RUNNER_TEST_FRESH"] = "1"  # put back after the test (_environment_put_back)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})

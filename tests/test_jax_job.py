@@ -322,6 +322,7 @@ def test_the_finished_jax_job_reports_its_backend_flops_and_orbax_checkpoints(jo
     assert (job.run_dir / "model.keras").is_file()
 
 
+@pytest.mark.fresh  # a JAX command started as a user's is, at every `make test` (docs/architecture.md)
 def test_evaluate_under_jax_measures_what_the_run_reported(job):
     evaluated = run_cli("evaluate", job.spec, timeout=600)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]

@@ -111,13 +111,15 @@ def test_the_quick_start_sets_up_then_uses_only_runner_and_python() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.fresh
 def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     """Each command of the quick start, in order, in a fresh copy of the repository's jobs/ (as a clone), after
-    `make demo` finished its 12 epochs there (the order a reader follows)."""
+    `make demo` finished its 12 epochs there (the order a reader follows). Every command starts fresh, as the
+    reader's does (marked `fresh`: not forked from a zygote)."""
     shutil.copytree(REPO / "jobs", tmp_path / "jobs")
     makefile = (REPO / "Makefile").read_text().replace("$(DATA)", "data/mnist").replace("$(BIN)/", "")
     demo = [shlex.split(line) for line in makefile.splitlines() if line.startswith("\trunner ")]
-    for words in demo:  # each `runner` command forked from a process that has loaded TensorFlow (zygote.py)
+    for words in demo:
         result = zygote.run([*words[1:], *FASTER.get(words[1], [])], env=cli_env(), cwd=tmp_path, timeout=600)
         assert result.returncode == 0, (
             f"make demo: {shlex.join(words)}: exit {result.returncode}\n{result.stderr[-3000:]}")

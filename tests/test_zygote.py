@@ -116,3 +116,13 @@ def test_a_fresh_start_agrees_with_the_plan_the_router_was_given(case: str, tmp_
     result = zygote.fresh(["run", str(spec)], env=env, cwd=REPO, timeout=120)
     assert result.returncode == startup.EXIT_PRELOADED_OTHERWISE, result.stderr[-2000:]
     assert "other values of PLANTED than it sets" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.fresh
+def test_a_test_marked_fresh_starts_its_commands_as_a_user_does(tmp_path: Path) -> None:
+    """Unmarked, this command (refused before TensorFlow loads) would be forked from the default zygote."""
+    assert zygote.plan_for(["run", str(tmp_path / "missing.yaml")], REPO, cli_env()) is not None
+    process = zygote.popen(["run", str(tmp_path / "missing.yaml")], env=cli_env(), cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = process.communicate(timeout=120)
+    assert not isinstance(process, zygote.Forked) and process.returncode == 2, err
