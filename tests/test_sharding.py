@@ -146,17 +146,19 @@ def test_a_checkpoint_saved_over_one_mesh_restores_exactly_onto_another_and_the_
     assert summary["sharding"]["mesh"] == {"batch": 4, "model": 2}
 
 
-def test_two_processes_of_4_cpu_devices_train_one_sharded_model_the_batch_axis_split_by_process(mnist_job):
+def test_two_processes_of_4_cpu_devices_train_and_resume_one_sharded_model_the_batch_split_by_process(mnist_job):
     from tests.test_multihost import finish as finish_all
     from tests.test_multihost import start as start_all
 
     spec = _job(mnist_job, "two", data={"eval": None, "in_memory": False},
                 accelerator={"kind": "cpu", "cpu_devices": 4, "mesh": MESH, "join_timeout_s": 60, "heartbeat_s": 5},
-                output={"tensorboard": False})
-    ended = finish_all(start_all(spec, 2), timeout=300)
-    for code, _, err in ended:
-        assert code == 0, err[-3000:]
+                train={"epochs": 1}, output={"tensorboard": False})
+    for epochs in (1, 2):  # the second run resumes from the first's checkpoint, on both processes
+        ended = finish_all(start_all(spec, 2, "--set", f"train.epochs={epochs}"), timeout=300)
+        for code, _, err in ended:
+            assert code == 0, err[-3000:]
     summary = last_json(ended[0][1])
+    assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
     losses = [e["loss"] for e in summary["epochs"]]
     assert losses[-1] < losses[0], losses
     held, whole = summary["sharding"]["bytes_per_device"], summary["sharding"]["bytes_replicated"]

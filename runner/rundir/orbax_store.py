@@ -152,7 +152,7 @@ class OrbaxStore:
         for part, found in variables.items():
             paired = {then: now for now, then in pairs[part]}
             target[part] = {
-                f"{i:05d}": _target(found[paired[i]].value) if i in paired else _zeros(shape, dtype)
+                f"{i:05d}": np.asarray(found[paired[i]].value) if i in paired else _zeros(shape, dtype)
                 for i, (_, shape, dtype) in enumerate(saved.get(part, []))
             }
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
@@ -170,17 +170,6 @@ class OrbaxStore:
 
     def close(self) -> None:
         self._manager.close()
-
-
-def _target(value: Any) -> Any:
-    """What a variable's saved value is restored as: a host array, or, for an array whose shards live on several
-    processes (a sharded model on a slice: runner/device/sharding.py), its shape, type and current sharding, so that
-    each process reads from the checkpoint only its own shards, whatever mesh saved them."""
-    if getattr(value, "is_fully_addressable", True):
-        return np.asarray(value)
-    import jax
-
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
 
 
 def _zeros(shape: list, dtype: str) -> np.ndarray:
