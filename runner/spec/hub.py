@@ -27,6 +27,10 @@ INPUTS = (TOKEN_IDS, PADDING_MASK)
 # METADATA_FILE).
 PRESET_FILES = ("config.json", "metadata.json")
 MAX_LORA_RANK = 4096
+# KerasHub CausalLM's own loss (its compile's default), the mean taken over the weighted tokens; a hub job's
+# metrics are the language-model ones runner/train/hub.py adds (token_accuracy, perplexity), none of the spec's.
+LOSS = {"class_name": "SparseCategoricalCrossentropy",
+        "config": {"from_logits": True, "reduction": "mean_with_sample_weight"}}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _PART = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
 _HANDLES = {
@@ -79,13 +83,16 @@ def check_lora_rank(value: Any) -> int | None:
 
 def fill_defaults(doc: Any) -> Any:
     """A raw spec document with the keys a hub job leaves unset filled: its data's inputs, label and sample weight
-    (the records `runner prepare text` writes), no SavedModel export (a generating model is served by
-    `runner predict`). Called before the spec is validated; anything the spec sets stays as it is."""
+    (the records `runner prepare text` writes), the loss it trains on and no metrics of the spec's (so the resolved
+    spec says what runs), no SavedModel export (a generating model is served by `runner predict`). Called before
+    the spec is validated; anything the spec sets stays as it is (and is refused by job_problem if it cannot be)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict) or doc["model"].get("hub") is None:
         return doc
     doc = dict(doc)
-    for section, defaults in (("data", {"inputs": list(INPUTS), "label": TARGET_IDS}),
-                              ("train", {"sample_weight": TARGET_MASK}), ("output", {"saved_model": False})):
+    filled = {"data": {"inputs": list(INPUTS), "label": TARGET_IDS},
+              "train": {"sample_weight": TARGET_MASK, "loss": LOSS, "metrics": []},
+              "output": {"saved_model": False}}
+    for section, defaults in filled.items():
         given = doc.get(section, {})
         if isinstance(given, dict):
             doc[section] = {**defaults, **given}
@@ -100,7 +107,9 @@ def job_problem(spec: Any) -> str | None:
     if "name" in model.model_fields_set or model.params:
         return (f"model.hub ({model.hub}) builds the model: remove model.name and model.params (a hub job's model is "
                 "its preset's CausalLM)")
-    if "loss" in train.model_fields_set or "metrics" in train.model_fields_set:
+    loss = train.loss if isinstance(train.loss, str) else {"class_name": train.loss.class_name,
+                                                           "config": dict(train.loss.config)}
+    if loss != LOSS or train.metrics:
         return ("a model.hub job trains on its CausalLM's own loss (sparse categorical cross-entropy of the logits, "
                 "padding and prompts weighed 0) and reports perplexity and token accuracy: remove train.loss and "
                 "train.metrics")
