@@ -366,7 +366,7 @@ def test_a_mutated_set_is_valid_or_refused_naming_it(case: int, jobs: list[Path]
 def test_the_fuzzing_reaches_both_outcomes(jobs: list[Path], tmp_path: Path) -> None:
     """The mutations are not all refused (or all accepted): the fuzz explores both sides of the checks."""
     outcomes = {0: 0, 2: 0}
-    for case in range(60):
+    for case in range(100):
         rng = random.Random(f"file-{case}")
         job = rng.choice(jobs)
         raw, _ = mutate_file(job.read_text(), rng)
