@@ -51,7 +51,7 @@ class StallGuard(keras.callbacks.Callback):
         self.timeout = timeout
         self._last = time.monotonic()
         self._what = "the job's start"
-        self._epoch_began_at = 0
+        self._epoch_began_at = self._step = 0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,9 +68,12 @@ class StallGuard(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.start()
         self.beat("training began (the first step compiles)")
+        # Read once per fit, then counted (as runner/train/fit.py `StepCount`): under JAX a read of the optimizer
+        # in a callback copies the train state back from the devices (benchmarks/RESULTS.md, step_reads).
+        self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch_began_at = int(self.model.optimizer.iterations.numpy())
+        self._epoch_began_at = self._step
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self.beat("evaluation began")
@@ -78,7 +81,8 @@ class StallGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # The job's step, as checkpoints and progress lines count it: a stall mid-training names where it stopped
         # (`batch` is the epoch's last step index of the call, steps_per_execution steps per call).
-        self.beat(f"step {self._epoch_began_at + batch + 1} ended")
+        self._step = self._epoch_began_at + batch + 1
+        self.beat(f"step {self._step} ended")
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._last = time.monotonic()
