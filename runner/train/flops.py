@@ -9,8 +9,9 @@ TensorFlow does) or recomputes activations does not change them, so MFU compares
 frameworks. Elementwise work (activations, pooling, dropout) is counted where TensorFlow's cost analysis counts
 it and left out of the per-layer arithmetic; it is a few percent for the built-in models.
 
-`count` asks TensorFlow first: its profiler's `float_ops` over the graph of the traced forward pass (the cost
-functions TensorFlow registers per op: MatMul, Conv2D, BiasAdd, ...). That analysis does not look inside loop
+`count` asks the job's engine first (runner/device/engine.py `count_forward`): under JAX, XLA's cost analysis of
+the lowered forward pass; under TensorFlow, its profiler's `float_ops` over the graph of the traced forward pass
+(the cost functions TensorFlow registers per op: MatMul, Conv2D, BiasAdd, ...). That analysis does not look inside loop
 bodies (`While`: Keras 3's LSTM and GRU on a CPU), so a graph holding control flow is counted per layer instead
 (Dense, convolutions, LSTM/GRU/SimpleRNN, Embedding as a lookup of 0 FLOPs); a model with a weighted layer the
 arithmetic does not know gets no count rather than a wrong one. TensorFlow 2.21 offers XLA's HLO text
