@@ -229,9 +229,9 @@ CHECKPOINT_STORE = frozenset({"runner.rundir.orbax_store", "runner.rundir.checkp
 SPEC_AREA = "spec"
 # Modules not moved behind the face yet, each with why; the list only shrinks.
 NOT_YET_ON_THE_FACE = {
-    # Decides what TensorFlow's load reads (KERAS_BACKEND, the optional imports each engine needs), before any
-    # engine is asked; being reworked beside this (its StartupPlan). Next: `_optional_imports` from
-    # `Engine.needs_at_load`, the environment from `Engine.set_before_keras`.
+    # Decides the environment TensorFlow, Keras and JAX load under (KERAS_BACKEND for the commands that set no
+    # engine, a plan compared with what loaded), before an engine computes; the optional imports it skips come
+    # from `Engine.needs_at_load`. Next: the environment from `Engine.set_before_keras` alone.
     "runner.job.startup",
     # The doctor's probe of JAX's TPU runtime, in a child process: the JAX engine's own check. Next: a `probe`
     # on the engine face that the doctor runs.

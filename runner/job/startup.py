@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 from runner import PROCESS_DEFAULTS, RunnerError, SpecError
 from runner.data.storage import DEFAULT_TIMEOUT_S, configure_tensorflow, tensorflow_env
-from runner.device import backend
+from runner.device import backend, engine
 from runner.spec.types import AcceleratorSpec, JobSpec
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,10 @@ class _SkipOptional(importlib.abc.MetaPathFinder):
 
 
 def _optional_imports(backend_name: str) -> tuple[str, ...]:
-    return ("matplotlib",) if backend_name == "jax" else ("jax", "jaxlib", "matplotlib")
+    """What TensorFlow's load skips: its optional imports, less what the engine needs (`Engine.needs_at_load`)."""
+    computes = engine.ENGINES.get(backend_name)
+    needed = computes.needs_at_load if computes is not None else frozenset()
+    return tuple(name for name in ("jax", "jaxlib", "matplotlib") if name not in needed)
 
 
 def load_tensorflow(debug: bool, skipped: tuple[str, ...] | None = None) -> None:
