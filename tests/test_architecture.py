@@ -314,3 +314,20 @@ def test_the_face_rule_lets_engine_questions_and_loaded_packages_pass() -> None:
              "    if 'tensorflow' in sys.modules and accelerator.engine.checkpoint_format == 'orbax':\n"
              "        return accelerator.engine.input_share(0, 1)\n")
     assert engine_violations(asked) == []
+
+
+def test_each_engine_answers_the_whole_face_and_the_summary_names_it_as_before() -> None:
+    """Every engine of backend.BACKENDS can be made (no question of the face left unanswered), and the accelerator
+    carrying it reports `backend` as it always did, with JAX's version under JAX only."""
+    import tensorflow as tf
+
+    from runner.device import backend, engine
+    from runner.device.accelerator import Accelerator
+
+    for name in backend.BACKENDS:
+        made = engine.of(backend.Backend(name, "asked"))
+        summary = Accelerator(tf.distribute.get_strategy(), "cpu", 1, engine=made).to_dict()
+        assert summary["backend"] == {"name": name, "reason": "asked"}
+        assert ("jax" in summary) == made.joins_processes == (name == "jax")
+        assert made.input_share(1, 2) == ((1, 2) if made.own_input_share else (0, 1))
+    assert Accelerator(tf.distribute.get_strategy(), "cpu", 1).to_dict()["backend"]["name"] == "tensorflow"

@@ -11,7 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from runner import SpecError
-from runner.device import backend, precision
+from runner.device import engine, precision
 from runner.rundir import matching, reported
 from runner.rundir.orbax_store import OrbaxSaver, OrbaxStore
 from runner.rundir.outputs import RunFolder
@@ -56,7 +56,7 @@ def changed_since_complete(
                            store="model.keras", complete=True)
             return None
         build.compile_model(model, spec)
-        if backend.active().name != "jax":
+        if engine.active().checkpoint_format != "orbax":
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
             match.restore_tensorflow(checkpoint, weights.path, read=False, complete=True)
             return None
