@@ -146,26 +146,6 @@ def test_a_checkpoint_saved_over_one_mesh_restores_exactly_onto_another_and_the_
     assert summary["sharding"]["mesh"] == {"batch": 4, "model": 2}
 
 
-def test_two_processes_of_4_cpu_devices_train_and_resume_one_sharded_model_the_batch_split_by_process(mnist_job):
-    from tests.test_multihost import finish as finish_all
-    from tests.test_multihost import start as start_all
-
-    spec = _job(mnist_job, "two", data={"eval": None, "in_memory": False},
-                accelerator={"kind": "cpu", "cpu_devices": 4, "mesh": MESH, "join_timeout_s": 60, "heartbeat_s": 5},
-                train={"epochs": 1}, output={"tensorboard": False})
-    for epochs in (1, 2):  # the second run resumes from the first's checkpoint, on both processes
-        ended = finish_all(start_all(spec, 2, "--set", f"train.epochs={epochs}"), timeout=300)
-        for code, _, err in ended:
-            assert code == 0, err[-3000:]
-    summary = last_json(ended[0][1])
-    assert summary["resumed_from_step"] == 16 and summary["final_step"] == 32
-    losses = [e["loss"] for e in summary["epochs"]]
-    assert losses[-1] < losses[0], losses
-    held, whole = summary["sharding"]["bytes_per_device"], summary["sharding"]["bytes_replicated"]
-    assert held["parameters"] <= whole["parameters"] / 3, summary["sharding"]
-    assert "in 2 processes" in summary["accelerator"]["detail"]
-
-
 @pytest.mark.parametrize(("accelerator", "model", "said"), [
     ({"kind": "cpu", "cpu_devices": 8, "mesh": {"batch": 3, "model": 2}}, {"sharding": "fsdp"},
      "holds 6 devices, which is no whole number of processes of accelerator.cpu_devices (8)"),
@@ -229,19 +209,30 @@ def test_validate_estimates_the_memory_per_chip_and_refuses_a_model_too_big_nami
     assert refused.returncode == 2 and "It does not fit" in refused.stderr, refused.stderr[-3000:]
 
 
-def test_a_kerashub_causal_lm_trains_with_lora_over_its_own_layout_and_an_indivisible_one_is_refused(
-        tiny_preset, tmp_path):  # noqa: F811  (the fixture imported above)
-    chats = hub_preset.write_chats(tmp_path / "chats.jsonl")
+@pytest.fixture(scope="module")
+def lm_data(tiny_preset, tmp_path_factory) -> Path:  # noqa: F811  (the fixture imported above)
+    """The tiny preset's prompt/response records, prepared once for this module's language-model jobs."""
+    folder = tmp_path_factory.mktemp("lm")
+    chats = hub_preset.write_chats(folder / "chats.jsonl")
     prepared = run_cli("prepare", "text", chats, "--preset", tiny_preset, "--sequence-length",
-                       hub_preset.SEQUENCE_LENGTH, "--out", tmp_path / "data")
+                       hub_preset.SEQUENCE_LENGTH, "--out", folder / "data")
     assert prepared.returncode == 0, prepared.stderr[-3000:]
-    spec = write_spec(tmp_path, {
-        "name": "lm", "accelerator": {"kind": "cpu", "cpu_devices": 8, "mesh": MESH},
-        "model": {"hub": str(tiny_preset), "lora_rank": 4, "sharding": "hub"},
-        "data": {"train": str(tmp_path / "data" / "train-*.tfrecord"), "global_batch_size": 8},
+    return folder / "data"
+
+
+def _lm_spec(tmp_path: Path, preset: Path, data: Path, accelerator: dict, **data_settings) -> Path:
+    return write_spec(tmp_path, {
+        "name": "lm", "accelerator": accelerator,
+        "model": {"hub": str(preset), "lora_rank": 4, "sharding": "hub"},
+        "data": {"train": str(data / "train-*.tfrecord"), "global_batch_size": 8, **data_settings},
         "train": {"epochs": 2, "learning_rate": 0.01},
         "output": {"dir": str(tmp_path / "runs"), "saved_model": False, "tensorboard": False},
     })
+
+
+def test_a_kerashub_causal_lm_trains_with_lora_over_its_own_layout_and_an_indivisible_one_is_refused(
+        tiny_preset, lm_data, tmp_path):  # noqa: F811  (the fixture imported above)
+    spec = _lm_spec(tmp_path, tiny_preset, lm_data, {"kind": "cpu", "cpu_devices": 8, "mesh": MESH})
     ran = run_cli("run", spec, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     summary = last_json(ran.stdout)
@@ -261,3 +252,26 @@ def test_a_kerashub_causal_lm_trains_with_lora_over_its_own_layout_and_an_indivi
     said = refused.stderr
     assert "cannot be split on its dimension" in said and "over mesh axis 'model' (8 devices)" in said, said[-3000:]
     assert re.search(r"variable 'decoder_block_0/attention/(key|value)/kernel' of shape \[4, ", said), said[-3000:]
+
+
+def test_two_processes_of_4_cpu_devices_train_export_and_resume_a_sharded_kerashub_model(
+        tiny_preset, lm_data, tmp_path):  # noqa: F811  (the fixture imported above)
+    """Gemma's layout splits its embedding over the batch axis too: no process holds it whole, so its export
+    gathers it and its restore reads each process's shards (runner/rundir/orbax_store.py `_target`)."""
+    from tests.test_multihost import finish as finish_all
+    from tests.test_multihost import start as start_all
+
+    accelerator = {"kind": "cpu", "cpu_devices": 4, "mesh": MESH, "join_timeout_s": 60, "heartbeat_s": 5}
+    spec = _lm_spec(tmp_path, tiny_preset, lm_data, accelerator, in_memory=False)
+    for epochs in (1, 2):  # the second run resumes from the first's checkpoint, on both processes
+        ended = finish_all(start_all(spec, 2, "--set", f"train.epochs={epochs}"), timeout=300)
+        for code, _, err in ended:
+            assert code == 0, err[-3000:]
+    summary = last_json(ended[0][1])
+    assert summary["resumed_from_step"] == 9 and summary["final_step"] == 18
+    assert "in 2 processes" in summary["accelerator"]["detail"]
+    losses = [e["loss"] for e in summary["epochs"]]
+    assert losses[-1] < losses[0], losses
+    held, whole = summary["sharding"]["bytes_per_device"], summary["sharding"]["bytes_replicated"]
+    assert held["parameters"] <= whole["parameters"] / 3, summary["sharding"]
+    assert (tmp_path / "runs" / "lm" / "model.keras").is_file()

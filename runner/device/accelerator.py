@@ -31,6 +31,12 @@ class Accelerator:
     # Under JAX with accelerator.mesh: the ModelParallel laying the variables out (runner/device/sharding.py).
     layout: Any = None
 
+    def whole_for_export(self, model: Any) -> None:
+        """A sharded model's variables that no process holds whole gathered onto every device (a collective every
+        process makes), so that model.keras can read them; nothing for a model without accelerator.mesh."""
+        if self.layout is not None:
+            self.layout.gather(model)
+
     @property
     def batch_shards(self) -> int:
         """How many ways the global batch is split: the mesh's first axis, else every replica."""

@@ -99,6 +99,19 @@ class Layout(ModelParallel):
             "method": "the largest sum over this process's devices of jax.Array.addressable_shards' nbytes",
         }
 
+    def gather(self, model: Any) -> None:
+        """Every variable no process holds whole (a layout splitting it over the batch axis too, on several
+        processes) replaced by a copy whole on every device, made by one collective on every process in the same
+        order: model.keras reads whole values. After training only: the layout is not kept."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        whole = NamedSharding(self.device_mesh.backend_mesh, PartitionSpec())
+        for variable in model.variables:
+            value = variable.value
+            if not value.is_fully_addressable and not held_whole_here(value):
+                variable._value = jax.jit(lambda x: x, out_shardings=whole)(value)
+
     def _estimate(self, model: Any) -> memory.Estimate:
         count = sum(int(np.prod(v.shape)) for v in model.variables)
         trainable = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -131,6 +144,16 @@ def held(variables: list) -> tuple[int, int]:
         for shard in value.addressable_shards:
             per_device[shard.device] += int(shard.data.nbytes)
     return max(per_device.values(), default=0), whole
+
+
+def held_whole_here(value: Any) -> bool:
+    """This process's shards of `value` cover all of it (a copy per process, as a batch axis split by process
+    leaves a variable laid out on the model axis alone)."""
+    indices = {tuple((s.start, s.stop) for s in shard.index) for shard in value.addressable_shards}
+    covered = sum(int(np.prod([(stop if stop is not None else size) - (start or 0)
+                               for (start, stop), size in zip(index, value.shape, strict=True)]))
+                  for index in indices)
+    return covered >= int(np.prod(value.shape))
 
 
 def distribution(mesh: dict[str, int], layout: Any, hub: str | None, devices: list, processes: int

@@ -409,6 +409,7 @@ def _judge(spec: JobSpec, attempt: Attempt, warnings: list[str]) -> str:
 def _export(spec: JobSpec, attempt: Attempt, model: keras.Model, inputs: Inputs) -> None:
     """The trained model for serving, with example inputs (runner/rundir/serving.py); written by the chief."""
     with attempt.phases.phase("export"):
+        attempt.accelerator.whole_for_export(model)
         serve_examples = (pipeline.example_inputs(inputs.train.features, spec.data.inputs, inputs.preprocess)
                           if spec.output.saved_model else None)
         attempt.facts.model = attempt.run.save_model(model, attempt.accelerator.worker_index, serve_examples,

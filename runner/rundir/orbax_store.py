@@ -152,7 +152,7 @@ class OrbaxStore:
         for part, found in variables.items():
             paired = {then: now for now, then in pairs[part]}
             target[part] = {
-                f"{i:05d}": np.asarray(found[paired[i]].value) if i in paired else _zeros(shape, dtype)
+                f"{i:05d}": _target(found[paired[i]].value) if i in paired else _zeros(shape, dtype)
                 for i, (_, shape, dtype) in enumerate(saved.get(part, []))
             }
         restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
@@ -170,6 +170,19 @@ class OrbaxStore:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _target(value: Any) -> Any:
+    """What a variable's saved value is restored as: a host array, or, for an array no process holds whole (a
+    layout that splits a variable over the batch axis too, as Gemma's embedding is, on several processes:
+    runner/device/sharding.py), its shape, type and sharding, so that each process reads only its own shards."""
+    import jax
+
+    from runner.device.sharding import held_whole_here
+
+    if getattr(value, "is_fully_addressable", True) or held_whole_here(value):
+        return np.asarray(value)
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
 
 
 def _zeros(shape: list, dtype: str) -> np.ndarray:
