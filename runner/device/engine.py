@@ -9,7 +9,7 @@ An engine answers, in the order a job meets them:
                        host devices); `needs_at_load`: what TensorFlow's load must not skip (runner/job/startup.py)
   joins_processes      whether several processes form one job through its runtime (runner/device/processes.py);
   own_input_share      and whether each process then reads its own share of every batch (runner/data/pipeline.py)
-  resolve              the devices and the scope (runner/device/strategy.py for TensorFlow, jax_devices.py for JAX)
+  resolve              the devices and the scope (runner/device/tf_devices.py, jax_devices.py), for strategy.py
   use_compile_cache    a persistent cache of compiled programs in the run folder (JAX's; TensorFlow keeps none)
   check_model          a model the engine cannot run, refused before training; `build_hint` for a build that
                        failed; `build_state`, the variables made before `fit`

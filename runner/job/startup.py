@@ -170,7 +170,7 @@ def _settle(chosen: StartupPlan, preloaded: str | None) -> None:
     if chosen.accelerator is None:
         return
     before = dict(os.environ)
-    backend.apply(backend.Backend(chosen.backend, chosen.reason), chosen.accelerator)
+    engine.of(backend.Backend(chosen.backend, chosen.reason)).set_before_keras(chosen.accelerator)
     unplanned = sorted(k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k))
     if unplanned:  # the plan must say everything start-up sets (a fork server relies on it)
         raise RunnerError(f"runner/job/startup.py: backend.apply set {', '.join(unplanned)}, which the start-up "
