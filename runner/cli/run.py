@@ -323,7 +323,7 @@ def predict(
     from runner.job import predict as predict_mod
 
     if job.model.hub is not None:
-        _generate(job, input, max_length, sampler, checkpoint, debug)
+        _generate(job, input, max_length, sampler, checkpoint, debug, output)
         return
     options = predict_mod.InputOptions(scale=scale, check=not no_check)
     try:
@@ -340,8 +340,10 @@ def predict(
         typer.echo(json.dumps(line))
 
 
-def _generate(job, prompts: str, max_length: int | None, sampler: str, checkpoint: str | None, debug: bool) -> None:
-    """A model.hub job's predict: one JSON line of generated text a prompt (runner/job/generate.py)."""
+def _generate(job, prompts: str, max_length: int | None, sampler: str, checkpoint: str | None, debug: bool,
+              output: Path | None) -> None:
+    """A model.hub job's predict: one JSON line of generated text a prompt (runner/job/generate.py), on stdout or
+    into `output` (JSON lines)."""
     from runner.job import generate
 
     try:
@@ -350,5 +352,9 @@ def _generate(job, prompts: str, max_length: int | None, sampler: str, checkpoin
         raise fail(error, debug) from None
     for note in generated.notes:
         typer.echo(f"note: {note}", err=True)
+    if output is not None:
+        output.write_text("".join(json.dumps(line) + "\n" for line in generated.lines))
+        typer.echo(f"{len(generated.lines)} answers from {generated.trained.checkpoint} -> {output}")
+        return
     for line in generated.lines:
         typer.echo(json.dumps(line))
