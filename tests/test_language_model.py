@@ -140,3 +140,15 @@ def test_a_hub_spec_is_checked_before_anything_loads(tmp_path):
     spec = load_spec(_spec(tmp_path, {"hub": "kaggle://keras/gemma3/keras/gemma3_1b/3", "lora_rank": 8}))
     assert (spec.data.inputs, spec.data.label) == (("token_ids", "padding_mask"), "target_ids")
     assert spec.train.sample_weight == "target_mask" and spec.output.saved_model is False
+
+
+def test_prepare_text_names_the_line_it_cannot_read(tmp_path):
+    """Before any preset loads: a line that is not a prompt/response (or text) object, and a missing --preset."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "answer": "b"}\n')
+    bad = run_cli("prepare", "text", chats, "--preset", tmp_path / "nowhere", "--sequence-length", 8,
+                  "--out", tmp_path / "data")
+    assert bad.returncode == 2 and f"{chats}:2:" in bad.stderr and '"response": TEXT' in bad.stderr, bad.stderr
+    unset = run_cli("prepare", "text", chats, "--sequence-length", 8, "--out", tmp_path / "data")
+    assert unset.returncode == 2 and "needs --preset" in unset.stderr, unset.stderr
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").glob("*.tfrecord"))
