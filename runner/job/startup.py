@@ -118,7 +118,8 @@ def plan(command: str, job: JobSpec | None, debug: bool, environ: Mapping[str, s
 
 
 def _backend_environment(name: str, accelerator: AcceleratorSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    """What `backend.apply` sets for this backend; `start` checks that it set nothing else."""
+    """What the engine's `set_before_keras` (backend.py `apply`) sets for this backend; `start` checks that it set
+    nothing else."""
     env = {"KERAS_BACKEND": name}
     if name == "jax" and accelerator.kind in ("auto", "cpu") and accelerator.cpu_devices > 1:
         env["JAX_NUM_CPU_DEVICES"] = environ.get("JAX_NUM_CPU_DEVICES", str(accelerator.cpu_devices))
@@ -173,8 +174,8 @@ def _settle(chosen: StartupPlan, preloaded: str | None) -> None:
     engine.of(backend.Backend(chosen.backend, chosen.reason)).set_before_keras(chosen.accelerator)
     unplanned = sorted(k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k))
     if unplanned:  # the plan must say everything start-up sets (a fork server relies on it)
-        raise RunnerError(f"runner/job/startup.py: backend.apply set {', '.join(unplanned)}, which the start-up "
-                          "plan does not list (`_backend_environment`): add them there")
+        raise RunnerError(f"runner/job/startup.py: the engine's set_before_keras set {', '.join(unplanned)}, which "
+                          "the start-up plan does not list (`_backend_environment`): add them there")
 
 
 def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
