@@ -16,6 +16,7 @@ from runner import SpecError
 from runner.spec.load import load_spec
 from tests.conftest import REPO, cli_env, last_json, run_cli, write_spec
 from tests.support import hub_preset
+from tests.support.cli import invoke
 
 pytestmark = pytest.mark.slow
 
@@ -111,6 +112,9 @@ def test_a_lora_fine_tune_of_a_hub_preset_learns_reports_perplexity_and_generate
     refused = run_cli("evaluate", spec, env=env)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "a vocabulary of 32000" in refused.stderr and "backbone has 512" in refused.stderr, refused.stderr[-2000:]
+    checked = invoke("validate", spec, env=env)  # and before launch, without TensorFlow: the preset's config.json
+    assert checked.returncode == 2 and "a vocabulary of 32000" in checked.stderr, checked.stderr[-2000:]
+    assert "backbone has 512" in checked.stderr
 
 
 def _spec(tmp_path: Path, model: dict, **sections) -> Path:

@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from runner.spec import hub as hub_spec
 from runner.spec.columns import class_weight_problem, columns_problem, pixels_problem
 from runner.spec.types import DataSpec, JobSpec
 from runner.spec.yaml_lines import shown
@@ -108,6 +109,9 @@ def check_data(
     pixels = pixels_problem(spec.model, spec.data, manifest, manifest_path)
     if pixels:
         return problem(pixels, about=("model", "params"))
+    tokens = hub_spec.records_problem(spec.model, manifest, manifest_path)
+    if tokens:
+        return problem(tokens, about=("model", "hub"))
     weights = class_weight_problem(spec.train.class_weight, manifest, manifest_path) if key == "train" else None
     if weights:
         return problem(weights, about=("train", "class_weight"))

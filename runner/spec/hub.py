@@ -15,6 +15,7 @@ pairs, on the prompt). The data, loss and metric keys a hub job leaves unset are
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -120,3 +121,21 @@ def job_problem(spec: Any) -> str | None:
         return ("a model.hub job runs Keras on JAX (KerasHub's language models on TPU are JAX's): "
                 "set accelerator.backend: jax")
     return None
+
+
+def records_problem(model: Any, manifest: dict[str, Any], manifest_path: str) -> str | None:
+    """Records written with another tokenizer than a preset folder's backbone takes (their vocabularies differ),
+    read without TensorFlow for `runner validate`; a name, a handle or a gs:// preset is compared when the job
+    loads it (runner/train/hub.py `check_records`)."""
+    size = ((manifest.get("preprocessing") or {}) if isinstance(manifest, dict) else {}).get("vocabulary_size")
+    if model.hub is None or size is None or not os.path.isabs(model.hub):
+        return None
+    try:
+        with open(os.path.join(model.hub, PRESET_FILES[0]), "rb") as handle:
+            vocabulary = json.loads(handle.read(1 << 20)).get("config", {}).get("vocabulary_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the job's own load says what is wrong with the preset
+    if vocabulary is None or int(vocabulary) == int(size):
+        return None
+    return (f"{manifest_path} holds token ids of a vocabulary of {size} and model.hub {model.hub}'s backbone has "
+            f"{vocabulary}: prepare the records with its tokenizer, `runner prepare text ... --preset {model.hub}`")
