@@ -275,3 +275,21 @@ def test_two_processes_of_4_cpu_devices_train_export_and_resume_a_sharded_kerash
     held, whole = summary["sharding"]["bytes_per_device"], summary["sharding"]["bytes_replicated"]
     assert held["parameters"] <= whole["parameters"] / 3, summary["sharding"]
     assert (tmp_path / "runs" / "lm" / "model.keras").is_file()
+
+
+def test_a_preset_known_by_name_is_estimated_from_keras_hubs_own_table_as_a_lower_bound() -> None:
+    """jobs/gemma3_1b_lora.yaml names a preset downloaded only on the TPU VM: its parameters come from the preset
+    table the installed keras_hub ships (read as text), and the line says what it leaves out; without LoRA every
+    weight's slots and gradients count, and the serialized AdamW of the job is read for its two slots."""
+    from runner.device import memory
+    from runner.spec.load import load_spec
+
+    assert memory.installed_preset_params("gemma3_instruct_1b")[0] == 999_885_952
+    assert memory.installed_preset_params("no_such_preset")[0] is None
+    remote = ["output.dir=gs://b/runs", "data.train=gs://b/chats/train-*.tfrecord"]
+    lora = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", remote)
+    verdict, line = memory.check_for_tpu(lora, "v6e-8")
+    assert verdict == "fits" and "at least: 999,885,952 parameters" in line and "LoRA rank 8's adapters" in line
+    full = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", [*remote, "model.lora_rank=null"])
+    verdict, line = memory.check_for_tpu(full, "v5litepod-4")
+    assert "optimizer 7.45 GiB, gradients 3.72 GiB" in line, line  # AdamW: two float32 slots per weight

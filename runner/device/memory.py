@@ -49,7 +49,12 @@ class Estimate:
 
 
 def slots_of(optimizer: Any) -> int:
-    name = optimizer if isinstance(optimizer, str) else (optimizer or {}).get("class_name", "")
+    if isinstance(optimizer, str):
+        name = optimizer
+    elif isinstance(optimizer, dict):
+        name = optimizer.get("class_name", "")
+    else:  # the spec's serialized form ({class_name, config}) as its model
+        name = getattr(optimizer, "class_name", "")
     return 2 if str(name).lower() in TWO_SLOTS else 1
 
 
@@ -83,7 +88,7 @@ def of_spec(spec: Any, devices: int) -> tuple[Estimate | None, str]:
         return None, ("not estimated before the model is built (only a KerasHub preset's size is known from its "
                       "files); `runner run` measures the bytes per device (the summary's sharding)")
     if not os.path.isdir(preset):
-        return None, f"not estimated: the preset {preset!r} is read only when the job loads it"
+        return _named(preset, spec)
     try:
         with open(os.path.join(preset, "metadata.json")) as f:
             count = int(json.load(f)["parameter_count"])
@@ -108,6 +113,48 @@ def of_spec(spec: Any, devices: int) -> tuple[Estimate | None, str]:
               "tokens per device (docs/sharding.md, memory estimate)")
     return estimate(count, trainable, weight_bytes, slots_of(spec.train.optimizer), model_axis(spec), activations,
                     method), ""
+
+
+def _named(preset: str, spec: Any) -> tuple[Estimate | None, str]:
+    """A preset known by name only (downloaded when the job loads it): its parameter count from the table KerasHub
+    ships of its own presets (keras_hub/src/models/*/*_presets.py, read as text: nothing is imported), and a lower
+    bound from it: the weights (in bfloat16, as KerasHub's Gemma and Llama presets are saved) and, without LoRA,
+    the slots and gradients of every weight; the adapters and activations need the preset's config."""
+    count, where = installed_preset_params(preset)
+    if count is None:
+        return None, f"not estimated: the preset {preset!r} is read only when the job loads it ({where})"
+    rank = getattr(spec.model, "lora_rank", None)
+    trainable = 0 if rank else count
+    method = (f"at least: {count:,} parameters ({where}), weights in bfloat16, "
+              + (f"LoRA rank {rank}'s adapters" if rank else "") + (" and " if rank else "")
+              + "activations not counted (the preset's config.json is read when the job loads it)")
+    return estimate(count, trainable, 2, slots_of(spec.train.optimizer), model_axis(spec), 0, method), ""
+
+
+def installed_preset_params(name: str) -> tuple[int | None, str]:
+    """(parameters, where they were read) of a KerasHub preset name from the preset tables of the installed
+    keras_hub, parsed as Python literals; (None, why) when keras_hub is not installed or names no such preset."""
+    import ast
+    import importlib.util
+
+    found = importlib.util.find_spec("keras_hub")
+    if found is None or not found.submodule_search_locations:
+        return None, "keras_hub is not installed here"
+    models = os.path.join(list(found.submodule_search_locations)[0], "src", "models")
+    for folder in sorted(os.listdir(models)) if os.path.isdir(models) else []:
+        path = os.path.join(models, folder, f"{folder}_presets.py")
+        if not os.path.isfile(path) or f'"{name}"' not in open(path, encoding="utf-8").read():
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                try:
+                    table = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                params = ((table.get(name) or {}).get("metadata") or {}).get("params")
+                if isinstance(params, int):
+                    return params, f"keras_hub's preset table, {folder}_presets.py"
+    return None, f"keras_hub names no preset {name!r}"
 
 
 def _sequence_length(preset: str, spec: Any) -> int:
