@@ -290,6 +290,7 @@ def test_a_preset_known_by_name_is_estimated_from_keras_hubs_own_table_as_a_lowe
     lora = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", remote)
     verdict, line = memory.check_for_tpu(lora, "v6e-8")
     assert verdict == "fits" and "at least: 999,885,952 parameters" in line and "LoRA rank 8's adapters" in line
+    assert line.startswith("memory per device (mesh auto: the batch over 8 devices, each weight on every device)")
     full = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", [*remote, "model.lora_rank=null"])
     verdict, line = memory.check_for_tpu(full, "v5litepod-4")
     assert "optimizer 7.45 GiB, gradients 3.72 GiB" in line, line  # AdamW: two float32 slots per weight

@@ -213,6 +213,14 @@ def check_for_tpu(spec: Any, tpu_type: str) -> tuple[str, str]:
                             f"({parsed.chips} chips, {per_chip} JAX device(s) each): make the sizes multiply to "
                             f"{devices}")
     found, why = of_spec(spec, devices)
+    fits, line = _against_hbm(found, why, parsed, per_chip, spec, devices)
+    shown = (f"auto: the batch over {devices} devices, each weight on every device" if mesh == "auto" else
+             f"{', '.join(f'{k} {v}' for k, v in mesh.items())}, model.sharding {spec.model.sharding}")
+    return fits, line.replace("memory per device:", f"memory per device (mesh {shown}):", 1)
+
+
+def _against_hbm(found: Estimate | None, why: str, parsed: Any, per_chip: int, spec: Any,
+                 devices: int) -> tuple[str, str]:
     if found is None:
         return "unknown", f"memory per device: {why}"
     hbm = parsed.facts.hbm
