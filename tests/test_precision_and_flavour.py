@@ -239,7 +239,10 @@ def _own_models(tmp_path: Path) -> tuple[str, Path]:
         "def plain(params, features, inputs):\n"
         "    return _net(inputs, None)\n\n"
         "def float32_out(params, features, inputs):\n"
-        "    return _net(inputs, 'float32')\n"
+        "    return _net(inputs, 'float32')\n\n"
+        "def unnamed(params, features, inputs):\n"
+        "    inp = keras.Input((28, 28, 1), name=inputs[0])\n"
+        "    return keras.Model(inp, keras.layers.Dense(10, activation='softmax')(keras.layers.Flatten()(inp)))\n"
     )
     return name, tmp_path / "src"
 
@@ -288,6 +291,11 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
     at_once = build("plain", Precision("float32", "no bf16 flag in /proc/cpuinfo: float32", auto=True))
     for fallen, direct in zip(model.get_weights(), at_once.get_weights(), strict=True):
         assert (fallen == direct).all()
+    # A layer Keras names itself is named anew when the model is built again (dense -> dense_1): the precision line
+    # names the layer of the model that trains, as a later message about its output does.
+    chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)
+    model = build("unnamed", chosen)
+    assert f"its output layer {model.layers[-1].name!r} computes in bfloat16" in chosen.reason, chosen.reason
     # With dtype='float32' on its output layer, auto keeps bfloat16 for the rest.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)
     model = build("float32_out", chosen)

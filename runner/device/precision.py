@@ -100,6 +100,11 @@ def choose(asked: str, model_name: str, kind: str) -> Precision:
     return decide(asked, model_name, kind, cpuinfo, gpus, cpu_bf16=override)
 
 
+def output_layers(model: keras.Model) -> list[str]:
+    """The names of the layers that compute the model's outputs, in order."""
+    return [getattr(getattr(getattr(t, "_keras_history", None), "operation", None), "name", "?") for t in model.outputs]
+
+
 def output_not_float32(model: keras.Model) -> str | None:
     """Why the model's output is not float32 (the layer computing it in another type), None when it is."""
     for tensor in model.outputs:

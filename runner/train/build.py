@@ -225,9 +225,15 @@ def build_compiled(
         model = build_model(spec, features, manifest)
         if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):
             if chosen.auto:
-                chosen.fall_back(f"{chosen.reason}, but model {spec.model.name!r}: {why}: float32")
+                reason, first = chosen.reason, precision.output_layers(model)
+                chosen.fall_back(f"{reason}, but model {spec.model.name!r}: {why}: float32")
                 precision.set_random_state(seeds)  # the weights a float32 host starts from, seed for seed
                 model = build_model(spec, features, manifest)
+                # Keras names the rebuilt layers anew (dense -> dense_1): the line names the layers of the model
+                # that trains, as every later message does.
+                for old, new in zip(first, precision.output_layers(model), strict=False):
+                    why = why.replace(repr(old), repr(new))
+                chosen.reason = f"{reason}, but model {spec.model.name!r}: {why}: float32"
             else:
                 log.warning("train.mixed_precision %s: model %r: %s", chosen.policy, spec.model.name, why)
         if chosen is not None:  # the one precision line of a run: the decision as final, with its reason
