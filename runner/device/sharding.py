@@ -149,7 +149,13 @@ def held(variables: list) -> tuple[int, int]:
 def held_whole_here(value: Any) -> bool:
     """This process's shards of `value` cover all of it (a copy per process, as a batch axis split by process
     leaves a variable laid out on the model axis alone)."""
-    indices = {tuple((s.start, s.stop) for s in shard.index) for shard in value.addressable_shards}
+    sharding = value.sharding
+    if sharding.is_fully_replicated:
+        return True
+    # From the sharding alone: `value.addressable_shards` raises for some arrays spread over several processes
+    # (jax 0.10.2: "An argument array had 2 shard(s)"), which a resume of a data-parallel job met.
+    indices = {tuple((s.start, s.stop) for s in index)
+               for index in sharding.addressable_devices_indices_map(value.shape).values()}
     covered = sum(int(np.prod([(stop if stop is not None else size) - (start or 0)
                                for (start, stop), size in zip(index, value.shape, strict=True)]))
                   for index in indices)
