@@ -5,7 +5,11 @@ numpy, with the padding/prompt mask as sample weights, under Keras on JAX. Print
 and steady tokens/s (epochs after the first). Not a benchmark on its own (run_all.py skips "_" files).
 
     KERAS_BACKEND=jax python benchmarks/_plain_keras_lm.py PRESET DATA_DIR --batch 8 --epochs 3 --lora-rank 4
-        [--policy mixed_bfloat16] [--learning-rate 0.01]
+        [--policy mixed_bfloat16] [--learning-rate 0.01] [--mesh 2x4]
+
+--mesh BxM: the model sharded as the Gemma distributed-tuning guide does it, over JAX's CPU devices (set
+JAX_NUM_CPU_DEVICES to B x M): keras.distribution.DeviceMesh((B, M), ["batch", "model"]), the backbone's own
+get_layout_map, ModelParallel with the batch on "batch", set before the model is built.
 """
 
 import argparse
@@ -31,6 +35,7 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--lora-rank", type=int, default=4)
 parser.add_argument("--learning-rate", type=float, default=0.01)
 parser.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16"))
+parser.add_argument("--mesh", default=None, help="BxM: shard over a (batch B, model M) mesh of CPU devices")
 args = parser.parse_args()
 
 manifest = json.load(open(os.path.join(args.data, "manifest.json")))
@@ -42,6 +47,14 @@ parsed = [tf.io.parse_example(batch, spec) for batch in tf.data.TFRecordDataset(
 arrays = {name: np.concatenate([p[name].numpy() for p in parsed]) for name in spec}
 
 keras.utils.set_random_seed(0)
+if args.mesh:
+    rows, columns = (int(n) for n in args.mesh.split("x"))
+    mesh = keras.distribution.DeviceMesh((rows, columns), ["batch", "model"],
+                                         devices=keras.distribution.list_devices())
+    config = json.load(open(os.path.join(args.preset, "config.json")))
+    backbone = getattr(keras_hub.models, config["class_name"])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=backbone.get_layout_map(mesh), batch_dim_name="batch"))
 model = keras_hub.models.CausalLM.from_preset(args.preset, preprocessor=None, dtype=args.policy)
 if args.lora_rank:
     model.backbone.enable_lora(args.lora_rank)

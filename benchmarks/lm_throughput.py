@@ -10,7 +10,12 @@ which compiles, left out).
 
     speed   runner tokens/s / plain tokens/s, median over rounds   goal >= 0.95
 
+--mesh BxM trains the same model sharded over B x M of JAX's CPU devices in both arms: the runner with
+accelerator.mesh {batch: B, model: M} and model.sharding hub, the plain script with the same DeviceMesh, the
+backbone's get_layout_map and ModelParallel (the Gemma distributed-tuning guide's recipe).
+
     .venv/bin/python benchmarks/lm_throughput.py [--quick] [--rounds N] [--epochs N] [--records N] [--batch N]
+        [--mesh BxM]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=3200, help="prompt/response pairs (80% train)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="1 round of 3 epochs of 800 records at batch 8")
+    parser.add_argument("--mesh", default=None, help="BxM: both arms sharded over B x M CPU devices")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.epochs, args.records, args.batch = 1, 3, 800, 8
@@ -59,8 +65,11 @@ def main() -> None:
                         "--sequence-length", str(SEQUENCE_LENGTH), "--out", str(data)], cwd=REPO, check=True,
                        capture_output=True)
     spec = OUT / "lm_bench.yaml"
+    rows, columns = (int(n) for n in args.mesh.split("x")) if args.mesh else (1, 1)
+    sharded = {"kind": "cpu", "cpu_devices": rows * columns, "mesh": {"batch": rows, "model": columns}}
     spec.write_text(json.dumps({
-        "name": "lm_bench", "model": {"hub": str(preset), "lora_rank": 4}, "accelerator": {"backend": "jax"},
+        "name": "lm_bench", "model": {"hub": str(preset), "lora_rank": 4, **({"sharding": "hub"} if args.mesh else {})},
+        "accelerator": {"backend": "jax", **(sharded if args.mesh else {})},
         "data": {"train": f"{data}/train-*.tfrecord", "global_batch_size": args.batch},
         "train": {"epochs": args.epochs, "learning_rate": 0.01, "validation_every": "never"},
         "output": {"dir": str(OUT / "runs")},
@@ -79,8 +88,10 @@ def main() -> None:
     def plain(index: int) -> dict:
         keras_policy = "mixed_bfloat16" if policy == "bfloat16" else "float32"
         wall, doc = run([sys.executable, "benchmarks/_plain_keras_lm.py", str(preset), str(data), "--batch",
-                         str(args.batch), "--epochs", str(args.epochs), "--policy", keras_policy],
-                        env={"KERAS_BACKEND": "jax"})
+                         str(args.batch), "--epochs", str(args.epochs), "--policy", keras_policy,
+                         *(["--mesh", args.mesh] if args.mesh else [])],
+                        env={"KERAS_BACKEND": "jax", **({"JAX_NUM_CPU_DEVICES": str(rows * columns)} if args.mesh
+                                                        else {})})
         return {"tokens_per_sec": doc["steady_tokens_per_sec"], "wall_s": wall, "epoch_s": doc["epoch_s"]}
 
     runs: dict[str, list[dict]] = {"runner": [], "plain": []}
@@ -104,6 +115,7 @@ def main() -> None:
         "round_ratios": " ".join(f"{r:.3f}" for r in ratios), "precision": policy, "cpu": cpu,
         "runner_mfu": runs["runner"][-1]["mfu"], "flops_method": runs["runner"][-1]["flops_method"],
         "batch": args.batch, "epochs": args.epochs, "records": args.records, "rounds": args.rounds,
+        "mesh": args.mesh or "one device",
     }
     print(json.dumps({"benchmark": "lm_throughput[speed]", "ratio": round(statistics.median(ratios), 3),
                       "goal": ">= 0.95", "detail": detail}))
