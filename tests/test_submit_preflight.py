@@ -246,3 +246,35 @@ def test_the_policy_is_read_as_gcloud_reads_it(tpu_fake, tmp_path):
     [by_gcloud] = [r for r in tpu_fake.requests() if r["path"].endswith(":getIamPolicy")]
     assert (by_gcloud["method"], by_gcloud["path"]) == ("POST", f"/v1/projects/{PROJECT}:getIamPolicy")
     assert by_gcloud["body"] == {"options": {"requestedPolicyVersion": 3}}
+
+
+def test_a_dry_run_without_a_submission_id_prints_the_same_bytes_and_its_script_makes_one_when_run(
+        tpu_fake, cloud_spec, tmp_path):
+    """The same inputs, the same bytes, with no --submission-id either: the printed script makes the id when it
+    runs (as `runner submit` makes one when it sends), the same in the labels and in the startup script, and a
+    new one at each run, so a second run of the script is a submission of its own."""
+    import re
+    import subprocess
+
+    env = cloud_env(tpu_fake.endpoint, tmp_path)
+    args = ("submit", cloud_spec, "--tpu-type", "v6e-16", "--zone", "us-east1-d", "--project", PROJECT, "--image",
+            IMAGE, "--dry-run")
+    first, second = invoke(*args, env=env), invoke(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    stub = tmp_path / "bin" / "gcloud"  # records the labels and the startup script's id instead of sending
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/bash\nfor a in "$@"; do case "$a" in --labels=*) echo "$a";; '
+                    '--metadata-from-file=startup-script=*) grep "^RUNNER_SUBMISSION=" "${a#*script=}";; esac; done\n')
+    stub.chmod(0o755)
+    (tmp_path / "launch.sh").write_text(first.stdout)
+    ids = []
+    for _ in range(2):
+        ran = subprocess.run(["bash", str(tmp_path / "launch.sh")], capture_output=True, text=True, timeout=60,
+                             env={"PATH": f"{stub.parent}:/usr/bin:/bin"})
+        assert ran.returncode == 0, ran.stderr
+        (made,) = set(re.findall(r"RUNNER_SUBMISSION=(\S+)", ran.stdout))
+        assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", made), ran.stdout
+        assert f"runner-submission={made}" in ran.stdout
+        ids.append(made)
+    assert ids[0] != ids[1]

@@ -8,6 +8,7 @@ The body is google-cloud-tpu's QueuedResource (imported late): the same JSON as 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import json
 import math
@@ -137,8 +138,38 @@ def request_json(sub: Submission) -> dict[str, Any]:
     return body
 
 
+# A dry run without --submission-id prints a script that makes its submission id when it runs (as `runner
+# submit` does when it sends): the same inputs print the same bytes, and each run of the script is a submission
+# of its own (a startup script skips a submission that already ran on its worker).
+_MADE_AT_RUN = "00000000-000000-0000"  # the id's shape (record.new_submission_id), never sent
+_PLACEHOLDER = "@@RUNNER_SUBMISSION@"  # in the startup script until the script runs; 20 characters, as an id
+_SUBMISSION_LINE = ('submission="$(date -u +%Y%m%d-%H%M%S)-$(od -An -N2 -tx1 /dev/urandom | tr -d \' \\n\')"'
+                    "  # this submission's id (runner submit --submission-id names one)")
+
+
 def gcloud_script(sub: Submission) -> str:
-    """A bash script that sends the same create request with gcloud; watch/logs/cancel as comments."""
+    """A bash script that sends the same create request with gcloud; watch/logs/cancel as comments. Without
+    --submission-id the script makes its own id when it runs."""
+    if sub.submission_named:
+        return _gcloud_script(sub)
+    text = _gcloud_script(dataclasses.replace(sub, submission_id=_MADE_AT_RUN))
+    head, _, rest = text.partition(f"<<'{_HEREDOC_END}'\n")
+    body, _, tail = rest.partition(f"\n{_HEREDOC_END}\n")
+    head = head.replace(_MADE_AT_RUN, "(made when the script runs)").replace(
+        "set -euo pipefail\n", f"set -euo pipefail\n{_SUBMISSION_LINE}\n", 1)
+    body = body.replace(_MADE_AT_RUN, _PLACEHOLDER)  # as long as an id: the script's size said above holds
+    lines = []
+    for line in tail.split("\n"):
+        if _MADE_AT_RUN in line:  # the --labels flag: quoted, as a flag holding a variable is
+            flag, slash = (line[:-2], " \\") if line.endswith(" \\") else (line, "")
+            indent = flag[: len(flag) - len(flag.lstrip())]
+            line = f'{indent}"{flag.strip().replace(_MADE_AT_RUN, "$submission")}"{slash}'
+        lines.append(line)
+    return (f"{head}<<'{_HEREDOC_END}'\n{body}\n{_HEREDOC_END}\n"
+            f'sed -i "s/{_PLACEHOLDER}/$submission/g" "$startup"\n' + "\n".join(lines))
+
+
+def _gcloud_script(sub: Submission) -> str:
     script = startup_script(sub)
     if f"\n{_HEREDOC_END}\n" in f"\n{script}":
         raise RunnerError(f"the startup script contains the line {_HEREDOC_END}; it cannot be quoted in a heredoc")

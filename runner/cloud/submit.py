@@ -78,6 +78,7 @@ class Submission:
     subnetwork: str | None = None
     service_account: str | None = None
     internal_ips: bool = False  # no external IP (gcloud's --internal-ips): Cloud NAT or Private Google Access
+    submission_named: bool = True  # --submission-id given (False: made here, and a dry run's script makes its own)
     reservation: str | None = None  # the project whose reservations the TPU may use
     valid_until: str | None = None  # a duration (6h, 1h30m), or an RFC 3339 time as gcloud sends it
     max_run_s: int | None = None  # the job's wall-clock limit (None: no limit)
@@ -287,6 +288,7 @@ def prepare_submission(
         runtime_version=runtime_version or tpu_types.runtime_of(tpu)[0] or "",
         spec=spec,
         submission_id=submission_id or record.new_submission_id(),
+        submission_named=submission_id is not None,
         max_restarts=(DEFAULT_SPOT_RESTARTS if spot else 0) if max_restarts is None else max_restarts,
         network=network,
         subnetwork=subnetwork,
