@@ -151,10 +151,19 @@ def test_an_engine_submission_runs_the_same_checks_and_its_engines_own(api, tpu_
     assert [(r["method"], r["path"]) for r in asked][-2:] == [("GET", jobs_path), ("POST", jobs_path)]
 
 
-def test_a_dry_run_of_a_slice_reads_nothing_remote_and_prints_the_same_bytes(tpu_fake, cloud_spec, tmp_path):
-    """Every way out of this machine leads to one recorder (the TPU API fake): the metadata server Google's auth
-    library asks for credentials, the bucket (STORAGE_EMULATOR_HOST) and any proxied request. A dry run of a
-    4-host slice records nothing there, says it did not read the previous run, and prints the same bytes twice."""
+def test_a_dry_run_of_a_slice_reads_nothing_remote_and_prints_the_same_bytes(cloud_spec, tmp_path):
+    """Every way out of this machine leads to one recorder (a TPU API fake of this test's own, so that nothing an
+    earlier test left running in this process can reach it): the metadata server Google's auth library asks for
+    credentials, the bucket (STORAGE_EMULATOR_HOST) and any proxied request. A dry run of a 4-host slice records
+    nothing there, says it did not read the previous run, and prints the same bytes twice."""
+    from tests.support.tpu_fake import start_tpu_fake
+
+    (tmp_path / "recorder").mkdir()
+    with start_tpu_fake(tmp_path / "recorder", ttl_s=300) as tpu_fake:
+        _dry_run_reads_nothing(tpu_fake, cloud_spec, tmp_path)
+
+
+def _dry_run_reads_nothing(tpu_fake, cloud_spec, tmp_path):
     host = tpu_fake.endpoint.removeprefix("http://")
     env = cloud_env(tpu_fake.endpoint, tmp_path, STORAGE_EMULATOR_HOST=tpu_fake.endpoint, GCE_METADATA_HOST=host,
                     GCE_METADATA_IP=host, HTTP_PROXY=tpu_fake.endpoint, HTTPS_PROXY=tpu_fake.endpoint,
