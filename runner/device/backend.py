@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from runner import AcceleratorError
 from runner.device import host, processes
@@ -75,9 +75,23 @@ def choose(spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = Non
     return Backend("tensorflow", CPU_REASON)
 
 
+def environment(backend: Backend, spec: AcceleratorSpec | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """What `apply` sets, reading nothing but its arguments (runner/job/startup.py plans with it): KERAS_BACKEND;
+    under JAX on the CPU the number of host devices (`accelerator.cpu_devices`) and the CPU platform, unless
+    `environ` sets them already. `spec` None: a command that runs no job (KERAS_BACKEND alone)."""
+    env = {"KERAS_BACKEND": backend.name}
+    if backend.name != "jax" or spec is None:
+        return env
+    if spec.kind in ("auto", "cpu") and spec.cpu_devices > 1:
+        env["JAX_NUM_CPU_DEVICES"] = environ.get("JAX_NUM_CPU_DEVICES", str(spec.cpu_devices))
+    if spec.kind == "cpu":
+        env["JAX_PLATFORMS"] = environ.get("JAX_PLATFORMS", "cpu")
+    return env
+
+
 def apply(backend: Backend, spec: AcceleratorSpec, environ: MutableMapping[str, str] | None = None) -> None:
-    """Sets what Keras and JAX read when they load: KERAS_BACKEND; under JAX on the CPU the number of host
-    devices (`accelerator.cpu_devices`), and TensorFlow kept off every accelerator."""
+    """Sets what Keras and JAX read when they load (`environment`); refuses a Keras already loaded with another
+    backend."""
     global _applied
     environ = os.environ if environ is None else environ
     loaded = sys.modules.get("keras")
@@ -89,14 +103,8 @@ def apply(backend: Backend, spec: AcceleratorSpec, environ: MutableMapping[str, 
                 f"({backend.reason}): set KERAS_BACKEND={backend.name} before starting Python, or "
                 f"accelerator.backend: {current}"
             )
-    environ["KERAS_BACKEND"] = backend.name
+    environ.update(environment(backend, spec, environ))
     _applied = backend
-    if backend.name != "jax":
-        return
-    if spec.kind in ("auto", "cpu") and spec.cpu_devices > 1:
-        environ.setdefault("JAX_NUM_CPU_DEVICES", str(spec.cpu_devices))
-    if spec.kind == "cpu":
-        environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 _applied: Backend | None = None
@@ -107,7 +115,11 @@ def active(environ: MutableMapping[str, str] | None = None) -> Backend:
     caller that skipped `apply`; Keras's own default is TensorFlow)."""
     if _applied is not None:
         return _applied
-    environ = os.environ if environ is None else environ
+    return from_environment(os.environ if environ is None else environ)
+
+
+def from_environment(environ: Mapping[str, str]) -> Backend:
+    """The backend KERAS_BACKEND names in `environ`, else Keras's own default (TensorFlow)."""
     name = environ.get("KERAS_BACKEND", "tensorflow")
     why = f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default"
     return Backend(name, why)

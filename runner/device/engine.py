@@ -6,7 +6,10 @@ An engine answers, in the order a job meets them:
   name, reason         what computes and why (runner/device/backend.py `choose`): `accelerator.backend` in the
                        summary
   set_before_keras     what Keras and the engine read when they load (backend.py `apply`: KERAS_BACKEND, JAX's
-                       host devices); `needs_at_load`: what TensorFlow's load must not skip (runner/job/startup.py)
+                       host devices); `environment_before_keras` the same, set nowhere (runner/job/startup.py
+                       plans with it); `needs_at_load`: what TensorFlow's load must not skip
+  probe                what the engine's runtime finds of its accelerator, for `runner doctor` in a child process
+                       of its own (runner/doctor/jax_tpu.py: JAX's TPU runtime)
   joins_processes      whether several processes form one job through its runtime (runner/device/processes.py);
   own_input_share      and whether each process then reads its own share of every batch (runner/data/pipeline.py)
   resolve              the devices and the scope (runner/device/tf_devices.py, jax_devices.py), for strategy.py
@@ -19,6 +22,7 @@ An engine answers, in the order a job meets them:
   serving_endpoints    the exported model's serving functions (runner/rundir/serving.py)
   matmul_chain         the matmul benchmark's chain (runner/job/matmul.py)
   checkpoint_format    the checkpoint store's format (runner/rundir/checkpoints.py, orbax_store.py)
+  runs_hub_models      whether a `model.hub` job (KerasHub's language models) trains on it (runner/train/hub.py)
 
 A third engine (PyTorch on a GPU, say) is one more class here answering the same, a name in backend.BACKENDS, and
 its devices module beside jax_devices.py (docs/architecture.md, "The engine").
@@ -31,6 +35,7 @@ jax or orbax or compares a backend's name.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -50,6 +55,7 @@ class Engine(abc.ABC):
     joins_processes: bool = False
     own_input_share: bool = False
     needs_at_load: frozenset[str] = frozenset()
+    runs_hub_models: bool = False
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -69,7 +75,20 @@ class Engine(abc.ABC):
         return {}
 
     def set_before_keras(self, spec: Any, environ: MutableMapping[str, str] | None = None) -> None:
+        """Sets `environment_before_keras` in `environ` (os.environ), before Keras loads; the engine is then the
+        one `active()` names."""
         backend.apply(self.backend, spec, environ)
+
+    def environment_before_keras(self, spec: Any, environ: Mapping[str, str]) -> dict[str, str]:
+        """What `set_before_keras` sets for `spec` (AcceleratorSpec; None: a command that runs no job), read from
+        `environ` and set nowhere: a value `environ` holds already is kept."""
+        return backend.environment(self.backend, spec, environ)
+
+    def probe(self, start: bool = True) -> dict[str, object]:
+        """What the engine's own runtime finds (its version, its accelerator's library, with `start` its devices),
+        as JSON: `runner doctor` runs it in a child process of its own, where a runtime that hangs is killed.
+        TensorFlow's: none (it computes on the CPU and GPUs, which the doctor's TensorFlow probe lists)."""
+        return {}
 
     @abc.abstractmethod
     def resolve(self, spec: Any, environ: Mapping[str, str], model: Any = None) -> Any:
@@ -222,6 +241,7 @@ class Jax(Engine):
     joins_processes = True
     own_input_share = True  # each process makes its own part of every batch (runner/data/pipeline.py)
     needs_at_load = frozenset({"jax", "jaxlib"})  # TensorFlow's load skips them otherwise
+    runs_hub_models = True  # KerasHub's language models on a TPU are JAX's (docs/language-models.md)
 
     def versions(self) -> dict[str, str]:
         import importlib.metadata
@@ -237,11 +257,45 @@ class Jax(Engine):
         # `model`: the job's model, laid out over accelerator.mesh (runner/device/sharding.py); none: data-parallel
         return jax_devices.resolve(spec, environ) if model is None else jax_devices.resolve(spec, environ, model)
 
-    def use_compile_cache(self, in_run_folder: str) -> str | None:
-        from runner.device import jax_devices
+    def probe(self, start: bool = True) -> dict[str, object]:
+        """libtpu's path (the package's and JAX's own lookup), jax's version and (`start`) the TPU devices;
+        `import jax` alone starts no backend. On a slice `start` is False: libtpu waits there for every host."""
+        seen: dict[str, object] = {}
+        try:
+            import libtpu
 
-        folder = jax_devices.compile_cache(in_run_folder)
-        jax_devices.use_compile_cache(folder)
+            seen["libtpu_path"] = libtpu.get_library_path()
+        except ImportError:
+            seen["libtpu_path"] = None
+        try:  # JAX's own lookup (private, so guarded): TPU_LIBRARY_PATH, else the libtpu package
+            from jax._src.cloud_tpu_init import get_tpu_library_path
+
+            seen["jax_library_path"] = get_tpu_library_path()
+        except ImportError:
+            seen["jax_library_path"] = seen["libtpu_path"]
+        import jax
+
+        seen["jax"] = jax.__version__
+        if not start:
+            return seen
+        try:
+            devices = jax.devices("tpu")
+            seen.update(tpu_devices=len(devices), device_kind=devices[0].device_kind)
+        except RuntimeError as error:  # no TPU backend: libtpu missing, or loaded and no chip found
+            seen.update(tpu_devices=0, error=str(error).strip())
+        return seen
+
+    def use_compile_cache(self, in_run_folder: str) -> str | None:
+        """XLA's compiled programs kept in JAX's own JAX_COMPILATION_CACHE_DIR when it is set (one cache for every
+        job on the machine or bucket, which jobs of one model share), else in the run folder's `jax_cache/`
+        (local or gs://): a resumed or relaunched job loads what it compiled instead of compiling again."""
+        import jax
+
+        folder = os.environ.get("JAX_COMPILATION_CACHE_DIR") or in_run_folder
+        jax.config.update("jax_compilation_cache_dir", folder)
+        # Every program, however quick its compile: on a TPU the train step's compile is what a relaunch pays for.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         return folder
 
     def check_model(self, model: Any, name: str) -> None:
