@@ -137,5 +137,4 @@ def run_bench(
     except Exception as exc:  # the summary must still be written
         error = error_of(exc, spec, "matmul_bench")
     summary = attempt.summary(status, error)  # no batches: a benchmark of the device alone
-    attempt.finish(summary, keep_succeeded=False)
-    return JobResult(summary, error)
+    return JobResult(attempt.finish(summary, keep_succeeded=False), error)

@@ -25,6 +25,7 @@ from runner.job import checkpoints, fingerprint
 from runner.job.inputs import Inputs, make_inputs
 from runner.rundir import joining
 from runner.rundir.attempt import Attempt, JobResult, error_of
+from runner.rundir.summary import Summary
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
 from runner.train import build, fit, flops, hub, limits, loop, observe, progress, verdict
@@ -208,25 +209,26 @@ class _Job:
             input_wait_method=self.inputs.input_method if self.inputs else not_built,
         )
         # The summary's epochs span the job: every earlier attempt's, then this one's (timing: this one's only).
-        mine = [{**record, "attempt": self.attempt.number} for record in summary["epochs"]]
-        summary["epochs"] = self._earlier_epochs() + mine
-        if self.precision is not None and summary.get("accelerator") is not None:
-            summary["accelerator"]["precision"] = self.precision.to_dict()  # what the job computed in, and why
-            summary["accelerator"]["onednn"] = precision.onednn_enabled()
+        mine = [{**record.model_dump(), "attempt": self.attempt.number} for record in summary.epochs]
+        summary.epochs = self._earlier_epochs() + mine
+        if self.precision is not None and summary.accelerator is not None:
+            summary.accelerator.precision = self.precision.to_dict()  # what the job computed in, and why
+            summary.accelerator.onednn = precision.onednn_enabled()
         if peak is not None:
             (flops_per_example, method), (value, source) = self.attempt.model_flops, peak
-            summary["throughput"] = flops.throughput_block(
-                flops_per_example, method, summary["timing"]["examples_per_sec"],
-                self.attempt.accelerator.replicas, value, source,
-            )
+            per_s = summary.timing.examples_per_sec
+            block = flops.throughput_block(flops_per_example, method, per_s, self.attempt.accelerator.replicas,
+                                           value, source)
             if self.spec.model.hub and self.inputs:  # a language model's tokens/s and FLOPs per token
-                hub.add_token_throughput(summary, self.inputs.train.features)
+                hub.add_token_throughput({"throughput": block, "timing": {"examples_per_sec": per_s}},
+                                         self.inputs.train.features)
+            summary.throughput = block
         if status != "succeeded" and self.attempt.number:  # what the same command would continue from
-            summary["newest_checkpoint"] = self._newest_checkpoint()
+            summary.newest_checkpoint = self._newest_checkpoint()
         several = processes.joined().several
         if several:
             _per_process(summary, status, self.attempt.number)
-        self.attempt.finish(summary)
+        summary = self.attempt.finish(summary)  # as written: checked against runner/rundir/summary.py
         if several:  # every process ends once process 0 has written (JAX's exit barrier waits only minutes)
             processes.finished(f"finished/{self.attempt.number}", 60.0 if status == "failed" else 3600.0)
         return summary
@@ -254,21 +256,18 @@ def _join(attempt: Attempt) -> None:
 _PER_PROCESS = ("examples_per_sec", "step_time_ms", "input_wait_s", "input_wait_fraction", "total_s")
 
 
-def _per_process(summary: dict, status: str, number: int) -> None:
+def _per_process(summary: Summary, status: str, number: int) -> None:
     """Process 0's summary gets every process's own figures, and names the one that waited longest for input
     (all step together, so the others waited on it). A job that failed does not wait for processes that are gone."""
-    timing = summary.get("timing", {})
-    mine = {"process": processes.joined().index, **{k: timing.get(k) for k in _PER_PROCESS}}
+    mine = {"process": processes.joined().index, **{k: getattr(summary.timing, k) for k in _PER_PROCESS}}
     found = processes.gather(f"figures/{number}", mine, 0.5 if status == "failed" else 30.0)
     if found is None:
         return
     gone = {"missing": "it said nothing: see its log"}
     per = [f if f is not None else {"process": i, **gone} for i, f in enumerate(found)]
     waits = [(f.get("input_wait_s"), f["process"]) for f in per if f.get("input_wait_s") is not None]
-    block = summary.setdefault("processes", {})
-    block["per_process"] = per
-    if waits:
-        block["slowest_input"] = max(waits)[1]
+    block = summary.processes.model_dump(exclude_unset=True) if summary.processes else {}
+    summary.processes = {**block, "per_process": per, **({"slowest_input": max(waits)[1]} if waits else {})}
 
 
 def _open(attempt: Attempt) -> dict | None:

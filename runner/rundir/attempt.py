@@ -18,6 +18,7 @@ from runner import PROCESS_START, RunnerError
 from runner.data import storage
 from runner.device.accelerator import Accelerator
 from runner.rundir.outputs import RunFolder
+from runner.rundir.summary import Summary
 from runner.rundir.timing import EpochRecord, Phases, build_summary
 from runner.spec.types import JobSpec
 
@@ -26,15 +27,19 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class JobResult:
-    summary: dict
+    summary: dict  # as written and printed: a Summary given is turned into its JSON form
     error: RunnerError | None = None
     already_complete: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.summary, Summary):
+            self.summary = self.summary.to_json()
 
 
 @dataclasses.dataclass
 class Facts:
-    """What an attempt learns as it goes, each a key of summary.json (runner/rundir/summary.schema.json);
-    None: not reached, and left out of the summary."""
+    """What an attempt learns as it goes, each a key of summary.json (runner/rundir/summary.py `Summary`, which
+    refuses a key it does not declare); None: not reached, and left out of the summary."""
 
     kind: str | None = None
     attempt: int | None = None
@@ -98,7 +103,7 @@ class Attempt:
         metrics: dict[str, Any] | None = None,
         global_batch: int | None = None,
         input_wait_method: str = "not measured",
-    ) -> dict[str, Any]:
+    ) -> Summary:
         return build_summary(
             status=status,
             job=self.spec.name,
@@ -112,10 +117,12 @@ class Attempt:
             input_wait_method=input_wait_method,
         )
 
-    def finish(self, summary: dict[str, Any], *, keep_succeeded: bool = True) -> None:
-        """Writes the summary (the chief only): attempts/<n>.json and summary.json. With `keep_succeeded`, a
-        summary that did not succeed never replaces a succeeded one (runner/rundir/outputs.py). Then the run folder's
-        lease is released, whatever the status."""
+    def finish(self, summary: Summary, *, keep_succeeded: bool = True) -> dict[str, Any]:
+        """Writes the summary (the chief only): attempts/<n>.json and summary.json, checked again against its
+        model (a key set since it was built is declared too). With `keep_succeeded`, a summary that did not succeed
+        never replaces a succeeded one (runner/rundir/outputs.py). Then the run folder's lease is released,
+        whatever the status. Returns the summary as written, for stdout."""
+        summary = Summary.checked(summary.to_json())
         try:
             if self.worker_index == 0:
                 self.run.write_summary(summary, self.number, keep_succeeded=keep_succeeded)
@@ -125,6 +132,7 @@ class Attempt:
             self.run.close()
             if self.run.remove_if_refused():
                 summary.pop("run_dir", None)  # the closing line must not send the user to a folder that is gone
+        return summary
 
 
 def error_of(exc: Exception, spec: JobSpec, what: str = "training") -> RunnerError:

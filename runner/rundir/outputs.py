@@ -88,7 +88,7 @@ from runner.rundir.pins import (
     show,
     software_problem,
 )
-from runner.rundir.timing import completion
+from runner.rundir.timing import Recorded, completion
 from runner.spec.types import JobSpec
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class RunFolder:
         state = completion(summary, spec.train.epochs)  # the rule `runner sweep` also reads, without TensorFlow
         if state == "open":
             return None  # nothing finished, or more epochs: the job continues
-        trained = summary.get("train_epochs", 0)
+        trained = Recorded.of(summary).train_epochs or 0
         if state == "shrunk":
             raise SpecError(
                 f"{self.path} holds job {spec.name!r} finished after {trained} epochs (summary.json); "

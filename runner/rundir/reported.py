@@ -26,6 +26,7 @@ import tensorflow as tf
 from runner import SpecError
 from runner.rundir import orbax_store
 from runner.rundir.outputs import RunFolder
+from runner.rundir.summary import Recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +49,9 @@ def _checkpoint(prefix: str) -> bool:
                                                      and tf.io.gfile.isdir(prefix))
 
 
-def _finished(run: RunFolder) -> dict | None:
-    summary = run.read_json("summary.json")
-    return summary if summary and summary.get("status") == "succeeded" else None
+def _finished(run: RunFolder) -> Recorded | None:
+    summary = Recorded.of(run.read_json("summary.json"))
+    return summary if summary and summary.succeeded else None
 
 
 def chosen_weights(run: RunFolder, job: str, asked: str | None = None) -> Weights:
@@ -60,7 +61,7 @@ def chosen_weights(run: RunFolder, job: str, asked: str | None = None) -> Weight
         return _asked(run, asked)
     summary = _finished(run)
     if summary is not None:
-        step = summary.get("final_step")
+        step = summary.final_step
         if tf.io.gfile.exists(run.file("model.keras")):
             return Weights(run.file("model.keras"), step, True)
         prefix = posixpath.join(run.checkpoints, f"ckpt-{step}")
@@ -102,20 +103,20 @@ def abandoned_note(run: RunFolder) -> str | None:
     and what each command does with it; None when there is none."""
     summary = _finished(run)
     latest = run.latest_checkpoint()
-    step = summary.get("final_step") if summary else None
+    step = summary.final_step if summary else None
     if latest is None or step is None or (newer := step_of(latest) or 0) <= step:
         return None
     left = None
     for path in sorted(tf.io.gfile.glob(run.file("attempts/*.json")), reverse=True):
-        attempt = run.read_json(f"attempts/{posixpath.basename(path)}")
-        if attempt and attempt.get("status") != "succeeded":
+        attempt = Recorded.of(run.read_json(f"attempts/{posixpath.basename(path)}"))
+        if attempt and not attempt.succeeded:
             left = attempt
             break
     by = "an attempt that did not finish"
     if left is not None:
-        by = (f"attempt {left.get('attempt', '?')} (train.epochs {left.get('train_epochs', '?')}, "
-              f"ended {left.get('status', '?')})")
-    epochs = left.get("train_epochs") if left else None
+        by = (f"attempt {left.attempt or '?'} (train.epochs {left.train_epochs or '?'}, "
+              f"ended {left.status or '?'})")
+    epochs = left.train_epochs if left else None
     again = f"; `runner run --set train.epochs={epochs}` continues it" if epochs else ""
     return (
         f"{latest} (step {newer}) is newer than the step {step} {run.file('summary.json')} reports: {by} left it. "

@@ -3,8 +3,8 @@
 The first epoch includes tracing and XLA compilation, so it is reported on its own and kept out of
 step time and throughput; those come from the later ("steady") epochs. The phases are measured one by
 one and add up to `total_s`; what falls between them is reported as `unaccounted_s`, never hidden.
-Field by field: runner/rundir/summary.schema.json and the README section "The summary".
-This module imports no TensorFlow: `runner report` uses it to read summaries.
+Field by field: the typed summary runner/rundir/summary.py (which generates runner/rundir/summary.schema.json)
+and docs/summary.md. This module imports no TensorFlow: `runner report` uses it to read summaries.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-# 2: adds import_s, run_folder_s, unaccounted_s, input wait, per-epoch checkpoint_s and input_wait_s;
-# epoch `seconds` no longer include checkpoint saves. runner/compare/report.py reads 1 and 2.
-SCHEMA_VERSION = 2
+from runner.rundir.summary import SCHEMA_VERSION, STATUSES, Recorded, Summary
+
+__all__ = ["PHASES", "SCHEMA_VERSION", "STATUSES", "EpochRecord", "Phases", "Recorded", "Summary", "build_summary",
+           "completion"]
 
 # Phases in the order a job passes through them; `total_s` is their sum plus `unaccounted_s`.
 # "strategy" is accelerator init (resolving the device, building the tf.distribute strategy);
@@ -27,11 +28,6 @@ PHASES = (
     "startup", "import", "run_folder", "strategy", "data_init", "build", "restore", "train", "checkpoint", "eval",
     "export", "peak",
 )
-
-
-# How an attempt ended: succeeded (exit 0); failed (1, 2 or 3: `error` says why); preempted (SIGTERM: saved,
-# exit 75); interrupted (Ctrl-C, SIGINT: saved, exit 130). The last two continue when the job is run again.
-STATUSES = ("succeeded", "failed", "preempted", "interrupted", "time_limit", "learned_nothing")
 
 
 class Phases:
@@ -136,7 +132,9 @@ def build_summary(
     error: str | None = None,
     extra: dict[str, Any] | None = None,
     input_wait_method: str = "not measured",
-) -> dict[str, Any]:
+) -> Summary:
+    """The summary through its model (runner/rundir/summary.py): pydantic.ValidationError names a key of
+    `accelerator` or `extra` (the attempt's facts) that the model does not declare."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; known: {', '.join(STATUSES)}")
     total = phases.elapsed()
@@ -168,7 +166,7 @@ def build_summary(
         summary["error"] = error
     if extra:
         summary.update(extra)
-    return summary
+    return Summary.model_validate(summary)
 
 
 def completion(summary: dict[str, Any] | None, epochs: int) -> str:
@@ -176,9 +174,10 @@ def completion(summary: dict[str, Any] | None, epochs: int) -> str:
     resume precedence 3): "complete" when it succeeded after exactly that many, "shrunk" when it succeeded
     after more (refused: a job never shrinks), else "open" (no summary, not succeeded, or fewer epochs:
     the job continues). No TensorFlow: `runner sweep` skips finished variants with it."""
-    if not summary or summary.get("status") != "succeeded":
+    recorded = Recorded.of(summary)
+    if recorded is None or not recorded.succeeded:
         return "open"
-    trained = summary.get("train_epochs", 0)
+    trained = recorded.train_epochs or 0
     if trained > epochs:
         return "shrunk"
     return "complete" if trained == epochs else "open"
