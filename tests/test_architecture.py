@@ -224,22 +224,11 @@ ENGINE_MODULES = frozenset({
     "runner.device.processes", "runner.device.cluster",  # the join through JAX's runtime
     "runner.device.sharding", "runner.device.mesh", "runner.device.layout",  # the device mesh and model layout
 })
-CHECKPOINT_STORE = frozenset({"runner.rundir.orbax_store", "runner.rundir.checkpoints", "runner.job.checkpoints"})
+# The checkpoint store's Orbax implementation; its face (rundir/checkpoints.py), the TensorFlow implementation
+# (train/tf_store.py) and the module that opens the engine's (train/store.py) need no exemption.
+CHECKPOINT_STORE = frozenset({"runner.rundir.orbax_store"})
 # The spec validates the backend a user asks for (`accelerator.backend` is its key) before any engine exists.
 SPEC_AREA = "spec"
-# Modules not moved behind the face yet, each with why; the list only shrinks.
-NOT_YET_ON_THE_FACE = {
-    # Decides the environment TensorFlow, Keras and JAX load under (KERAS_BACKEND for the commands that set no
-    # engine, a plan compared with what loaded), before an engine computes; the optional imports it skips come
-    # from `Engine.needs_at_load`. Next: the environment from `Engine.set_before_keras` alone.
-    "runner.job.startup",
-    # The doctor's probe of JAX's TPU runtime, in a child process: the JAX engine's own check. Next: a `probe`
-    # on the engine face that the doctor runs.
-    "runner.doctor.jax_tpu",
-    # KerasHub's language models (being added beside this) refuse a Keras not on JAX by asking Keras's global.
-    # Next: build them with the accelerator at hand and ask `accelerator.engine`.
-    "runner.train.hub",
-}
 
 
 def _dotted(node: ast.AST) -> str:
@@ -281,18 +270,12 @@ def engine_violations(source: str, name: str = "<source>") -> list[str]:
 
 
 def test_only_the_engines_and_the_checkpoint_store_name_an_engine() -> None:
-    exempt = ENGINE_MODULES | CHECKPOINT_STORE | set(NOT_YET_ON_THE_FACE)
+    exempt = ENGINE_MODULES | CHECKPOINT_STORE
     offences = [
         v for module, path in MODULES.items() if module not in exempt and _area(module) != SPEC_AREA
         for v in engine_violations(path.read_text(), str(path.relative_to(REPO)))
     ]
     assert offences == [], "ask accelerator.engine (runner/device/engine.py) instead"
-
-
-def test_the_modules_not_yet_on_the_face_still_need_their_place() -> None:
-    """An entry whose module no longer names an engine (or is gone) is taken off the list."""
-    stale = [m for m in NOT_YET_ON_THE_FACE if m not in MODULES or not engine_violations(MODULES[m].read_text())]
-    assert stale == []
 
 
 @pytest.mark.parametrize("planted", [
@@ -330,4 +313,5 @@ def test_each_engine_answers_the_whole_face_and_the_summary_names_it_as_before()
         assert summary["backend"] == {"name": name, "reason": "asked"}
         assert ("jax" in summary) == made.joins_processes == (name == "jax")
         assert made.input_share(1, 2) == ((1, 2) if made.own_input_share else (0, 1))
+        assert made.environment_before_keras(None, {}) == {"KERAS_BACKEND": name}  # what startup plans with
     assert Accelerator(tf.distribute.get_strategy(), "cpu", 1).to_dict()["backend"]["name"] == "tensorflow"

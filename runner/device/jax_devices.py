@@ -8,6 +8,8 @@ global distribution so that `fit`, `evaluate` and `predict` all use it. TensorFl
 tf.data: it is told to see no GPU. Every step that can wait on a device is bounded by `accelerator.timeout_s`;
 on a slice the listing comes after the join, which has its own bound (`accelerator.join_timeout_s`,
 runner/device/processes.py): the hosts arrive here together, and a late host is not charged to the TPU.
+Beside the devices, the JAX engine's model checks (`check_traceable`, `calls_tensorflow`): runner/device/engine.py
+`Jax.check_model` and `build_hint` call them, and the engine module stays free of their tracing code.
 """
 
 from __future__ import annotations
@@ -114,23 +116,6 @@ def _accelerator(kind: str, devices: list, spec: AcceleratorSpec, model: ModelSp
     return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
                        worker_index=joined.index, detail=detail, layout=layout,
                        tpu=tpus.device_facts(devices[0].device_kind, os.environ) if kind == "tpu" else None)
-
-
-def compile_cache(in_run_folder: str) -> str:
-    """Where XLA's compiled programs are kept: JAX's own JAX_COMPILATION_CACHE_DIR when it is set (one cache for
-    every job on the machine or bucket, which jobs of one model share), else the run folder's `jax_cache/`."""
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or in_run_folder
-
-
-def use_compile_cache(folder: str) -> None:
-    """Keeps XLA's compiled programs in `folder` (the run folder's `jax_cache/`, local or gs://): a resumed or
-    relaunched job loads what it already compiled instead of compiling again (its first step shows it)."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", folder)
-    # Every program, however quick its compile: on a TPU the train step's compile is what a relaunch pays for.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def check_traceable(model, name: str) -> None:

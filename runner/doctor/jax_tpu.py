@@ -3,8 +3,9 @@
 On a TPU the engine is Keras on JAX (the TPU image, docs/image.md). JAX looks for libtpu at TPU_LIBRARY_PATH,
 else through the `libtpu` package, loads it as its PJRT plugin and asks it for TPU chips. Without a TPU it
 falls back to the CPU after a page of libtpu warnings, which says nothing a user can act on; with a TPU held
-by another process libtpu can hang. So the child does exactly that (`python -m runner.doctor.jax_tpu`), bounded
-and killed when it outlives the bound, and what it saw becomes one line naming the cause and the fix.
+by another process libtpu can hang. So the child does exactly that (`python -m runner.doctor.jax_tpu`: the probe
+of the engine a TPU job computes with, runner/device/engine.py `Jax.probe`), bounded and killed when it outlives
+the bound, and what it saw becomes one line naming the cause and the fix.
 
 On a slice of several hosts the TPU is not started: libtpu waits there until every host has started it
 (jax-ml/jax#12456, #19971), which `jax.distributed` arranges in the job's own join, not a doctor run on one
@@ -20,39 +21,18 @@ import subprocess
 import sys
 import time
 
+from runner.device import engine
 from runner.doctor.checks import Check, SliceHosts
+from runner.spec.types import AcceleratorSpec
 
 _NO_TPU_FIX = ("run on a TPU VM (v5e, v5p, v6e) and start the container with --privileged --net=host, so that it "
                "sees /dev/accel* or /dev/vfio; on a machine without a TPU, the CPU image")
 
 
 def look(start: bool = True) -> dict[str, object]:
-    """What JAX itself finds: libtpu's path (the package's and JAX's own lookup), jax, and (`start`) the TPU
-    devices; `import jax` alone starts no backend."""
-    seen: dict[str, object] = {}
-    try:
-        import libtpu
-
-        seen["libtpu_path"] = libtpu.get_library_path()
-    except ImportError:
-        seen["libtpu_path"] = None
-    try:  # JAX's own lookup (private, so guarded): TPU_LIBRARY_PATH, else the libtpu package
-        from jax._src.cloud_tpu_init import get_tpu_library_path
-
-        seen["jax_library_path"] = get_tpu_library_path()
-    except ImportError:
-        seen["jax_library_path"] = seen["libtpu_path"]
-    import jax
-
-    seen["jax"] = jax.__version__
-    if not start:
-        return seen
-    try:
-        devices = jax.devices("tpu")
-        seen.update(tpu_devices=len(devices), device_kind=devices[0].device_kind)
-    except RuntimeError as error:  # no TPU backend: libtpu missing, or loaded and no chip found
-        seen.update(tpu_devices=0, error=str(error).strip())
-    return seen
+    """What the engine a TPU job computes with finds of its runtime (runner/device/engine.py `Engine.probe`: under
+    JAX libtpu's path, jax's version and with `start` the TPU devices), run in this child."""
+    return engine.choose(AcceleratorSpec(kind="tpu"), {}).probe(start)
 
 
 def _stderr_tail(text: str) -> str:

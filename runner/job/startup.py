@@ -79,8 +79,9 @@ class StartupPlan:
     def loaded_as(self) -> dict[str, object]:
         """What TensorFlow, Keras and JAX load under: the backend (KERAS_BACKEND, set or Keras's default), the
         rest of the environment, the optional imports skipped. Two plans that agree on it load the same."""
+        named = _engine(self).environment_before_keras(None, {})  # what names the engine: compared as `backend`
         return {"backend": self.backend, "skipped_imports": list(self.skipped_imports),
-                "environment": {k: v for k, v in sorted(self.environment.items()) if k != "KERAS_BACKEND"}}
+                "environment": {k: v for k, v in sorted(self.environment.items()) if k not in named}}
 
     def to_dict(self) -> dict[str, object]:
         return {"command": self.command, "loads_tensorflow": self.loads_tensorflow, "backend": self.backend,
@@ -107,25 +108,13 @@ def plan(command: str, job: JobSpec | None, debug: bool, environ: Mapping[str, s
     timeout_s = job.storage.timeout_s if job is not None else storage_timeout_s or DEFAULT_TIMEOUT_S
     env.update({name: environ.get(name, value) for name, value in tensorflow_env(timeout_s).items()})
     accelerator = job.accelerator if job is not None and command != "manifest" else None
-    if accelerator is not None:
-        chosen = backend.choose(accelerator, dict(environ))
-        env.update(_backend_environment(chosen.name, accelerator, environ))
-        name, reason = chosen.name, chosen.reason
+    if accelerator is not None:  # what the job's engine sets before Keras loads (`start` checks it set no more)
+        computes = engine.choose(accelerator, dict(environ))
+        env.update(computes.environment_before_keras(accelerator, environ))
     else:  # the data commands set no backend: the environment's, else Keras's default
-        name = environ.get("KERAS_BACKEND", "tensorflow")
-        reason = f"KERAS_BACKEND={name} in the environment" if "KERAS_BACKEND" in environ else "Keras's default"
-    return StartupPlan(command, True, name, reason, env, _optional_imports(name), debug, timeout_s, accelerator)
-
-
-def _backend_environment(name: str, accelerator: AcceleratorSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    """What the engine's `set_before_keras` (backend.py `apply`) sets for this backend; `start` checks that it set
-    nothing else."""
-    env = {"KERAS_BACKEND": name}
-    if name == "jax" and accelerator.kind in ("auto", "cpu") and accelerator.cpu_devices > 1:
-        env["JAX_NUM_CPU_DEVICES"] = environ.get("JAX_NUM_CPU_DEVICES", str(accelerator.cpu_devices))
-    if name == "jax" and accelerator.kind == "cpu":
-        env["JAX_PLATFORMS"] = environ.get("JAX_PLATFORMS", "cpu")
-    return env
+        computes = engine.of(backend.from_environment(environ))
+    return StartupPlan(command, True, computes.name, computes.reason, env, _optional_imports(computes), debug,
+                       timeout_s, accelerator)
 
 
 def start(chosen: StartupPlan) -> None:
@@ -143,7 +132,7 @@ def preload(chosen: StartupPlan) -> None:
     refuse_legacy_keras(os.environ)
     refuse_libtpu_for_tensorflow(os.environ)
     os.environ.update(chosen.environment)
-    os.environ["KERAS_BACKEND"] = chosen.backend or "tensorflow"
+    os.environ.update(_engine(chosen).environment_before_keras(None, os.environ))  # a data command's too
     load_tensorflow(chosen.debug, chosen.skipped_imports)
 
 
@@ -171,11 +160,15 @@ def _settle(chosen: StartupPlan, preloaded: str | None) -> None:
     if chosen.accelerator is None:
         return
     before = dict(os.environ)
-    engine.of(backend.Backend(chosen.backend, chosen.reason)).set_before_keras(chosen.accelerator)
+    _engine(chosen).set_before_keras(chosen.accelerator)
     unplanned = sorted(k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k))
     if unplanned:  # the plan must say everything start-up sets (a fork server relies on it)
-        raise RunnerError(f"runner/job/startup.py: the engine's set_before_keras set {', '.join(unplanned)}, which "
-                          "the start-up plan does not list (`_backend_environment`): add them there")
+        raise RunnerError(f"runner/device/engine.py: the engine's set_before_keras set {', '.join(unplanned)}, "
+                          "which its environment_before_keras does not list: the start-up plan is made from it")
+
+
+def _engine(chosen: StartupPlan) -> engine.Engine:
+    return engine.of(backend.Backend(chosen.backend or "tensorflow", chosen.reason))
 
 
 def refuse_legacy_keras(environ: Mapping[str, str]) -> None:
@@ -227,21 +220,19 @@ class _SkipOptional(importlib.abc.MetaPathFinder):
         return None
 
 
-def _optional_imports(backend_name: str) -> tuple[str, ...]:
+def _optional_imports(computes: engine.Engine) -> tuple[str, ...]:
     """What TensorFlow's load skips: its optional imports, less what the engine needs (`Engine.needs_at_load`)."""
-    computes = engine.ENGINES.get(backend_name)
-    needed = computes.needs_at_load if computes is not None else frozenset()
-    return tuple(name for name in ("jax", "jaxlib", "matplotlib") if name not in needed)
+    return tuple(name for name in ("jax", "jaxlib", "matplotlib") if name not in computes.needs_at_load)
 
 
 def load_tensorflow(debug: bool, skipped: tuple[str, ...] | None = None) -> None:
     """Imports TensorFlow with its start-up notices held back (shown with `--debug`); every other line it
     writes to stderr while loading is passed on. Call through `start` (`skipped`: the plan's optional imports;
-    by default those of the backend KERAS_BACKEND names)."""
+    by default those of the engine this process computes with, `engine.active()`)."""
     if "tensorflow" in sys.modules:
         return
     if skipped is None:
-        skipped = _optional_imports(os.environ.get("KERAS_BACKEND", "tensorflow"))
+        skipped = _optional_imports(engine.active())
     skip = _SkipOptional(frozenset(name for name in skipped if name not in sys.modules))
     sys.meta_path.insert(0, skip)
     try:

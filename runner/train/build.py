@@ -216,7 +216,7 @@ def build_compiled(
         from runner.train import hub
 
         with accelerator.strategy.scope():
-            model = hub.build_causal_lm(spec, chosen.policy if chosen is not None else None)
+            model = hub.build_causal_lm(spec, accelerator, chosen.policy if chosen is not None else None)
             hub.check_records(model, manifest, spec.model.hub)
             hub.compile_causal_lm(model, make_optimizer(spec.train), steps_per_execution(spec, accelerator.kind))
         return model, None

@@ -64,13 +64,14 @@ def fresh_preset(preset: str) -> Iterator[None]:
                 os.environ["KERAS_HOME"] = before
 
 
-def build_causal_lm(spec: JobSpec, policy: str | None = None) -> Any:
-    """The preset's CausalLM without its preprocessor, LoRA enabled at model.lora_rank; call inside the
-    strategy's scope (a sharded job's layout applies to the variables made here)."""
+def build_causal_lm(spec: JobSpec, accelerator: Any, policy: str | None = None) -> Any:
+    """The preset's CausalLM without its preprocessor, LoRA enabled at model.lora_rank, for `accelerator`
+    (runner/device/accelerator.py), whose engine must run KerasHub's language models; call inside its scope (a
+    sharded job's layout applies to the variables made here)."""
     keras_hub = _keras_hub()
-    if keras.backend.backend() != "jax":
-        raise SpecError(f"model.hub ({spec.model.hub}) runs Keras on JAX, not {keras.backend.backend()}: "
-                        "set accelerator.backend: jax")
+    if not accelerator.engine.runs_hub_models:  # `auto` on a CPU chose TensorFlow
+        raise SpecError(f"model.hub ({spec.model.hub}) runs Keras on JAX, not {accelerator.engine.name} "
+                        f"({accelerator.engine.reason}): set accelerator.backend: jax")
     # The preset's config.json names its own dtype policy, which would win over Keras's global one.
     dtype = "float32" if policy in (None, "float32") else f"mixed_{policy}"
     try:
