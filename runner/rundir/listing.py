@@ -20,6 +20,7 @@ from typing import Any
 from runner import DataError, StorageError
 from runner.data import storage
 from runner.rundir import lease as leases
+from runner.rundir.summary import Recorded
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ def _number(value: Any) -> bool:
 def _epochs_done(summary: dict[str, Any]) -> int | None:
     """Epochs trained over every attempt: the final step over the steps per epoch (the epochs list holds only
     the latest attempt's)."""
-    step, per_epoch = summary.get("final_step"), summary.get("steps_per_epoch")
-    if _number(step) and _number(per_epoch) and per_epoch > 0:
+    recorded = Recorded.of(summary) or Recorded()
+    step, per_epoch = recorded.final_step, recorded.steps_per_epoch
+    if step is not None and (per_epoch or 0) > 0:
         return int(step // per_epoch)
     numbers = [e.get("epoch") for e in summary.get("epochs") or [] if _number(e.get("epoch"))]
     if numbers:
         return int(max(numbers))
-    return summary.get("train_epochs") if summary.get("status") == "succeeded" else None
+    return recorded.train_epochs if recorded.succeeded else None
 
 
 def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest: float | None,
@@ -99,13 +101,14 @@ def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest
     if accelerator.get("kind"):
         replicas = accelerator.get("replicas") or 1
         device = accelerator["kind"] + (f" x{replicas}" if replicas > 1 else "")
-    status = summary.get("status") or "no summary"
+    recorded = Recorded.of(summary) or Recorded()
+    status = recorded.status or "no summary"
     holder = None
     if held is not None:
         status, holder = "running", leases.describe(*held)
     return Run(
         name=name, path=path, status=status, epochs_done=_epochs_done(summary),
-        epochs_asked=summary.get("train_epochs"), best=best_metric(summary),
+        epochs_asked=recorded.train_epochs, best=best_metric(summary),
         precision=(accelerator.get("precision") or {}).get("policy"), device=device, updated=_utc(newest),
         bytes=size, holder=holder,
     )

@@ -172,10 +172,11 @@ class Recorded(BaseModel):
     """What a run folder's summary.json says that the resume rules, `runner sweep` and the reported weights read:
     lenient (a summary of an older runner, or of schema_version 1, still reads; other keys ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # a value of another type is not read as this one
     status: str | None = None
     attempt: int | None = None
     train_epochs: int | None = None
+    steps_per_epoch: int | None = None
     final_step: int | None = None
     error: str | None = None
 
