@@ -1,10 +1,12 @@
 """What a job runs on, as the rest of the job sees it: the device kind, how many replicas and workers, the
-backend that computes, and the tf.distribute strategy (TensorFlow's default one under JAX, whose devices are
-Keras's distribution: runner/device/jax_devices.py). Built by runner/device/strategy.py `resolve_accelerator`.
+engine that computes, and the scope its variables are made in (`scope()`: the TensorFlow engine's tf.distribute
+strategy; under JAX none, its devices are Keras's distribution: runner/device/jax_devices.py). Built by
+runner/device/strategy.py `resolve_accelerator`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 from typing import Any
@@ -18,7 +20,8 @@ from runner.device import backend, host
 class Accelerator:
     """What the job runs on: handed to data, training and the summary."""
 
-    strategy: tf.distribute.Strategy
+    # The TensorFlow engine's tf.distribute strategy; None under JAX (Keras's distribution places the variables).
+    strategy: tf.distribute.Strategy | None
     kind: str  # tpu | gpu | cpu
     replicas: int
     workers: int = 1
@@ -30,6 +33,10 @@ class Accelerator:
     tpu: dict[str, str | None] | None = None  # on a TPU: runner/device/tpus.py `device_facts`
     # Under JAX with accelerator.mesh: the ModelParallel laying the variables out (runner/device/sharding.py).
     layout: Any = None
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Where the model's variables are made (build, restore): the strategy's scope, else nothing to enter."""
+        return self.strategy.scope() if self.strategy is not None else contextlib.nullcontext()
 
     def whole_for_export(self, model: Any) -> None:
         """A sharded model's variables that no process holds whole gathered onto every device (a collective every

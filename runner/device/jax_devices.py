@@ -113,7 +113,7 @@ def _accelerator(kind: str, devices: list, spec: AcceleratorSpec, model: ModelSp
         detail = f"one {kind} device ({devices[0].device_kind})"
     if joined.several:
         detail += f" in {joined.count} processes, this one process {joined.index}"
-    return Accelerator(tf.distribute.get_strategy(), kind, len(devices), workers=joined.count,
+    return Accelerator(None, kind, len(devices), workers=joined.count,
                        worker_index=joined.index, detail=detail, layout=layout,
                        tpu=tpus.device_facts(devices[0].device_kind, os.environ) if kind == "tpu" else None)
 

@@ -72,7 +72,7 @@ def generate(spec: JobSpec, input_path: str, max_length: int | None = None, samp
     with hub.fresh_preset(spec.model.hub):
         model.preprocessor = keras_hub.models.CausalLMPreprocessor.from_preset(spec.model.hub, sequence_length=length)
     model.compile(sampler=sampler)  # generation only: the loss and optimizer it resets are not used
-    with trained.accelerator.strategy.scope():
+    with trained.accelerator.scope():
         texts = model.generate(prompts, max_length=length)
     texts = [texts] if isinstance(texts, str) else list(texts)
     lines = [{"prompt": p, "generated": t, "response": t[len(p):].strip() if t.startswith(p) else None}

@@ -60,7 +60,7 @@ def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
     shards = pipeline.find_shards(spec.data.train)
     model, saved = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
     if weights.keras_file:
-        with accelerator.strategy.scope():
+        with accelerator.scope():
             build.load_keras_file(model, weights.path)
         step = weights.step
     else:

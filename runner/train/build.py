@@ -215,12 +215,12 @@ def build_compiled(
     if spec.model.hub is not None:  # a KerasHub causal LM, on its own loss and metrics (runner/train/hub.py)
         from runner.train import hub
 
-        with accelerator.strategy.scope():
+        with accelerator.scope():
             model = hub.build_causal_lm(spec, accelerator, chosen.policy if chosen is not None else None)
             hub.check_records(model, manifest, spec.model.hub)
             hub.compile_causal_lm(model, make_optimizer(spec.train), steps_per_execution(spec, accelerator.kind))
         return model, None
-    with accelerator.strategy.scope():
+    with accelerator.scope():
         seeds = precision.random_state()
         model = build_model(spec, features, manifest)
         if chosen is not None and chosen.policy != "float32" and (why := precision.output_not_float32(model)):

@@ -56,9 +56,11 @@ class InputClock:
         return float(self._waited.numpy())
 
 
-def _input_host(strategy: tf.distribute.Strategy) -> str:
+def _input_host(strategy: tf.distribute.Strategy | None) -> str:
     """The host CPU of the first device, where the input pipeline runs: this machine on a TPU VM or a GPU
-    machine, the TPU worker's host for a remote TPU."""
+    machine, the TPU worker's host for a remote TPU; this process's CPU under an engine without a strategy (JAX)."""
+    if strategy is None:
+        return "/job:localhost/replica:0/task:0/device:CPU:0"
     try:
         first = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
     except RuntimeError:  # the default strategy (one device) has no device list: this process's CPU
