@@ -35,6 +35,7 @@ jax or orbax or compares a backend's name.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -340,6 +341,12 @@ class Jax(Engine):
         jax.effects_barrier()  # the traced steps' computations finish inside the trace
         jax.profiler.stop_trace()
 
+    def weights_finite(self, model: Any) -> bool:
+        """One jitted program over every floating-point variable, its answer replicated: a sharded model's
+        processes run the same single collective, not one per variable in whatever order each reaches them."""
+        values = [v.value for v in [*model.weights, *model.optimizer.variables] if "float" in str(v.dtype)]
+        return bool(_all_finite()(values)) if values else True
+
     def serving_endpoints(self, archive: Any, model: Any, inputs: Any, examples_to_inputs: Callable,
                           records: Any, names: tuple[str, str]) -> None:
         import tensorflow as tf
@@ -382,6 +389,15 @@ class Jax(Engine):
 
 ENGINES: dict[str, type[Engine]] = {"tensorflow": TensorFlow, "jax": Jax}
 assert set(ENGINES) == set(backend.BACKENDS)
+
+
+@functools.cache
+def _all_finite() -> Callable[[list], Any]:
+    """One jitted function (traced once per list of shapes and shardings, not once per call)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda values: jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values])))
 
 
 def of(chosen: backend.Backend) -> Engine:
