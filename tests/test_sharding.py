@@ -261,9 +261,10 @@ def test_two_processes_of_4_cpu_devices_resume_a_sharded_kerashub_model_after_si
     """Gemma's layout splits its embedding over the batch axis too: no process holds it whole, so each save writes
     each process's shards, a restore reads them back (runner/rundir/orbax_store.py `_target`) and the export
     gathers them. SIGTERM to both processes saves the next step; kill -9 of both leaves the newest whole save;
-    the run after them resumes there and ends at the exact step. Once hung in the finiteness check before each
-    save: one program per variable, which a process loading programs from the shared compile cache and one
-    compiling its own ran in different orders (runner/device/engine.py `Jax.weights_finite`: one program)."""
+    the run after them resumes there and ends at the exact step. It hung, every time the shared compile cache was
+    warm, in the finiteness check before a save when that ran one small program per variable: process 0 loads its
+    programs from the cache, process 1 (whose cache keys differ on CPU; JAX writes from process 0 only) compiles
+    its own. One program for the check (runner/device/engine.py `Jax.weights_finite`) ends it."""
     from tests.test_multihost import finish as finish_all
     from tests.test_multihost import start as start_all
 
