@@ -25,7 +25,7 @@ from runner.job import checkpoints, fingerprint
 from runner.job.inputs import Inputs, make_inputs
 from runner.rundir import joining
 from runner.rundir.attempt import Attempt, JobResult, error_of
-from runner.rundir.summary import Summary
+from runner.rundir.summary import Epoch, Summary
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
 from runner.train import build, fit, flops, hub, limits, loop, observe, progress, verdict
@@ -163,7 +163,8 @@ class _Job:
     def _earlier_epochs(self) -> list[dict]:
         if self._earlier is None:
             try:
-                self._earlier = self.attempt.run.epochs_before(self.attempt.number)
+                self._earlier = [Epoch.model_validate(r).model_dump(exclude_unset=True)  # declared records only
+                                 for r in self.attempt.run.epochs_before(self.attempt.number)]
             except (tf.errors.OpError, ValueError) as exc:  # the summary still comes, with this attempt's epochs
                 log.warning("could not read the earlier attempts' epochs from %s: %s", self.attempt.run.path, exc)
                 self._earlier = []
