@@ -12,7 +12,8 @@ An engine answers, in the order a job meets them:
                        of its own (runner/doctor/jax_tpu.py: JAX's TPU runtime)
   joins_processes      whether several processes form one job through its runtime (runner/device/processes.py);
   own_input_share      and whether each process then reads its own share of every batch (runner/data/pipeline.py)
-  resolve              the devices and the scope (runner/device/tf_devices.py, jax_devices.py), for strategy.py
+  resolve              the devices and the scope (runner/device/tf_devices.py, jax_devices.py), for strategy.py:
+                       an Accelerator whose `scope()` is TensorFlow's strategy, or nothing under JAX
   use_compile_cache    a persistent cache of compiled programs in the run folder (JAX's; TensorFlow keeps none)
   check_model          a model the engine cannot run, refused before training; `build_hint` for a build that
                        failed; `build_state`, the variables made before `fit`
@@ -359,7 +360,7 @@ class Jax(Engine):
         archive.add_endpoint(names[1], examples)
 
     def matmul_chain(self, matmul: Any, strategy: Any, a: Any, b: Any) -> Callable[[], Any]:
-        """One copy of the operands per local device, summed across them (`strategy`: unused, JAX's devices)."""
+        """One copy of the operands per local device, summed across them (`strategy`: None, JAX's own devices)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
