@@ -40,6 +40,7 @@ def train_once(url: str, asynchronous: bool, epochs: int, steps: int, batch: int
     from runner.train import fit
     from runner.train.preemption import PreemptionNotice
     from runner.train.saver import Saver
+    from runner.train.tf_store import TensorFlowStore
 
     keras = tf.keras
     keras.utils.set_random_seed(0)
@@ -52,9 +53,7 @@ def train_once(url: str, asynchronous: bool, epochs: int, steps: int, batch: int
     x = np.random.default_rng(0).random((batch * 4, 4096), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 10, batch * 4)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-    manager = RunFolder(url).checkpoint_manager(checkpoint, keep=3)
-    saver = Saver(manager, checkpoint, asynchronous=asynchronous)
+    saver = Saver(TensorFlowStore(RunFolder(url), model, keep=3, asynchronous=asynchronous))
     blocked: list[float] = []
 
     def save(step: int) -> None:

@@ -1,6 +1,6 @@
-"""Checkpoints written in the background (runner/train/saver.py): the copy is what was checked at the save, the index
-names a checkpoint only once its files are written, a failed write stops the job with its error, and a real
-run saves this way and waits for its last write.
+"""Checkpoints written in the background (runner/train/saver.py over runner/train/tf_store.py): the copy is what
+was checked at the save, the index names a checkpoint only once its files are written, a failed write stops the
+job with its error, and a real run saves this way and waits for its last write.
 
 The saver runs in a child process against the GCS emulator behind the fault proxy: a delayed or refused
 upload of one checkpoint's files shows what the training loop sees while the write is in flight.
@@ -27,10 +27,13 @@ CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     import tensorflow as tf
+    from runner.rundir.outputs import RunFolder
     from runner.train.saver import Saver
+    from runner.train.tf_store import TensorFlowStore
 
     keras = tf.keras
-    folder = sys.argv[1]
+    run = RunFolder(sys.argv[1])
+    folder = run.checkpoints
 
     def build():
         model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(4096),
@@ -39,9 +42,8 @@ CHILD = textwrap.dedent("""
         model.fit(np.ones((8, 512), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0)
         return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer)
 
-    model, checkpoint = build()
-    manager = tf.train.CheckpointManager(checkpoint, folder, max_to_keep=5, checkpoint_name="ckpt")
-    saver = Saver(manager, checkpoint, asynchronous=True)
+    model, checkpoint = build()  # the checkpoint object reads the written ones back below
+    saver = Saver(TensorFlowStore(run, model, keep=5))
     kernel = model.layers[0].kernel
     seen = {"steps": []}
     for step in (1, 2, 3):

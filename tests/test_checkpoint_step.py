@@ -59,7 +59,7 @@ def test_the_newest_whole_step_of_either_format_and_never_a_save_cut_short(train
     (tensorflow / "checkpoints" / "checkpoint.tmp3f2a").write_text('model_checkpoint_path: "ckpt-12"\n')
     # Orbax on a local disk: the temporary folder a save writes into before its rename.
     shutil.copytree(orbax / "checkpoints" / "ckpt_8", orbax / "checkpoints" / "ckpt_12.orbax-checkpoint-tmp-1764")
-    assert (checkpoints.newest_step(str(tensorflow)), checkpoints.newest_step(str(orbax))) == (8, 8)
+    assert (checkpoints.latest_step(str(tensorflow)), checkpoints.latest_step(str(orbax))) == (8, 8)
     assert checkpoints.newest(str(tmp_path / "no-such-run")) is None
 
 
@@ -74,9 +74,9 @@ def test_in_a_bucket_an_orbax_step_counts_once_its_commit_file_is_written(traine
     for name in gcs.objects(bucket, "runs/orbax/checkpoints/ckpt_8/"):
         if not name.endswith(checkpoints.COMMIT):
             gcs.write(bucket, name.replace("ckpt_8/", "ckpt_12/"), gcs.read(bucket, name))
-    assert checkpoints.newest_step(runs["orbax"]) == 8
+    assert checkpoints.latest_step(runs["orbax"]) == 8
     gcs.write(bucket, f"runs/orbax/checkpoints/ckpt_12/{checkpoints.COMMIT}", b"Checkpoint commit was successful")
-    assert checkpoints.newest_step(runs["orbax"]) == 12
+    assert checkpoints.latest_step(runs["orbax"]) == 12
 
 
 def test_reading_the_step_loads_no_tensorflow() -> None:

@@ -268,7 +268,7 @@ def test_an_own_model_whose_output_would_be_bfloat16_trains_in_float32_under_aut
             "model": {"name": f"{package}.nets:{function}"}, "data": {"inputs": ["image"]},
             "code": {"folder": str(src)},
         })
-        return build_compiled(spec, features, cpu, chosen)[0]
+        return build_compiled(spec, features, cpu, chosen)
 
     # auto chose bfloat16 (as on a CPU with avx512_bf16), but the model's softmax would compute in bfloat16.
     chosen = Precision("bfloat16", "cpu flag avx512_bf16", auto=True)

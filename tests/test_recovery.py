@@ -367,7 +367,7 @@ def test_preemption_mid_epoch_resumes_from_the_newest_checkpoint_with_the_exact_
     watcher = cloud.start(*cloud.submit_args(spec, "--spot", "--max-restarts", "2"))
 
     # Into epoch 2 (a whole save there), not a wall-clock guess: a busy machine may not have begun it yet.
-    wait_until(lambda: (s := checkpoints.newest_step(cloud.run_dir)) is not None and s > steps, watcher,
+    wait_until(lambda: (s := checkpoints.latest_step(cloud.run_dir)) is not None and s > steps, watcher,
                timeout=600, every=0.2)
     cloud.api.preempt("mnist-cnn", grace_s=20)  # Spot preemption: SIGTERM on the VM, then it is gone
     code, out, err = finish(watcher, timeout=900)

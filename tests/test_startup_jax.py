@@ -200,7 +200,7 @@ def test_a_preemption_stops_the_container_as_dockerd_does_and_the_job_saves_and_
     assert vms.sub.tpu.hosts == 1
     vms.boot(0)
     deadline = time.monotonic() + WAIT_S
-    while checkpoints.newest_step(vms.run_dir) is None:  # training, a checkpoint saved
+    while checkpoints.latest_step(vms.run_dir) is None:  # training, a checkpoint saved
         assert time.monotonic() < deadline and vms.processes[0].poll() is None, vms.processes[0].communicate()
         time.sleep(0.5)
     os.killpg(vms.processes[0].pid, signal.SIGTERM)  # the VM shuts down: its startup script's processes are told
@@ -213,7 +213,7 @@ def test_a_preemption_stops_the_container_as_dockerd_does_and_the_job_saves_and_
     summary = vms.object("summary.json")
     assert summary["status"] == "preempted"
     saved = int(re.search(r"saved step (\d+)", summary["error"]).group(1))
-    assert checkpoints.newest_step(vms.run_dir) == saved, "the notice's save is the newest whole one"
+    assert checkpoints.latest_step(vms.run_dir) == saved, "the notice's save is the newest whole one"
     docker_run = next(c for c in (Path(vms.envs[0]["FAKE_CALLS"]).read_text().splitlines())
                       if c.startswith("docker run") and " run /job/spec.yaml" in c)
     assert f"--stop-timeout {20 + 30}" in docker_run, "the stop timeout covers checkpoint.grace_s"

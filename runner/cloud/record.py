@@ -175,7 +175,7 @@ def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:
 
 def checkpoint_step(run_dir: str) -> int | None:
     """The step of the newest whole checkpoint, TensorFlow's or Orbax's (runner/rundir/checkpoints.py); None: none."""
-    return checkpoints.newest_step(run_dir)
+    return checkpoints.latest_step(run_dir)
 
 
 # --- job.json --------------------------------------------------------------------------------------

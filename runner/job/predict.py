@@ -28,13 +28,13 @@ import tensorflow as tf
 from runner import DataError, SpecError
 from runner.data import faults, pipeline, rows, splits
 from runner.device.strategy import Accelerator, resolve_accelerator
-from runner.job import answers, checkpoints
+from runner.job import answers
 from runner.job.inputs import evaluation_batches
 from runner.rundir import reported
 from runner.rundir.outputs import RunFolder
 from runner.spec import usercode
 from runner.spec.types import JobSpec
-from runner.train import build
+from runner.train import build, store
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,13 @@ def load_trained(spec: JobSpec, checkpoint: str | None = None) -> Trained:
     weights = reported.chosen_weights(run, spec.name, checkpoint)
     accelerator = resolve_accelerator(spec.accelerator)
     shards = pipeline.find_shards(spec.data.train)
-    model, saved = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
+    model = build.build_compiled(spec, shards.features, accelerator, manifest=shards.manifest)
     if weights.keras_file:
         with accelerator.scope():
             build.load_keras_file(model, weights.path)
         step = weights.step
     else:
-        step = checkpoints.restore(run, model, saved, weights.path)
+        step = store.restore_once(run, model, weights.path)
     log.info("restored %s (step %s) on %s x%d", weights.path, step, accelerator.kind, accelerator.replicas)
     manifest_path = posixpath.join(posixpath.dirname(spec.data.train), pipeline.MANIFEST)
     notes = [note] if checkpoint is None and (note := reported.abandoned_note(run)) else []

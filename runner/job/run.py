@@ -21,15 +21,16 @@ from runner import DataError, Diverged, Interrupted, LearnedNothing, Preempted, 
 from runner.data import faults, integrity, pipeline
 from runner.device import engine, host, peak, precision, processes
 from runner.device.strategy import per_replica_batch, resolve_accelerator
-from runner.job import checkpoints, fingerprint
+from runner.job import fingerprint
 from runner.job.inputs import Inputs, make_inputs
 from runner.rundir import joining
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.summary import Epoch, Summary
 from runner.rundir.timing import EpochRecord
 from runner.spec.types import JobSpec
-from runner.train import build, fit, flops, hub, limits, loop, observe, progress, verdict
+from runner.train import build, fit, flops, hub, limits, loop, observe, progress, store, verdict
 from runner.train.preemption import EarlyNotice, PreemptionNotice
+from runner.train.saver import Saver
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def _run(spec: JobSpec, attempt: Attempt, stall: limits.StallGuard | None, verbo
         return JobResult(attempt.summary("failed", exc, global_batch=spec.data.global_batch_size), exc)
     if done is not None:
         train = data.shards["data.train"]
-        changed = checkpoints.changed_since_complete(spec, attempt.run, train.features, train.manifest, done)
+        changed = store.changed_since_complete(spec, attempt.run, train.features, train.manifest, done)
         if changed is not None:  # not "already complete": the model it would answer with is no longer this one
             return JobResult(attempt.summary("failed", changed, global_batch=spec.data.global_batch_size), changed)
         log.info("job %r is already complete (%s/summary.json); nothing to do", spec.name, attempt.run.path)
@@ -310,22 +311,18 @@ def _build_and_restore(
     facts.steps_per_epoch = inputs.steps_per_epoch
     facts.steps_per_execution = build.steps_per_execution(spec, accelerator.kind)
     with attempt.phases.phase("build"):
-        model, checkpoint = build.build_compiled(
-            spec, inputs.train.features, accelerator, chosen, inputs.train.manifest
-        )
+        model = build.build_compiled(spec, inputs.train.features, accelerator, chosen, inputs.train.manifest)
         per_replica = spec.data.global_batch_size // accelerator.replicas
         counted = hub.count(model, inputs.train.features) if spec.model.hub else None  # PaLM's analytic count
         attempt.model_flops = counted or flops.count(model, per_replica, accelerator.engine)  # milliseconds
     with attempt.phases.phase("restore"):
+        checkpoints = store.open_store(attempt.run, model, spec.checkpoint.keep)
         latest = attempt.run.latest_checkpoint()
         if latest:
-            plan.start_step = checkpoints.restore(attempt.run, model, checkpoint, latest, spec.checkpoint.keep,
-                                                  inputs.train_ds.element_spec)
+            plan.start_step = store.restore(checkpoints, model, latest, inputs.train_ds.element_spec)
             log.info("resuming %r from %s (step %d of %d)", spec.name, latest, plan.start_step, plan.total_steps)
     facts.resumed_from_step = plan.start_step
-    # In the background on one worker: training waits only for the copy of the weights.
-    saver = checkpoints.saver(attempt.run, model, checkpoint, spec.checkpoint.keep)
-    return model, saver, plan
+    return model, Saver(checkpoints), plan  # in the background: training waits only for the copy of the weights
 
 
 def _train(

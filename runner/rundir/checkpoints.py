@@ -1,5 +1,7 @@
-"""The newest whole checkpoint of a run folder, whichever backend wrote it, read without TensorFlow, JAX or Orbax:
-what `runner status`, `runner submit --watch` and the restart records (`step_reached`) show of a job's progress.
+"""The checkpoint store's face, read without TensorFlow, JAX or Orbax: the one `Store` interface its two formats
+implement, the one parser of a checkpoint's step, and the newest whole checkpoint of a run folder whichever format
+wrote it (`latest_step`): what `runner status`, `runner submit --watch`, the restart records (`step_reached`), the
+weights evaluate and predict report and the tests read of a job's progress.
 
 `<run>/checkpoints/` holds one of two formats:
   TensorFlow's (runner/rundir/outputs.py, tf.train.CheckpointManager): `ckpt-<step>.index` and
@@ -11,6 +13,9 @@ what `runner status`, `runner submit --watch` and the restart records (`step_rea
       whole; on gs:// (no rename) it writes into `ckpt_<step>/` and puts `commit_success.txt` there last. These
       are the tests of Orbax's own `checkpoint_steps_paths` (orbax/checkpoint/_src/path/step.py, atomicity.py).
 Both formats in one folder (which a run refuses: outputs.py, check_backend) give the newer step.
+
+The two implementations of `Store`: runner/train/tf_store.py (TensorFlow's) and runner/rundir/orbax_store.py
+(Orbax's); runner/train/saver.py is the one saver over either, runner/train/store.py opens the job's.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from runner import StorageError
 from runner.data import storage
@@ -26,8 +31,51 @@ from runner.data import storage
 FOLDER = "checkpoints"
 INDEX = "checkpoint"  # TensorFlow's index file
 COMMIT = "commit_success.txt"  # Orbax's mark of a whole step on gs://
-_INDEXED = re.compile(r'^model_checkpoint_path:\s*"(?:.*/)?ckpt-(\d+)"', re.MULTILINE)
-_ORBAX_STEP = re.compile(r"^ckpt_(\d+)$")
+PREFIX = "ckpt"
+# A checkpoint's name: TensorFlow's prefix `ckpt-<step>`, Orbax's folder `ckpt_<step>`; the one step parser.
+_NAME = re.compile(rf"{PREFIX}([-_])(\d+)")
+SEPARATOR = {"tensorflow": "-", "orbax": "_"}
+_INDEXED = re.compile(r'^model_checkpoint_path:\s*"([^"]*)"', re.MULTILINE)
+
+
+def step_of(path: str, store: str | None = None) -> int | None:
+    """The step a checkpoint's path names (`.../ckpt-12` or `.../ckpt_12/`), None when it names none; with `store`,
+    only a name of that store's format."""
+    match = _NAME.fullmatch(posixpath.basename(path.rstrip("/")))
+    if match is None or (store is not None and SEPARATOR[store] != match.group(1)):
+        return None
+    return int(match.group(2))
+
+
+def name_of(step: int, store: str) -> str:
+    return f"{PREFIX}{SEPARATOR[store]}{step}"
+
+
+class Store(Protocol):
+    """One run folder's checkpoints of one model (its weights, optimizer state and step), in one format.
+
+    `latest()` is the newest whole step's path (a save cut short is never one); `save(step)` starts a save and
+    returns its path once the state is copied off the device (in the background when `asynchronous`, else whole),
+    removing the oldest beyond the store's `keep`; `wait()` waits for the save in flight and raises its error,
+    returning when its write ended (time.monotonic, None when not known); `restore(path)` is all or nothing: the
+    model's variables and the checkpoint's are matched first (`check`, SpecError naming each difference), and
+    nothing is assigned on a mismatch; `close()` ends what the store holds open."""
+
+    name: str  # its format: `tensorflow` or `orbax`, as `Saved.store` and the engine's `checkpoint_format` say
+    asynchronous: bool
+    why_sync: str | None
+
+    def latest(self) -> str | None: ...
+
+    def save(self, step: int) -> str: ...
+
+    def wait(self) -> float | None: ...
+
+    def restore(self, path: str) -> int: ...
+
+    def check(self, path: str, complete: bool = False) -> object: ...
+
+    def close(self) -> None: ...
 
 
 class Saved(NamedTuple):
@@ -46,14 +94,21 @@ def newest(run_dir: str, timeout_s: float = 60.0) -> Saved | None:
     return max(found, key=lambda saved: saved.step, default=None)
 
 
-def newest_step(run_dir: str, timeout_s: float = 60.0) -> int | None:
+def latest_step(run_dir: str, timeout_s: float = 60.0) -> int | None:
+    """The step of the newest whole checkpoint in `run_dir` (either format), None when there is none."""
     saved = newest(run_dir, timeout_s)
     return None if saved is None else saved.step
 
 
-def _tensorflow(folder: str, index_text: str | None, join) -> list[Saved]:
+def indexed_step(index_text: str | None) -> int | None:
+    """The step of the checkpoint TensorFlow's index (`checkpoints/checkpoint`'s text) names as the newest."""
     match = _INDEXED.search(index_text or "")
-    return [Saved(int(match.group(1)), join(folder, f"ckpt-{match.group(1)}"), "tensorflow")] if match else []
+    return None if match is None else step_of(match.group(1), "tensorflow")
+
+
+def _tensorflow(folder: str, index_text: str | None, join) -> list[Saved]:
+    step = indexed_step(index_text)
+    return [] if step is None else [Saved(step, join(folder, name_of(step, "tensorflow")), "tensorflow")]
 
 
 def _local(folder: str) -> list[Saved]:
@@ -70,9 +125,9 @@ def _local(folder: str) -> list[Saved]:
             index_text = None
     found = _tensorflow(folder, index_text, os.path.join)
     for name in names:
-        match = _ORBAX_STEP.match(name)
-        if match and os.path.isdir(os.path.join(folder, name)):  # a temporary folder has another name
-            found.append(Saved(int(match.group(1)), os.path.join(folder, name), "orbax"))
+        step = step_of(name, "orbax")
+        if step is not None and os.path.isdir(os.path.join(folder, name)):  # a temporary folder has another name
+            found.append(Saved(step, os.path.join(folder, name), "orbax"))
     return found
 
 
@@ -86,7 +141,7 @@ def _gcs(folder: str, timeout_s: float) -> list[Saved]:
         listing = client.list_blobs(bucket_name, prefix=prefix, delimiter="/", timeout=timeout_s)
         names = {blob.name[len(prefix):] for blob in listing}  # the pages read: the prefixes are known too
         steps = sorted(
-            (int(m.group(1)) for p in listing.prefixes if (m := _ORBAX_STEP.match(p[len(prefix):].rstrip("/")))),
+            (step for p in listing.prefixes if (step := step_of(p[len(prefix):], "orbax")) is not None),
             reverse=True,
         )
         index_text = None
@@ -97,8 +152,8 @@ def _gcs(folder: str, timeout_s: float) -> list[Saved]:
                 index_text = None
         found = _tensorflow(folder, index_text, posixpath.join)
         for step in steps:  # newest first: the first whole one is the answer
-            if bucket.blob(f"{prefix}ckpt_{step}/{COMMIT}").exists(timeout=timeout_s):
-                found.append(Saved(step, posixpath.join(folder, f"ckpt_{step}"), "orbax"))
+            if bucket.blob(f"{prefix}{name_of(step, 'orbax')}/{COMMIT}").exists(timeout=timeout_s):
+                found.append(Saved(step, posixpath.join(folder, name_of(step, "orbax")), "orbax"))
                 break
         return found
     except api.GoogleAPICallError as exc:

@@ -1,5 +1,6 @@
-"""Checkpoints of a job that computes with JAX: Orbax's CheckpointManager in `<run>/checkpoints/ckpt_<step>/`,
-the backend seam's JAX side of the checkpoint store (TensorFlow's is tf.train.CheckpointManager: outputs.py).
+"""Checkpoints of a job that computes with JAX: Orbax's CheckpointManager in `<run>/checkpoints/ckpt_<step>/`, the
+Orbax implementation of the checkpoint store's `Store` (runner/rundir/checkpoints.py; TensorFlow's is
+runner/train/tf_store.py, and runner/train/saver.py is the one saver over either).
 
 A checkpoint holds every variable of the model (weights, seed generators) and of its optimizer (slots, the
 step, the learning rate), as Orbax's `StandardSave` of the arrays, beside a JSON list of each variable's path,
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,16 +27,16 @@ import numpy as np
 
 from runner import StorageError
 from runner.rundir import matching
+from runner.rundir.checkpoints import PREFIX, name_of
+from runner.rundir.checkpoints import step_of as _step_of
 
 log = logging.getLogger(__name__)
-
-PREFIX = "ckpt"
-_STEP = re.compile(rf"{PREFIX}_(\d+)$")
+NAME = "orbax"
 
 
 def step_of(path: str) -> int | None:
-    match = _STEP.search(path.rstrip("/"))
-    return int(match.group(1)) if match else None
+    """The step of an Orbax checkpoint's folder (`ckpt_<step>`), None for any other name."""
+    return _step_of(path, NAME)
 
 
 def latest_in(directory: str) -> str | None:
@@ -49,7 +48,7 @@ def latest_in(directory: str) -> str | None:
     except FileNotFoundError:
         return None
     found = [step for step in found if step is not None]
-    return posixpath.join(directory.rstrip("/"), f"{PREFIX}_{max(found)}") if found else None
+    return posixpath.join(directory.rstrip("/"), name_of(max(found), NAME)) if found else None
 
 
 def _leftovers(directory: str) -> list[str]:
@@ -84,7 +83,11 @@ def _layout(variables: dict[str, list]) -> dict[str, list[list]]:
 
 
 class OrbaxStore:
-    """Saves and restores one Keras model's state (and its optimizer's) in `directory`."""
+    """Saves and restores one Keras model's state (and its optimizer's) in `directory`: a `Store`."""
+
+    name = NAME
+    asynchronous = True  # Orbax's own background writes, on every backend
+    why_sync = None
 
     def __init__(self, directory: str, model: Any, keep: int, before_save: Callable[[], None] | None = None):
         import orbax.checkpoint as ocp
@@ -104,7 +107,7 @@ class OrbaxStore:
                      self.directory, ", ".join(leftovers))
 
     def path(self, step: int) -> str:
-        return posixpath.join(self.directory, f"{PREFIX}_{step}")
+        return posixpath.join(self.directory, name_of(step, NAME))
 
     def latest(self) -> str | None:
         step = self._manager.latest_step()
@@ -127,7 +130,7 @@ class OrbaxStore:
         return self.path(step)
 
     def wait(self) -> None:
-        """Waits for the save in flight; raises StorageError when it failed or did not become the newest."""
+        """Waits for the save in flight; raises StorageError when it failed. When it ended is not known (None)."""
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # noqa: BLE001 - Orbax's writer raises what the storage raised
@@ -225,54 +228,3 @@ def _matched(saved: dict[str, list], now: dict[str, list], path: str,
         pairs[part] = list(zip(new_index, old_index, strict=False))  # equal lengths once matched
     matching.check(path, before, after, complete=complete)
     return pairs
-
-
-class OrbaxSaver:
-    """The training loop's saver over an OrbaxStore: the same face as runner/train/saver.py's Saver."""
-
-    def __init__(self, store: OrbaxStore):
-        self._store = store
-        self.asynchronous = True
-        self.why_sync = None
-        self.saves = 0
-        self.blocked_s = 0.0
-        self.write_s = 0.0
-        self._pending: tuple[str, float] | None = None
-
-    def save(self, step: int) -> str:
-        began = time.monotonic()
-        try:
-            self.wait()
-            path = self._store.save(step)
-            self._pending = (path, began)
-            return path
-        finally:
-            self.saves += 1
-            self.blocked_s += time.monotonic() - began
-
-    def wait(self) -> None:
-        if self._pending is None:
-            return
-        path, began = self._pending
-        self._pending = None
-        self._store.wait()
-        self.write_s += time.monotonic() - began
-        if self._store.latest() != path:
-            raise StorageError(
-                f"the checkpoint {path} was not written (the newest is {self._store.latest()}): check that the run "
-                "folder's storage is writable and reachable, then run the job again"
-            )
-
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
-
-    def wait_after_error(self) -> None:
-        try:
-            self.wait()
-        except Exception as exc:  # noqa: BLE001 - the error already ending the job is the one to report
-            log.error("the last checkpoint write failed too: %s", exc)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": "async", "store": "orbax", "saves": self.saves, "blocked_s": round(self.blocked_s, 4),
-                "write_s": round(self.write_s, 4)}

@@ -74,6 +74,7 @@ from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
 from runner.device import engine
 from runner.rundir import orbax_store, serving
+from runner.rundir.checkpoints import step_of as _step_of
 from runner.rundir.lease import Lease
 from runner.rundir.pins import (
     BACKEND,
@@ -108,6 +109,7 @@ class RunFolder:
         self._spec: JobSpec | None = None
         self._pin: dict[str, Any] | None = None  # spec.json, written just before the attempt's first save
         self._pin_written = False
+        self._reader = False  # set by open(): a process that is not process 0 writes none of the folder's own files
         self._lease: Lease | None = None
         self._refused = False  # a refused attempt writes nothing, its summary included
         self._created = False  # this attempt made the folder: a refusal at start removes it again
@@ -431,11 +433,6 @@ class RunFolder:
             log.warning("output.saved_model is false: removed %s, an earlier attempt's export of other weights "
                         "than model.keras now holds", exported)
         return path
-
-def _step_of(checkpoint: str) -> int | None:
-    match = re.search(r"ckpt-(\d+)$", checkpoint)
-    return int(match.group(1)) if match else orbax_store.step_of(checkpoint)
-
 
 class _Checkpoints(tf.train.CheckpointManager):
     """The chief's CheckpointManager: spec.json is written with the attempt's first save (precedence 5),

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-import re
 
 import tensorflow as tf
 
 from runner import SpecError
-from runner.rundir import orbax_store
+from runner.rundir import checkpoints
 from runner.rundir.outputs import RunFolder
 from runner.rundir.summary import Recorded
 
@@ -38,14 +37,12 @@ class Weights:
     keras_file: bool
 
 
-def step_of(checkpoint: str) -> int | None:
-    match = re.search(r"ckpt-(\d+)$", checkpoint)
-    return int(match.group(1)) if match else orbax_store.step_of(checkpoint)
+step_of = checkpoints.step_of  # either format's name: runner/rundir/checkpoints.py
 
 
 def _checkpoint(prefix: str) -> bool:
     """A whole checkpoint is at `prefix`: TensorFlow's (`<prefix>.index`) or Orbax's (a `ckpt_<step>/` folder)."""
-    return tf.io.gfile.exists(prefix + ".index") or (orbax_store.step_of(prefix) is not None
+    return tf.io.gfile.exists(prefix + ".index") or (checkpoints.step_of(prefix, "orbax") is not None
                                                      and tf.io.gfile.isdir(prefix))
 
 
@@ -64,8 +61,8 @@ def chosen_weights(run: RunFolder, job: str, asked: str | None = None) -> Weight
         step = summary.final_step
         if tf.io.gfile.exists(run.file("model.keras")):
             return Weights(run.file("model.keras"), step, True)
-        prefix = posixpath.join(run.checkpoints, f"ckpt-{step}")
-        for candidate in (prefix, posixpath.join(run.checkpoints, f"{orbax_store.PREFIX}_{step}")):
+        prefix = posixpath.join(run.checkpoints, checkpoints.name_of(step, "tensorflow"))
+        for candidate in (prefix, posixpath.join(run.checkpoints, checkpoints.name_of(step, "orbax"))):
             if _checkpoint(candidate):
                 return Weights(candidate, step, False)
         raise SpecError(
@@ -91,7 +88,7 @@ def _asked(run: RunFolder, asked: str) -> Weights:
             return Weights(prefix, step_of(prefix), False)
     names = sorted(posixpath.basename(p)[: -len(".index")] for p in tf.io.gfile.glob(f"{run.checkpoints}/*.index"))
     names += sorted(posixpath.basename(p.rstrip("/")) for p in tf.io.gfile.glob(f"{run.checkpoints}/ckpt_*")
-                    if orbax_store.step_of(p) is not None)
+                    if checkpoints.step_of(p, "orbax") is not None)
     raise SpecError(
         f"--checkpoint {asked}: no checkpoint there (no {asked}.index); {run.checkpoints} holds "
         f"{', '.join(names) or 'none'}: name one of them, or a .keras file"

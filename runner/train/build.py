@@ -205,10 +205,9 @@ def compile_model(model: keras.Model, spec: JobSpec, accelerator_kind: str = "cp
 def build_compiled(
     spec: JobSpec, features: dict[str, Feature], accelerator: Any, chosen: precision.Precision | None = None,
     manifest: dict[str, Any] | None = None,
-) -> tuple[keras.Model, tf.train.Checkpoint | None]:
-    """The spec's model, built and compiled under the accelerator's strategy, and (under TensorFlow) the
-    checkpoint object that saves and restores its weights, optimizer state and step; under JAX the run
-    folder's Orbax store reads the model itself (runner/rundir/orbax_store.py), and this is None.
+) -> keras.Model:
+    """The spec's model, built and compiled under the accelerator's strategy; the run folder's checkpoint store
+    (runner/train/store.py) saves and restores its weights, optimizer state and step.
 
     `chosen`: the precision the job set (runner/device/precision.py). The output layer stays float32: a model whose
     output is not is built again in float32 when `auto` chose bfloat16, and warned about when asked for."""
@@ -219,7 +218,7 @@ def build_compiled(
             model = hub.build_causal_lm(spec, accelerator, chosen.policy if chosen is not None else None)
             hub.check_records(model, manifest, spec.model.hub)
             hub.compile_causal_lm(model, make_optimizer(spec.train), steps_per_execution(spec, accelerator.kind))
-        return model, None
+        return model
     with accelerator.scope():
         seeds = precision.random_state()
         model = build_model(spec, features, manifest)
@@ -242,10 +241,7 @@ def build_compiled(
         compile_model(model, spec, accelerator.kind, one_hot)
         check_loss_agreement(model, model.loss)
         accelerator.engine.check_model(model, spec.model.name)
-        if accelerator.engine.checkpoint_format == "orbax":  # the run folder's Orbax store reads the model itself
-            return model, None
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-    return model, checkpoint
+    return model
 
 
 def restore(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from runner.rundir import checkpoints
 from tests.conftest import REPO, cli_env
 from tests.support import zygote
 
@@ -117,9 +118,9 @@ def _early_step_of_epoch_2(stderr: str) -> bool | None:
 
 
 def indexed_step(index_text: str | None) -> int | None:
-    """The step of the checkpoint a CheckpointManager index (`checkpoints/checkpoint`) names as the latest."""
-    match = re.search(r'^model_checkpoint_path: "(?:.*/)?ckpt-(\d+)"', index_text or "", re.M)
-    return int(match.group(1)) if match else None
+    """The step of the checkpoint a CheckpointManager index (`checkpoints/checkpoint`) names as the latest: the
+    runner's own reading (runner/rundir/checkpoints.py)."""
+    return checkpoints.indexed_step(index_text)
 
 
 def local_index(run_dir: Path) -> str | None:
