@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,20 @@ def test_prepare_text_names_the_line_it_cannot_read(tmp_path):
     unset = run_cli("prepare", "text", chats, "--sequence-length", 8, "--out", tmp_path / "data")
     assert unset.returncode == 2 and "needs --preset" in unset.stderr, unset.stderr
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").glob("*.tfrecord"))
+
+
+def test_prompts_to_generate_from_are_read_as_prepare_reads_lines(tmp_path):
+    """`runner predict` on a model.hub job reads a .jsonl of prompts through the same line reader as `runner
+    prepare text` (runner/data/rows.py `json_lines`): blank lines skipped, a bad line named by number."""
+    from runner import DataError
+    from runner.job.generate import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    assert read_prompts(str(prompts)) == ["a", "b"]
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b",\n')
+    with pytest.raises(DataError, match=rf"{re.escape(str(prompts))}:2: not a JSON object"):
+        read_prompts(str(prompts))
+    prompts.write_text('{"prompt": "a"}\n{"answer": "b"}\n')
+    with pytest.raises(DataError, match=r':2: .* holds no "prompt"'):
+        read_prompts(str(prompts))

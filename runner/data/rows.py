@@ -8,7 +8,8 @@ from __future__ import annotations
 import csv
 import difflib
 import io
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,18 @@ def read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     if not rows:
         raise DataError(f"{path} holds a header and no records")
     return header, rows, lines
+
+
+def json_lines(path: str, lines: list[str]) -> Iterator[tuple[int, str, object]]:
+    """(line number, line, its JSON value) of each non-blank line of a JSONL file: what `runner prepare text` and
+    `runner predict` on prompts read alike; a line that is not JSON is a DataError naming the file and line."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, line, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{number}: not a JSON object ({exc.msg}); each line holds one object") from None
 
 
 def column_kind(cells: list[str]) -> str:

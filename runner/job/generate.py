@@ -11,10 +11,10 @@ it) and the response (what follows the prompt).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from runner import DataError, SpecError
+from runner.data import rows
 from runner.job.predict import Trained, load_trained
 from runner.spec.types import JobSpec
 from runner.train import hub
@@ -40,13 +40,7 @@ def read_prompts(path: str) -> list[str]:
         prompts = [line for line in lines if line.strip()]
     else:
         prompts = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+        for number, line, row in rows.json_lines(path, lines):
             text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise DataError(f"{path}:{number}: {line.strip()[:80]!r} holds no \"prompt\" (or \"text\") string")

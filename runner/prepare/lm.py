@@ -13,7 +13,6 @@ learns to answer, not to ask. The manifest's `preprocessing` says all of it, wit
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from runner import DataError, SpecError
+from runner.data import rows
 from runner.data.schema import Feature
 from runner.prepare.datasets import Dataset
 from runner.prepare.own import parse_split, split_rows
@@ -46,13 +46,7 @@ def read_texts(path: str) -> tuple[list[str], list[str] | None]:
             raise DataError(f"{path} holds no text (one text per line)")
         return texts, None
     prompts, responses, kinds = [], [], set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{number}: not a JSON object ({exc.msg}); each line holds one object") from None
+    for number, line, row in rows.json_lines(path, lines):
         keys = set(row) if isinstance(row, dict) else set()
         kind = "pair" if keys == {"prompt", "response"} else "text" if keys == {"text"} else None
         if kind is None or not all(isinstance(v, str) for v in row.values()):
