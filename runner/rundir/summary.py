@@ -169,15 +169,22 @@ class Summary(Strict):
 
 
 class Recorded(BaseModel):
-    """What a run folder's summary.json says that the resume rules, `runner sweep` and the reported weights read:
-    lenient (a summary of an older runner, or of schema_version 1, still reads; other keys ignored)."""
+    """A summary's top-level facts as the resume rules, `runner sweep`, `runner runs`, the reported weights and the
+    closing line read them: lenient (a summary of an older runner, of schema_version 1, or a part of one still reads;
+    a value of another type reads as unknown; other keys ignored)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)  # a value of another type is not read as this one
     status: str | None = None
+    kind: str | None = None
     attempt: int | None = None
+    run_dir: str | None = None
     train_epochs: int | None = None
     steps_per_epoch: int | None = None
+    resumed_from_step: int | None = None
     final_step: int | None = None
+    stopped_early_after_epoch: int | None = None
+    newest_checkpoint: str | None = None
+    model: str | None = None
     error: str | None = None
 
     @classmethod

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 
 import keras
 
+from runner.rundir.summary import Recorded
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EVERY_S = 30.0
@@ -309,15 +311,15 @@ def _is_terminal(stream: TextIO) -> bool:
 def closing_line(summary: dict[str, Any], already_complete: bool = False, refused: bool = False) -> str:
     """One line for a person, printed to stderr before the JSON summary: status, epochs, result, time, where.
     `refused`: the job ended with a spec, flag or data error (exit 2)."""
-    status = summary.get("status", "?")
-    run_dir = summary.get("run_dir")
+    said = Recorded.of(summary) or Recorded()
+    status, run_dir = said.status or "?", said.run_dir
     total_s = (summary.get("timing") or {}).get("total_s")
-    if summary.get("kind") == "matmul_bench":  # trains nothing
+    if said.kind == "matmul_bench":  # trains nothing
         warm = (summary.get("tflops") or {}).get("warm")
         result = "" if warm is None else f", {warm:.4g} TFLOPS warm"
         return f"{status}: matmul benchmark{result} in {duration(total_s)}; summary: {run_dir}/summary.json"
     records = summary.get("epochs") or []
-    planned = summary.get("train_epochs")
+    planned = said.train_epochs
     done = records[-1]["epoch"] if records else None
     if already_complete:
         return (
@@ -326,7 +328,7 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
         )
     epochs = f"{done or 0} of {planned} epoch{'s' * (planned != 1)}" if planned else "no epochs"
     computed = _precision(summary) + _mfu(summary)
-    if summary.get("stopped_early_after_epoch") and status in ("succeeded", "learned_nothing"):
+    if said.stopped_early_after_epoch and status in ("succeeded", "learned_nothing"):
         epochs = (f"early stopping ended it after {epochs} (val_loss stopped improving; the best epoch's weights "
                   "were kept)")
     if status == "succeeded":
@@ -337,37 +339,38 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
         saves = summary.get("checkpoint_saves")
         saved = saves["saves"] > 0 if saves else bool(records)  # a stop before training saved nothing new
         what = f"checkpoint saved in {run_dir}/checkpoints" if saved else "no new checkpoint was saved"
-        if newest := summary.get("newest_checkpoint"):
+        if newest := said.newest_checkpoint:
             what += f" (the newest whole one: {posixpath.basename(newest.rstrip('/'))})"
         return (
             f"{status.replace('_', ' ')} {_where_stopped(summary) or 'after ' + epochs} in {duration(total_s)}: "
             f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
-    if refused and not [r for r in records if r.get("attempt") == summary.get("attempt")]:
+    if refused and not [r for r in records if r.get("attempt") == said.attempt]:
         # Epochs listed are earlier attempts': this one trained nothing, so "failed after N epochs" would mislead.
         earlier = f" ({epochs} were trained earlier)" if done else ""
         return f"refused before training, in {duration(total_s)}{where}{earlier} (the error says what to change)"
     # A refusal at start (a spec or data error) trained nothing: "after 0 of 4 epochs" would suggest it did.
-    when = "before training began," if not records and not summary.get("final_step") else f"after {epochs}"
+    when = "before training began," if not records and not said.final_step else f"after {epochs}"
     return f"{status} {when} in {duration(total_s)}{where}{_checkpoints_kept(summary)} (the error follows)"
 
 
 def _checkpoints_kept(summary: dict[str, Any]) -> str:
     """What a failed attempt leaves to resume from, as far as its summary knows: a checkpoint it restored or saved
     (the run folder keeps the newest), none, or nothing said when it stopped before reading its checkpoints."""
-    if newest := summary.get("newest_checkpoint"):  # read from the run folder: a save this attempt did not count
+    said = Recorded.of(summary) or Recorded()
+    if newest := said.newest_checkpoint:  # read from the run folder: a save this attempt did not count
         return (
-            f"; checkpoints kept in {summary.get('run_dir')}/checkpoints, the newest whole one "
+            f"; checkpoints kept in {said.run_dir}/checkpoints, the newest whole one "
             f"{posixpath.basename(newest.rstrip('/'))}: once the error is dealt with, the same command continues "
             "from it"
         )
-    if summary.get("resumed_from_step") is None:
+    if said.resumed_from_step is None:
         return ""
     saves = (summary.get("checkpoint_saves") or {}).get("saves", 0)
-    if summary["resumed_from_step"] > 0 or saves > 0:
+    if said.resumed_from_step > 0 or saves > 0:
         return (
-            f"; checkpoints kept in {summary.get('run_dir')}/checkpoints: once the error is dealt with, the same "
+            f"; checkpoints kept in {said.run_dir}/checkpoints: once the error is dealt with, the same "
             "command continues from the newest"
         )
     return "; no checkpoint was saved"
@@ -394,20 +397,21 @@ def _precision(summary: dict[str, Any]) -> str:
 
 
 def _model_at(summary: dict[str, Any]) -> str:
-    mine = summary.get("processes") or {}
+    mine, said = summary.get("processes") or {}, Recorded.of(summary) or Recorded()
     if mine.get("index"):  # process 0 of a job of several writes the model; this one took part
-        return f"; process {mine['index']} of {mine['count']}: process 0 writes {summary.get('run_dir')}"
-    where = summary.get("model") or summary.get("run_dir")
+        return f"; process {mine['index']} of {mine['count']}: process 0 writes {said.run_dir}"
+    where = said.model or said.run_dir
     return f"; model: {where}" if where else ""
 
 
 def _where_stopped(summary: dict[str, Any]) -> str:
     """`at step 40 of 174 (epoch 1 of 3)`: a stop inside an epoch is not a finished epoch."""
-    per_epoch, planned = summary.get("steps_per_epoch"), summary.get("train_epochs")
+    said = Recorded.of(summary) or Recorded()
+    per_epoch, planned = said.steps_per_epoch, said.train_epochs
     if not per_epoch or not planned:
         return ""
-    mine = [e for e in summary.get("epochs") or [] if e.get("attempt") in (None, summary.get("attempt"))]
-    step = (summary.get("resumed_from_step") or 0) + sum(e.get("steps", 0) for e in mine)
+    mine = [e for e in summary.get("epochs") or [] if e.get("attempt") in (None, said.attempt)]
+    step = (said.resumed_from_step or 0) + sum(e.get("steps", 0) for e in mine)
     return f"at step {step:,} of {per_epoch * planned:,} (epoch {min(planned, step // per_epoch + 1)} of {planned})"
 
 
