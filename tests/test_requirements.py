@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import sys
 import zipfile
 from pathlib import Path
 
@@ -134,3 +135,19 @@ def test_submit_names_them_and_where_the_container_takes_them_from(tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert ("code.requirements: tinyextra==1.0 (version-pinned, without their dependencies), installed in the job's "
             "container before the job starts, with pip from PyPI") in dry.stderr, dry.stderr
+
+
+def test_a_package_python_imports_from_elsewhere_is_named_with_where(tmp_path):
+    """code.requirements and code.packages both append a folder to sys.path and refuse a name Python would import
+    from elsewhere (runner/spec/packages.py `put_on_path`): the stdlib's `json` is never replaced by a folder's."""
+    from runner.spec.packages import put_on_path
+
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "__init__.py").write_text("")
+    (tmp_path / "fresh_name_of_a_test.py").write_text("")
+    try:
+        assert put_on_path(str(tmp_path), ["fresh_name_of_a_test"]) == (None, "")
+        name, where = put_on_path(str(tmp_path), ["fresh_name_of_a_test", "json"])
+        assert name == "json" and where.endswith("json/__init__.py") and str(tmp_path) not in where
+    finally:
+        sys.path.remove(str(tmp_path))

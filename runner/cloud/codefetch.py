@@ -21,14 +21,13 @@ import os
 import posixpath
 import re
 import shutil
-import sys
 import tarfile
 import tempfile
 
 from runner import DataError, SpecError
 from runner.cloud.codepack import FOLDER, MAX_ARCHIVE_BYTES, PACKAGES, CodePack
 from runner.data import storage
-from runner.spec.packages import inside, installed_spec
+from runner.spec.packages import put_on_path
 
 ENV = "RUNNER_CODE"
 _REF = re.compile(r"(gs://[^#\s]+)#sha256=([0-9a-f]{64})")
@@ -136,16 +135,8 @@ def _use_packages(folder: str, url: str) -> tuple[str, ...]:
     if not os.path.isdir(folder):
         return ()
     names = sorted(n.removesuffix(".py") for n in os.listdir(folder) if not n.startswith("."))
-    if folder not in sys.path:
-        sys.path.append(folder)
-    import importlib
-
-    importlib.invalidate_caches()
-    for name in names:
-        spec = installed_spec(name)
-        where = (list(spec.submodule_search_locations or []) or [spec.origin or ""]) if spec else [""]
-        if spec is None or not inside(os.path.realpath(where[0]), os.path.realpath(folder)):
-            raise SpecError(f"code.packages {name!r} came in the code archive {url}, but Python imports {name!r} "
-                            f"from {where[0] or 'nowhere'}, which this image has; rename your package, or take "
-                            "it out of the image")
+    name, where = put_on_path(folder, names)
+    if name is not None:
+        raise SpecError(f"code.packages {name!r} came in the code archive {url}, but Python imports {name!r} "
+                        f"from {where}, which this image has; rename your package, or take it out of the image")
     return tuple(names)

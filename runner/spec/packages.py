@@ -51,6 +51,20 @@ def installed_spec(top: str) -> ModuleSpec | None:
         return None
 
 
+def put_on_path(folder: str, names: list[str]) -> tuple[str | None, str]:
+    """Appends `folder` to sys.path; (the first of `names` that Python imports from elsewhere, where: a path or
+    "nowhere"), or (None, "") when every name is imported from inside `folder`."""
+    if folder not in sys.path:
+        sys.path.append(folder)
+    importlib.invalidate_caches()
+    for name in names:
+        spec = installed_spec(name)
+        where = (list(spec.submodule_search_locations or []) or [spec.origin or ""]) if spec else [""]
+        if spec is None or not inside(os.path.realpath(where[0]), os.path.realpath(folder)):
+            return name, where[0] or "nowhere"
+    return None, ""
+
+
 @functools.lru_cache(maxsize=1)
 def _runner_environment() -> frozenset[str]:
     """Normalized names of the distributions the runner's environment brings: its requirements with every

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from runner import SpecError
-from runner.spec.packages import _normalized, _runner_environment, inside, installed_spec
+from runner.spec.packages import _normalized, _runner_environment, put_on_path
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _PINNED = re.compile(rf"(?P<name>{_NAME})(?:\[[A-Za-z0-9._,\s-]*\])?\s*===?\s*(?P<version>[A-Za-z0-9.+!_-]+)"
@@ -158,20 +158,12 @@ def install(entries: tuple[str, ...], root: Path | None = None) -> tuple[Path, b
 
 def use(folder: Path) -> tuple[str, ...]:
     """Appends the folder to sys.path; refuses a top-level package of it that Python imports from elsewhere."""
-    import importlib
-
     place = str(folder)
-    if place not in sys.path:
-        sys.path.append(place)
-    importlib.invalidate_caches()
     tops = sorted(p.name.removesuffix(".py") for p in folder.iterdir()
                   if not p.name.startswith((".", "_")) and not p.name.endswith((".dist-info", ".data"))
                   and (p.is_dir() or p.suffix == ".py") and p.name != "bin")
-    for top in tops:
-        spec = installed_spec(top)
-        where = (list(spec.submodule_search_locations or []) or [spec.origin or ""]) if spec else [""]
-        if spec is None or not inside(os.path.realpath(where[0]), os.path.realpath(place)):
-            raise SpecError(f"code.requirements installed {top!r} in {place}, but Python imports {top!r} from "
-                            f"{where[0] or 'nowhere'}: a package of that name is already installed; remove the "
-                            "entry that brings it")
+    top, where = put_on_path(place, tops)
+    if top is not None:
+        raise SpecError(f"code.requirements installed {top!r} in {place}, but Python imports {top!r} from "
+                        f"{where}: a package of that name is already installed; remove the entry that brings it")
     return tuple(tops)
