@@ -148,6 +148,6 @@ def test_a_package_python_imports_from_elsewhere_is_named_with_where(tmp_path):
     try:
         assert put_on_path(str(tmp_path), ["fresh_name_of_a_test"]) == (None, "")
         name, where = put_on_path(str(tmp_path), ["fresh_name_of_a_test", "json"])
-        assert name == "json" and where.endswith("json/__init__.py") and str(tmp_path) not in where
+        assert name == "json" and where.endswith("json") and str(tmp_path) not in where, where
     finally:
         sys.path.remove(str(tmp_path))
