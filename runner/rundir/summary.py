@@ -113,7 +113,7 @@ class Summary(Strict):
     stopped_early_after_epoch: Positive | Absent = Field(None, description=(
         "The epoch after which train.early_stopping ended training; absent when it did not."))
     final_learning_rate: float | Absent = Field(None, description=(
-        "The optimizer's learning rate when training ended, when a schedule or a cut changed it."))
+        "With train.reduce_lr_patience: the optimizer's learning rate when training ended, after its cuts."))
     checkpoint_saves: CheckpointSaves | Absent = Field(None, description=(
         "How this attempt's checkpoints were saved (runner/train/saver.py): async (written in the background; "
         "training waited only for the copy of the weights and for the previous write) or sync (multi-worker runs, "
