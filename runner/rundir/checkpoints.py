@@ -86,17 +86,19 @@ class Saved(NamedTuple):
     store: str
 
 
-def newest(run_dir: str, timeout_s: float = 60.0) -> Saved | None:
-    """The newest whole checkpoint in `run_dir`'s checkpoints/ (local or gs://), None when there is none.
-    StorageError when the bucket cannot be read."""
+def newest(run_dir: str, timeout_s: float = 60.0, store: str | None = None) -> Saved | None:
+    """The newest whole checkpoint in `run_dir`'s checkpoints/ (local or gs://), of either format or only of
+    `store`'s (`tensorflow`, `orbax`); None when there is none. StorageError when the bucket cannot be read."""
     folder = posixpath.join(run_dir.rstrip("/"), FOLDER) if storage.is_gcs(run_dir) else os.path.join(run_dir, FOLDER)
     found = _gcs(folder, timeout_s) if storage.is_gcs(folder) else _local(folder)
+    found = [saved for saved in found if store is None or saved.store == store]
     return max(found, key=lambda saved: saved.step, default=None)
 
 
-def latest_step(run_dir: str, timeout_s: float = 60.0) -> int | None:
-    """The step of the newest whole checkpoint in `run_dir` (either format), None when there is none."""
-    saved = newest(run_dir, timeout_s)
+def latest_step(run_dir: str, timeout_s: float = 60.0, store: str | None = None) -> int | None:
+    """The step of the newest whole checkpoint in `run_dir` (of either format, or only `store`'s), None when there
+    is none."""
+    saved = newest(run_dir, timeout_s, store)
     return None if saved is None else saved.step
 
 

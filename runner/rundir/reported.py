@@ -23,6 +23,7 @@ import posixpath
 import tensorflow as tf
 
 from runner import SpecError
+from runner.device import engine
 from runner.rundir import checkpoints
 from runner.rundir.outputs import RunFolder
 from runner.rundir.summary import Recorded
@@ -44,6 +45,16 @@ def _checkpoint(prefix: str) -> bool:
     """A whole checkpoint is at `prefix`: TensorFlow's (`<prefix>.index`) or Orbax's (a `ckpt_<step>/` folder)."""
     return tf.io.gfile.exists(prefix + ".index") or (checkpoints.step_of(prefix, "orbax") is not None
                                                      and tf.io.gfile.isdir(prefix))
+
+
+def _format() -> str:
+    return engine.active().checkpoint_format
+
+
+def _newest(run: RunFolder) -> str | None:
+    """The newest whole checkpoint of the format this engine restores, read as `runner status` reads it."""
+    saved = checkpoints.newest(run.path, store=_format())
+    return None if saved is None else saved.path
 
 
 def _finished(run: RunFolder) -> Recorded | None:
@@ -70,7 +81,7 @@ def chosen_weights(run: RunFolder, job: str, asked: str | None = None) -> Weight
             f"{run.file('model.keras')} nor {prefix} is there: pass --checkpoint with one that is "
             f"(in {run.checkpoints}), or train again with `runner run --fresh`"
         )
-    latest = run.latest_checkpoint()
+    latest = _newest(run)
     if latest is None:
         run.check_backend()  # checkpoints of the other backend are invisible to this one: named, not "none"
         raise SpecError(f"{run.checkpoints} holds no checkpoint of job {job!r}: run `runner run` first")
@@ -99,10 +110,11 @@ def abandoned_note(run: RunFolder) -> str | None:
     """A checkpoint newer than the step a succeeded summary.json reports, named with the attempt that left it
     and what each command does with it; None when there is none."""
     summary = _finished(run)
-    latest = run.latest_checkpoint()
     step = summary.final_step if summary else None
-    if latest is None or step is None or (newer := step_of(latest) or 0) <= step:
+    saved = None if step is None else checkpoints.newest(run.path, store=_format())
+    if saved is None or saved.step <= step:
         return None
+    latest, newer = saved.path, saved.step
     left = None
     for path in sorted(tf.io.gfile.glob(run.file("attempts/*.json")), reverse=True):
         attempt = Recorded.of(run.read_json(f"attempts/{posixpath.basename(path)}"))
