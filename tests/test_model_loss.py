@@ -13,8 +13,10 @@ import pytest
 import tensorflow as tf
 
 from runner import SpecError
+from runner.rundir.outputs import RunFolder
 from runner.spec.types import JobSpec
-from runner.train import build
+from runner.train import build, store
+from runner.train.tf_store import TensorFlowStore
 from tests.conftest import last_json, run_cli
 
 keras = tf.keras
@@ -114,8 +116,7 @@ def test_after_restore_the_spec_learning_rate_is_the_one_used(tmp_path: Path) ->
 
     resumed = tiny("softmax")
     build.compile_model(resumed, spec({"learning_rate": 3e-3}))
-    checkpoint = tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer)
-    assert build.restore(checkpoint, path) == 1
+    assert store.restore(TensorFlowStore(RunFolder(str(tmp_path)), resumed, 1), resumed, path) == 1
     assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(3e-3)
     np.testing.assert_allclose(resumed.get_weights()[0], saved.get_weights()[0])
     # Keras's own restore, for contrast: the checkpoint's rate.

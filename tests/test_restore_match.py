@@ -118,6 +118,15 @@ def _layered(hidden: tuple[int, ...], train: dict | None = None):
     return model
 
 
+def tensorflow_restore(tmp_path: Path, model, path: str) -> int:
+    """Restores a TensorFlow checkpoint through the run folder's store, as a resumed job does."""
+    from runner.rundir.outputs import RunFolder
+    from runner.train import store
+    from runner.train.tf_store import TensorFlowStore
+
+    return store.restore(TensorFlowStore(RunFolder(str(tmp_path / "run")), model, 1), model, path)
+
+
 def _saved(tmp_path: Path, hidden: tuple[int, ...], train: dict | None = None) -> tuple[object, str]:
     import numpy as np
     import tensorflow as tf
@@ -135,16 +144,14 @@ def test_a_rate_resumed_as_a_schedule_or_the_reverse_restores_every_learned_vari
     """The optimizer's learning rate is a setting, left out of the match: a constant rate keeps it in a variable
     and a schedule does not, which numbers the optimizer's slots one apart."""
     import numpy as np
-    import tensorflow as tf
 
-    from runner.train import build
 
     def learned(optimizer) -> list:
         return [v.numpy() for v in optimizer.variables if not v.path.endswith("/learning_rate")]
 
     saved, path = _saved(tmp_path, SAVED, then)
     resumed = _layered(SAVED, now)
-    assert build.restore(tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer), path) == 1
+    assert tensorflow_restore(tmp_path, resumed, path) == 1
     for before, after in zip(saved.weights, resumed.weights, strict=True):
         np.testing.assert_array_equal(before.numpy(), after.numpy())
     for before, after in zip(learned(saved.optimizer), learned(resumed.optimizer), strict=True):
@@ -153,16 +160,14 @@ def test_a_rate_resumed_as_a_schedule_or_the_reverse_restores_every_learned_vari
 
 def test_the_match_names_every_variable_on_either_side_and_restores_nothing(tmp_path):
     import numpy as np
-    import tensorflow as tf
 
     from runner import SpecError
-    from runner.train import build
 
     _, path = _saved(tmp_path, SAVED)
     added = _layered(ADDED)
     fresh = [w.numpy() for w in added.weights]
     with pytest.raises(SpecError) as refusal:
-        build.restore(tf.train.Checkpoint(model=added, optimizer=added.optimizer), path)
+        tensorflow_restore(tmp_path, added, path)
     said = str(refusal.value)
     assert "12 variables differ" in said and said.count("which the checkpoint lacks") == 6, said
     assert "(optimizer/_trainable_variables/6) (10, 3), which the checkpoint lacks" in said, said
@@ -174,4 +179,4 @@ def test_the_match_names_every_variable_on_either_side_and_restores_nothing(tmp_
     removed = _layered(REMOVED)
     with pytest.raises(SpecError, match=r"the checkpoint has optimizer/_trainable_variables/5 \(3,\), which the "
                                         r"model lacks"):
-        build.restore(tf.train.Checkpoint(model=removed, optimizer=removed.optimizer), path)
+        tensorflow_restore(tmp_path, removed, path)

@@ -244,15 +244,6 @@ def build_compiled(
     return model
 
 
-def restore(checkpoint: tf.train.Checkpoint, path: str, element_spec: Any = None) -> int:
-    """Restores a TensorFlow checkpoint (weights, optimizer slots, step) all or nothing; returns the step it was
-    saved at. Every variable is made first (the model built from `element_spec` if it is not yet, the optimizer's
-    slots), then the checkpoint's variables and the model's are matched both ways by path and shape
-    (runner/rundir/matching.py): an edited model is refused (SpecError, exit 2) naming each difference, before
-    anything is assigned."""
-    return keeping_rate(checkpoint.optimizer, lambda: match.restore_tensorflow(checkpoint, path, element_spec))
-
-
 def load_keras_file(model: Any, path: str) -> None:
     """Loads model.keras's weights into `model` all or nothing: Keras's own load leaves a layer the file has and
     the model lacks unread, without a word; here every variable is matched both ways first."""
