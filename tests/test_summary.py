@@ -15,6 +15,7 @@ from runner.rundir import summary as typed
 from runner.rundir.attempt import Facts
 from runner.rundir.timing import Phases, build_summary
 from tests.conftest import REPO, last_json, run_cli
+from tests.test_backend_jax import tiny_model
 
 SCHEMA = json.loads((REPO / "runner" / "rundir" / "summary.schema.json").read_text())
 
@@ -86,18 +87,6 @@ def test_the_resume_rule_reads_the_typed_summary_and_survives_an_older_one() -> 
     assert completion({"status": "succeeded", "train_epochs": 3}, 2) == "shrunk"
     assert completion({"status": "succeeded", "train_epochs": "x"}, 2) == "open"
     assert completion(None, 2) == "open"
-
-
-def tiny_model(folder) -> str:
-    (folder / "tinynet.py").write_text(
-        "import keras\n\n\n"
-        "def build(params, features, inputs):\n"
-        "    x = keras.Input((28, 28, 1))\n"
-        "    flat = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
-        "    y = keras.layers.Dense(10, activation='softmax')(flat)\n"
-        "    return keras.Model(x, y)\n"
-    )
-    return "tinynet:build"
 
 
 @pytest.mark.parametrize("engine", ["tensorflow", "jax"])
