@@ -60,7 +60,7 @@ def startup_script(sub: Submission) -> str:
         # docker's stop timeout for the job's container (dockerd's default, 10 s, would cut a preemption's save
         # short): the job's checkpoint.grace_s, and 30 s for its summary and exit after the save.
         "RUNNER_STOP_TIMEOUT_S": str(math.ceil(sub.spec.checkpoint.grace_s) + 30),
-        "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # the job's summary records it (runner/device/tpus.py `device_facts`)
+        "RUNNER_TPU_RUNTIME_VERSION": sub.runtime_version,  # recorded by tpus.device_facts
         "RUNNER_SPOT": "true" if sub.spot else "false",
         "RUNNER_USD_PER_CHIP_HOUR": json.dumps(pricing.price_per_chip_hour(sub.tpu.name, sub.zone, sub.spot).usd),
         # The startup script skips a job whose summary is complete for these epochs (none for a benchmark).
