@@ -39,6 +39,7 @@ from runner.cloud import (
 )
 from runner.cloud.durations import billed_phases
 from runner.data import storage
+from runner.rundir.recorded import Recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,17 +240,18 @@ def remaining_estimate(sub: submit.Submission, previous: dict[str, Any] | None,
     epoch time), or None when there is no such run or it says nothing about time."""
     if not previous or sub.spec.kind != "train":
         return None
-    timing, accelerator = previous.get("timing") or {}, previous.get("accelerator") or {}
-    per_epoch = timing.get("steady_epoch_s") or timing.get("first_epoch_s")  # steady: compilation kept out
-    steps = previous.get("steps_per_epoch")
+    said = Recorded.of(previous) or Recorded()
+    timing, accelerator = said.times, said.accelerator
+    per_epoch = timing.steady_epoch_s or timing.first_epoch_s  # steady: compilation kept out
+    steps = said.steps_per_epoch
     # final_step, not train_epochs: train_epochs is what the run was asked for, the step is how far it got
-    done = int(previous.get("final_step") or 0) // int(steps) if steps else None
+    done = (said.final_step or 0) // steps if steps else None
     if not per_epoch or done is None:
         return None
     left = max(sub.spec.train.epochs - done, 0)
-    where = accelerator.get("detail") or accelerator.get("kind") or "unknown hardware"
+    where = accelerator.detail or accelerator.kind or "unknown hardware"
     text = (
-        f"previous run: {done} of {sub.spec.train.epochs} epochs done ({previous.get('status')}); "
+        f"previous run: {done} of {sub.spec.train.epochs} epochs done ({said.status}); "
         f"{left} left x {per_epoch:g} s per epoch as measured on {where}"
     )
     if left == 0:

@@ -34,6 +34,7 @@ from typing import Any
 from runner import StorageError
 from runner.data import storage
 from runner.rundir import checkpoints
+from runner.rundir.recorded import Recorded
 
 JOB_FILE = "job.json"
 
@@ -168,9 +169,10 @@ def summary(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
 
 def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:
     """The rule runner/rundir/outputs.py uses: `succeeded` for at least the requested epochs (None: any success)."""
-    if not found or found.get("status") != "succeeded":
+    said = Recorded.of(found)
+    if not found or said is None or not said.succeeded:
         return False
-    return epochs is None or int(found.get("train_epochs") or 0) >= epochs
+    return epochs is None or (said.train_epochs or 0) >= epochs
 
 
 def checkpoint_step(run_dir: str) -> int | None:

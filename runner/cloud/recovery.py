@@ -45,6 +45,7 @@ from typing import Any
 
 from runner import EXIT_TIME_LIMIT, AcceleratorError, RunnerError, SpecError, StorageError
 from runner.cloud import durations, jobs, record, tpu_api, tpu_types, usage
+from runner.rundir.recorded import Recorded
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}
@@ -368,7 +369,7 @@ class Watcher:
             )
             if (
                 decision.exit_code == EXIT_TIME_LIMIT
-                and (record.summary(self.job["run_dir"]) or {}).get("status") == "stalled"
+                and (Recorded.of(record.summary(self.job["run_dir"])) or Recorded()).status == "stalled"
             ):
                 outcome = "stalled"
             self.emit(f"{self.name}: stopped: {decision.reason}")

@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from runner.compare.settings import differing, readable, settings_of, value_at
-from runner.compare.summaries import SummaryError, read_spec, read_summary
+from runner.compare.summaries import SummaryError, read_from_version, read_spec, read_summary
+from runner.rundir.recorded import EpochRead, Recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,50 +76,47 @@ class Row:
 
 def to_row(source: str, doc: dict[str, Any], spec: dict[str, Any] | None = None) -> Row:
     """One row from a summary and, when known, the resolved spec it was made with (the run folder's spec.json)."""
-    timing, accelerator = doc["timing"], doc.get("accelerator") or {}
-    metrics = doc.get("metrics") or {}
-    epochs = [e for e in doc.get("epochs") or [] if isinstance(e, dict)]
+    said = Recorded.of(doc) or Recorded()
+    timing, accelerator, epochs = said.times, said.accelerator, said.epochs
     return Row(
         source=source,
-        job=doc.get("job", "?"),
-        status=doc["status"],
-        schema_version=doc.get("read_from_schema_version", doc["schema_version"]),
-        device=accelerator.get("kind"),
-        replicas=accelerator.get("replicas"),
-        batch=doc.get("global_batch_size"),
-        first_epoch_s=timing.get("first_epoch_s"),
-        steady_epoch_s=timing.get("steady_epoch_s"),
-        step_time_ms=timing.get("step_time_ms"),
-        examples_per_sec=timing.get("examples_per_sec"),
-        goodput=timing.get("goodput"),
-        accuracy=metrics.get("accuracy"),
-        input_wait_fraction=timing.get("input_wait_fraction"),
-        software=tuple((name, accelerator[key]) for key, name in _SOFTWARE if accelerator.get(key)),
-        train_input=(doc.get("train_input") or {}).get("mode"),
+        job="?" if said.job is None else said.job,
+        status=said.status or "?",
+        schema_version=read_from_version(doc),
+        device=accelerator.kind,
+        replicas=accelerator.replicas,
+        batch=said.global_batch_size,
+        first_epoch_s=timing.first_epoch_s,
+        steady_epoch_s=timing.steady_epoch_s,
+        step_time_ms=timing.step_time_ms,
+        examples_per_sec=timing.examples_per_sec,
+        goodput=timing.goodput,
+        accuracy=said.metrics.get("accuracy"),
+        input_wait_fraction=timing.input_wait_fraction,
+        software=tuple((name, value) for name, value in (
+            ("TensorFlow", accelerator.tensorflow), ("Keras", accelerator.keras), ("malloc", accelerator.allocator))
+            if value),
+        train_input=said.train_input.mode,
         # Not len(epochs): the list spans every attempt, and a resumed partial epoch has two records.
-        epochs=epochs[-1].get("epoch") if epochs else None,
+        epochs=epochs[-1].epoch if epochs else None,
         learning_rate=_learning_rate(spec),
-        precision=(accelerator.get("precision") or {}).get("policy"),
-        total_s=timing.get("total_s"),
-        mfu=(doc.get("throughput") or {}).get("mfu"),
-        mfu_why=(doc.get("throughput") or {}).get("why_null"),
-        attempts=tuple(sorted({e["attempt"] for e in epochs if isinstance(e.get("attempt"), int)})),
-        attempt=doc.get("attempt"),
-        settings=settings_of(doc, spec),
+        precision=accelerator.precision.policy,
+        total_s=timing.total_s,
+        mfu=said.throughput.mfu,
+        mfu_why=said.throughput.why_null,
+        attempts=tuple(sorted({e.attempt for e in epochs if e.attempt is not None})),
+        attempt=said.attempt,
+        settings=settings_of(said, spec),
         **_learning(epochs),
         spec_known=spec is not None,
     )
 
 
-def _learning(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+def _learning(epochs: list[EpochRead]) -> dict[str, Any]:
     """What a run learned, from its epoch records: the last and the best training loss and val_loss, and the
     curve (one point per epoch: a resumed partial epoch's record gives way to the record that finished it)."""
-    by_epoch: dict[int, dict[str, Any]] = {}
-    for record in epochs:
-        if isinstance(record.get("epoch"), int):
-            by_epoch[record["epoch"]] = record
-    curve = tuple((n, _number(r.get("loss")), _number((r.get("metrics") or {}).get("val_loss")))
-                  for n, r in sorted(by_epoch.items()))
+    by_epoch = {record.epoch: record for record in epochs if record.epoch is not None}
+    curve = tuple((n, _number(r.loss), _number(r.metrics.get("val_loss"))) for n, r in sorted(by_epoch.items()))
     losses = [loss for _, loss, _ in curve if loss is not None]
     validated = [val for _, _, val in curve if val is not None]
     return {"loss": losses[-1] if losses else None, "best_loss": min(losses, default=None),
@@ -142,9 +140,6 @@ def _learning_rate(spec: dict[str, Any] | None) -> str | None:
         return f"{optimizer['config']['learning_rate']:g}"
     rate = train.get("learning_rate")
     return None if rate is None else f"{rate:g}"
-
-
-_SOFTWARE = (("tensorflow", "TensorFlow"), ("keras", "Keras"), ("allocator", "malloc"))
 
 
 def _software_text(row: Row) -> str:

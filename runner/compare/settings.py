@@ -14,6 +14,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from runner.rundir.recorded import Recorded
+
 Settings = dict[str, Any]  # dotted key -> leaf value, in the spec's order
 
 # Spec keys that say nothing about what a run measured: where it wrote, how it saved, what it may import.
@@ -21,17 +23,17 @@ _NOT_SETTINGS = ("name", "output.", "code.", "checkpoint.", "storage.", "profile
                  "accelerator.timeout_s", "train.max_duration", "train.stall_timeout")
 
 
-def settings_of(doc: dict[str, Any], spec: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+def settings_of(said: Recorded, spec: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     """The settings a run was made with, as (dotted key, value): the spec.json's comparable keys, and the
     global batch and epochs the summary records (all a summary without its spec.json tells)."""
     flat = dict(flatten(spec)) if spec else {}
     if spec and spec.get("kind") != "matmul_bench":
         flat = {k: v for k, v in flat.items() if not k.startswith("matmul.")}
     flat = {k: v for k, v in flat.items() if not any(k == n or k.startswith(n) for n in _NOT_SETTINGS)}
-    if doc.get("global_batch_size") is not None:
-        flat["data.global_batch_size"] = doc["global_batch_size"]
-    if doc.get("train_epochs") is not None:
-        flat["train.epochs"] = doc["train_epochs"]
+    if said.global_batch_size is not None:
+        flat["data.global_batch_size"] = said.global_batch_size
+    if said.train_epochs is not None:
+        flat["train.epochs"] = said.train_epochs
     return tuple(flat.items())
 
 

@@ -12,9 +12,12 @@ from typing import Any
 
 from runner import DataError
 from runner.data import storage
+from runner.rundir.recorded import Recorded, TimingRead
 from runner.rundir.timing import PHASES
 
 READABLE_VERSIONS = (1, 2)
+# Set by `upgrade` on a summary it brought from an older version: the version it was read from.
+UPGRADED_FROM = "read_from_schema_version"
 
 
 class SummaryError(DataError):
@@ -85,9 +88,10 @@ def read_summary(source: str) -> dict[str, Any]:
 
 def upgrade(doc: Any, path: str) -> dict[str, Any]:
     """Brings a summary of an older schema_version to the current form; refuses versions it does not know."""
-    if not isinstance(doc, dict) or "timing" not in doc or "status" not in doc:
+    said = Recorded.of(doc)
+    if said is None or said.timing is None or said.status is None:
         raise SummaryError(f"{path}: not a runner summary (no `status` and `timing`)")
-    version = doc.get("schema_version")
+    version = said.schema_version
     if version not in READABLE_VERSIONS:
         newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
         raise SummaryError(
@@ -95,11 +99,16 @@ def upgrade(doc: Any, path: str) -> dict[str, Any]:
             f"{', '.join(map(str, READABLE_VERSIONS))}" + ("; upgrade runner to read it" if newer else "")
         )
     if version == 1:
-        doc = _from_v1(doc)
+        doc = _from_v1(doc, said.times)
     return doc
 
 
-def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
+def read_from_version(doc: dict[str, Any]) -> int | None:
+    """The schema_version a summary was written in, before `upgrade` brought it to the current form."""
+    return doc.get(UPGRADED_FROM, (Recorded.of(doc) or Recorded()).schema_version)
+
+
+def _from_v1(doc: dict[str, Any], said: TimingRead) -> dict[str, Any]:
     """Version 1 had no import/run-folder phases and no input wait; its epoch seconds included
     checkpoint saves made inside the epoch. What it did not record stays None, never guessed."""
     doc = json.loads(json.dumps(doc))
@@ -107,17 +116,17 @@ def _from_v1(doc: dict[str, Any]) -> dict[str, Any]:
     for name in PHASES:
         timing.setdefault(f"{name}_s", None)
     phases = [timing[f"{n}_s"] for n in PHASES if timing[f"{n}_s"] is not None]
-    total = timing.get("total_s")
+    total = said.total_s
     timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
     timing.update({"input_wait_s": None, "input_wait_fraction": None,
                    "input_wait_method": "not recorded (schema_version 1)"})
-    train, first = timing.get("train_s"), timing.get("first_epoch_s")
+    train, first = said.train_s, said.first_epoch_s
     timing["steady_train_s"] = None if train is None or first is None else round(max(0.0, train - first), 4)
     timing["fit_overhead_s"] = None  # its epoch times held checkpoint saves: the difference would mislead
     for epoch in doc.get("epochs", []):
         epoch.setdefault("checkpoint_s", None)
         epoch.setdefault("input_wait_s", None)
-    doc["read_from_schema_version"] = 1
+    doc[UPGRADED_FROM] = 1
     doc["schema_version"] = 2
     return doc
 
@@ -126,14 +135,15 @@ def read_spec(source: str, doc: dict[str, Any]) -> dict[str, Any] | None:
     """The resolved spec a run was made with: spec.json beside its summary.json, else in the run folder the
     summary names; None when there is none to read (the row then shows what the summary alone tells)."""
     path = summary_path(source)
+    said = Recorded.of(doc) or Recorded()
     folders = [posixpath.dirname(path)] if posixpath.basename(path) == "summary.json" else []
-    folders += [doc["run_dir"]] if isinstance(doc.get("run_dir"), str) else []
+    folders += [said.run_dir] if said.run_dir is not None else []
     for folder in folders:
         try:
             spec = json.loads(read_text(posixpath.join(folder, "spec.json")))
         except (OSError, ValueError, DataError):
             continue
-        if isinstance(spec, dict) and spec.get("name") == doc.get("job"):
+        if isinstance(spec, dict) and spec.get("name") == said.job:
             spec.pop("pinned", None)
             return spec
     return None

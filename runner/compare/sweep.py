@@ -26,6 +26,7 @@ from typing import Any
 
 from runner import EXIT_PREEMPTED, EXIT_USAGE, RunnerError, SpecError
 from runner.compare import settings, summaries
+from runner.rundir.recorded import Recorded
 from runner.rundir.timing import completion
 from runner.spec.load import load_spec, parse_override
 from runner.spec.types import JobSpec
@@ -242,7 +243,7 @@ def not_as_asked(variant: Variant) -> list[str]:
 def refused(outcome: Outcome) -> bool:
     """The run refused its folder (made with other settings or data, or more epochs than asked): its remedy is
     another job name, which in a sweep is the sweep's base name, not the variant's."""
-    error = (outcome.summary or {}).get("error") or ""
+    error = (Recorded.of(outcome.summary) or Recorded()).error or ""
     return outcome.exit_code == EXIT_USAGE and "--set name=" in error
 
 

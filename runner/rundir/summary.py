@@ -7,7 +7,8 @@ cannot be written (extra="forbid" at every level); runner/rundir/summary.schema.
     python -m runner.rundir.summary --write-schema
 
 The parts that hold many different records (the sharding report, the processes' shares) live in
-runner/rundir/summary_parts.py. No TensorFlow: `runner report` and `runner sweep` read summaries with it.
+runner/rundir/summary_parts.py; its readers read it leniently through runner/rundir/recorded.py `Recorded`
+(re-exported here). No TensorFlow: `runner report` and `runner sweep` read summaries with it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
+from runner.rundir.recorded import Recorded
 from runner.rundir.summary_parts import (
     Absent,
     Accelerator,
@@ -50,6 +52,9 @@ SCHEMA_VERSION = 2
 # exit 75); interrupted (Ctrl-C, SIGINT: saved, exit 130). The last two continue when the job is run again.
 STATUSES = ("succeeded", "failed", "preempted", "interrupted", "time_limit", "learned_nothing")
 Status = Literal["succeeded", "failed", "preempted", "interrupted", "time_limit", "learned_nothing"]
+
+__all__ = ["SCHEMA_FILE", "SCHEMA_VERSION", "STATUSES", "Recorded", "Status", "Summary", "main", "schema",
+           "schema_text"]
 
 SCHEMA_FILE = Path(__file__).with_name("summary.schema.json")
 _DESCRIPTION = (
@@ -166,47 +171,6 @@ class Summary(Strict):
         """`summary` through the model: pydantic.ValidationError names a key not declared or a value of the wrong
         type; the written form otherwise."""
         return cls.model_validate(summary).to_json()
-
-
-class Recorded(BaseModel):
-    """A summary's top-level facts as the resume rules, `runner sweep`, `runner runs`, the reported weights and the
-    closing line read them: lenient (a summary of an older runner, of schema_version 1, or a part of one still reads;
-    a value of another type reads as unknown; other keys ignored)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)  # a value of another type is not read as this one
-    status: str | None = None
-    kind: str | None = None
-    attempt: int | None = None
-    run_dir: str | None = None
-    train_epochs: int | None = None
-    steps_per_epoch: int | None = None
-    resumed_from_step: int | None = None
-    final_step: int | None = None
-    stopped_early_after_epoch: int | None = None
-    newest_checkpoint: str | None = None
-    model: str | None = None
-    error: str | None = None
-
-    @classmethod
-    def of(cls, summary: dict[str, Any] | None) -> Recorded | None:
-        if not isinstance(summary, dict):
-            return None
-        try:
-            return cls.model_validate(summary)
-        except ValidationError:  # a value of another type in an old file: the keys that read, the others unknown
-            return cls.model_validate({k: v for k, v in summary.items() if k in cls.model_fields and _reads(k, v)})
-
-    @property
-    def succeeded(self) -> bool:
-        return self.status == "succeeded"
-
-
-def _reads(key: str, value: Any) -> bool:
-    try:
-        Recorded.model_validate({key: value})
-    except ValidationError:
-        return False
-    return True
 
 
 def schema() -> dict[str, Any]:

@@ -313,14 +313,14 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
     `refused`: the job ended with a spec, flag or data error (exit 2)."""
     said = Recorded.of(summary) or Recorded()
     status, run_dir = said.status or "?", said.run_dir
-    total_s = (summary.get("timing") or {}).get("total_s")
+    total_s = said.times.total_s
     if said.kind == "matmul_bench":  # trains nothing
-        warm = (summary.get("tflops") or {}).get("warm")
+        warm = said.tflops.warm
         result = "" if warm is None else f", {warm:.4g} TFLOPS warm"
         return f"{status}: matmul benchmark{result} in {duration(total_s)}; summary: {run_dir}/summary.json"
-    records = summary.get("epochs") or []
+    records = said.epochs
     planned = said.train_epochs
-    done = records[-1]["epoch"] if records else None
+    done = records[-1].epoch if records else None
     if already_complete:
         return (
             f"already complete: {planned} epoch{'s' * (planned != 1)}{_result(summary)}, trained earlier"
@@ -336,8 +336,8 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
     if status == "learned_nothing":  # trained and saved, but at chance: the warning follows
         return f"learned nothing: {epochs}{_result(summary)} in {duration(total_s)}{computed}" + _model_at(summary)
     if status in ("preempted", "interrupted", "time_limit"):  # saved, and the same command continues
-        saves = summary.get("checkpoint_saves")
-        saved = saves["saves"] > 0 if saves else bool(records)  # a stop before training saved nothing new
+        saves = said.checkpoint_saves
+        saved = (saves.saves or 0) > 0 if saves else bool(records)  # a stop before training saved nothing new
         what = f"checkpoint saved in {run_dir}/checkpoints" if saved else "no new checkpoint was saved"
         if newest := said.newest_checkpoint:
             what += f" (the newest whole one: {posixpath.basename(newest.rstrip('/'))})"
@@ -346,7 +346,7 @@ def closing_line(summary: dict[str, Any], already_complete: bool = False, refuse
             f"{what}; run the same command again to continue"
         )
     where = f"; run folder: {run_dir}" if run_dir else ""
-    if refused and not [r for r in records if r.get("attempt") == said.attempt]:
+    if refused and not [r for r in records if r.attempt == said.attempt]:
         # Epochs listed are earlier attempts': this one trained nothing, so "failed after N epochs" would mislead.
         earlier = f" ({epochs} were trained earlier)" if done else ""
         return f"refused before training, in {duration(total_s)}{where}{earlier} (the error says what to change)"
@@ -367,8 +367,8 @@ def _checkpoints_kept(summary: dict[str, Any]) -> str:
         )
     if said.resumed_from_step is None:
         return ""
-    saves = (summary.get("checkpoint_saves") or {}).get("saves", 0)
-    if said.resumed_from_step > 0 or saves > 0:
+    saves = said.checkpoint_saves.saves if said.checkpoint_saves else 0
+    if said.resumed_from_step > 0 or (saves or 0) > 0:
         return (
             f"; checkpoints kept in {said.run_dir}/checkpoints: once the error is dealt with, the same "
             "command continues from the newest"
@@ -378,8 +378,8 @@ def _checkpoints_kept(summary: dict[str, Any]) -> str:
 
 def _mfu(summary: dict[str, Any]) -> str:
     """`, MFU 7.4%`: model FLOPs utilisation over the steady epochs (runner/train/flops.py), when known."""
-    mfu = (summary.get("throughput") or {}).get("mfu")
-    return f", MFU {percent(mfu)}" if isinstance(mfu, (int, float)) else ""
+    mfu = (Recorded.of(summary) or Recorded()).throughput.mfu
+    return f", MFU {percent(mfu)}" if mfu is not None else ""
 
 
 def percent(share: float) -> str:
@@ -392,14 +392,15 @@ def percent(share: float) -> str:
 
 def _precision(summary: dict[str, Any]) -> str:
     """`, bfloat16 (cpu flag avx512_bf16)`: what the job computed in, and why."""
-    chosen = (summary.get("accelerator") or {}).get("precision") or {}
-    return f", {chosen['policy']} ({chosen.get('reason', '')})" if chosen.get("policy") else ""
+    chosen = (Recorded.of(summary) or Recorded()).accelerator.precision
+    return f", {chosen.policy} ({chosen.reason or ''})" if chosen.policy else ""
 
 
 def _model_at(summary: dict[str, Any]) -> str:
-    mine, said = summary.get("processes") or {}, Recorded.of(summary) or Recorded()
-    if mine.get("index"):  # process 0 of a job of several writes the model; this one took part
-        return f"; process {mine['index']} of {mine['count']}: process 0 writes {said.run_dir}"
+    said = Recorded.of(summary) or Recorded()
+    mine = said.processes
+    if mine.index:  # process 0 of a job of several writes the model; this one took part
+        return f"; process {mine.index} of {mine.count}: process 0 writes {said.run_dir}"
     where = said.model or said.run_dir
     return f"; model: {where}" if where else ""
 
@@ -410,16 +411,16 @@ def _where_stopped(summary: dict[str, Any]) -> str:
     per_epoch, planned = said.steps_per_epoch, said.train_epochs
     if not per_epoch or not planned:
         return ""
-    mine = [e for e in summary.get("epochs") or [] if e.get("attempt") in (None, said.attempt)]
-    step = (said.resumed_from_step or 0) + sum(e.get("steps", 0) for e in mine)
+    mine = [e for e in said.epochs if e.attempt in (None, said.attempt)]
+    step = (said.resumed_from_step or 0) + sum(e.steps or 0 for e in mine)
     return f"at step {step:,} of {per_epoch * planned:,} (epoch {min(planned, step // per_epoch + 1)} of {planned})"
 
 
 def _result(summary: dict[str, Any]) -> str:
     """The evaluation's headline: accuracy when measured, else its first other metric, else the loss."""
-    metrics = {k: v for k, v in (summary.get("metrics") or {}).items() if k != "examples"}
+    metrics = (Recorded.of(summary) or Recorded()).evaluated
     if not metrics:
         return ""
     name = "accuracy" if "accuracy" in metrics else next((k for k in metrics if k != "loss"), "loss")
-    value = metrics[name]
-    return f", {name} {value:.4f}" if isinstance(value, (int, float)) else ""
+    value = metrics.get(name)
+    return f", {name} {value:.4f}" if value is not None else ""
