@@ -45,6 +45,23 @@ def test_a_schema_1_summary_is_read_and_what_it_lacks_stays_empty() -> None:
     assert row.accuracy == original["metrics"]["accuracy"]
 
 
+def test_runner_report_reads_a_schema_1_summary_and_a_misshapen_value_reads_as_unknown(tmp_path: Path) -> None:
+    """A summary of schema_version 1 (which the writers' strict model refuses) tabulates as it always did; a value
+    of another type (an accelerator as text, a rate as a string, an epoch record that is no object) shows as -."""
+    odd = {**json.loads(V1.read_text()), "job": "odd", "accelerator": "cpu"}
+    odd["timing"] = {**odd["timing"], "examples_per_sec": "fast"}
+    odd["epochs"] = ["lost", *odd["epochs"]]
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    result = invoke("report", V1, tmp_path / "odd.json", "--markdown", env=cli_env())
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[2] == ("| mnist_v1 | cpu | 1 | 128 | 3 | - | - | 3.22 | 1.21 | 75.57 | 1,694 | - | 33% | 0.8262 | "
+                        "0.7155 | 0.7155 | - | - | - | 11.0 | 1.00x |")
+    assert lines[3] == ("| odd | - | - | 128 | 3 | - | - | 3.22 | 1.21 | 75.57 | - | - | 33% | 0.8262 | 0.7155 | "
+                        "0.7155 | - | - | - | 11.0 | - |")
+    assert "_read from schema_version 1 (no input wait recorded): mnist_v1, odd_" in lines
+
+
 def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path) -> None:
     newer = tmp_path / "newer.json"
     newer.write_text(json.dumps({**json.loads(V1.read_text()), "schema_version": 9}))

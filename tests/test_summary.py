@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
 
 import jsonschema
 import pydantic
 import pytest
 
+from runner.rundir import recorded
 from runner.rundir import summary as typed
 from runner.rundir.attempt import Facts
 from runner.rundir.timing import Phases, build_summary
@@ -87,6 +89,82 @@ def test_the_resume_rule_reads_the_typed_summary_and_survives_an_older_one() -> 
     assert completion({"status": "succeeded", "train_epochs": 3}, 2) == "shrunk"
     assert completion({"status": "succeeded", "train_epochs": "x"}, 2) == "open"
     assert completion(None, 2) == "open"
+
+
+_TYPES = {int: {"integer"}, float: {"number", "integer"}, str: {"string"}}  # a JSON type each Python type reads
+
+
+def _objects(node: dict) -> list[dict]:
+    """The object forms a schema node takes: itself, a branch of anyOf, or its list's items."""
+    found = [node] if "properties" in node or node.get("type") == "object" else []
+    for sub in node.get("anyOf", []):
+        found += _objects(sub)
+    if isinstance(node.get("items"), dict):
+        found += _objects(node["items"])
+    return found
+
+
+def _written_types(node: dict) -> set[str]:
+    kinds = {node["type"]} if isinstance(node.get("type"), str) else set(node.get("type") or [])
+    for sub in node.get("anyOf", []):
+        kinds |= _written_types(sub)
+    return kinds - {"null"}
+
+
+def undeclared_reads(model: type[pydantic.BaseModel], node: dict, path: str = "$") -> list[str]:
+    """The fields of a reading (runner/rundir/recorded.py) the schema does not declare at the same path, or declares
+    with a type the reading would take for unknown, each as "$.path: why"."""
+    found = []
+    for name, field in model.model_fields.items():
+        where = f"{path}.{name}"
+        declared = next((o["properties"][name] for o in _objects(node) if name in o.get("properties", {})), None)
+        if declared is None:
+            found.append(f"{where}: not declared")
+            continue
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        args = [a for arg in args for a in (typing.get_args(arg) if typing.get_origin(arg) is list else (arg,))]
+        parts = [a for a in args if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+        if parts:
+            found += undeclared_reads(parts[0], declared, where)
+        elif typing.get_origin(field.annotation) is dict:
+            if not _objects(declared):
+                found.append(f"{where}: read as an object, declared {_written_types(declared)}")
+        else:
+            reads = set().union(*(_TYPES.get(a, set()) for a in args))
+            if not _written_types(declared) <= reads:
+                found.append(f"{where}: reads {sorted(reads)}, declared {sorted(_written_types(declared))}")
+    return found
+
+
+def test_every_key_a_reader_reads_is_declared_where_it_reads_it() -> None:
+    """The readers (report, sweep, runs, the closing line, the cloud's) read summaries only through `Recorded`: a
+    field of it, nested parts included, is a key the schema declares at that path, of a type it reads."""
+    assert undeclared_reads(recorded.Recorded, SCHEMA) == []
+
+    class Misread(recorded.TimingRead):  # planted: a key's name misspelt, a number read as text
+        totl_s: float | None = None
+        goodput: str | None = None
+
+    class Planted(recorded.Recorded):
+        timing: Misread | None = None
+        epochs: list[recorded.EpochRead] = []
+        train_epoch: int | None = None
+
+    assert undeclared_reads(Planted, SCHEMA) == [
+        "$.timing.goodput: reads ['string'], declared ['number']", "$.timing.totl_s: not declared",
+        "$.train_epoch: not declared"]
+
+
+def test_a_reading_takes_a_missing_or_wrongly_typed_value_for_unknown() -> None:
+    said = recorded.Recorded.of({
+        "status": "succeeded", "schema_version": 1, "attempt": True, "accelerator": "cpu", "timing": {"total_s": "9"},
+        "epochs": [3, {"epoch": 1, "steps": "x", "loss": 0.5, "metrics": {"val_loss": None, "accuracy": 1}}],
+        "metrics": {"accuracy": "high", "loss": 2, "examples": 8}, "checkpoint_saves": None, "unknown": {}})
+    assert (said.status, said.schema_version, said.attempt, said.accelerator.kind) == ("succeeded", 1, None, None)
+    assert said.times.total_s is None and said.checkpoint_saves is None
+    assert [(e.epoch, e.steps, e.loss, e.metrics) for e in said.epochs] == [(1, None, 0.5, {"accuracy": 1})]
+    assert said.metrics == {"loss": 2, "examples": 8} and said.evaluated == {"loss": 2}
+    assert recorded.Recorded.of([1]) is None and recorded.Recorded.of({}).times.total_s is None
 
 
 @pytest.mark.parametrize("engine", ["tensorflow", "jax"])

@@ -115,7 +115,7 @@ def _from_v1(doc: dict[str, Any], said: TimingRead) -> dict[str, Any]:
     timing = doc["timing"]
     for name in PHASES:
         timing.setdefault(f"{name}_s", None)
-    phases = [timing[f"{n}_s"] for n in PHASES if timing[f"{n}_s"] is not None]
+    phases = [timing[f"{n}_s"] for n in PHASES if isinstance(timing[f"{n}_s"], (int, float))]
     total = said.total_s
     timing["unaccounted_s"] = None if total is None else round(total - sum(phases), 4)
     timing.update({"input_wait_s": None, "input_wait_fraction": None,
@@ -123,7 +123,9 @@ def _from_v1(doc: dict[str, Any], said: TimingRead) -> dict[str, Any]:
     train, first = said.train_s, said.first_epoch_s
     timing["steady_train_s"] = None if train is None or first is None else round(max(0.0, train - first), 4)
     timing["fit_overhead_s"] = None  # its epoch times held checkpoint saves: the difference would mislead
-    for epoch in doc.get("epochs", []):
+    for epoch in doc["epochs"] if isinstance(doc.get("epochs"), list) else []:
+        if not isinstance(epoch, dict):
+            continue  # left out by the reading (runner/rundir/recorded.py)
         epoch.setdefault("checkpoint_s", None)
         epoch.setdefault("input_wait_s", None)
     doc[UPGRADED_FROM] = 1
