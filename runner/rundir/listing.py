@@ -57,27 +57,23 @@ def _utc(seconds: float | None) -> str | None:
 
 def best_metric(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The evaluation's accuracy (else its first metric, else its loss); without one, the best epoch's."""
-    evaluated = {k: v for k, v in (summary.get("metrics") or {}).items() if k != "examples" and _number(v)}
+    said = Recorded.of(summary) or Recorded()
+    evaluated = said.evaluated
     if evaluated:
         name = "accuracy" if "accuracy" in evaluated else next((k for k in evaluated if k != "loss"), "loss")
         return {"metric": name, "value": evaluated[name], "from": "eval"}
     best = None
-    for epoch in summary.get("epochs") or []:
-        metrics = {k: v for k, v in (epoch.get("metrics") or {}).items() if _number(v)}
+    for epoch in said.epochs:
         for name in ("val_accuracy", "accuracy"):
-            if name in metrics and (best is None or metrics[name] > best["value"]):
-                best = {"metric": name, "value": metrics[name], "from": f"epoch {epoch.get('epoch')}"}
+            if name in epoch.metrics and (best is None or epoch.metrics[name] > best["value"]):
+                best = {"metric": name, "value": epoch.metrics[name], "from": f"epoch {epoch.epoch}"}
                 break
     if best is None:
-        losses = [e for e in summary.get("epochs") or [] if _number(e.get("loss"))]
+        losses = [e for e in said.epochs if e.loss is not None]
         if losses:
-            low = min(losses, key=lambda e: e["loss"])
-            best = {"metric": "loss", "value": low["loss"], "from": f"epoch {low.get('epoch')}"}
+            low = min(losses, key=lambda e: e.loss)
+            best = {"metric": "loss", "value": low.loss, "from": f"epoch {low.epoch}"}
     return best
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _epochs_done(summary: dict[str, Any]) -> int | None:
@@ -87,7 +83,7 @@ def _epochs_done(summary: dict[str, Any]) -> int | None:
     step, per_epoch = recorded.final_step, recorded.steps_per_epoch
     if step is not None and (per_epoch or 0) > 0:
         return int(step // per_epoch)
-    numbers = [e.get("epoch") for e in summary.get("epochs") or [] if _number(e.get("epoch"))]
+    numbers = [e.epoch for e in recorded.epochs if e.epoch is not None]
     if numbers:
         return int(max(numbers))
     return recorded.train_epochs if recorded.succeeded else None
@@ -96,12 +92,12 @@ def _epochs_done(summary: dict[str, Any]) -> int | None:
 def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest: float | None,
          held: tuple[dict[str, Any], float] | None) -> Run:
     summary = summary or {}
-    accelerator = summary.get("accelerator") or {}
-    device = None
-    if accelerator.get("kind"):
-        replicas = accelerator.get("replicas") or 1
-        device = accelerator["kind"] + (f" x{replicas}" if replicas > 1 else "")
     recorded = Recorded.of(summary) or Recorded()
+    accelerator = recorded.accelerator
+    device = None
+    if accelerator.kind:
+        replicas = accelerator.replicas or 1
+        device = accelerator.kind + (f" x{replicas}" if replicas > 1 else "")
     status = recorded.status or "no summary"
     holder = None
     if held is not None:
@@ -109,7 +105,7 @@ def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest
     return Run(
         name=name, path=path, status=status, epochs_done=_epochs_done(summary),
         epochs_asked=recorded.train_epochs, best=best_metric(summary),
-        precision=(accelerator.get("precision") or {}).get("policy"), device=device, updated=_utc(newest),
+        precision=accelerator.precision.policy, device=device, updated=_utc(newest),
         bytes=size, holder=holder,
     )
 

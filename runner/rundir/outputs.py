@@ -388,7 +388,7 @@ class RunFolder:
             return
         self.write_json(f"attempts/{attempt:03d}.json", summary)
         previous = self.read_json("summary.json") if keep_succeeded else None
-        if previous and previous.get("status") == "succeeded" and summary.get("status") != "succeeded":
+        if (Recorded.of(previous) or Recorded()).succeeded and not (Recorded.of(summary) or Recorded()).succeeded:
             return
         self.write_json("summary.json", summary)
 

@@ -13,6 +13,7 @@ from runner.device import engine, precision
 from runner.rundir import matching, reported
 from runner.rundir.checkpoints import Store
 from runner.rundir.outputs import RunFolder
+from runner.rundir.recorded import Recorded
 from runner.spec.types import JobSpec
 from runner.train import build, match
 from runner.train.tf_store import TensorFlowStore
@@ -54,7 +55,7 @@ def changed_since_complete(
         weights = reported.chosen_weights(run, spec.name)
     except SpecError:
         return None  # nothing to compare with: run's own checks say what is missing
-    policy = ((done.get("accelerator") or {}).get("precision") or {}).get("policy") or "float32"
+    policy = (Recorded.of(done) or Recorded()).accelerator.precision.policy or "float32"
     precision.Precision(policy, "the finished job's").apply()  # the optimizer it saved: a loss scale under float16
     model = build.build_model(spec, features, manifest)
     if not model.built:  # a model that makes its variables on its first call: no batch here to build it from
