@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import jsonschema
@@ -104,7 +105,7 @@ def orbax_steps(run_dir: Path) -> list[int]:
 @dataclasses.dataclass
 class Attempt:
     """What one `runner run` of the job left: its exit, its output, the newest whole checkpoint after it, the
-    user callback's marks, and the attempt files of the run folder."""
+    user callback's marks, the attempt files of the run folder and its stall mark (runner/rundir/stalled.py)."""
 
     code: int
     out: str
@@ -112,6 +113,7 @@ class Attempt:
     newest: int | None
     marks: list[dict]
     attempts: list[str]
+    stall_mark: dict | None = None
 
     @property
     def summary(self) -> dict:
@@ -143,8 +145,17 @@ class Job:
         read = [json.loads(line) for line in marks.read_text().splitlines()] if marks.exists() else []
         attempts = self.run_dir / "attempts"
         listed = sorted(p.name for p in attempts.iterdir()) if attempts.is_dir() else []
-        self.tries[name] = Attempt(code, out, err, (orbax_steps(self.run_dir) or [None])[-1], read, listed)
+        mark = self.run_dir / "stalled.json"
+        self.tries[name] = Attempt(code, out, err, (orbax_steps(self.run_dir) or [None])[-1], read, listed,
+                                   json.loads(mark.read_text()) if mark.exists() else None)
         return self.tries[name]
+
+
+def held_for(seconds: float):
+    def act(process, held: Path) -> None:
+        time.sleep(seconds)
+        held.unlink()
+    return act
 
 
 def signalled(sent: int):
@@ -190,7 +201,9 @@ def job(tiny_mnist: Path, tmp_path_factory) -> Job:
     leftover = job.run_dir / "checkpoints" / f"ckpt_{KILL_AT + 2}.orbax-checkpoint-tmp-1795770000000000"
     leftover.mkdir()
     (leftover / "junk").write_bytes(os.urandom(999))
-    job.attempt("time_limit", "--set", "train.max_duration=1")  # past at its first step: saves and stops
+    # Its first step held 1.5 s: the 1 s limit is past by the next step however fast the process started (a warm
+    # compile cache once ended a whole epoch inside the second): saves and stops within epoch 3.
+    job.attempt("time_limit", "--set", "train.max_duration=1", hold=KILL_AT + 1, act=held_for(1.5))
     job.attempt("stalled", "--set", "train.stall_timeout=10", hold=STALL_AT)  # never released: the guard ends it
     job.attempt("preempted", hold=TERM_AT, act=signalled(signal.SIGTERM))
     job.attempt("succeeded")
@@ -250,7 +263,10 @@ def test_the_stall_guard_under_jax_exits_124_and_the_rerun_resumes_from_the_newe
     assert said, stalled.err[-2000:]
     assert int(said.group(1)) < 40, f"the guard waited {said.group(1)} s for a 10 s stall timeout"
     assert stalled.newest == STALL_AT, "the save of the held step had 10 s to complete"
-    assert stalled.attempts == job.tries["time_limit"].attempts, "the guard exits at once, writing nothing"
+    assert stalled.attempts == job.tries["time_limit"].attempts, "the guard exits at once, writing no summary"
+    # but the mark that tells the TPU VM's script and the watcher a stall from a time limit (both exit 124)
+    assert stalled.stall_mark and stalled.stall_mark["message"] in stalled.err, stalled.stall_mark
+    assert job.tries["time_limit"].stall_mark is None and job.tries["preempted"].stall_mark is None, "removed"
     assert job.tries["preempted"].summary["resumed_from_step"] == STALL_AT
 
 

@@ -195,7 +195,7 @@ def test_a_stalled_job_stops_with_124_is_not_run_again_and_the_slice_goes(api, t
     [run] = job_runs(env)
     assert run.endswith("--set train.max_duration=86400 --set train.stall_timeout=10")
     record = exit_record(gcs, sub)
-    assert record["exit_code"] == 124 and "summary status: stalled" in record["reason"]
+    assert record["exit_code"] == 124 and "(stalled; " in record["reason"], record["reason"]
     assert len(deletes(tpu_fake)) == 1
     env, _ = boot(tpu_fake, metadata_fake, gcs, tmp_path / "again", "exit:0")  # the same VM boots again
     assert job_runs(env) == [], "a stopped job is never relaunched on its VM"

@@ -167,6 +167,11 @@ def summary(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
     return read_json(join(run_dir, "summary.json"), patient)
 
 
+def stall_mark(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
+    """The mark a stalled job's guard left (runner/rundir/stalled.py): a stall, not a time limit, ended it."""
+    return read_json(join(run_dir, "stalled.json"), patient)
+
+
 def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:
     """The rule runner/rundir/outputs.py uses: `succeeded` for at least the requested epochs (None: any success)."""
     said = Recorded.of(found)

@@ -45,7 +45,6 @@ from typing import Any
 
 from runner import EXIT_TIME_LIMIT, AcceleratorError, RunnerError, SpecError, StorageError
 from runner.cloud import durations, jobs, record, tpu_api, tpu_types, usage
-from runner.rundir.recorded import Recorded
 
 # Exit codes a new VM can fix: preempted, and infrastructure (a TPU, a pull, storage that did not answer).
 RETRYABLE = {75: "the job was preempted (exit 75)", 3: "an infrastructure failure (exit 3)"}
@@ -367,11 +366,8 @@ class Watcher:
             outcome = {EXIT_CANCELLED: "cancelled", EXIT_GONE: "lost", EXIT_TIME_LIMIT: "time_limit"}.get(
                 decision.exit_code, "failed"
             )
-            if (
-                decision.exit_code == EXIT_TIME_LIMIT
-                and (Recorded.of(record.summary(self.job["run_dir"])) or Recorded()).status == "stalled"
-            ):
-                outcome = "stalled"
+            if decision.exit_code == EXIT_TIME_LIMIT and record.stall_mark(self.job["run_dir"]) is not None:
+                outcome = "stalled"  # the guard's mark: a stalled job writes no summary
             self.emit(f"{self.name}: stopped: {decision.reason}")
             return self.result(outcome, decision)
         if decision.action == "restart":

@@ -360,8 +360,13 @@ if [ -n "${RUNNER_MAX_RUN_S:-}" ] && [ $((SECONDS - job_began)) -ge "$deadline_s
   code=124
   reason="the job was killed at its wall-clock limit: still running ${RUNNER_LIMIT_GRACE_S:-600} s after --max-run-duration (${RUNNER_MAX_RUN_S} s); exit 124"
 elif [ "$code" = 124 ]; then
-  stopped="$(bounded 120 gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get("status", ""))' 2>/dev/null)"
-  reason="the job stopped itself with exit 124 (summary status: ${stopped:-unknown}; time_limit: --max-run-duration, stalled: --stall-timeout); not run again"
+  # A stalled job writes no summary, only its guard's mark (runner/rundir/stalled.py); a time limit writes both.
+  if bounded 120 gcloud storage cat "$RUNNER_RUN_DIR/stalled.json" >/dev/null 2>&1; then
+    stopped=stalled
+  else
+    stopped="$(bounded 120 gcloud storage cat "$RUNNER_RUN_DIR/summary.json" 2>/dev/null | python3 -c 'import json, sys; print(json.load(sys.stdin).get("status", ""))' 2>/dev/null)"
+  fi
+  reason="the job stopped itself with exit 124 (${stopped:-unknown}; time_limit: --max-run-duration, stalled: --stall-timeout); not run again"
 fi
 say "job exited with code $code"
 record_exit "$code" true "$reason"

@@ -23,7 +23,7 @@ from runner.device import engine, host, peak, precision, processes
 from runner.device.strategy import per_replica_batch, resolve_accelerator
 from runner.job import fingerprint
 from runner.job.inputs import Inputs, make_inputs
-from runner.rundir import joining
+from runner.rundir import joining, stalled
 from runner.rundir.attempt import Attempt, JobResult, error_of
 from runner.rundir.summary import Epoch, Summary
 from runner.rundir.timing import EpochRecord
@@ -54,7 +54,8 @@ def run_job(
     attempt = Attempt.begin(spec, spec_loaded_at)
     # From here to the summary, a job that makes no progress for train.stall_timeout ends with exit 124: a hang
     # before training (the data, the TPU start, a restore) or after it bills as much as one inside it.
-    stall = limits.StallGuard(spec.train.stall_timeout) if spec.train.stall_timeout else None
+    stall = limits.StallGuard(spec.train.stall_timeout, lambda said: attempt.worker_index == 0 and stalled.mark(
+        attempt.run.path, said, attempt.number)) if spec.train.stall_timeout else None
     if stall:
         attempt.phases.watch = stall.beat
         stall.start()

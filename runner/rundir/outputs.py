@@ -73,7 +73,7 @@ import tensorflow as tf
 from runner import DataError, SpecError, StorageError
 from runner.data import pipeline, storage
 from runner.device import engine
-from runner.rundir import orbax_store, serving
+from runner.rundir import orbax_store, serving, stalled
 from runner.rundir.checkpoints import step_of as _step_of
 from runner.rundir.lease import Lease
 from runner.rundir.pins import (
@@ -159,6 +159,7 @@ class RunFolder:
             if done is None:
                 if worker_index == 0:
                     self.remove_leftovers()
+                    stalled.clear(self.path)
                 self.attempt = self.next_attempt()
         except tf.errors.OpError as exc:
             self.close()

@@ -4,8 +4,8 @@ that never ends keeps its slice billing.
 
 At the limit the job stops as after a preemption notice: it saves at the next step, writes its summary (status
 `time_limit`) and exits 124 (EXIT_TIME_LIMIT, the code of coreutils' `timeout`), which nothing relaunches. A
-stalled job cannot save (its step never returns): the guard ends the process with 124 after saying so; the newest
-complete checkpoint is kept and the next run resumes from it.
+stalled job cannot save (its step never returns): the guard ends the process with 124 after saying so (and marking
+the run folder: runner/rundir/stalled.py); the newest complete checkpoint is kept and the next run resumes from it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import keras
 
@@ -46,9 +47,10 @@ class StallGuard(keras.callbacks.Callback):
     stalled step never returns to Python, so no callback could act on it. The first step's compilation counts
     as a step in progress: set the timeout above the longest compile (or data check) you expect."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, on_stall: Callable[[str], object] | None = None):
         super().__init__()
         self.timeout = timeout
+        self._on_stall = on_stall  # told the message before the exit (run_job: the run folder's stall mark)
         self._last = time.monotonic()
         self._what = "the job's start"
         self._epoch_began_at = self._step = 0
@@ -97,9 +99,9 @@ class StallGuard(keras.callbacks.Callback):
         while not self._done.wait(min(self.timeout / 4, 30.0)):
             idle = time.monotonic() - self._last
             if idle >= self.timeout:
-                exit_now(
-                    f"stalled: nothing progressed for {idle:.0f} s since {self._what} (train.stall_timeout "
-                    f"{self.timeout:g} s); exiting {EXIT_TIME_LIMIT}. The newest complete checkpoint is kept: run the "
-                    "same job again to continue from it",
-                    EXIT_TIME_LIMIT,
-                )
+                said = (f"stalled: nothing progressed for {idle:.0f} s since {self._what} (train.stall_timeout "
+                        f"{self.timeout:g} s); exiting {EXIT_TIME_LIMIT}. The newest complete checkpoint is kept: run "
+                        "the same job again to continue from it")
+                if self._on_stall is not None:
+                    self._on_stall(said)
+                exit_now(said, EXIT_TIME_LIMIT)

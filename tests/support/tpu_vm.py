@@ -19,8 +19,8 @@ The stand-ins (this file, run as `python tpu_vm.py docker|gcloud ARGS`):
                                          hang        a job that never ends and ignores SIGTERM (300 s at most):
                                                      only KILL stops it
                                          stall       a job whose guard sees no progress: after the
-                                                     `--set train.stall_timeout=S` it was given, writes a
-                                                     summary with status "stalled" and exits 124
+                                                     `--set train.stall_timeout=S` it was given, writes the
+                                                     run folder's stalled.json (no summary) and exits 124
                                          limit       the same at `--set train.max_duration=S`: "time_limit", 124
                                          real        the real `python -m runner run` on this machine's CPU
                                                      (`--set accelerator.kind=cpu`: there is no TPU here), with
@@ -301,12 +301,19 @@ def _next_job() -> str:
     return plan[min(runs, len(plan) - 1)]
 
 
+def _run_dir(spec_path: Path) -> str:
+    import yaml
+
+    spec = yaml.safe_load(spec_path.read_text())
+    return f"{spec['output']['dir'].rstrip('/')}/{spec['name']}"
+
+
 def _write_summary(spec_path: Path, status: str) -> None:
     """A summary.json in the spec's run folder (succeeded: every epoch done; otherwise none)."""
     import yaml
 
     spec = yaml.safe_load(spec_path.read_text())
-    run_dir = f"{spec['output']['dir'].rstrip('/')}/{spec['name']}"
+    run_dir = _run_dir(spec_path)
     epochs = int((spec.get("train") or {}).get("epochs", 12))
     summary = {
         "schema_version": 1,
@@ -371,7 +378,10 @@ def fake_docker(args: list[str]) -> int:
         key, status = ("train.stall_timeout", "stalled") if kind == "stall" else ("train.max_duration", "time_limit")
         emit(f"epoch 1/2: training ({behaviour}, {key}={given[key]})\n")
         time.sleep(float(given[key]))
-        _write_summary(spec_path, status)
+        if kind == "stall":  # the runner's stall guard writes no summary, only its mark (runner/rundir/stalled.py)
+            gcs_write(f"{_run_dir(spec_path)}/stalled.json", json.dumps({"message": "stalled"}).encode())
+        else:
+            _write_summary(spec_path, status)
         emit(f'{{"status": "{status}", "exit": 124}}\n')
         return 124
     if kind == "hang":
