@@ -82,6 +82,20 @@ def test_a_key_not_declared_cannot_be_written() -> None:
         summary.final_step = "six"  # assignments are checked too
 
 
+def test_a_figure_out_of_its_bounds_is_written_and_the_schema_flags_it() -> None:
+    """A key or a type the model does not declare is the code's error, caught by the suite; a measured figure out
+    of its declared bounds (goodput above 1, a negative phase) is the runner's defect too, but a run that trained
+    must not end in a traceback without its summary: the model takes it, the schema (and this suite) flags it."""
+    summary = build_summary(status="succeeded", job="j", accelerator=None, phases=Phases(), epochs=[],
+                            global_batch=8, metrics={})
+    summary.timing.goodput = 1.5
+    summary.timing.eval_s = -0.25
+    written = summary.to_json()
+    assert (written["timing"]["goodput"], written["timing"]["eval_s"]) == (1.5, -0.25)
+    with pytest.raises(jsonschema.ValidationError, match="1.5 is greater than the maximum of 1"):
+        jsonschema.validate(written, SCHEMA)
+
+
 def test_the_resume_rule_reads_the_typed_summary_and_survives_an_older_one() -> None:
     from runner.rundir.timing import completion
 
