@@ -310,6 +310,26 @@ def test_two_processes_of_4_cpu_devices_resume_a_sharded_kerashub_model_after_si
     assert (run_dir / "model.keras").is_file()
 
 
+def test_a_named_preset_whose_backbone_has_no_layout_of_its_own_is_refused_before_launch() -> None:
+    """`model.sharding: hub` needs the backbone's get_layout_map: keras-hub 0.32.0's Gemma3Backbone has none
+    (GemmaBackbone has), which the job would learn only as it builds the model on the TPU VM, billing."""
+    from runner import SpecError
+    from runner.device import memory
+    from runner.spec.load import load_spec
+
+    hub = ["output.dir=gs://b/runs", "data.train=gs://b/chats/train-*.tfrecord", "model.sharding=hub",
+           "accelerator.mesh={batch: 4, model: 2}"]
+    gemma3 = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", hub)
+    with pytest.raises(SpecError, match=r"'gemma3_instruct_1b' is a gemma3 model, whose backbone gives no layout "
+                                        r"of its own \(no get_layout_map in the installed keras_hub's "
+                                        r"models/gemma3/gemma3_backbone.py\)"):
+        memory.check_for_tpu(gemma3, "v6e-8")
+    gemma = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", [*hub, "model.hub=gemma_2b_en"])
+    assert memory.check_for_tpu(gemma, "v6e-8")[0] == "fits"
+    replicated = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", hub[:2])
+    assert memory.check_for_tpu(replicated, "v6e-8")[0] == "fits"
+
+
 def test_a_preset_known_by_name_is_estimated_from_keras_hubs_own_table_as_a_lower_bound() -> None:
     """jobs/gemma3_1b_lora.yaml names a preset downloaded only on the TPU VM: its parameters come from the preset
     table the installed keras_hub ships (read as text), and the line says what it leaves out; without LoRA every

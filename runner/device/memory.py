@@ -131,10 +131,8 @@ def _named(preset: str, spec: Any) -> tuple[Estimate | None, str]:
     return estimate(count, trainable, 2, slots_of(spec.train.optimizer), model_axis(spec), 0, method), ""
 
 
-def installed_preset_params(name: str) -> tuple[int | None, str]:
-    """(parameters, where they were read) of a KerasHub preset name from the preset tables of the installed
-    keras_hub, parsed as Python literals; (None, why) when keras_hub is not installed or names no such preset."""
-    import ast
+def _preset_table(name: str) -> tuple[str | None, str]:
+    """(the keras_hub model folder whose preset table names `name`, None and why): read as text, nothing imported."""
     import importlib.util
 
     found = importlib.util.find_spec("keras_hub")
@@ -143,18 +141,50 @@ def installed_preset_params(name: str) -> tuple[int | None, str]:
     models = os.path.join(list(found.submodule_search_locations)[0], "src", "models")
     for folder in sorted(os.listdir(models)) if os.path.isdir(models) else []:
         path = os.path.join(models, folder, f"{folder}_presets.py")
-        if not os.path.isfile(path) or f'"{name}"' not in open(path, encoding="utf-8").read():
-            continue
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-                try:
-                    table = ast.literal_eval(node.value)
-                except ValueError:
-                    continue
-                params = ((table.get(name) or {}).get("metadata") or {}).get("params")
-                if isinstance(params, int):
-                    return params, f"keras_hub's preset table, {folder}_presets.py"
+        if os.path.isfile(path) and f'"{name}"' in open(path, encoding="utf-8").read():
+            return os.path.join(models, folder), ""
     return None, f"keras_hub names no preset {name!r}"
+
+
+def installed_preset_params(name: str) -> tuple[int | None, str]:
+    """(parameters, where they were read) of a KerasHub preset name from the preset tables of the installed
+    keras_hub, parsed as Python literals; (None, why) when keras_hub is not installed or names no such preset."""
+    import ast
+
+    folder, why = _preset_table(name)
+    if folder is None:
+        return None, why
+    family = os.path.basename(folder)
+    for node in ast.walk(ast.parse(open(os.path.join(folder, f"{family}_presets.py"), encoding="utf-8").read())):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            try:
+                table = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            params = ((table.get(name) or {}).get("metadata") or {}).get("params")
+            if isinstance(params, int):
+                return params, f"keras_hub's preset table, {family}_presets.py"
+    return None, f"keras_hub names no preset {name!r}"
+
+
+def named_layout_problem(spec: Any) -> str | None:
+    """`model.sharding: hub` with a preset known by name whose backbone (the module beside its preset table in the
+    installed keras_hub, read as text) defines no `get_layout_map`: the job would be refused as it builds the model,
+    on the TPU VM, after the slice started billing. None when that cannot be told before launch, or it is fine."""
+    preset = getattr(spec.model, "hub", None)
+    if spec.model.sharding != "hub" or not preset or os.path.isdir(preset) or "://" in preset:
+        return None
+    folder, _ = _preset_table(preset)
+    if folder is None:
+        return None
+    family = os.path.basename(folder)
+    backbone = os.path.join(folder, f"{family}_backbone.py")
+    if not os.path.isfile(backbone) or "def get_layout_map" in open(backbone, encoding="utf-8").read():
+        return None
+    return (f"model.sharding hub: the preset {preset!r} is a {family} model, whose backbone gives no layout of its "
+            f"own (no get_layout_map in the installed keras_hub's models/{family}/{family}_backbone.py): the job "
+            "would be refused as it builds the model, after the slice started; use model.sharding: fsdp, regex "
+            "rules, or replicated (with accelerator.mesh: auto)")
 
 
 def _sequence_length(preset: str, spec: Any) -> int:
@@ -212,6 +242,9 @@ def check_for_tpu(spec: Any, tpu_type: str) -> tuple[str, str]:
             raise SpecError(f"accelerator.mesh {mesh} holds {total} devices but {parsed.name} has {devices} "
                             f"({parsed.chips} chips, {per_chip} JAX device(s) each): make the sizes multiply to "
                             f"{devices}")
+    problem = named_layout_problem(spec)
+    if problem:
+        raise SpecError(problem)
     found, why = of_spec(spec, devices)
     fits, line = _against_hbm(found, why, parsed, per_chip, spec, devices)
     shown = (f"auto: the batch over {devices} devices, each weight on every device" if mesh == "auto" else
