@@ -145,6 +145,7 @@ def test_a_hub_spec_is_checked_before_anything_loads(tmp_path):
     spec = load_spec(_spec(tmp_path, {"hub": "kaggle://keras/gemma3/keras/gemma3_1b/3", "lora_rank": 8}))
     assert (spec.data.inputs, spec.data.label) == (("token_ids", "padding_mask"), "target_ids")
     assert spec.train.sample_weight == "target_mask" and spec.output.saved_model is False
+    assert spec.accelerator.backend == "jax", "a hub job left unset runs on JAX, not auto's TensorFlow on a CPU"
 
 
 def test_prepare_text_names_the_line_it_cannot_read(tmp_path):

@@ -85,14 +85,16 @@ def check_lora_rank(value: Any) -> int | None:
 def fill_defaults(doc: Any) -> Any:
     """A raw spec document with the keys a hub job leaves unset filled: its data's inputs, label and sample weight
     (the records `runner prepare text` writes), the loss it trains on and no metrics of the spec's (so the resolved
-    spec says what runs), no SavedModel export (a generating model is served by `runner predict`). Called before
-    the spec is validated; anything the spec sets stays as it is (and is refused by job_problem if it cannot be)."""
+    spec says what runs), no SavedModel export (a generating model is served by `runner predict`), and JAX (the
+    engine its models run on: `auto` would choose TensorFlow on a CPU, refused only as the model builds). Called
+    before the spec is validated; anything the spec sets stays as it is (and is refused by job_problem if it
+    cannot be)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict) or doc["model"].get("hub") is None:
         return doc
     doc = dict(doc)
     filled = {"data": {"inputs": list(INPUTS), "label": TARGET_IDS},
               "train": {"sample_weight": TARGET_MASK, "loss": LOSS, "metrics": []},
-              "output": {"saved_model": False}}
+              "output": {"saved_model": False}, "accelerator": {"backend": "jax"}}
     for section, defaults in filled.items():
         given = doc.get(section, {})
         if isinstance(given, dict):
