@@ -310,24 +310,31 @@ def test_two_processes_of_4_cpu_devices_resume_a_sharded_kerashub_model_after_si
     assert (run_dir / "model.keras").is_file()
 
 
-def test_a_named_preset_whose_backbone_has_no_layout_of_its_own_is_refused_before_launch() -> None:
-    """`model.sharding: hub` needs the backbone's get_layout_map: keras-hub 0.32.0's Gemma3Backbone has none
-    (GemmaBackbone has), which the job would learn only as it builds the model on the TPU VM, billing."""
+def test_a_hub_layout_that_cannot_work_is_refused_before_launch(tiny_preset):  # noqa: F811
+    """`model.sharding: hub` needs the backbone's get_layout_map (keras-hub 0.32.0's Gemma3Backbone has none,
+    GemmaBackbone has) and, for Gemma's layout, head counts the model axis divides (the tiny preset has 4 key-value
+    heads). A job would learn either only as it builds the model on the TPU VM, billing: validate --tpu-type and
+    submit read them from keras_hub's files and a preset folder's config.json first."""
     from runner import SpecError
     from runner.device import memory
     from runner.spec.load import load_spec
 
     hub = ["output.dir=gs://b/runs", "data.train=gs://b/chats/train-*.tfrecord", "model.sharding=hub",
            "accelerator.mesh={batch: 4, model: 2}"]
-    gemma3 = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", hub)
+    job = REPO / "jobs" / "gemma3_1b_lora.yaml"
     with pytest.raises(SpecError, match=r"'gemma3_instruct_1b' is a gemma3 model, whose backbone gives no layout "
-                                        r"of its own \(no get_layout_map in the installed keras_hub's "
-                                        r"models/gemma3/gemma3_backbone.py\)"):
-        memory.check_for_tpu(gemma3, "v6e-8")
-    gemma = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", [*hub, "model.hub=gemma_2b_en"])
-    assert memory.check_for_tpu(gemma, "v6e-8")[0] == "fits"
-    replicated = load_spec(REPO / "jobs" / "gemma3_1b_lora.yaml", hub[:2])
-    assert memory.check_for_tpu(replicated, "v6e-8")[0] == "fits"
+                                        r"of its own \(no get_layout_map in the installed "
+                                        r"keras_hub/src/models/gemma3/gemma3_backbone.py\)"):
+        memory.check_for_tpu(load_spec(job, hub), "v6e-8")
+    assert memory.check_for_tpu(load_spec(job, [*hub, "model.hub=gemma_2b_en"]), "v6e-8")[0] == "fits"
+    assert memory.check_for_tpu(load_spec(job, hub[:2]), "v6e-8")[0] == "fits"  # replicated, the job's own
+
+    folder = [*hub[:3], f"model.hub={tiny_preset}"]
+    with pytest.raises(SpecError, match=r"config.json has num_key_value_heads 4, which mesh axis 'model' \(8 "
+                                        r"devices\) cannot split"):
+        memory.check_for_tpu(load_spec(job, [*folder, "accelerator.mesh={batch: 1, model: 8}"]), "v6e-8")
+    assert memory.check_for_tpu(load_spec(job, [*folder, "accelerator.mesh={batch: 2, model: 4}"]), "v6e-8")[0] \
+        == "fits"
 
 
 def test_a_preset_known_by_name_is_estimated_from_keras_hubs_own_table_as_a_lower_bound() -> None:

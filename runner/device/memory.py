@@ -167,24 +167,60 @@ def installed_preset_params(name: str) -> tuple[int | None, str]:
     return None, f"keras_hub names no preset {name!r}"
 
 
-def named_layout_problem(spec: Any) -> str | None:
-    """`model.sharding: hub` with a preset known by name whose backbone (the module beside its preset table in the
-    installed keras_hub, read as text) defines no `get_layout_map`: the job would be refused as it builds the model,
-    on the TPU VM, after the slice started billing. None when that cannot be told before launch, or it is fine."""
+def layout_problem(spec: Any) -> str | None:
+    """What `model.sharding: hub` cannot lay out, told before launch from the installed keras_hub's files (read as
+    text, nothing imported) and a preset's config.json on disk: a backbone with no `get_layout_map` (found from a
+    named preset's model folder, or the module a preset folder's config.json names), and for Gemma's layout
+    (attention heads over the model axis) head counts the model axis does not divide. Otherwise the job is refused
+    as it builds the model: on a TPU VM, after the slice started billing. None when fine or not knowable here."""
     preset = getattr(spec.model, "hub", None)
-    if spec.model.sharding != "hub" or not preset or os.path.isdir(preset) or "://" in preset:
+    if spec.model.sharding != "hub" or not preset or "://" in preset:
         return None
-    folder, _ = _preset_table(preset)
-    if folder is None:
+    config: dict = {}
+    if os.path.isdir(preset):
+        try:
+            with open(os.path.join(preset, "config.json")) as f:
+                doc = json.load(f)
+            module, config = str(doc["module"]), dict(doc.get("config") or {})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        folder = _keras_hub_file(module.replace(".", os.sep) + ".py")
+        backbone, what = folder, f"the preset {preset}'s backbone ({module})"
+    else:
+        models, _ = _preset_table(preset)
+        if models is None:
+            return None
+        family = os.path.basename(models)
+        backbone = os.path.join(models, f"{family}_backbone.py")
+        what = f"the preset {preset!r} is a {family} model, whose backbone"
+    if not backbone or not os.path.isfile(backbone):
         return None
-    family = os.path.basename(folder)
-    backbone = os.path.join(folder, f"{family}_backbone.py")
-    if not os.path.isfile(backbone) or "def get_layout_map" in open(backbone, encoding="utf-8").read():
+    text = open(backbone, encoding="utf-8").read()
+    shown = os.path.join("keras_hub", os.path.relpath(backbone, _keras_hub_file("")))
+    if "def get_layout_map" not in text:
+        return (f"model.sharding hub: {what} gives no layout of its own (no get_layout_map in the installed "
+                f"{shown}): the job would be refused as it builds the model, after the slice started; use "
+                "model.sharding: fsdp, regex rules, or replicated (with accelerator.mesh: auto)")
+    axis = model_axis(spec)
+    if os.path.basename(backbone) == "gemma_backbone.py" and axis > 1:
+        for key in ("num_query_heads", "num_key_value_heads"):
+            heads = config.get(key)
+            if isinstance(heads, int) and heads % axis:
+                return (f"model.sharding hub: {preset}/config.json has {key} {heads}, which mesh axis 'model' "
+                        f"({axis} devices) cannot split (GemmaBackbone.get_layout_map lays attention heads over "
+                        f"it): use a model axis that divides {heads}, or model.sharding: fsdp")
+    return None
+
+
+def _keras_hub_file(relative: str) -> str | None:
+    """A path inside the installed keras_hub package (its parent folder for a module path), None without it."""
+    import importlib.util
+
+    found = importlib.util.find_spec("keras_hub")
+    if found is None or not found.submodule_search_locations:
         return None
-    return (f"model.sharding hub: the preset {preset!r} is a {family} model, whose backbone gives no layout of its "
-            f"own (no get_layout_map in the installed keras_hub's models/{family}/{family}_backbone.py): the job "
-            "would be refused as it builds the model, after the slice started; use model.sharding: fsdp, regex "
-            "rules, or replicated (with accelerator.mesh: auto)")
+    root = os.path.dirname(list(found.submodule_search_locations)[0])
+    return os.path.join(root, relative) if relative else os.path.join(root, "keras_hub")
 
 
 def _sequence_length(preset: str, spec: Any) -> int:
@@ -242,7 +278,7 @@ def check_for_tpu(spec: Any, tpu_type: str) -> tuple[str, str]:
             raise SpecError(f"accelerator.mesh {mesh} holds {total} devices but {parsed.name} has {devices} "
                             f"({parsed.chips} chips, {per_chip} JAX device(s) each): make the sizes multiply to "
                             f"{devices}")
-    problem = named_layout_problem(spec)
+    problem = layout_problem(spec)
     if problem:
         raise SpecError(problem)
     found, why = of_spec(spec, devices)
