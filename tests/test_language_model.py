@@ -122,6 +122,28 @@ def _spec(tmp_path: Path, model: dict, **sections) -> Path:
     return write_spec(tmp_path, {"name": "lm", "model": model, **sections})
 
 
+def test_submit_reads_a_gs_preset_to_estimate_it_and_check_its_layout(tiny_preset, gcs, monkeypatch, capsys):
+    """What docs/language-models.md recommends for a TPU VM, a preset folder on gs://, is read by submit's preflight
+    (its config.json, metadata.json and preprocessor.json): estimated from its own parameter count, and a layout
+    its heads cannot take refused naming the bucket's file, before anything is created."""
+    from runner.cli.cloud import _memory_per_chip
+
+    remote = _upload_tree(gcs, tiny_preset, gcs.bucket(), "presets/tiny_gemma")
+    for key, value in gcs.env.items():
+        monkeypatch.setenv(key, value)
+    job = str(REPO / "jobs" / "gemma3_1b_lora.yaml")
+    given = ["output.dir=gs://b/runs", "data.train=gs://b/chats/train-*.tfrecord", f"model.hub={remote}",
+             "model.sharding=hub"]
+    _memory_per_chip(job, [*given, "accelerator.mesh={batch: 2, model: 4}"], "v6e-8", read_bucket=True)
+    said = capsys.readouterr().err
+    count = json.loads((tiny_preset / "metadata.json").read_text())["parameter_count"]
+    assert f"{count:,} parameters ({remote}/metadata.json)" in said, said
+    with pytest.raises(SpecError, match=rf"{remote}/config.json has num_key_value_heads 4, which mesh axis 'model'"):
+        _memory_per_chip(job, [*given, "accelerator.mesh={batch: 1, model: 8}"], "v6e-8", read_bucket=True)
+    _memory_per_chip(job, [*given, "accelerator.mesh={batch: 1, model: 8}"], "v6e-8")  # a dry run reads no bucket
+    assert "not estimated: the preset" in capsys.readouterr().err
+
+
 def test_a_hub_spec_is_checked_before_anything_loads(tmp_path):
     """Without TensorFlow or Keras: the preset folder, the handles, and what a hub job cannot set."""
     (tmp_path / "empty").mkdir()

@@ -174,7 +174,8 @@ Preflight = Annotated[bool | None, _opt("Check the cloud first, as `runner docto
                                         "project, TPU API and type, engine, buckets, image; a failed check stops "
                                         "with exit 3 and nothing is created. Default: on; off with --dry-run "
                                         "(offline) unless --preflight, which also reads the previous run's "
-                                        "summary.json for the estimate.", "--preflight/--no-preflight")]
+                                        "summary.json for the estimate and a gs:// model.hub preset's "
+                                        "config for the memory per chip.", "--preflight/--no-preflight")]
 VmRestarts = Annotated[int | None, _opt("Restarts a watcher makes (--watch, or `runner watch NAME` later) after a "
                                         "preemption or exit 75/3 (default: 3 with --spot, else 0); each attempt runs "
                                         "up to --max-run-duration.", "--max-restarts", min=0, panel=VM)]
@@ -185,9 +186,12 @@ Format = Annotated[str | None, _opt("manifest (the JobSet) or xpk (the `xpk work
                                     panel=GKE)]
 
 
-def _memory_per_chip(spec: str, overrides: list[str], tpu_type: str) -> None:
+def _memory_per_chip(spec: str, overrides: list[str], tpu_type: str, read_bucket: bool = False) -> None:
     """The job's bytes per device on `tpu_type` against its HBM, said before anything else (runner/device/memory.py):
-    SpecError (exit 2) when it does not fit, or when accelerator.mesh does not hold the type's devices."""
+    SpecError (exit 2) when it does not fit, or when accelerator.mesh does not hold the type's devices. With
+    `read_bucket` (submit's preflight), a gs:// preset's small files are read so that it is estimated as a folder."""
+    import tempfile
+
     from runner import SpecError
     from runner.device import memory
     from runner.spec.load import load_spec
@@ -198,10 +202,39 @@ def _memory_per_chip(spec: str, overrides: list[str], tpu_type: str) -> None:
         return  # the launch refuses it, as it refuses every bad spec
     if job.kind != "train" or (job.accelerator.mesh == "auto" and job.model.hub is None):
         return  # a model whose size is known only once built: `runner run` measures it
-    fits, line = memory.check_for_tpu(job, tpu_type)
+    with tempfile.TemporaryDirectory(prefix="runner-preset-") as copy:
+        preset = job.model.hub or ""
+        if read_bucket and preset.startswith("gs://") and _preset_files(preset, copy):
+            job = job.model_copy(update={"model": job.model.model_copy(update={"hub": copy})})
+        try:
+            fits, line = memory.check_for_tpu(job, tpu_type)
+        except SpecError as exc:  # said of the bucket's preset, not of its copy here
+            raise SpecError(str(exc).replace(copy, preset.rstrip("/"))) from None
+        line = line.replace(copy, preset.rstrip("/"))
     if fits == "too_big":
         raise SpecError(line)
     typer.echo(("warning: " if fits == "tight" else "") + line, err=True)
+
+
+def _preset_files(preset: str, into: str) -> bool:
+    """Copies a gs:// preset's config.json, metadata.json and preprocessor.json (when it has one) into `into`: True
+    with the first two there; a bucket that does not answer, or a file missing, is said and the estimate skipped."""
+    from runner import StorageError
+    from runner.cloud import record
+
+    for name in ("config.json", "metadata.json", "preprocessor.json"):
+        try:
+            text = record.read_text(f"{preset.rstrip('/')}/{name}", patient=False)
+        except StorageError as exc:
+            _say(f"memory per device: {preset} not read ({exc}): estimated only as the job loads it")
+            return False
+        if text is None and name != "preprocessor.json":
+            _say(f"memory per device: {preset}/{name} not found: a preset folder holds config.json and "
+                 "metadata.json (save_to_preset writes them)")
+            return False
+        if text is not None:
+            Path(into, name).write_text(text)
+    return True
 
 
 @app.command()
@@ -245,7 +278,7 @@ def submit(
                              internal_ips)
     checks = _preflight if (not dry_run if preflight is None else preflight) else None
     try:
-        _memory_per_chip(spec, overrides or [], tpu_type)
+        _memory_per_chip(spec, overrides or [], tpu_type, read_bucket=checks is not None)
         done = launch.launch(spec, overrides or [], tpu_type=tpu_type, zone=zone, image=image, project=project,
                              spot=spot, name=name, on=on, dry_run=dry_run, submission_id=submission_id, vm=vm,
                              engine=launch.EngineFlags(queue, namespace, cluster, output_format), say=_say,
