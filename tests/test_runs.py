@@ -78,6 +78,12 @@ def test_runs_lists_each_folder_from_its_summary_and_lease(tmp_path: Path, train
     done_line = next(line for line in lines if line.startswith("done "))
     assert "succeeded" in done_line and " 2/2 " in done_line and f"accuracy {done['best']['value']:.4f}" in done_line
 
+    # A stalled attempt writes no summary, only its guard's mark: the row says stalled, not the older summary's word.
+    shutil.copytree(trained, runs / "stuck")
+    (runs / "stuck" / "stalled.json").write_text(json.dumps({"message": "stalled: nothing progressed"}))
+    rows = {row["name"]: row for row in json.loads(invoke("runs", runs, "--json").stdout)}
+    assert rows["stuck"]["status"] == "stalled" and rows["done"]["status"] == "succeeded"
+
 
 @pytest.mark.xdist_group("runs_trained")
 def test_rm_asks_first_and_never_removes_a_folder_a_run_holds(tmp_path: Path, trained: Path) -> None:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # What makes a folder a run folder (runner/rundir/outputs.py writes them).
 _MARKERS = ("summary.json", leases.LEASE, "spec.json", "checkpoints")
 SUMMARY = "summary.json"
+STALLED = "stalled.json"  # runner/rundir/stalled.py NAME (that module loads TensorFlow; the listing does not)
 
 
 @dataclasses.dataclass
@@ -35,7 +36,7 @@ class Run:
 
     name: str
     path: str
-    status: str  # the summary's status, `running` under a live lease, `no summary` before the first one
+    status: str  # the summary's; `stalled` (its mark), `running` (a live lease) or `no summary` over it
     epochs_done: int | None
     epochs_asked: int | None
     best: dict[str, Any] | None  # {"metric", "value", "from": "eval" | "epoch N"}
@@ -90,7 +91,7 @@ def _epochs_done(summary: dict[str, Any]) -> int | None:
 
 
 def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest: float | None,
-         held: tuple[dict[str, Any], float] | None) -> Run:
+         held: tuple[dict[str, Any], float] | None, stalled: bool = False) -> Run:
     summary = summary or {}
     recorded = Recorded.of(summary) or Recorded()
     accelerator = recorded.accelerator
@@ -98,7 +99,8 @@ def _row(name: str, path: str, summary: dict[str, Any] | None, size: int, newest
     if accelerator.kind:
         replicas = accelerator.replicas or 1
         device = accelerator.kind + (f" x{replicas}" if replicas > 1 else "")
-    status = recorded.status or "no summary"
+    # A stalled attempt writes no summary, only its guard's mark (runner/rundir/stalled.py): the summary is older.
+    status = "stalled" if stalled else recorded.status or "no summary"
     holder = None
     if held is not None:
         status, holder = "running", leases.describe(*held)
@@ -138,7 +140,7 @@ def _local_runs(folder: str) -> list[Run]:
                 size += stat.st_size
                 newest = stat.st_mtime if newest is None else max(newest, stat.st_mtime)
         runs.append(_row(name, path, _read_local(os.path.join(path, SUMMARY)), size, newest,
-                         _live(leases._LocalLease(path).read())))
+                         _live(leases._LocalLease(path).read()), os.path.exists(os.path.join(path, STALLED))))
     return runs
 
 
@@ -186,7 +188,8 @@ def _gcs_runs(folder: str, timeout_s: float) -> list[Run]:
         path = f"gs://{bucket_name}/{prefix}{name}"
         held = _live(leases._GcsLease(path, timeout_s).read()) if leases.LEASE in files else None
         runs.append(_row(name, path, summary if isinstance(summary, dict) else None,
-                         sum(blob.size or 0 for blob in members), max(updated) if updated else None, held))
+                         sum(blob.size or 0 for blob in members), max(updated) if updated else None, held,
+                         STALLED in files))
     return runs
 
 
