@@ -133,12 +133,10 @@ def _named(preset: str, spec: Any) -> tuple[Estimate | None, str]:
 
 def _preset_table(name: str) -> tuple[str | None, str]:
     """(the keras_hub model folder whose preset table names `name`, None and why): read as text, nothing imported."""
-    import importlib.util
-
-    found = importlib.util.find_spec("keras_hub")
-    if found is None or not found.submodule_search_locations:
+    package = _keras_hub()
+    if package is None:
         return None, "keras_hub is not installed here"
-    models = os.path.join(list(found.submodule_search_locations)[0], "src", "models")
+    models = os.path.join(package, "src", "models")
     for folder in sorted(os.listdir(models)) if os.path.isdir(models) else []:
         path = os.path.join(models, folder, f"{folder}_presets.py")
         if os.path.isfile(path) and f'"{name}"' in open(path, encoding="utf-8").read():
@@ -184,8 +182,9 @@ def layout_problem(spec: Any) -> str | None:
             module, config = str(doc["module"]), dict(doc.get("config") or {})
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        folder = _keras_hub_file(module.replace(".", os.sep) + ".py")
-        backbone, what = folder, f"the preset {preset}'s backbone ({module})"
+        package = _keras_hub()
+        backbone = package and os.path.join(os.path.dirname(package), module.replace(".", os.sep) + ".py")
+        what = f"the preset {preset}'s backbone ({module})"
     else:
         models, _ = _preset_table(preset)
         if models is None:
@@ -196,7 +195,7 @@ def layout_problem(spec: Any) -> str | None:
     if not backbone or not os.path.isfile(backbone):
         return None
     text = open(backbone, encoding="utf-8").read()
-    shown = os.path.join("keras_hub", os.path.relpath(backbone, _keras_hub_file("")))
+    shown = os.path.relpath(backbone, os.path.dirname(_keras_hub() or backbone))
     if "def get_layout_map" not in text:
         return (f"model.sharding hub: {what} gives no layout of its own (no get_layout_map in the installed "
                 f"{shown}): the job would be refused as it builds the model, after the slice started; use "
@@ -212,15 +211,12 @@ def layout_problem(spec: Any) -> str | None:
     return None
 
 
-def _keras_hub_file(relative: str) -> str | None:
-    """A path inside the installed keras_hub package (its parent folder for a module path), None without it."""
+def _keras_hub() -> str | None:
+    """The installed keras_hub package's folder (found, not imported), None without it."""
     import importlib.util
 
     found = importlib.util.find_spec("keras_hub")
-    if found is None or not found.submodule_search_locations:
-        return None
-    root = os.path.dirname(list(found.submodule_search_locations)[0])
-    return os.path.join(root, relative) if relative else os.path.join(root, "keras_hub")
+    return list(found.submodule_search_locations)[0] if found and found.submodule_search_locations else None
 
 
 def _sequence_length(preset: str, spec: Any) -> int:
