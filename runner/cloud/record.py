@@ -33,7 +33,7 @@ from typing import Any
 
 from runner import StorageError
 from runner.data import storage
-from runner.rundir import checkpoints
+from runner.rundir import checkpoints, stalled
 from runner.rundir.recorded import Recorded
 
 JOB_FILE = "job.json"
@@ -169,7 +169,7 @@ def summary(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
 
 def stall_mark(run_dir: str, patient: bool = True) -> dict[str, Any] | None:
     """The mark a stalled job's guard left (runner/rundir/stalled.py): a stall, not a time limit, ended it."""
-    return read_json(join(run_dir, "stalled.json"), patient)
+    return read_json(join(run_dir, stalled.NAME), patient)
 
 
 def is_complete(found: dict[str, Any] | None, epochs: int | None) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from runner import DataError, StorageError
 from runner.data import storage
 from runner.rundir import lease as leases
+from runner.rundir import stalled
 from runner.rundir.summary import Recorded
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 # What makes a folder a run folder (runner/rundir/outputs.py writes them).
 _MARKERS = ("summary.json", leases.LEASE, "spec.json", "checkpoints")
 SUMMARY = "summary.json"
-STALLED = "stalled.json"  # runner/rundir/stalled.py NAME (that module loads TensorFlow; the listing does not)
 
 
 @dataclasses.dataclass
@@ -140,7 +140,7 @@ def _local_runs(folder: str) -> list[Run]:
                 size += stat.st_size
                 newest = stat.st_mtime if newest is None else max(newest, stat.st_mtime)
         runs.append(_row(name, path, _read_local(os.path.join(path, SUMMARY)), size, newest,
-                         _live(leases._LocalLease(path).read()), os.path.exists(os.path.join(path, STALLED))))
+                         _live(leases._LocalLease(path).read()), os.path.exists(os.path.join(path, stalled.NAME))))
     return runs
 
 
@@ -189,7 +189,7 @@ def _gcs_runs(folder: str, timeout_s: float) -> list[Run]:
         held = _live(leases._GcsLease(path, timeout_s).read()) if leases.LEASE in files else None
         runs.append(_row(name, path, summary if isinstance(summary, dict) else None,
                          sum(blob.size or 0 for blob in members), max(updated) if updated else None, held,
-                         STALLED in files))
+                         stalled.NAME in files))
     return runs
 
 

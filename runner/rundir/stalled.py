@@ -3,7 +3,8 @@
 Both end the job with exit 124 (runner/train/limits.py), but a stalled job cannot write its summary (its step never
 returns to Python): the stall guard writes this mark, bounded in time, before it exits. The TPU VM's startup script
 (runner/cloud/tpu_startup.sh) and the relaunch watcher (runner/cloud/recovery.py) read it after an exit 124;
-process 0 removes a mark an earlier attempt left when the next attempt opens the run folder.
+process 0 removes a mark an earlier attempt left when the next attempt opens the run folder. TensorFlow
+(its file system) loads only to write or remove one: `runner runs` and the cloud read NAME without it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import logging
 import posixpath
 import threading
 import time
-
-import tensorflow as tf
 
 NAME = "stalled.json"
 WRITE_BOUND_S = 30.0  # a stall in storage must not keep the guard from exiting
@@ -28,6 +27,8 @@ def mark(run_dir: str, message: str, attempt: int, bound_s: float = WRITE_BOUND_
     written = threading.Event()
 
     def write() -> None:
+        import tensorflow as tf
+
         path = posixpath.join(run_dir, NAME)
         try:
             with tf.io.gfile.GFile(path + ".partial", "w") as handle:
@@ -43,6 +44,8 @@ def mark(run_dir: str, message: str, attempt: int, bound_s: float = WRITE_BOUND_
 
 def clear(run_dir: str) -> None:
     """Removes an earlier attempt's mark: an exit 124 of this attempt must not read as that stall."""
+    import tensorflow as tf
+
     path = posixpath.join(run_dir, NAME)
     if tf.io.gfile.exists(path):
         tf.io.gfile.remove(path)
